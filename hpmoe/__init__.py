@@ -1,0 +1,20 @@
+"""hpmoe: expert-parallel MoE layers compiled to statically scheduled tile tasks.
+
+Pipeline: ``MoESpec`` → ``route`` → ``plan_routing`` → ``lower_forward`` (TaskGraph)
+→ schedule → simulate | run.  ``moe_forward`` runs the whole forward region exactly,
+with every EP rank virtual in one process.
+"""
+
+from .execute import execute_forward, moe_forward
+from .graph import TaskGraph, TaskKind, Unit
+from .lower.forward import lower_forward
+from .routing import Routing, RoutingKind, RoutingPlan, plan_routing, route, synthetic_routing
+from .spec import GateKind, MoESpec, ParallelSpec, TileSpec, preset
+from .verify import GraphError, verify_graph
+from .weights import ExpertWeights
+
+__all__ = [
+    "ExpertWeights", "GateKind", "GraphError", "MoESpec", "ParallelSpec", "Routing", "RoutingKind",
+    "RoutingPlan", "TaskGraph", "TaskKind", "TileSpec", "Unit", "execute_forward", "lower_forward",
+    "moe_forward", "plan_routing", "preset", "route", "synthetic_routing", "verify_graph",
+]

@@ -1,0 +1,1 @@
+"""Lowering: routing plans to tile task graphs (forward and backward)."""

@@ -1,0 +1,226 @@
+"""Routing: gates that turn hidden states into top-k expert choices, the
+``RoutingPlan`` that every later stage reads, and synthetic routings for benchmarks.
+
+The plan is built as MegaBlocks builds its routing state: sort → histogram → cumsum,
+all plain integer tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .spec import GateKind, MoESpec, ParallelSpec
+from .weights import ExpertWeights
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Top-k choices of N tokens.
+
+    ids:     [N, k] int64 — global expert ids in top-k slot order.
+    weights: [N, k] float32 — combine weights in the same order.
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.shape[0]
+
+
+def check_routing(routing: Routing, spec: MoESpec, tokens: int) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the field when ``routing`` does not fit."""
+    ids, w = routing.ids, routing.weights
+    shape = (tokens, spec.top_k)
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise TypeError(f"routing.ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
+    if tuple(ids.shape) != shape:
+        raise ValueError(f"routing.ids has shape {tuple(ids.shape)}, expected {shape}")
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+        raise TypeError(f"routing.weights must be a float32 tensor, got {getattr(w, 'dtype', type(w))}")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"routing.weights has shape {tuple(w.shape)}, expected {shape}")
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= spec.experts:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"routing.ids contains expert id {bad}, outside [0, {spec.experts})")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("routing.weights contains NaN or inf")
+
+
+def check_hidden(x: object, spec: MoESpec, name: str = "x") -> None:
+    """``x`` must be a finite ``[N, hidden]`` tensor of ``spec.dtype``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != spec.hidden:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected [tokens, {spec.hidden}]")
+    if x.dtype != spec.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype}, expected {spec.dtype} (MoESpec.dtype)")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+# ---------------------------------------------------------------------------- gates
+
+def route(x: torch.Tensor, weights: ExpertWeights) -> Routing:
+    """Run the gate of ``weights.spec`` on ``x`` ([N, H], spec.dtype).
+
+    Same semantics as transformers' ``DeepseekV3TopkRouter`` (sigmoid) and
+    ``Qwen3MoeTopKRouter`` (softmax); the weights are differentiable with respect
+    to ``x`` and the router parameters.
+    """
+    spec = weights.spec
+    check_hidden(x, spec)
+    logits = x.float() @ weights.router.t()
+    if spec.gate is GateKind.SIGMOID:
+        scores = logits.sigmoid()
+        choice = scores + weights.router_bias
+    else:
+        scores = logits.softmax(dim=-1)
+        choice = scores
+    choice = _mask_groups(choice.detach(), spec)
+    ids = torch.topk(choice, spec.top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if spec.norm_topk:
+        eps = 1e-20 if spec.gate is GateKind.SIGMOID else 0.0
+        w = w / (w.sum(dim=-1, keepdim=True) + eps)
+    return Routing(ids=ids, weights=w * spec.routed_scaling)
+
+
+def _mask_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """Keep only the experts of each token's ``top_groups`` best groups."""
+    if spec.groups == 1:
+        return choice
+    grouped = choice.view(choice.shape[0], spec.groups, -1)
+    if spec.gate is GateKind.SIGMOID:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(spec.top_groups, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+# ---------------------------------------------------------------------------- plan
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Where every (token, slot) row goes, for ``ep`` ranks of ``tokens_per_rank`` tokens.
+
+    Send side (per source rank s, rows of its permuted buffer sorted by global expert):
+      order[s]:        [T*k] int64 — flat index ``t*k + j`` of the row at each position.
+      pos[s]:          [T, k] int64 — position of (t, j) in the permuted buffer.
+      send_offsets[s]: [ep*L + 1] int64 — start of segment (d, e) is ``[d*L + e]``.
+    Receive side (per destination rank d, rows grouped by local expert, then source):
+      recv_offsets[d]: [L*ep + 1] int64 — start of segment (e, s) is ``[e*ep + s]``.
+    counts: [ep (src), ep (dst), L] int64 — rows source s sends to expert e of rank d.
+    """
+
+    moe: MoESpec
+    par: ParallelSpec
+    order: torch.Tensor
+    pos: torch.Tensor
+    counts: torch.Tensor
+    send_offsets: torch.Tensor
+    recv_offsets: torch.Tensor
+
+    @property
+    def local_experts(self) -> int:
+        return self.counts.shape[2]
+
+    def recv_rows(self, rank: int) -> int:
+        return int(self.recv_offsets[rank, -1])
+
+    def expert_rows(self, rank: int) -> torch.Tensor:
+        """[L] int64 — rows each local expert of ``rank`` receives."""
+        return self.counts[:, rank, :].sum(dim=0)
+
+
+def plan_routing(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec) -> RoutingPlan:
+    """Build the plan from top-k ids ``[ep * tokens_per_rank, k]`` (int64).
+
+    1. sort each rank's (token, slot) rows by global expert (stable: token order kept);
+    2. histogram rows per (source, destination, local expert);
+    3. exclusive cumsums give send and receive offsets.
+    """
+    ep, tpr, k = par.ep, par.tokens_per_rank, moe.top_k
+    local = par.local_experts(moe)
+    if tuple(ids.shape) != (ep * tpr, k):
+        raise ValueError(f"routing.ids has shape {tuple(ids.shape)}, expected {(ep * tpr, k)}")
+    flat = ids.reshape(ep, tpr * k)
+    order = torch.argsort(flat, dim=1, stable=True)
+    pos = torch.empty_like(order)
+    pos.scatter_(1, order, torch.arange(tpr * k).expand(ep, -1).contiguous())
+    hist = torch.zeros(ep, moe.experts, dtype=torch.int64)
+    hist.scatter_add_(1, flat, torch.ones_like(flat))
+    counts = hist.view(ep, ep, local)
+    recv = counts.permute(1, 2, 0).reshape(ep, local * ep)  # [d, e*ep + s]
+    return RoutingPlan(moe=moe, par=par, order=order, pos=pos.view(ep, tpr, k), counts=counts,
+                       send_offsets=_exclusive_cumsum(hist), recv_offsets=_exclusive_cumsum(recv))
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], x.shape[1] + 1, dtype=torch.int64)
+    torch.cumsum(x, dim=1, out=out[:, 1:])
+    return out
+
+
+# ---------------------------------------------------------------------------- synthetic
+
+class RoutingKind(enum.Enum):
+    """Synthetic routing patterns for benchmarks and tests."""
+
+    BALANCED = "balanced"  # every expert gets the same number of rows (when E divides N*k)
+    ZIPF = "zipf"  # expert popularity ~ 1 / rank^1.2, random ranking
+    HOT = "hot"  # every token sends its first slot to one expert
+    EMPTY_EXPERTS = "empty-experts"  # only even-numbered experts are ever chosen
+    EMPTY_RANK = "empty-rank"  # no token chooses an expert of the last rank
+
+
+def synthetic_routing(kind: RoutingKind, moe: MoESpec, par: ParallelSpec, seed: int = 0) -> Routing:
+    """Top-k ids and positive weights (summing to ``routed_scaling``) for every token."""
+    n, k, e = par.ep * par.tokens_per_rank, moe.top_k, moe.experts
+    g = torch.Generator().manual_seed(seed)
+    if kind is RoutingKind.BALANCED:
+        start = torch.randint(0, e, (1,), generator=g)
+        ids = (start + torch.arange(n * k).view(n, k)) % e
+    else:
+        ids = _sample_distinct(_log_popularity(kind, moe, par, g), n, k, g)
+    w = torch.rand(n, k, generator=g) + 0.1
+    w = w / w.sum(dim=1, keepdim=True) * moe.routed_scaling
+    return Routing(ids=ids.to(torch.int64), weights=w)
+
+
+def _log_popularity(kind: RoutingKind, moe: MoESpec, par: ParallelSpec,
+                    g: torch.Generator) -> torch.Tensor:
+    e, k = moe.experts, moe.top_k
+    logp = torch.zeros(e)
+    if kind is RoutingKind.ZIPF:
+        rank = torch.randperm(e, generator=g).double() + 1
+        logp = (-1.2 * rank.log()).float()
+    elif kind is RoutingKind.HOT:
+        logp[0] = 1e4  # always picked first
+    elif kind is RoutingKind.EMPTY_EXPERTS:
+        _need_allowed(k, (e + 1) // 2, kind)
+        logp[1::2] = float("-inf")
+    elif kind is RoutingKind.EMPTY_RANK:
+        local = par.local_experts(moe)
+        _need_allowed(k, e - local, kind)
+        logp[e - local:] = float("-inf")
+    return logp
+
+
+def _need_allowed(k: int, allowed: int, kind: RoutingKind) -> None:
+    if allowed < k:
+        raise ValueError(f"routing kind {kind.value!r} leaves {allowed} experts, fewer than top_k={k}")
+
+
+def _sample_distinct(logp: torch.Tensor, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """k distinct experts per token, drawn ∝ exp(logp) (Gumbel top-k), best first."""
+    gumbel = -torch.log(-torch.log(torch.rand(n, logp.numel(), generator=g).clamp_min(1e-12)))
+    return torch.topk(logp + gumbel, k, dim=1).indices

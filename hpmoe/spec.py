@@ -1,0 +1,155 @@
+"""Frozen configuration of an MoE layer, its expert-parallel layout and its tiling.
+
+Every other stage reads these three dataclasses; they validate themselves in
+``__post_init__`` so that bad configuration fails at construction, naming the
+field and the value.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class GateKind(enum.Enum):
+    """How router logits become top-k expert ids and weights."""
+
+    SIGMOID = "sigmoid"  # DeepSeek-V3: sigmoid scores, bias-corrected, group-limited
+    SOFTMAX = "softmax"  # Mixtral / Qwen3 / DeepSeek-V2: softmax scores, optional groups
+
+
+def _check_positive(owner: str, **fields: int) -> None:
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Shapes and gate of one MoE-FFN layer.
+
+    hidden: model width H.  ffn: one routed expert's intermediate width F.
+    experts: number of routed experts E.  top_k: experts per token.
+    shared_experts: number of shared experts, fused into one FFN of width
+    ``shared_experts * ffn`` (DeepSeek convention); 0 for none.
+    groups / top_groups: group-limited routing (1 / 1 disables it).
+    routed_scaling: factor applied to the top-k weights.
+    norm_topk: renormalise the top-k weights to sum to one.
+    dtype: dtype of activations and expert weights (fp32 or bf16).
+    """
+
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    shared_experts: int = 0
+    gate: GateKind = GateKind.SOFTMAX
+    groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
+    norm_topk: bool = True
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        _check_positive("MoESpec", hidden=self.hidden, ffn=self.ffn, experts=self.experts,
+                        top_k=self.top_k, groups=self.groups, top_groups=self.top_groups)
+        if self.top_k > self.experts:
+            raise ValueError(f"MoESpec.top_k={self.top_k} exceeds MoESpec.experts={self.experts}")
+        if self.shared_experts < 0:
+            raise ValueError(f"MoESpec.shared_experts must be >= 0, got {self.shared_experts}")
+        if not isinstance(self.gate, GateKind):
+            raise TypeError(f"MoESpec.gate must be a GateKind, got {self.gate!r}")
+        if self.experts % self.groups:
+            raise ValueError(f"MoESpec.groups={self.groups} does not divide experts={self.experts}")
+        if self.top_groups > self.groups:
+            raise ValueError(f"MoESpec.top_groups={self.top_groups} exceeds groups={self.groups}")
+        if self.top_k > self.top_groups * (self.experts // self.groups):
+            raise ValueError(f"MoESpec.top_k={self.top_k} exceeds the experts in "
+                             f"top_groups={self.top_groups} groups")
+        if self.gate is GateKind.SIGMOID and self.groups > 1 and self.experts // self.groups < 2:
+            raise ValueError(f"MoESpec.groups={self.groups}: sigmoid group scores need >= 2 "
+                             "experts per group")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"MoESpec.dtype must be torch.float32 or torch.bfloat16, got {self.dtype}")
+        if not self.routed_scaling > 0:
+            raise ValueError(f"MoESpec.routed_scaling must be > 0, got {self.routed_scaling}")
+
+    @property
+    def shared_ffn(self) -> int:
+        """Width of the fused shared-expert FFN (0 when there is none)."""
+        return self.shared_experts * self.ffn
+
+    def with_dtype(self, dtype: torch.dtype) -> MoESpec:
+        return replace(self, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Expert-parallel layout: ``ep`` ranks, each holding ``experts / ep`` experts
+    and ``tokens_per_rank`` tokens of the batch."""
+
+    ep: int
+    tokens_per_rank: int
+
+    def __post_init__(self) -> None:
+        _check_positive("ParallelSpec", ep=self.ep, tokens_per_rank=self.tokens_per_rank)
+
+    def local_experts(self, moe: MoESpec) -> int:
+        """Experts per rank; raises when ``ep`` does not divide the expert count."""
+        if moe.experts % self.ep:
+            raise ValueError(f"ParallelSpec.ep={self.ep} does not divide MoESpec.experts={moe.experts}")
+        return moe.experts // self.ep
+
+
+@dataclass(frozen=True)
+class TileSpec:
+    """Tile sizes of the task graph.
+
+    rows: token rows per vector tile (permute, puts, SwiGLU, unpermute).
+    gemm_rows: token rows per GEMM tile; 0 means one GEMM row tile per expert
+      (the paper's expert-granular pipeline).
+    gemm_cols: output columns per GEMM tile.
+    """
+
+    rows: int = 128
+    gemm_rows: int = 128
+    gemm_cols: int = 512
+
+    def __post_init__(self) -> None:
+        _check_positive("TileSpec", rows=self.rows, gemm_cols=self.gemm_cols)
+        if not isinstance(self.gemm_rows, int) or self.gemm_rows < 0:
+            raise ValueError(f"TileSpec.gemm_rows must be an int >= 0, got {self.gemm_rows!r}")
+
+
+_DEEPSEEK_V3 = MoESpec(hidden=7168, ffn=2048, experts=256, top_k=8, shared_experts=1,
+                       gate=GateKind.SIGMOID, groups=8, top_groups=4, routed_scaling=2.5,
+                       norm_topk=True)
+PRESETS: dict[str, MoESpec] = {
+    "deepseek-v3": _DEEPSEEK_V3,
+    "deepseek-v2": MoESpec(hidden=5120, ffn=1536, experts=160, top_k=6, shared_experts=2,
+                           gate=GateKind.SOFTMAX, groups=8, top_groups=3, routed_scaling=16.0,
+                           norm_topk=False),
+    "deepseek-v2-lite": MoESpec(hidden=2048, ffn=1408, experts=64, top_k=6, shared_experts=2,
+                                gate=GateKind.SOFTMAX, norm_topk=False),
+    "qwen3-30b-a3b": MoESpec(hidden=2048, ffn=768, experts=128, top_k=8, gate=GateKind.SOFTMAX,
+                             norm_topk=True),
+    "mixtral-8x7b": MoESpec(hidden=4096, ffn=14336, experts=8, top_k=2, gate=GateKind.SOFTMAX,
+                            norm_topk=True),
+    # A DeepSeek-V3-shaped layer small enough for the CPU demo.
+    "small": MoESpec(hidden=512, ffn=256, experts=16, top_k=4, shared_experts=1,
+                     gate=GateKind.SIGMOID, groups=4, top_groups=2, routed_scaling=2.5),
+    "tiny": MoESpec(hidden=32, ffn=16, experts=8, top_k=2, shared_experts=1, gate=GateKind.SIGMOID,
+                    groups=4, top_groups=2, routed_scaling=2.5, dtype=torch.float32),
+}
+
+
+def preset(name: str, dtype: torch.dtype | None = None) -> MoESpec:
+    """The named MoE shape (``deepseek-v3``, ``qwen3-30b-a3b``, ``tiny`` ...)."""
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not one of {sorted(PRESETS)}")
+    spec = PRESETS[name]
+    return spec if dtype is None else spec.with_dtype(dtype)

@@ -1,0 +1,94 @@
+"""Expert weights of one MoE layer, in the layout transformers uses.
+
+Routed experts are stored fused, as in transformers' ``DeepseekV3Experts`` and
+``Qwen3MoeExperts``: ``w13[e]`` is ``[2F, H]`` with the gate projection in rows
+``[0, F)`` and the up projection in rows ``[F, 2F)``; ``w2[e]`` is ``[H, F]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .spec import GateKind, MoESpec
+
+
+@dataclass
+class ExpertWeights:
+    """All parameters of a routed + shared MoE layer.
+
+    router:      [E, H] float32 — gate projection (logits = x @ router.T).
+    router_bias: [E]    float32 — score-correction bias (sigmoid gate; zeros otherwise).
+    w13:         [E, 2F, H] spec.dtype — fused gate/up projections.
+    w2:          [E, H, F]  spec.dtype — down projections.
+    shared_w13:  [2Fs, H] spec.dtype or None — fused shared-expert gate/up.
+    shared_w2:   [H, Fs]  spec.dtype or None — shared-expert down projection.
+    """
+
+    spec: MoESpec
+    router: torch.Tensor
+    router_bias: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    shared_w13: torch.Tensor | None = None
+    shared_w2: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        fs = s.shared_ffn
+        expected = {
+            "router": (self.router, (s.experts, s.hidden), torch.float32),
+            "router_bias": (self.router_bias, (s.experts,), torch.float32),
+            "w13": (self.w13, (s.experts, 2 * s.ffn, s.hidden), s.dtype),
+            "w2": (self.w2, (s.experts, s.hidden, s.ffn), s.dtype),
+        }
+        if fs:
+            expected["shared_w13"] = (self.shared_w13, (2 * fs, s.hidden), s.dtype)
+            expected["shared_w2"] = (self.shared_w2, (s.hidden, fs), s.dtype)
+        elif self.shared_w13 is not None or self.shared_w2 is not None:
+            raise ValueError("ExpertWeights.shared_w13/shared_w2 given but spec.shared_experts=0")
+        for name, (tensor, shape, dtype) in expected.items():
+            _check_tensor(f"ExpertWeights.{name}", tensor, shape, dtype)
+
+    @property
+    def has_shared(self) -> bool:
+        return self.shared_w13 is not None
+
+    @staticmethod
+    def random(spec: MoESpec, seed: int = 0) -> ExpertWeights:
+        """Weights drawn like a freshly initialised model (std 1/sqrt(fan_in))."""
+        g = torch.Generator().manual_seed(seed)
+
+        def draw(*shape: int, fan_in: int, dtype: torch.dtype = spec.dtype) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) / fan_in**0.5).to(dtype)
+
+        fs = spec.shared_ffn
+        bias = torch.zeros(spec.experts)
+        if spec.gate is GateKind.SIGMOID:
+            bias = torch.randn(spec.experts, generator=g) * 0.01
+        return ExpertWeights(
+            spec=spec,
+            router=draw(spec.experts, spec.hidden, fan_in=spec.hidden, dtype=torch.float32),
+            router_bias=bias,
+            w13=draw(spec.experts, 2 * spec.ffn, spec.hidden, fan_in=spec.hidden),
+            w2=draw(spec.experts, spec.hidden, spec.ffn, fan_in=spec.ffn),
+            shared_w13=draw(2 * fs, spec.hidden, fan_in=spec.hidden) if fs else None,
+            shared_w2=draw(spec.hidden, fs, fan_in=fs) if fs else None,
+        )
+
+    @staticmethod
+    def from_hf(module: torch.nn.Module) -> ExpertWeights:
+        """Read a transformers ``DeepseekV3MoE`` or ``Qwen3MoeSparseMoeBlock``."""
+        from .hf import weights_from_hf
+
+        return weights_from_hf(module)
+
+
+def _check_tensor(name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype}, expected {dtype}")
