@@ -1,0 +1,59 @@
+"""Arguments shared by several subcommands: the layer, its EP layout and routing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import torch
+
+from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
+from ..spec import PRESETS, MoESpec, ParallelSpec, TileSpec, preset
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) -> None:
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS), help="MoE shape")
+    p.add_argument("--ep", type=int, default=ep, help="expert-parallel ranks")
+    p.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
+    p.add_argument("--routing", default=RoutingKind.BALANCED.value,
+                   choices=[k.value for k in RoutingKind], help="synthetic routing pattern")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tile-rows", type=int, default=128, help="rows per vector tile")
+    p.add_argument("--gemm-rows", type=int, default=128, help="rows per GEMM tile (0: whole expert)")
+    p.add_argument("--gemm-cols", type=int, default=512, help="columns per GEMM tile")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What the layer arguments describe."""
+
+    moe: MoESpec
+    par: ParallelSpec
+    tiles: TileSpec
+    routing: RoutingKind
+    plan: RoutingPlan
+
+
+def layer_from_args(args: argparse.Namespace) -> Layer:
+    moe = preset(args.preset, DTYPES[args.dtype])
+    par = ParallelSpec(ep=args.ep, tokens_per_rank=args.tokens)
+    par.local_experts(moe)
+    kind = RoutingKind(args.routing)
+    routing = synthetic_routing(kind, moe, par, seed=args.seed)
+    tiles = TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols)
+    return Layer(moe=moe, par=par, tiles=tiles, routing=kind, plan=plan_routing(routing.ids, moe, par))
+
+
+def emit(obj: dict, as_json: bool) -> None:
+    """Print ``obj`` as JSON or as aligned ``key: value`` lines."""
+    if as_json:
+        print(json.dumps(obj, indent=None, sort_keys=False))
+        return
+    width = max(map(len, obj), default=0)
+    for key, value in obj.items():
+        print(f"{key:<{width}}  {value}")
