@@ -1,0 +1,316 @@
+"""Hardware models: worker counts, peak rates, memory and link figures, per preset.
+
+A ``HardwareModel`` is what the cost model and the simulator read.  Units:
+
+- ``matrix_flops_*`` and ``vector_flops`` are FLOP/s of ONE worker;
+- ``mem_bw`` is bytes/s of device memory (bytes read + bytes written), shared by all
+  workers of the device;
+- link bandwidths are bytes/s of payload per rank and per direction, as the all-to-all
+  benchmarks report them ("bottleneck bandwidth");
+- every time is in seconds.
+
+The cost methods are vectorised: they take numpy arrays (or scalars) and return float64
+arrays of the broadcast shape.  Every preset figure carries its source; see
+``docs/hardware.md``.  Figures are inputs, never fitted to make a result come out.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+PROFILE_ENV = "HPMOE_PROFILE"
+PROFILE_VERSION = 1
+SWIGLU_FLOPS_PER_ELEMENT = 5.0  # silu(g) * u: exp, add, divide, two multiplies (as lower/ counts)
+
+
+class LinkDirection(enum.Enum):
+    """Which all-to-all a put belongs to (measured bandwidths differ per direction)."""
+
+    DISPATCH = "dispatch"
+    COMBINE = "combine"
+
+
+def _check_int(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _check_rate(owner: str, name: str, value: object, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LinkEntry:
+    """Measured all-to-all bandwidth at one EP size: bytes/s per rank, per direction."""
+
+    ep: int
+    dispatch: float
+    combine: float
+
+    def __post_init__(self) -> None:
+        _check_int("LinkEntry", "ep", self.ep)
+        _check_rate("LinkEntry", "dispatch", self.dispatch)
+        _check_rate("LinkEntry", "combine", self.combine)
+
+    def bandwidth(self, direction: LinkDirection) -> float:
+        """Bytes/s per rank in ``direction``."""
+        return self.dispatch if direction is LinkDirection.DISPATCH else self.combine
+
+
+def _as_seconds(x: npt.ArrayLike) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _nonneg(name: str, x: npt.ArrayLike) -> np.ndarray:
+    """``x`` as a float64 array; ValueError naming ``name`` and the value if any entry < 0."""
+    a = np.asarray(x, dtype=np.float64)
+    bad = ~((a >= 0) & np.isfinite(a))
+    if bad.any():
+        raise ValueError(f"{name} must be finite and >= 0, got {a[bad].flat[0]!r}")
+    return a
+
+
+@dataclass(frozen=True)
+class HardwareModel:
+    """Per-worker rates and shared resources of one device (one rank).
+
+    name: preset or profile name.
+    matrix_workers / vector_workers: worker queues of each unit kind per rank.
+    matrix_flops_bf16 / matrix_flops_fp32: FLOP/s of ONE matrix worker per GEMM dtype.
+    matrix_block: native tile edge; GEMM M, N, K are padded up to multiples of it.
+    vector_flops: elementwise FLOP/s of ONE vector worker.
+    mem_bw: device-memory bytes/s (read + write), shared by every worker.
+    link: measured (ep, dispatch, combine) bytes/s per rank, sorted by ep, ep unique.
+    link_latency: seconds, the fixed alpha of one put (+ its signal).
+    task_overhead: seconds, the fixed cost of running any task.
+    notes: provenance (free text).
+    """
+
+    name: str
+    matrix_workers: int
+    vector_workers: int
+    matrix_flops_bf16: float
+    matrix_flops_fp32: float
+    matrix_block: int
+    vector_flops: float
+    mem_bw: float
+    link: tuple[LinkEntry, ...]
+    link_latency: float
+    task_overhead: float
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"HardwareModel.name must be a non-empty str, got {self.name!r}")
+        for name in ("matrix_workers", "vector_workers", "matrix_block"):
+            _check_int("HardwareModel", name, getattr(self, name))
+        for name in ("matrix_flops_bf16", "matrix_flops_fp32", "vector_flops", "mem_bw"):
+            _check_rate("HardwareModel", name, getattr(self, name))
+        for name in ("link_latency", "task_overhead"):
+            _check_rate("HardwareModel", name, getattr(self, name), allow_zero=True)
+        object.__setattr__(self, "link", tuple(self.link))
+        self._check_link()
+
+    def _check_link(self) -> None:
+        if not self.link or not all(isinstance(e, LinkEntry) for e in self.link):
+            raise ValueError(f"HardwareModel.link must be a non-empty tuple of LinkEntry, got {self.link!r}")
+        eps = [e.ep for e in self.link]
+        if eps != sorted(set(eps)):
+            raise ValueError(f"HardwareModel.link EP sizes must be unique and increasing, got {eps}")
+
+    # --- rates -------------------------------------------------------------------------
+    def matrix_flops(self, dtype: torch.dtype) -> float:
+        """FLOP/s of one matrix worker for GEMMs in ``dtype`` (torch.bfloat16 or torch.float32)."""
+        if dtype == torch.bfloat16:
+            return self.matrix_flops_bf16
+        if dtype == torch.float32:
+            return self.matrix_flops_fp32
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+
+    def link_bandwidth(self, ep: int, direction: LinkDirection) -> float:
+        """Bytes/s per rank for an all-to-all over ``ep`` ranks in ``direction``.
+
+        The measured entry at a measured EP size; between measured sizes, linear in
+        log2(ep); outside the measured range, the nearest end entry (held constant).
+        """
+        _check_int("link_bandwidth", "ep", ep)
+        if not isinstance(direction, LinkDirection):
+            raise TypeError(f"direction must be a LinkDirection, got {direction!r}")
+        eps = np.log2([e.ep for e in self.link])
+        bws = [e.bandwidth(direction) for e in self.link]
+        return float(np.interp(math.log2(ep), eps, bws))
+
+    # --- costs (vectorised) ------------------------------------------------------------
+    def matrix_time(self, m: npt.ArrayLike, n: npt.ArrayLike, k: npt.ArrayLike,
+                    dtype: torch.dtype) -> np.ndarray:
+        """Seconds of compute for GEMM tiles (m x k) @ (k x n) on one matrix worker.
+
+        Each of m, n, k is padded up to a multiple of ``matrix_block``; 2 FLOP per MAC.
+        Compute roofline only: memory traffic is ``memory_time``'s business.
+        """
+        b = self.matrix_block
+        pm, pn, pk = (np.ceil(_nonneg(s, x) / b) * b for s, x in (("m", m), ("n", n), ("k", k)))
+        return _as_seconds(2.0 * pm * pn * pk / self.matrix_flops(dtype))
+
+    def vector_time(self, elements: npt.ArrayLike, flops_per_element: float = 1.0) -> np.ndarray:
+        """Seconds for one vector worker to do ``elements * flops_per_element`` elementwise FLOP.
+
+        Pass FLOP counts with the default, or element counts with e.g.
+        ``SWIGLU_FLOPS_PER_ELEMENT``.
+        """
+        return _as_seconds(_nonneg("elements", elements) * flops_per_element / self.vector_flops)
+
+    def memory_time(self, nbytes: npt.ArrayLike, sharers: npt.ArrayLike = 1) -> np.ndarray:
+        """Seconds to move ``nbytes`` (read + write) when ``sharers`` workers split ``mem_bw``."""
+        share = np.asarray(sharers, dtype=np.float64)
+        if not (share >= 1).all():
+            raise ValueError(f"sharers must be >= 1, got {share[~(share >= 1)].flat[0]!r}")
+        return _as_seconds(_nonneg("nbytes", nbytes) * share / self.mem_bw)
+
+    def put_time(self, nbytes: npt.ArrayLike, ep: int, direction: LinkDirection) -> np.ndarray:
+        """Seconds for one put of ``nbytes`` payload: link_latency + nbytes / link_bandwidth."""
+        bw = self.link_bandwidth(ep, direction)
+        return _as_seconds(self.link_latency + _nonneg("nbytes", nbytes) / bw)
+
+    # --- (de)serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-ready dict (link as a list of {ep, dispatch, combine})."""
+        d = asdict(self)
+        d["link"] = [asdict(e) for e in self.link]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HardwareModel:
+        """Inverse of ``to_dict``; unknown or missing keys raise ValueError naming them."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"HardwareModel: unknown fields {unknown}")
+        try:
+            return cls(**{**d, "link": tuple(LinkEntry(**e) for e in d.get("link", ()))})
+        except TypeError as err:
+            raise ValueError(f"HardwareModel: {err}") from err
+
+    def summary(self) -> str:
+        """Human-readable figures, one per line."""
+        lines = [f"{self.name}: {self.matrix_workers} matrix + {self.vector_workers} vector workers",
+                 f"  matrix  bf16 {self.matrix_flops_bf16 / 1e12:.4g} TFLOP/s, fp32 "
+                 f"{self.matrix_flops_fp32 / 1e12:.4g} TFLOP/s per worker, block {self.matrix_block}",
+                 f"  vector  {self.vector_flops / 1e9:.4g} GFLOP/s per worker",
+                 f"  memory  {self.mem_bw / 1e9:.4g} GB/s shared",
+                 f"  latency put {self.link_latency * 1e6:.3g} us, task {self.task_overhead * 1e6:.3g} us"]
+        lines += [f"  link EP{e.ep}: dispatch {e.dispatch / 1e9:.4g} GB/s, combine {e.combine / 1e9:.4g} GB/s"
+                  for e in self.link]
+        return "\n".join(lines + ([f"  notes: {self.notes}"] if self.notes else []))
+
+
+# --- profile files ---------------------------------------------------------------------
+def default_profile_path() -> Path:
+    """``$HPMOE_PROFILE`` if set, else ``~/.cache/hpmoe/cpu.json``."""
+    env = os.environ.get(PROFILE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "hpmoe" / "cpu.json"
+
+
+def save_profile(model: HardwareModel, path: str | os.PathLike | None = None) -> Path:
+    """Write ``model`` as JSON to ``path`` (default: ``default_profile_path()``); returns the path."""
+    out = Path(path) if path is not None else default_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"version": PROFILE_VERSION, "hardware": model.to_dict()}
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out
+
+
+def load_profile(path: str | os.PathLike | None = None) -> HardwareModel:
+    """Read a profile written by ``save_profile`` (default path: ``default_profile_path()``)."""
+    src = Path(path) if path is not None else default_profile_path()
+    if not src.is_file():
+        raise FileNotFoundError(
+            f"no hardware profile at {src} (set by ${PROFILE_ENV} or the default "
+            f"~/.cache/hpmoe/cpu.json): run `hpmoe calibrate` to measure this machine, "
+            f"or point {PROFILE_ENV} at an existing profile")
+    doc = json.loads(src.read_text())
+    if doc.get("version") != PROFILE_VERSION:
+        raise ValueError(f"profile {src}: version={doc.get('version')!r}, expected {PROFILE_VERSION}")
+    return HardwareModel.from_dict(doc["hardware"])
+
+
+# --- presets ---------------------------------------------------------------------------
+_GB = 1e9
+_US = 1e-6
+
+
+def _ascend_a3() -> HardwareModel:
+    """One Ascend A3 (910C-class) die as the paper's runtime drives it: 24 AIC + 24 AIV."""
+    return HardwareModel(
+        name="ascend-a3",
+        matrix_workers=24,  # 24 AIC per die (paper; DESIGN.md §4)
+        # 24, not the die's 48 AIV: the paper's runtime deals tasks to 24 vector workers.
+        vector_workers=24,
+        # cube 16x16x16 MAC/cycle x 2 FLOP x 1.85 GHz = 15.16 TFLOP/s (paper; DESIGN.md §4)
+        matrix_flops_bf16=16 * 16 * 16 * 2 * 1.85e9,
+        # ASSUMPTION: half the bf16 rate, from the fp32 cube fractal being 16x8 (32-byte rows)
+        # instead of 16x16; no vendor fp32 cube figure was found.  Unverified.
+        matrix_flops_fp32=16 * 16 * 8 * 2 * 1.85e9,
+        matrix_block=16,  # cube fractal edge 16 (paper; DESIGN.md §4)
+        # 256 B per vector repeat (Ascend CCE intrinsic docs) = 64 fp32 lanes; ASSUMPTION: one
+        # repeat per cycle at the 1.85 GHz core clock -> 118.4 GFLOP/s per AIV.
+        vector_flops=64 * 1.85e9,
+        mem_bw=1.6e12,  # HBM 1.6 TB/s per die = 3.2 TB/s per 910C package / 2 (DESIGN.md §4)
+        # measured all-to-all on A3, DeepEP port, 4096 tok, H 7168, top-8 (DESIGN.md §4)
+        link=(LinkEntry(8, 146 * _GB, 125 * _GB), LinkEntry(16, 107 * _GB, 103 * _GB),
+              LinkEntry(32, 102 * _GB, 95 * _GB), LinkEntry(64, 81 * _GB, 91 * _GB),
+              LinkEntry(128, 57 * _GB, 81 * _GB)),
+        link_latency=2 * _US,  # ASSUMPTION: one cross-die put + remote counter bump, ~2 us
+        task_overhead=1 * _US,  # per-task fixed cost "~us" (paper; DESIGN.md §4)
+        notes="one A3 die; fp32 cube rate, AIV rate and put latency are assumptions",
+    )
+
+
+def _h100() -> HardwareModel:
+    """H100 SXM with its 132 SMs split DeepSeek-V3-style: 112 GEMM SMs + 20 comm/vector SMs."""
+    return HardwareModel(
+        name="h100",
+        # 132 SMs (NVIDIA; DESIGN.md §4); 20 SMs for all-to-all as in the DeepSeek-V3 report
+        # (DeepEP's V1 example uses 24); the remaining 112 run GEMMs.
+        matrix_workers=112,
+        vector_workers=20,
+        matrix_flops_bf16=989e12 / 132,  # 989 TFLOP/s dense bf16 over 132 SMs (NVIDIA; DESIGN.md §4)
+        # 67 TFLOP/s FP32 (NVIDIA H100 SXM datasheet) / 132: torch leaves TF32 off for matmul
+        matrix_flops_fp32=67e12 / 132,
+        matrix_block=16,  # ASSUMPTION: mma m16n8k16 bf16 instruction edge; 128-row tiles align anyway
+        # 128 FP32 lanes x 1.98 GHz boost, one non-FMA op per lane per cycle (NVIDIA: 67 TFLOP/s
+        # FP32 counts FMA as 2) -> 253 GFLOP/s per SM
+        vector_flops=128 * 1.98e9,
+        mem_bw=3.35e12,  # HBM3 3.35 TB/s (NVIDIA; DESIGN.md §4)
+        # DeepEP V1 normal kernels (docs/legacy.md), H800 + CX7 400 Gb/s IB, 4096 tok, H 7168,
+        # top-8: EP8 NVLink 153/158, EP16-64 RDMA 43/43, 58/57, 51/50 GB/s (DESIGN.md §4)
+        link=(LinkEntry(8, 153 * _GB, 158 * _GB), LinkEntry(16, 43 * _GB, 43 * _GB),
+              LinkEntry(32, 58 * _GB, 57 * _GB), LinkEntry(64, 51 * _GB, 50 * _GB)),
+        link_latency=2 * _US,  # ASSUMPTION: one NVSHMEM-style put + signal, ~2 us
+        task_overhead=1 * _US,  # ASSUMPTION: same order as the paper's per-task cost
+        notes="H100 SXM, 112 GEMM + 20 comm SMs; link figures measured on H800 by DeepEP",
+    )
+
+
+_PRESETS = {"ascend-a3": _ascend_a3, "h100": _h100, "cpu": load_profile}
+HARDWARE_PRESETS = tuple(_PRESETS)
+
+
+def hardware_preset(name: str) -> HardwareModel:
+    """The named hardware model: ``ascend-a3``, ``h100`` or ``cpu`` (the calibrated profile
+    at ``default_profile_path()``; FileNotFoundError telling to run ``hpmoe calibrate``)."""
+    if name not in _PRESETS:
+        raise ValueError(f"hardware preset={name!r} is not one of {list(HARDWARE_PRESETS)}")
+    return _PRESETS[name]()

@@ -1,0 +1,174 @@
+"""Hardware models: validation, cost formulas, link table, profiles and calibration.
+
+No test asserts on wall time: calibration figures are only checked to be positive and finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import hpmoe.calibrate
+from hpmoe.calibrate import add_calibrate_parser, calibrate
+from hpmoe.hardware import (
+    PROFILE_ENV,
+    HardwareModel,
+    LinkDirection,
+    LinkEntry,
+    hardware_preset,
+    load_profile,
+    save_profile,
+)
+
+DIRECTIONS = (LinkDirection.DISPATCH, LinkDirection.COMBINE)
+
+
+@pytest.fixture
+def a3() -> HardwareModel:
+    return hardware_preset("ascend-a3")
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("name", ""), ("matrix_workers", 0), ("vector_workers", -1), ("matrix_workers", 2.0),
+    ("matrix_flops_bf16", 0.0), ("matrix_flops_fp32", float("nan")), ("matrix_block", 0),
+    ("vector_flops", -1.0), ("mem_bw", float("inf")), ("link_latency", -1e-6),
+    ("task_overhead", True), ("link", ()),
+])
+def test_validation_names_field_and_value(a3: HardwareModel, field: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=field) as err:
+        dataclasses.replace(a3, **{field: bad})
+    assert repr(bad) in str(err.value) or field == "link"
+
+
+@pytest.mark.parametrize("field, bad", [("ep", 0), ("dispatch", 0.0), ("combine", -5.0)])
+def test_link_entry_validation(field: str, bad: object) -> None:
+    kwargs = {"ep": 8, "dispatch": 1e9, "combine": 1e9, field: bad}
+    with pytest.raises(ValueError, match=f"LinkEntry.{field}"):
+        LinkEntry(**kwargs)
+
+
+def test_link_eps_must_increase(a3: HardwareModel) -> None:
+    with pytest.raises(ValueError, match="link EP sizes"):
+        dataclasses.replace(a3, link=tuple(reversed(a3.link)))
+
+
+@pytest.mark.parametrize("name", ["ascend-a3", "h100"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_put_time_uses_measured_entry_exactly(name: str, direction: LinkDirection) -> None:
+    hw = hardware_preset(name)
+    nbytes = np.array([0.0, 128 * 7168 * 2, 1e9])
+    for entry in hw.link:
+        expected = hw.link_latency + nbytes / entry.bandwidth(direction)
+        np.testing.assert_array_equal(hw.put_time(nbytes, entry.ep, direction), expected)
+
+
+def test_link_bandwidth_interpolates_in_log2_ep_and_clamps(a3: HardwareModel) -> None:
+    hw = dataclasses.replace(a3, link=(LinkEntry(4, 100.0, 10.0), LinkEntry(16, 200.0, 30.0)))
+    assert hw.link_bandwidth(8, LinkDirection.DISPATCH) == 150.0  # log2 midpoint of 4 and 16
+    assert hw.link_bandwidth(8, LinkDirection.COMBINE) == 20.0
+    assert a3.link_bandwidth(2, LinkDirection.DISPATCH) == 146e9  # below EP8: the EP8 entry
+    assert a3.link_bandwidth(1024, LinkDirection.COMBINE) == 81e9  # above EP128: the EP128 entry
+
+
+def test_link_bandwidth_rejects_bad_arguments(a3: HardwareModel) -> None:
+    with pytest.raises(ValueError, match="ep"):
+        a3.link_bandwidth(0, LinkDirection.DISPATCH)
+    with pytest.raises(TypeError, match="LinkDirection"):
+        a3.link_bandwidth(8, "dispatch")  # type: ignore[arg-type]
+
+
+def test_matrix_time_pads_to_the_cube_block(a3: HardwareModel) -> None:
+    block = 2 * 16**3 / a3.matrix_flops_bf16
+    assert a3.matrix_time(1, 1, 1, torch.bfloat16) == block
+    assert a3.matrix_time(16, 16, 16, torch.bfloat16) == block
+    assert a3.matrix_time(17, 16, 16, torch.bfloat16) == 2 * block
+    assert a3.matrix_time(0, 512, 7168, torch.bfloat16) == 0.0
+
+
+def test_matrix_time_vectorised_and_per_dtype(a3: HardwareModel) -> None:
+    m = np.array([128, 64, 0])
+    t = a3.matrix_time(m, 512, 7168, torch.float32)
+    assert t.shape == (3,)
+    np.testing.assert_array_equal(t, 2.0 * m * 512 * 7168 / a3.matrix_flops_fp32)
+    with pytest.raises(TypeError, match="float16"):
+        a3.matrix_time(1, 1, 1, torch.float16)
+    with pytest.raises(ValueError, match="m must be"):
+        a3.matrix_time(-1, 1, 1, torch.bfloat16)
+
+
+def test_vector_and_memory_time(a3: HardwareModel) -> None:
+    np.testing.assert_array_equal(a3.vector_time([0, 100], 5.0), [0.0, 500.0 / a3.vector_flops])
+    assert a3.memory_time(1.6e12) == 1.0
+    np.testing.assert_array_equal(a3.memory_time(1.6e12, np.array([1, 24])), [1.0, 24.0])
+    with pytest.raises(ValueError, match="sharers"):
+        a3.memory_time(1.0, 0)
+
+
+def test_preset_figures_follow_their_sources() -> None:
+    a3, h100 = hardware_preset("ascend-a3"), hardware_preset("h100")
+    assert a3.matrix_flops_bf16 == pytest.approx(15.16e12, rel=1e-3)
+    assert (a3.matrix_workers, a3.vector_workers, a3.matrix_block) == (24, 24, 16)
+    assert [(e.ep, e.dispatch / 1e9, e.combine / 1e9) for e in a3.link] == [
+        (8, 146, 125), (16, 107, 103), (32, 102, 95), (64, 81, 91), (128, 57, 81)]
+    assert h100.matrix_workers + h100.vector_workers == 132
+    assert h100.matrix_flops_bf16 * 132 == pytest.approx(989e12)
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ValueError, match="tpu"):
+        hardware_preset("tpu")
+
+
+@pytest.mark.parametrize("name", ["ascend-a3", "h100"])
+def test_profile_json_round_trip(tmp_path, name: str) -> None:
+    hw = hardware_preset(name)
+    path = save_profile(hw, tmp_path / "sub" / "hw.json")
+    assert load_profile(path) == hw
+
+
+def test_cpu_preset_without_profile_names_the_env_var(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match=PROFILE_ENV) as err:
+        hardware_preset("cpu")
+    assert "hpmoe calibrate" in str(err.value)
+
+
+def test_cpu_preset_loads_the_env_profile(tmp_path, monkeypatch) -> None:
+    hw = dataclasses.replace(hardware_preset("h100"), name="cpu")
+    monkeypatch.setenv(PROFILE_ENV, str(save_profile(hw, tmp_path / "cpu.json")))
+    assert hardware_preset("cpu") == hw
+
+
+def test_calibrate_quick_gives_positive_finite_figures(tmp_path) -> None:
+    hw = calibrate(threads=1, quick=True, matrix_workers=1, vector_workers=1)
+    rates = [hw.matrix_flops_bf16, hw.matrix_flops_fp32, hw.vector_flops, hw.mem_bw,
+             hw.task_overhead, *(e.bandwidth(d) for e in hw.link for d in DIRECTIONS)]
+    assert all(math.isfinite(r) and r > 0 for r in rates), rates
+    assert math.isfinite(hw.link_latency) and hw.link_latency >= 0
+    assert (hw.name, hw.matrix_workers, hw.vector_workers) == ("cpu", 1, 1)
+    assert load_profile(save_profile(hw, tmp_path / "cpu.json")) == hw
+
+
+def test_calibrate_parser() -> None:
+    parser = argparse.ArgumentParser(prog="hpmoe")
+    add_calibrate_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["calibrate", "--out", "p.json", "--quick", "--json"])
+    assert (args.out, args.quick, args.json, args.threads) == ("p.json", True, True, 1)
+    assert args.func.__name__ == "run_calibrate"
+
+
+def test_run_calibrate_saves_and_prints(tmp_path, monkeypatch, capsys) -> None:
+    hw = dataclasses.replace(hardware_preset("h100"), name="cpu")
+    monkeypatch.setattr(hpmoe.calibrate, "calibrate", lambda **kwargs: hw)
+    parser = argparse.ArgumentParser(prog="hpmoe")
+    add_calibrate_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["calibrate", "--out", str(tmp_path / "p.json"), "--json"])
+    assert args.func(args) == 0
+    assert HardwareModel.from_dict(json.loads(capsys.readouterr().out)) == hw
+    assert load_profile(tmp_path / "p.json") == hw
