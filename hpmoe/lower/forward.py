@@ -55,13 +55,9 @@ def forward_thresholds(layout: Layout, rank: int) -> np.ndarray:
     a = ceil_div(blocks.row1[mine] - blocks.row0[mine], layout.tiles.rows)
     y = np.full(nb, _ntiles(moe.hidden, layout.tiles))
     _, tt = piece_token_tiles(layout, pieces.src == rank)
-    out = np.bincount(tt, minlength=layout.token_tiles)
-    sh = np.zeros(0, np.int64)
-    sa = np.zeros(0, np.int64)
-    if moe.shared_experts:
-        out = out + _shared_down_per_token_tile(layout)
-        sh = np.full(layout.shared_blocks, _ntiles(2 * moe.shared_ffn, layout.tiles))
-        sa = ceil_div(_shared_block_rows(layout), layout.tiles.rows)
+    out = np.bincount(tt, minlength=layout.token_tiles) + _shared_down_per_token_tile(layout)
+    sh = np.full(layout.shared_blocks, _ntiles(2 * moe.shared_ffn, layout.tiles))
+    sa = ceil_div(_shared_block_rows(layout), layout.tiles.rows)
     perm = np.ones(int(pieces.per_src[rank]), np.int64)
     return np.concatenate([rows, h, a, y, out, sh, sa, perm]).astype(np.int64)
 
@@ -215,8 +211,6 @@ def _shared_block_rows(layout: Layout) -> np.ndarray:
 
 def _shared_blocks(layout: Layout, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(rank, block, row0, row1) of the shared-expert row blocks of selected ranks."""
-    if not layout.plan.moe.shared_experts:
-        sel = np.zeros_like(sel)
     rank, b = expand(np.where(sel, layout.shared_blocks, 0))
     r0 = b * layout.shared_rows
     return rank, b, r0, r0 + _shared_block_rows(layout)[b]

@@ -79,7 +79,7 @@ class Layout:
     pieces: Pieces
     token_tiles: int
     shared_rows: int  # rows per shared-expert GEMM block
-    shared_blocks: int
+    shared_blocks: int  # 0 without shared experts
 
     def base(self, rank: np.ndarray | int, category: str) -> np.ndarray:
         """First local event id of ``category`` on ``rank``."""
@@ -147,9 +147,10 @@ def make_layout(plan: RoutingPlan, tiles: TileSpec) -> Layout:
     blocks = gemm_blocks(plan, tiles)
     tpr = plan.par.tokens_per_rank
     shared_rows = tiles.gemm_rows or tpr
+    shared_blocks = int(ceil_div(tpr, shared_rows)) if plan.moe.shared_experts else 0
     return Layout(plan=plan, tiles=tiles, blocks=blocks, pieces=put_pieces(plan, tiles, blocks),
                   token_tiles=int(ceil_div(tpr, tiles.rows)), shared_rows=shared_rows,
-                  shared_blocks=int(ceil_div(tpr, shared_rows)))
+                  shared_blocks=shared_blocks)
 
 
 def piece_token_tiles(layout: Layout, select: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,64 @@
+import numpy as np
+import pytest
+
+from hpmoe.graph import UNIT_OF_KIND, TaskKind, Unit
+from hpmoe.lower.forward import lower_forward
+from hpmoe.routing import RoutingKind
+from hpmoe.verify import GraphError, completion_levels, random_order, verify_graph
+
+from .helpers import TINY_TILES, chain_graph, tiny_plan
+
+
+def test_units_follow_kinds():
+    assert UNIT_OF_KIND[TaskKind.GEMM_UP] == Unit.MATRIX
+    assert UNIT_OF_KIND[TaskKind.WGRAD_UP] == Unit.MATRIX
+    assert UNIT_OF_KIND[TaskKind.DISPATCH] == Unit.VECTOR
+    assert UNIT_OF_KIND[TaskKind.SWIGLU_BWD] == Unit.VECTOR
+
+
+def test_levels_of_a_chain_with_fan_in():
+    # 0 and 1 both signal event 0 (threshold 2); 2 waits on it and signals 1; 3 waits on 1
+    g = chain_graph([-1, -1, 0, 1], [[0], [0], [1], []], [2, 1])
+    levels = completion_levels(g.wait_global(), g.threshold, g.sig_ptr, g.signals_global())
+    assert levels.tolist() == [0, 0, 1, 2]
+    verify_graph(g)
+
+
+def test_verify_names_the_tasks_of_a_cycle():
+    # 1 waits on event 0 signalled by 2, which waits on event 1 signalled by 1
+    g = chain_graph([-1, 0, 1], [[], [1], [0]], [1, 1])
+    with pytest.raises(GraphError, match="cycle") as err:
+        verify_graph(g)
+    assert "task 1" in str(err.value) and "task 2" in str(err.value)
+
+
+def test_verify_names_an_unreachable_threshold():
+    g = chain_graph([-1, 0], [[0], []], [2])
+    with pytest.raises(GraphError, match=r"unreachable threshold.*r0:0 \(threshold 2\) can only reach 1"
+                       r".*task 1"):
+        verify_graph(g)
+
+
+@pytest.mark.parametrize("kind", list(RoutingKind))
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_lowered_graphs_verify_and_thresholds_equal_signal_counts(kind, ep):
+    if kind is RoutingKind.EMPTY_RANK and ep == 1:
+        pytest.skip("one rank cannot be left empty")
+    g = lower_forward(tiny_plan(kind, ep=ep, tokens=7), TINY_TILES)
+    verify_graph(g)
+    counts = np.bincount(g.signals_global(), minlength=g.num_events)
+    assert counts.tolist() == g.threshold.tolist()
+
+
+def test_random_orders_are_valid_permutations():
+    g = lower_forward(tiny_plan(), TINY_TILES)
+    a, b = random_order(g, 1), random_order(g, 2)
+    assert sorted(a.tolist()) == list(range(g.num_tasks))
+    assert a.tolist() != b.tolist()
+    position = np.empty(g.num_tasks, np.int64)
+    position[a] = np.arange(g.num_tasks)
+    waited = g.wait_global()
+    producer_pos = np.full(g.num_events, -1)
+    np.maximum.at(producer_pos, g.signals_global(), position[g.signaller()])
+    has = waited >= 0
+    assert (producer_pos[waited[has]] < position[has]).all()
