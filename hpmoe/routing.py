@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .spec import GateKind, MoESpec, ParallelSpec
@@ -34,23 +35,28 @@ class Routing:
 
 def check_routing(routing: Routing, spec: MoESpec, tokens: int) -> None:
     """Raise ``ValueError``/``TypeError`` naming the field when ``routing`` does not fit."""
-    ids, w = routing.ids, routing.weights
+    check_ids(routing.ids, spec, tokens)
+    w = routing.weights
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+        raise TypeError(f"routing.weights must be a float32 tensor, got {getattr(w, 'dtype', type(w))}")
+    if tuple(w.shape) != tuple(routing.ids.shape):
+        raise ValueError(f"routing.weights has shape {tuple(w.shape)}, expected {tuple(routing.ids.shape)}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("routing.weights contains NaN or inf")
+
+
+def check_ids(ids: object, spec: MoESpec, tokens: int) -> None:
+    """``ids`` must be ``[tokens, top_k]`` int64 expert ids in ``[0, experts)``."""
     shape = (tokens, spec.top_k)
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
         raise TypeError(f"routing.ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
     if tuple(ids.shape) != shape:
         raise ValueError(f"routing.ids has shape {tuple(ids.shape)}, expected {shape}")
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
-        raise TypeError(f"routing.weights must be a float32 tensor, got {getattr(w, 'dtype', type(w))}")
-    if tuple(w.shape) != shape:
-        raise ValueError(f"routing.weights has shape {tuple(w.shape)}, expected {shape}")
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= spec.experts:
             bad = lo if lo < 0 else hi
             raise ValueError(f"routing.ids contains expert id {bad}, outside [0, {spec.experts})")
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("routing.weights contains NaN or inf")
 
 
 def check_hidden(x: object, spec: MoESpec, name: str = "x") -> None:
@@ -144,24 +150,27 @@ class RoutingPlan:
 def plan_routing(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec) -> RoutingPlan:
     """Build the plan from top-k ids ``[ep * tokens_per_rank, k]`` (int64).
 
-    1. sort each rank's (token, slot) rows by global expert (stable: token order kept);
+    1. sort each rank's (token, slot) rows by global expert (stable radix sort on
+       small keys: token order is kept within an expert);
     2. histogram rows per (source, destination, local expert);
     3. exclusive cumsums give send and receive offsets.
     """
     ep, tpr, k = par.ep, par.tokens_per_rank, moe.top_k
     local = par.local_experts(moe)
-    if tuple(ids.shape) != (ep * tpr, k):
-        raise ValueError(f"routing.ids has shape {tuple(ids.shape)}, expected {(ep * tpr, k)}")
-    flat = ids.reshape(ep, tpr * k)
-    order = torch.argsort(flat, dim=1, stable=True)
-    pos = torch.empty_like(order)
-    pos.scatter_(1, order, torch.arange(tpr * k).expand(ep, -1).contiguous())
-    hist = torch.zeros(ep, moe.experts, dtype=torch.int64)
-    hist.scatter_add_(1, flat, torch.ones_like(flat))
-    counts = hist.view(ep, ep, local)
+    check_ids(ids, moe, ep * tpr)
+    flat = ids.numpy().reshape(ep, tpr * k)
+    order = np.argsort(flat.astype(np.uint8 if moe.experts <= 256 else np.uint16), axis=1, kind="stable")
+    row_base = (np.arange(ep) * tpr * k)[:, None]
+    pos = np.empty(ep * tpr * k, np.int64)
+    pos[(order + row_base).ravel()] = np.tile(np.arange(tpr * k), ep)
+    hist = np.bincount((flat + (np.arange(ep) * moe.experts)[:, None]).ravel(),
+                       minlength=ep * moe.experts).reshape(ep, moe.experts)
+    counts = torch.from_numpy(hist).view(ep, ep, local)
     recv = counts.permute(1, 2, 0).reshape(ep, local * ep)  # [d, e*ep + s]
-    return RoutingPlan(moe=moe, par=par, order=order, pos=pos.view(ep, tpr, k), counts=counts,
-                       send_offsets=_exclusive_cumsum(hist), recv_offsets=_exclusive_cumsum(recv))
+    return RoutingPlan(moe=moe, par=par, order=torch.from_numpy(order),
+                       pos=torch.from_numpy(pos).view(ep, tpr, k), counts=counts,
+                       send_offsets=_exclusive_cumsum(torch.from_numpy(hist)),
+                       recv_offsets=_exclusive_cumsum(recv))
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""Ground truth for every backend: the dense single-process MoE layer and the
+serialized expert-parallel baseline a user writes today with torch.distributed.
+
+Numerics contract (DESIGN.md, "Numerics"): each token's k expert outputs are summed in
+top-k slot order in fp32 by :func:`topk_sum`, then the shared experts are added, then the
+sum is cast to ``spec.dtype``.  An expert always sees its rows in global token order, so a
+backend that feeds the same rows to GEMMs of the same shapes and calls :func:`topk_sum`
+reproduces :func:`dense_moe` bit for bit.  Measured on this CPU: bf16 GEMM rows do not
+depend on the row count or thread count; fp32 rows can (e.g. calls of fewer than 4 rows,
+or 1 vs 2 threads at H=32), so fp32 comparisons across different GEMM shapes need a
+tolerance of a few ulps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .routing import Routing, check_hidden, check_routing
+from .spec import MoESpec
+from .weights import ExpertWeights
+
+# ---------------------------------------------------------------------------- math
+
+
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert, exactly as transformers' ``DeepseekV3Experts`` computes it.
+
+    x: [R, H]; w13: [2F, H] (gate rows [0, F), up rows [F, 2F)); w2: [H, F]; one dtype.
+    Returns [R, H] in ``x.dtype``: ``(silu(x @ gate.T) * (x @ up.T)) @ w2.T``.
+    """
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def grouped_ffn(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor) -> torch.Tensor:
+    """Run expert ``e`` on the ``e``-th segment of ``rows``.
+
+    rows: [R, H] sorted by expert; counts: [E'] int64 rows per expert, summing to R;
+    w13: [E', 2F, H]; w2: [E', H, F].  Returns [R, H] in ``rows.dtype``, same row order.
+    Differentiable with respect to ``rows``, ``w13`` and ``w2``.
+    """
+    chunks = rows.split(counts.tolist())
+    outs = [expert_ffn(chunk, w13[e], w2[e]) for e, chunk in enumerate(chunks)]
+    return torch.cat(outs) if outs else rows.new_empty(0, w2.shape[1])
+
+
+def shared_ffn(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor | None:
+    """Shared experts on every token: [N, H] spec.dtype, or None when there are none."""
+    if not weights.has_shared:
+        return None
+    return expert_ffn(x, weights.shared_w13, weights.shared_w2)
+
+
+def topk_sum(o: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
+             dtype: torch.dtype) -> torch.Tensor:
+    """The fixed-order combine every backend must reproduce.
+
+    o: [N, k, H] expert outputs in top-k slot order (any float dtype); w: [N, k] float32;
+    shared: [N, H] or None.  ``acc`` is fp32, summed slot 0 first, shared last.
+    Returns [N, H] in ``dtype``.
+    """
+    acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32)
+    for j in range(o.shape[1]):
+        acc = acc + w[:, j:j + 1] * o[:, j].float()
+    if shared is not None:
+        acc = acc + shared.float()
+    return acc.to(dtype)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """pos with ``pos[order[i]] == i``; order: [M] int64 permutation of range(M)."""
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel())
+    return pos
+
+
+# ---------------------------------------------------------------------------- dense
+
+
+def dense_moe(x: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
+    """Single-process MoE layer: routed experts plus shared experts.
+
+    x: [N, H] spec.dtype; routing: ids/weights [N, k]; weights: the layer's parameters.
+    Returns [N, H] spec.dtype.  Differentiable by autograd with respect to ``x``,
+    ``routing.weights`` and every weight tensor.
+
+    1. sort the N*k (token, slot) rows by expert (stable: token order within an expert);
+    2. run each expert once on its segment (:func:`grouped_ffn`);
+    3. unsort to [N, k, H] and combine with :func:`topk_sum`.
+    """
+    spec = weights.spec
+    check_hidden(x, spec)
+    check_routing(routing, spec, x.shape[0])
+    n, k = routing.ids.shape
+    flat = routing.ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=spec.experts)
+    ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2)
+    o = ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
+    return topk_sum(o, routing.weights, shared_ffn(x, weights), spec.dtype)
+
+
+# ---------------------------------------------------------------------------- serialized EP
+
+
+@dataclass
+class SerialResult:
+    """What one rank of :func:`serialized_ep_forward` saw and produced.
+
+    out:           [T, H] spec.dtype — the layer output for this rank's tokens.
+    dispatch_recv: [R, H] spec.dtype — rows received in dispatch, in all-to-all order
+                   (by source rank, then local expert, token order within).
+    combine_recv:  [T*k, H] spec.dtype — expert outputs received back, in this rank's
+                   permuted (sorted-by-expert, stable) order.
+    recv_counts:   [ep, L] int64 — rows received from each source for each local expert.
+    """
+
+    out: torch.Tensor
+    dispatch_recv: torch.Tensor
+    combine_recv: torch.Tensor
+    recv_counts: torch.Tensor
+
+
+def serialized_ep_forward(x_local: torch.Tensor, routing_local: Routing, weights: ExpertWeights,
+                          group: dist.ProcessGroup | None = None) -> SerialResult:
+    """The kernel-by-kernel expert-parallel baseline, forward only (call on every rank).
+
+    x_local: [T, H] spec.dtype; routing_local: ids/weights [T, k] of these tokens (global
+    expert ids); weights: the full layer (rank r uses experts [r*L, (r+1)*L), L = E/ep).
+    T may differ between ranks.
+
+    1. permute rows by global expert (stable argsort); 2. all-to-all the per-expert counts;
+    3. dispatch rows (uneven all-to-all); 4. run the local experts; 5. send results back;
+    6. unpermute and combine with :func:`topk_sum`, shared experts on the local tokens.
+    """
+    spec = weights.spec
+    rank, ep = dist.get_rank(group), dist.get_world_size(group)
+    local = _local_experts(spec, ep)
+    check_hidden(x_local, spec, "x_local")
+    check_routing(routing_local, spec, x_local.shape[0])
+    t, k = routing_local.ids.shape
+    with torch.no_grad():
+        flat = routing_local.ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        send_counts = torch.bincount(flat, minlength=spec.experts).view(ep, local)
+        recv_counts = exchange_counts(send_counts, group)
+        recv = ep_dispatch(x_local[order // k], send_counts, recv_counts, group)
+        mine = slice(rank * local, (rank + 1) * local)
+        ys = run_local_experts(recv, recv_counts, weights.w13[mine], weights.w2[mine])
+        back = ep_combine(ys, send_counts, recv_counts, group)
+        o = back.index_select(0, inverse_permutation(order)).view(t, k, spec.hidden)
+        out = topk_sum(o, routing_local.weights, shared_ffn(x_local, weights), spec.dtype)
+    return SerialResult(out=out, dispatch_recv=recv, combine_recv=back, recv_counts=recv_counts)
+
+
+def _local_experts(spec: MoESpec, ep: int) -> int:
+    if spec.experts % ep:
+        raise ValueError(f"world size ep={ep} does not divide MoESpec.experts={spec.experts}")
+    return spec.experts // ep
+
+
+def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """send_counts: [ep, L] int64 rows this rank sends to expert e of rank d.
+    Returns [ep, L] int64 rows this rank receives from source s for its local expert e."""
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    return recv_counts
+
+
+def ep_dispatch(rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """rows: [T*k, H] sorted by global expert; counts: [ep, L] int64 (as sent / received).
+    Returns [R, H] (same dtype): received rows by source rank, then local expert."""
+    return _all_to_all(rows, send_counts.sum(1), recv_counts.sum(1), group)
+
+
+def ep_combine(ys: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """ys: [R, H] expert outputs in dispatch-receive order; counts as in :func:`ep_dispatch`.
+    Returns [T*k, H]: this rank's rows back, in its sorted-by-expert order."""
+    return _all_to_all(ys, recv_counts.sum(1), send_counts.sum(1), group)
+
+
+def _all_to_all(rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor,
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Uneven all-to-all of rows: send[d] rows go to rank d, recv[s] come from rank s."""
+    out = rows.new_empty(int(recv.sum()), rows.shape[1])
+    dist.all_to_all_single(out, rows.contiguous(), recv.tolist(), send.tolist(), group=group)
+    return out
+
+
+def run_local_experts(recv: torch.Tensor, recv_counts: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor) -> torch.Tensor:
+    """Apply local expert e to its rows of every source.
+
+    recv: [R, H] in dispatch order (source s, then local expert e); recv_counts: [ep, L];
+    w13: [L, 2F, H]; w2: [L, H, F].  Regroups rows by (e, s) so each expert runs once on
+    its rows in global token order, then restores dispatch order.  Returns [R, H].
+    """
+    ep, local = recv_counts.shape
+    segment_key = torch.arange(local) * ep + torch.arange(ep)[:, None]  # [s, e] -> e*ep + s
+    row_key = torch.repeat_interleave(segment_key.reshape(-1), recv_counts.reshape(-1))
+    perm = torch.argsort(row_key, stable=True)
+    ys = grouped_ffn(recv[perm], recv_counts.sum(0), w13, w2)
+    return ys.index_select(0, inverse_permutation(perm))
