@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .graph import TaskGraph, TaskKind
+from .refs import topk_sum
 from .routing import Routing, RoutingPlan
 from .weights import ExpertWeights
 
@@ -136,24 +137,10 @@ def _combine(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext
     peer.comb[t.dst_row0:t.dst_row0 + t.row1 - t.row0].copy_(me.y[t.row0:t.row1])
 
 
-def weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
-                 shared: torch.Tensor | None) -> torch.Tensor:
-    """The combine every backend shares: fp32 sum over slots in top-k order.
-
-    rows: [S, H] expert outputs; pos: [m, k] rows of each token's slots; w: [m, k]
-    float32; shared: [m, H] or None.  Returns [m, H] float32."""
-    acc = torch.zeros(pos.shape[0], rows.shape[1], dtype=torch.float32)
-    for j in range(pos.shape[1]):
-        acc += w[:, j:j + 1] * rows[pos[:, j]].float()
-    if shared is not None:
-        acc += shared.float()
-    return acc
-
-
 def _unpermute(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
     shared = me.so[t.row0:t.row1] if ctx.weights.has_shared else None
-    acc = weighted_sum(me.comb, ctx.pos[t.row0:t.row1], ctx.topk_weights[t.row0:t.row1], shared)
-    me.out[t.row0:t.row1].copy_(acc)
+    rows = me.comb[ctx.pos[t.row0:t.row1]]  # [m, k, H]
+    me.out[t.row0:t.row1] = topk_sum(rows, ctx.topk_weights[t.row0:t.row1], shared, me.out.dtype)
 
 
 def _shared_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
