@@ -113,16 +113,25 @@ class TileSpec:
     gemm_rows: token rows per GEMM tile; 0 means one GEMM row tile per expert
       (the paper's expert-granular pipeline).
     gemm_cols: output columns per GEMM tile.
+    gemm_splits: when > 0, split every GEMM's output width into this many column
+      tiles instead (the paper: one tile per matrix core), overriding gemm_cols.
     """
 
     rows: int = 128
     gemm_rows: int = 128
     gemm_cols: int = 512
+    gemm_splits: int = 0
 
     def __post_init__(self) -> None:
         _check_positive("TileSpec", rows=self.rows, gemm_cols=self.gemm_cols)
-        if not isinstance(self.gemm_rows, int) or self.gemm_rows < 0:
-            raise ValueError(f"TileSpec.gemm_rows must be an int >= 0, got {self.gemm_rows!r}")
+        for name in ("gemm_rows", "gemm_splits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"TileSpec.{name} must be an int >= 0, got {value!r}")
+
+    def column_tile(self, width: int) -> int:
+        """Columns per GEMM tile of a GEMM whose output is ``width`` wide."""
+        return -(-width // self.gemm_splits) if self.gemm_splits else self.gemm_cols
 
 
 _DEEPSEEK_V3 = MoESpec(hidden=7168, ffn=2048, experts=256, top_k=8, shared_experts=1,

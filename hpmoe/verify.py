@@ -56,7 +56,7 @@ def completion_levels(wait: np.ndarray, threshold: np.ndarray, sig_ptr: np.ndarr
     w = waiters(wait, len(threshold))
     level = np.full(n, -1, np.int64)
     count = np.zeros(len(threshold), np.int64)
-    ready = np.flatnonzero((wait < 0) | (threshold[np.maximum(wait, 0)] <= 0))
+    ready = np.flatnonzero(ready_at_start(wait, threshold))
     depth = 0
     while ready.size:
         level[ready] = depth
@@ -68,6 +68,13 @@ def completion_levels(wait: np.ndarray, threshold: np.ndarray, sig_ptr: np.ndarr
         ready = ready[level[ready] < 0]
         depth += 1
     return level
+
+
+def ready_at_start(wait: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+    """[n] bool: tasks that wait on nothing or on an event of threshold 0."""
+    ready = wait < 0
+    ready[~ready] = threshold[wait[~ready]] <= 0
+    return ready
 
 
 def verify_graph(graph: TaskGraph) -> None:
@@ -140,7 +147,7 @@ def random_order(graph: TaskGraph, seed: int) -> np.ndarray:
     wait, signals = graph.wait_global(), graph.signals_global()
     w = waiters(wait, graph.num_events)
     count = np.zeros(graph.num_events, np.int64)
-    ready = list(np.flatnonzero((wait < 0) | (graph.threshold[np.maximum(wait, 0)] <= 0)))
+    ready = list(np.flatnonzero(ready_at_start(wait, graph.threshold)))
     order = []
     while ready:
         j = int(rng.integers(len(ready)))

@@ -62,3 +62,9 @@ def test_random_orders_are_valid_permutations():
     np.maximum.at(producer_pos, g.signals_global(), position[g.signaller()])
     has = waited >= 0
     assert (producer_pos[waited[has]] < position[has]).all()
+
+
+def test_a_graph_without_events_verifies():
+    g = chain_graph([-1, -1], [[], []], [])
+    verify_graph(g)
+    assert sorted(random_order(g, 0).tolist()) == [0, 1]

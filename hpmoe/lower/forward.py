@@ -65,7 +65,7 @@ def forward_thresholds(layout: Layout, rank: int) -> np.ndarray:
 # ------------------------------------------------------------------ helpers
 
 def _ntiles(width: int, tiles: TileSpec) -> int:
-    return int(ceil_div(width, tiles.gemm_cols))
+    return int(ceil_div(width, tiles.column_tile(width)))
 
 
 def _esize(layout: Layout) -> int:
@@ -86,10 +86,10 @@ def _block(kind: TaskKind, rank: np.ndarray, row0: np.ndarray, row1: np.ndarray,
 
 def _col_tiles(width: int, tiles: TileSpec, parents: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(parent, col0, col1) for every column tile of every parent."""
-    n = _ntiles(width, tiles)
-    parent, j = expand(np.full(parents, n))
-    col0 = j * tiles.gemm_cols
-    return parent, col0, np.minimum(col0 + tiles.gemm_cols, width)
+    cols = tiles.column_tile(width)
+    parent, j = expand(np.full(parents, _ntiles(width, tiles)))
+    col0 = j * cols
+    return parent, col0, np.minimum(col0 + cols, width)
 
 
 def _row_chunks(row0: np.ndarray, row1: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -100,8 +100,11 @@ def _row_chunks(row0: np.ndarray, row1: np.ndarray, rows: int) -> tuple[np.ndarr
 
 
 def _gemm_weight_share(layout: Layout, rank: np.ndarray, expert: np.ndarray) -> np.ndarray:
-    """1 / (blocks of the expert): weights are read from memory once per expert and
-    stay in cache across its row blocks (the cost model's traffic assumption)."""
+    """1 / (blocks of the expert).
+
+    Memory traffic counts every byte once per reuse group, as a cache holding the
+    operands would: an expert's weights are read once across its row blocks and a
+    block's input rows once across its column tiles (the cost model's assumption)."""
     return 1.0 / layout.blocks.per_expert[rank, expert]
 
 
@@ -155,8 +158,9 @@ def _gemm(kind: TaskKind, layout: Layout, sel: np.ndarray, width: int, depth: in
     i = blk[parent]
     rank, m, n = b.rank[i], b.row1[i] - b.row0[i], col1 - col0
     weights = n * depth * _gemm_weight_share(layout, rank, b.expert[i])
+    inputs = m * depth / _ntiles(width, layout.tiles)
     return _block(kind, rank, b.row0[i], b.row1[i], expert=b.expert[i], col0=col0, col1=col1,
-                  flops=2.0 * m * n * depth, bytes=(m * depth + m * n + weights) * _esize(layout),
+                  flops=2.0 * m * n * depth, bytes=(inputs + m * n + weights) * _esize(layout),
                   wait=layout.base(rank, wait) + b.local[i],
                   sig_event=layout.base(rank, signal) + b.local[i])
 
@@ -223,7 +227,8 @@ def _shared_gemm(kind: TaskKind, layout: Layout, sel: np.ndarray, width: int, de
     rank, b, r0, r1 = rank[parent], b[parent], r0[parent], r1[parent]
     m, n = r1 - r0, col1 - col0
     cols = {"col0": col0, "col1": col1, "flops": 2.0 * m * n * depth,
-            "bytes": (m * depth + m * n + n * depth / layout.shared_blocks) * _esize(layout)}
+            "bytes": (m * depth / _ntiles(width, layout.tiles) + m * n + n * depth / layout.shared_blocks)
+            * _esize(layout)}
     if wait:
         cols["wait"] = layout.base(rank, wait) + b
     if signal:

@@ -1,5 +1,40 @@
-"""Static schedules: every task placed on one worker queue of its rank, in order."""
+"""Static schedules: every task placed on one worker queue of its rank, in order.
 
+``schedule(graph, policy, hardware)`` is the entry point; every policy returns a
+``Schedule`` and every schedule can be checked with ``verify_schedule``.
+"""
+
+from __future__ import annotations
+
+from ..graph import TaskGraph
+from ..hardware import HardwareModel
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
+from .critical_path import Candidate, critical_path_candidates, critical_path_schedule
+from .hyperparallel import hyperparallel_schedule, paper_tiles
+from .serial import serial_schedule
+from .verify import verify_schedule
 
-__all__ = ["Schedule", "SchedulePolicy", "WorkerCounts", "schedule_from_assignment"]
+
+def hardware_workers(hardware: HardwareModel) -> WorkerCounts:
+    """The worker queues per rank of ``hardware``."""
+    return WorkerCounts(matrix=hardware.matrix_workers, vector=hardware.vector_workers)
+
+
+def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) -> Schedule:
+    """Schedule every rank of ``graph`` on ``hardware``'s workers with ``policy``.
+
+    SERIAL and HYPERPARALLEL read only the worker counts; CRITICAL_PATH uses the cost
+    model and simulates its candidates."""
+    if not isinstance(policy, SchedulePolicy):
+        raise TypeError(f"policy must be a SchedulePolicy, got {policy!r}")
+    workers = hardware_workers(hardware)
+    if policy is SchedulePolicy.SERIAL:
+        return serial_schedule(graph, workers)
+    if policy is SchedulePolicy.HYPERPARALLEL:
+        return hyperparallel_schedule(graph, workers)
+    return critical_path_schedule(graph, hardware)
+
+
+__all__ = ["Candidate", "Schedule", "SchedulePolicy", "WorkerCounts", "critical_path_candidates",
+           "critical_path_schedule", "hardware_workers", "hyperparallel_schedule", "paper_tiles",
+           "schedule", "schedule_from_assignment", "serial_schedule", "verify_schedule"]

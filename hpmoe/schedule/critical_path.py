@@ -1,0 +1,314 @@
+"""Ours: list scheduling at tile level with cost-model priorities, all ranks together.
+
+Plan of ``critical_path_schedule``:
+  1. costs of every task (``hpmoe.cost``) and its priority: the bottom level, i.e. the
+     longest chain of uncontended durations from the task to the end of the graph.  A
+     remote put's chain also counts the transfers queued behind it at its egress and
+     ingress ports (ports are servers too), so that the GEMMs whose outputs must cross
+     a busy link start early enough;
+  2. a time-ordered list schedule of every rank at once, on the simulator's link
+     model: whenever a worker is idle it takes the highest-priority ready task of its
+     rank and unit.  Remote puts go to a few dedicated vector workers per rank
+     (``link_workers``: just enough to keep the link busy), so no other vector worker
+     is ever parked behind a busy link.  Puts reach their real peers, so skew shows.
+     The policy is greedy (no worker idles while a task it may run is ready), so the
+     replay of its queues reproduces its timeline;
+  3. two such list schedules (``PutOrder``): puts in a fixed all-to-all order (what
+     balanced routing wants: every stage pairs the ranks as a permutation), or by
+     priority with each rank's remaining work counted (what skewed routing wants:
+     the overloaded rank's data first); with the serial and hyperparallel orders of
+     the same graph they are replayed by the simulator and the fastest is kept, so the
+     result is never slower than the serial baseline (list scheduling has anomalies).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..cost import PUT_DIRECTION, TaskCosts, task_costs
+from ..graph import IS_PUT, TaskGraph, TaskKind, Unit
+from ..hardware import HardwareModel, LinkDirection
+from ..simulate import END, ISSUE, LINK_DONE, LinkPorts, bottom_levels, makespan
+from ..verify import GraphError
+from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
+from .hyperparallel import hyperparallel_schedule
+from .serial import serial_schedule
+from .verify import initially_ready, require_all_ranks
+
+_COMBINE_KINDS = np.array([PUT_DIRECTION.get(k) is LinkDirection.COMBINE for k in TaskKind])
+
+
+class PutOrder(enum.Enum):
+    """The order in which a rank's link workers take its ready remote puts."""
+
+    STAGES = "stages"  # port_order: dispatch, then combine, peer by peer in stage order
+    PRIORITY = "priority"  # bottom level with port and unit backlog: overloaded ranks first
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule the critical-path policy considered, with its simulated makespan (s)."""
+
+    name: str
+    schedule: Schedule
+    makespan: float
+
+
+def critical_path_schedule(graph: TaskGraph, hardware: HardwareModel) -> Schedule:
+    """The fastest candidate (see module plan), labelled ``CRITICAL_PATH``; its graph's
+    ``meta`` records the winner under ``"candidate"`` and every makespan under
+    ``"candidates"``."""
+    candidates = critical_path_candidates(graph, hardware)
+    best = min(candidates, key=lambda c: c.makespan)  # first wins ties: the list schedule
+    meta = {**best.schedule.graph.meta, "candidate": best.name,
+            "candidates": {c.name: c.makespan for c in candidates}}
+    return replace(best.schedule, policy=SchedulePolicy.CRITICAL_PATH,
+                   graph=replace(best.schedule.graph, meta=meta))
+
+
+def critical_path_candidates(graph: TaskGraph, hardware: HardwareModel) -> tuple[Candidate, ...]:
+    """The list schedules (one per ``PutOrder``), then the hyperparallel and serial
+    orders of ``graph``, each with its simulated makespan on ``hardware``."""
+    require_all_ranks(graph)
+    workers = WorkerCounts(matrix=hardware.matrix_workers, vector=hardware.vector_workers)
+    costs = task_costs(graph, hardware)
+    made = (*((f"list-{o.value}", list_schedule(graph, costs, workers, o)) for o in PutOrder),
+            ("hyperparallel", hyperparallel_schedule(graph, workers)),
+            ("serial", serial_schedule(graph, workers)))
+    return tuple(Candidate(name=name, schedule=s, makespan=makespan(s, costs)) for name, s in made)
+
+
+# ---------------------------------------------------------------------------- priorities
+
+def put_stage(graph: TaskGraph) -> np.ndarray:
+    """[n] the stage at which a put goes out: dispatch-like puts in order (peer - rank)
+    mod EP, combine-like in order (rank - peer) mod EP, so that a rank returns results
+    first to the peer whose data reached it first; 0 for other tasks."""
+    ahead = (graph.peer - graph.rank) % graph.ep
+    stage = np.where(_COMBINE_KINDS[graph.kind], (-ahead) % graph.ep, ahead)
+    return np.where(IS_PUT[graph.kind], stage, 0).astype(np.int64)
+
+
+def put_round(graph: TaskGraph) -> np.ndarray:
+    """[n] index of each put among the puts of the same direction from its rank to its
+    peer (in task-id order); 0 for other tasks."""
+    n = graph.num_tasks
+    key = (graph.rank.astype(np.int64) * graph.ep + graph.peer) * 2 + _COMBINE_KINDS[graph.kind]
+    key = np.where(IS_PUT[graph.kind], key, -1)
+    order = np.lexsort((np.arange(n), key))
+    k = key[order]
+    first = np.ones(n, bool)
+    first[1:] = k[1:] != k[:-1]
+    idx = np.arange(n)
+    rnd = np.empty(n, np.int64)
+    rnd[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
+    return np.where(IS_PUT[graph.kind], rnd, 0)
+
+
+def port_order(graph: TaskGraph, rounds: bool) -> np.ndarray:
+    """[n] position of each task in the order ranks put on the link: dispatch-like
+    before combine-like; then either peer by peer in stage order (``put_stage``), or,
+    with ``rounds``, round by round (``put_round``: one put to each peer per round) and
+    by stage within a round; then task id.  Under balanced routing every stage pairs
+    the ranks as a permutation; rounds also keep a rank from queueing several puts
+    for one busy peer while others are free (skewed routing)."""
+    n = graph.num_tasks
+    rnd = put_round(graph) if rounds else np.zeros(n, np.int64)
+    order = np.lexsort((np.arange(n), put_stage(graph), rnd, _COMBINE_KINDS[graph.kind]))
+    position = np.empty(n, np.int64)
+    position[order] = np.arange(n)
+    return position
+
+
+def port_backlog(graph: TaskGraph, costs: TaskCosts, position: np.ndarray) -> np.ndarray:
+    """[n] seconds of transfers queued behind each remote put at its egress and at its
+    ingress port, with ports served in ``position`` order; 0 for other tasks."""
+    backlog = np.zeros(graph.num_tasks)
+    for port in (graph.rank, graph.peer):
+        order = np.lexsort((position, port))
+        x = costs.transfer[order]
+        group_total = np.bincount(port[order], weights=x, minlength=graph.ep)[port[order]]
+        behind = group_total - np.cumsum(x) + _group_start_cumsum(port[order], x)
+        backlog[order] = np.maximum(backlog[order], behind)
+    return np.where(costs.transfer > 0, backlog, 0.0)
+
+
+def _group_start_cumsum(group: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """For sorted ``group``: the running total of ``x`` before each element's group."""
+    csum = np.cumsum(x)
+    first = np.ones(len(group), bool)
+    first[1:] = group[1:] != group[:-1]
+    before = np.where(first, csum - x, 0.0)
+    return np.maximum.accumulate(before)
+
+
+def unit_backlog(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, b: np.ndarray) -> np.ndarray:
+    """[n] seconds the task's (rank, unit) still needs from the task's start, if the
+    rank's workers of that unit run its tasks in order of decreasing ``b``: the work
+    from the task on, over the worker count.  Large on an overloaded rank, so that
+    the data its workers wait for is sent first."""
+    n = graph.num_tasks
+    pool = graph.rank.astype(np.int64) * len(Unit) + graph.unit
+    order = np.lexsort((np.arange(n), -b, pool))
+    work = costs.duration[order]
+    total = np.bincount(pool[order], weights=work, minlength=graph.ep * len(Unit))[pool[order]]
+    done_before = np.cumsum(work) - work - _group_start_cumsum(pool[order], work)
+    count = np.where(graph.unit[order] == Unit.MATRIX, workers.matrix, workers.vector)
+    backlog = np.empty(n)
+    backlog[order] = (total - done_before) / count
+    return backlog
+
+
+def priority_rank(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
+                  order: PutOrder = PutOrder.STAGES) -> np.ndarray:
+    """[n] position of each task in priority order: bottom level descending (with port
+    backlog; with ``PutOrder.PRIORITY`` also with unit backlog), then put stage, then
+    task id.  Lower runs first."""
+    port = port_backlog(graph, costs, port_order(graph, rounds=order is PutOrder.PRIORITY))
+    b = bottom_levels(graph, costs.duration, port)
+    if order is PutOrder.PRIORITY:
+        extra = np.maximum(port, unit_backlog(graph, costs, workers, b))
+        b = bottom_levels(graph, costs.duration, extra)
+    ranked = np.lexsort((np.arange(graph.num_tasks), put_stage(graph), -b))
+    position = np.empty(graph.num_tasks, np.int64)
+    position[ranked] = np.arange(graph.num_tasks)
+    return position
+
+
+# ---------------------------------------------------------------------------- list schedule
+
+def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
+                  order: PutOrder = PutOrder.STAGES) -> Schedule:
+    """Time-ordered list schedule of every rank (see module plan, step 2), remote puts
+    taken in ``order``."""
+    prio = priority_rank(graph, costs, workers, order)
+    port = prio if order is PutOrder.PRIORITY else port_order(graph, rounds=False)
+    state = _ListState(graph, costs, workers, prio, port)
+    state.run()
+    if state.assigned != graph.num_tasks:
+        raise GraphError(f"{graph.num_tasks - state.assigned} tasks never became ready; "
+                         "run hpmoe.verify.verify_graph for the cause")
+    return schedule_from_assignment(graph, SchedulePolicy.CRITICAL_PATH, workers,
+                                    np.asarray(state.worker), np.asarray(state.seq))
+
+
+def link_workers(workers: WorkerCounts, costs: TaskCosts) -> int:
+    """Vector workers per rank reserved for remote puts, 0 for none (every worker does
+    everything).  Enough that the link never waits for an issuing worker: a worker
+    spends issue + transfer + latency per put while the link is busy only for the
+    transfer, so k = ceil(1 + (issue + latency) / transfer) for the median put.  Only
+    when that leaves at least half of the vector workers to the other tasks."""
+    remote = costs.transfer > 0
+    if not remote.any():
+        return 0
+    side = float(np.median(costs.work[remote] + costs.latency[remote]))
+    k = int(np.ceil(1 + side / float(np.median(costs.transfer[remote]))))
+    return k if 2 * k <= workers.vector else 0
+
+
+class _ListState:
+    """Python lists for the hot loop.  Pools are (rank, unit): ``rank * 2 + unit``.
+    Events share ``hpmoe.simulate``'s heap codes, so links behave as in the replay."""
+
+    def __init__(self, graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, prio: np.ndarray,
+                 port: np.ndarray):
+        n, pools = graph.num_tasks, 2 * graph.ep
+        self.prio, self.task_of = prio.tolist(), np.argsort(prio).tolist()
+        self.port, self.put_of = port.tolist(), np.argsort(port).tolist()
+        self.pool = (graph.rank.astype(np.int64) * 2 + graph.unit).tolist()
+        self.work, self.remote = costs.work.tolist(), (costs.transfer > 0).tolist()
+        self.threshold = graph.threshold.tolist()
+        self.sig_ptr, self.signals = graph.sig_ptr.tolist(), graph.signals_global().tolist()
+        self.waiters = _waiters(graph)
+        self.plain: list[list[int]] = [[] for _ in range(pools)]
+        self.puts: list[list[int]] = [[] for _ in range(pools)]
+        self.links = link_workers(workers, costs)
+        self.first_link = workers.vector - self.links
+        self.idle = [list(range(workers.matrix if p % 2 == Unit.MATRIX else self.first_link))
+                     for p in range(pools)]
+        self.link_idle = [[] if p % 2 == Unit.MATRIX else list(range(self.first_link, workers.vector))
+                          for p in range(pools)]
+        self.worker, self.seq, self.finish = [0] * n, [0] * n, [0.0] * n
+        self.events: list[tuple[float, int]] = []
+        self.ports = LinkPorts(graph, costs, self.events)
+        self.assigned = 0
+        for i in np.flatnonzero(initially_ready(graph)).tolist():
+            self.make_ready(i)
+
+    def make_ready(self, i: int) -> None:
+        if self.remote[i]:
+            heapq.heappush(self.puts[self.pool[i]], self.port[i])
+        else:
+            heapq.heappush(self.plain[self.pool[i]], self.prio[i])
+
+    def run(self) -> None:
+        touched = set(range(len(self.plain)))
+        now = 0.0
+        while True:
+            for p in sorted(touched):
+                self.fill(p, now)
+            if not self.events:
+                return
+            now, touched = self.pop_instant()
+
+    def pop_instant(self) -> tuple[float, set[int]]:
+        """Process every event at the earliest time; the pools they touch."""
+        now = self.events[0][0]
+        touched: set[int] = set()
+        while self.events and self.events[0][0] == now:
+            i, kind = divmod(heapq.heappop(self.events)[1], 3)
+            if kind == ISSUE:
+                self.ports.issue(i, now)
+            elif kind == LINK_DONE:
+                self.ports.done(i, now)
+            else:
+                self.finish[i] = now
+                p, w = self.pool[i], self.worker[i]
+                linker = p % 2 == Unit.VECTOR and w >= self.first_link
+                heapq.heappush(self.link_idle[p] if linker else self.idle[p], w)
+                touched.add(p)
+                self.signal(i, touched)
+        return now, touched
+
+    def signal(self, i: int, touched: set[int]) -> None:
+        for s in range(self.sig_ptr[i], self.sig_ptr[i + 1]):
+            e = self.signals[s]
+            self.threshold[e] -= 1
+            if self.threshold[e] == 0:
+                for j in self.waiters[e]:
+                    self.make_ready(j)
+                    touched.add(self.pool[j])
+
+    def fill(self, p: int, now: float) -> None:
+        """Give ready tasks of pool ``p`` to its idle workers: link workers take remote
+        puts in ``port_order``; the others the best ready task (by priority), puts
+        included only when the rank has no link workers."""
+        plain, puts, idle, link_idle = self.plain[p], self.puts[p], self.idle[p], self.link_idle[p]
+        while link_idle and puts:
+            self.start(self.put_of[heapq.heappop(puts)], heapq.heappop(link_idle), now)
+        mixed = self.links == 0
+        while idle and (plain or (mixed and puts)):
+            put = self.put_of[puts[0]] if mixed and puts else -1
+            if plain and (put < 0 or plain[0] < self.prio[put]):
+                i = self.task_of[heapq.heappop(plain)]
+            else:
+                i = put
+                heapq.heappop(puts)
+            self.start(i, heapq.heappop(idle), now)
+
+    def start(self, i: int, w: int, now: float) -> None:
+        self.worker[i], self.seq[i] = w, self.assigned
+        self.assigned += 1
+        heapq.heappush(self.events, (now + self.work[i], 3 * i + (ISSUE if self.remote[i] else END)))
+
+
+def _waiters(graph: TaskGraph) -> list[list[int]]:
+    wait = graph.wait_global()
+    has = np.flatnonzero(wait >= 0)
+    order = has[np.argsort(wait[has], kind="stable")]
+    cuts = np.cumsum(np.bincount(wait[has], minlength=graph.num_events))[:-1]
+    return [part.tolist() for part in np.split(order, cuts)]
