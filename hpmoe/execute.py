@@ -9,13 +9,13 @@ under every valid order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .graph import TaskGraph
+from .graph import TaskGraph, TaskKind
 from .kernels import KERNELS, ForwardBuffers, RankContext, tiles_of
 from .lower.forward import lower_forward
 from .routing import Routing, check_hidden, check_routing, plan_routing
@@ -37,9 +37,13 @@ class ForwardResult:
 
 
 def run_graph(graph: TaskGraph, buffers: Sequence[ForwardBuffers], contexts: Sequence[RankContext],
-              order: Sequence[int] | np.ndarray | None = None) -> None:
+              order: Sequence[int] | np.ndarray | None = None,
+              kernels: Mapping[TaskKind, Callable[..., None]] | None = None) -> None:
     """Run every task of ``graph`` once, in ``order``; raise ``GraphError`` when a
-    task would run before its event reached its threshold."""
+    task would run before its event reached its threshold.  ``kernels``: the
+    ``{TaskKind: fn(tile, me, peer, ctx)}`` table (default: the forward ``KERNELS``);
+    ``buffers`` and ``contexts`` are whatever that table's functions take."""
+    table = KERNELS if kernels is None else kernels
     order = np.arange(graph.num_tasks) if order is None else np.asarray(order, np.int64)
     if sorted(order.tolist()) != list(range(graph.num_tasks)):
         raise ValueError(f"order must be a permutation of the {graph.num_tasks} task ids")
@@ -53,7 +57,7 @@ def run_graph(graph: TaskGraph, buffers: Sequence[ForwardBuffers], contexts: Seq
             raise GraphError(f"order runs {graph.task(i)} before its event {ev} reached "
                              f"{threshold[ev]} (at {count[ev]})")
         t = tiles[i]
-        KERNELS[t.kind](t, buffers[t.rank], buffers[t.peer], contexts[t.rank])
+        table[t.kind](t, buffers[t.rank], buffers[t.peer], contexts[t.rank])
         for e in signals[ptr[i]:ptr[i + 1]]:
             count[e] += 1
 

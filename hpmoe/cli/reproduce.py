@@ -1,11 +1,11 @@
 """``hpmoe reproduce``: the paper's Dispatch-to-Combine table on a hardware model.
 
 DeepSeek-V3 shapes, 4096 tokens per rank, EP in {8, 16, 32, 64}, balanced and
-zipf-skewed routing.  Per row: the serial baseline, the paper's policy on the paper's
-tiles, ours (critical-path) and the lower bound of our graph, in µs, with speedups
-over serial.  Serial and critical-path use the default tiles (128-row GEMM blocks,
-512 columns); critical-path's candidates include the serial schedule, so ``serial``
-is read off the same run.
+zipf-skewed routing, forward and backward regions.  Per row: the serial baseline,
+the paper's policy on the paper's tiles, ours (critical-path) and the lower bound of
+our graph, in µs, with speedups over serial.  Serial and critical-path use the
+default tiles (128-row GEMM blocks, 512 columns); critical-path's candidates include
+the serial schedule, so ``serial`` is read off the same run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..hardware import HARDWARE_PRESETS, HardwareModel
-from ..lower.forward import lower_forward
+from ..lower import Direction, lower
 from ..routing import RoutingKind, plan_routing, synthetic_routing
 from ..schedule import critical_path_candidates, hardware_workers, hyperparallel_schedule, paper_tiles
 from ..simulate import graph_bounds, simulate
@@ -26,8 +26,8 @@ from .common import emit
 from .simulate import load_hardware
 
 _US = 1e6
-COLUMNS = ("ep", "routing", "serial_us", "hyperparallel_us", "critical_path_us", "lower_bound_us",
-           "hyperparallel_speedup", "critical_path_speedup", "critical_path_over_bound")
+COLUMNS = ("direction", "ep", "routing", "serial_us", "hyperparallel_us", "critical_path_us",
+           "lower_bound_us", "hyperparallel_speedup", "critical_path_speedup", "critical_path_over_bound")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64], help="EP sizes")
     p.add_argument("--routing", nargs="+", default=[RoutingKind.BALANCED.value, RoutingKind.ZIPF.value],
                    choices=[k.value for k in RoutingKind], help="synthetic routings")
+    p.add_argument("--direction", nargs="+", default=[d.value for d in Direction],
+                   choices=[d.value for d in Direction], help="forward and/or backward region")
     p.add_argument("--hardware", default="ascend-a3", choices=list(HARDWARE_PRESETS))
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -43,18 +45,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def reproduce_row(args: argparse.Namespace, ep: int, routing: RoutingKind, hardware: HardwareModel) -> dict:
-    """Serial, hyperparallel, critical-path and the lower bound for one EP size and routing."""
+def reproduce_row(args: argparse.Namespace, direction: Direction, ep: int, routing: RoutingKind,
+                  hardware: HardwareModel) -> dict:
+    """Serial, hyperparallel, critical-path and the lower bound for one region, EP size
+    and routing."""
     moe = preset(args.preset, torch.bfloat16)
     par = ParallelSpec(ep=ep, tokens_per_rank=args.tokens)
     plan = plan_routing(synthetic_routing(routing, moe, par, seed=args.seed).ids, moe, par)
-    graph = lower_forward(plan, TileSpec())
+    graph = lower(plan, TileSpec(), direction)
     candidates = {c.name: c.makespan for c in critical_path_candidates(graph, hardware)}
-    paper = lower_forward(plan, paper_tiles(hardware))
+    paper = lower(plan, paper_tiles(hardware), direction)
     hyper = simulate(hyperparallel_schedule(paper, hardware_workers(hardware)), hardware).makespan
     serial, ours = candidates["serial"], min(candidates.values())
     bound = graph_bounds(graph, hardware).lower_bound
-    return {"ep": ep, "routing": routing.value, "serial_us": round(serial * _US, 1),
+    return {"direction": direction.value, "ep": ep, "routing": routing.value,
+            "serial_us": round(serial * _US, 1),
             "hyperparallel_us": round(hyper * _US, 1), "critical_path_us": round(ours * _US, 1),
             "lower_bound_us": round(bound * _US, 1), "hyperparallel_speedup": round(serial / hyper, 3),
             "critical_path_speedup": round(serial / ours, 3),
@@ -74,11 +79,13 @@ def format_table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     hardware = load_hardware(args.hardware)
-    jobs = [(ep, RoutingKind(r)) for r in args.routing for ep in args.ep]
+    jobs = [(Direction(d), ep, RoutingKind(r)) for d in args.direction for r in args.routing
+            for ep in args.ep]
     rows, start = [], time.perf_counter()
-    for k, (ep, routing) in enumerate(jobs, 1):
-        rows.append(reproduce_row(args, ep, routing, hardware))
-        print(f"[{k}/{len(jobs)}] EP {ep} {routing.value}: serial {rows[-1]['serial_us']} us, "
+    for k, (direction, ep, routing) in enumerate(jobs, 1):
+        rows.append(reproduce_row(args, direction, ep, routing, hardware))
+        print(f"[{k}/{len(jobs)}] {direction.value} EP {ep} {routing.value}: "
+              f"serial {rows[-1]['serial_us']} us, "
               f"critical-path {rows[-1]['critical_path_us']} us ({time.perf_counter() - start:.1f} s)",
               file=sys.stderr, flush=True)
     if args.json:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from ..graph import TaskGraph
 from ..hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
-from ..lower.forward import lower_forward
+from ..lower import Direction, lower
 from ..schedule import Schedule, SchedulePolicy, paper_tiles, schedule
 from ..simulate import SimResult, simulate
 from .common import Layer, add_layer_args, emit, layer_from_args
@@ -24,11 +24,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
-    """--hardware, --schedule and --paper-tiles."""
+    """--hardware, --schedule, --backward, --recompute and --paper-tiles."""
     p.add_argument("--hardware", default="ascend-a3", choices=list(HARDWARE_PRESETS),
                    help="hardware model (cpu: the profile written by `hpmoe calibrate`)")
     p.add_argument("--schedule", default=SchedulePolicy.CRITICAL_PATH.value,
                    choices=[s.value for s in SchedulePolicy], help="scheduling policy")
+    p.add_argument("--backward", action="store_true", help="the backward region instead of the forward")
+    p.add_argument("--recompute", action="store_true",
+                   help="backward: recompute the SwiGLU activation instead of saving it")
     p.add_argument("--paper-tiles", action="store_true",
                    help="the paper's tiling (one GEMM row block per expert, columns split over the "
                         "matrix workers) instead of --tile-rows/--gemm-rows/--gemm-cols")
@@ -64,7 +67,8 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
     if args.paper_tiles:
         layer = replace(layer, tiles=paper_tiles(hardware))
     t0 = time.perf_counter()
-    graph = lower_forward(layer.plan, layer.tiles)
+    direction = Direction.BACKWARD if args.backward else Direction.FORWARD
+    graph = lower(layer.plan, layer.tiles, direction, recompute=args.recompute)
     t1 = time.perf_counter()
     sched = schedule(graph, SchedulePolicy(args.schedule), hardware)
     t2 = time.perf_counter()
@@ -78,6 +82,7 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
     """The JSON-ready figures of one simulation (times in µs, wall times in s)."""
     b, tiles = sim.result.bounds, sim.layer.tiles
     return {
+        "direction": "backward" if args.backward else "forward",
         "preset": args.preset, "ep": args.ep, "tokens_per_rank": args.tokens,
         "routing": sim.layer.routing.value, "hardware": sim.hardware.name, "schedule": args.schedule,
         "candidate": sim.schedule.graph.meta.get("candidate", args.schedule),
