@@ -149,8 +149,9 @@ def test_cli_reproduce_table(capsys):
     assert main(["reproduce", "--preset", "tiny", "--tokens", "32", "--ep", "2", "4", "--json"]) == 0
     captured = capsys.readouterr()
     rows = json.loads(captured.out)["rows"]
-    assert [(r["ep"], r["routing"]) for r in rows] == [(2, "balanced"), (4, "balanced"), (2, "zipf"),
-                                                       (4, "zipf")]
+    assert [(r["direction"], r["ep"], r["routing"]) for r in rows] == [
+        (d, ep, routing) for d in ("forward", "backward") for routing in ("balanced", "zipf")
+        for ep in (2, 4)]
     assert all(r["critical_path_us"] <= r["serial_us"] for r in rows)
     assert all(r["critical_path_us"] >= r["lower_bound_us"] * (1 - 1e-6) for r in rows)
-    assert "[4/4]" in captured.err
+    assert "[8/8]" in captured.err

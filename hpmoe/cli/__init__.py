@@ -8,7 +8,7 @@ import sys
 
 # Subcommand modules of this package; each defines add_parser(subparsers) that sets
 # ``run`` (args -> exit code) as the parser default.
-COMMANDS = ("info", "calibrate", "demo", "simulate", "reproduce", "trace")
+COMMANDS = ("info", "calibrate", "demo", "simulate", "reproduce", "trace", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

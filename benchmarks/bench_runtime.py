@@ -1,0 +1,86 @@
+"""Runtime figures for docs/PERFORMANCE-runtime.md.  Timings are noisy while other
+work runs on the machine: take final figures on a quiet one, and rerun freely.
+
+Per-task overhead of the executor (empty tasks, one process, no communication;
+the shapes are described in hpmoe/runtime/overhead.py):
+
+    .venv/bin/python benchmarks/bench_runtime.py overhead [--tasks 4000] [--repeats 5]
+
+Speedup over the serialized baseline and the cost model's prediction, one
+`hpmoe bench --predict` run per configuration (a markdown table; JSON with --out):
+
+    .venv/bin/python benchmarks/bench_runtime.py configs [--ep 2] [--iters 10] [--warmup 5]
+        [--only NAME ...] [--out F] [--extra MORE BENCH ARGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from hpmoe.runtime.overhead import EmptyShape, seconds_per_task
+
+
+def overhead(args: argparse.Namespace) -> None:
+    print(f"{'case':>12} {'tasks':>6} {'us/task':>8}")
+    for shape in EmptyShape:
+        s = seconds_per_task(args.tasks, shape, args.repeats)
+        print(f"{shape.value:>12} {args.tasks:>6} {s * 1e6:>8.2f}")
+
+
+SMALL = ["--preset", "small", "--tokens", "1024"]
+CONFIGS = {
+    # compute-bound: puts are shared-memory copies / loopback TCP, small next to the GEMMs
+    "compute-shm": [*SMALL, "--transport", "shm"],
+    "compute-dist": [*SMALL, "--transport", "dist"],
+    "compute-link-4gbit": [*SMALL, "--link", "4gbit"],
+    # communication-bound: the same layer, ranks behind slower shaped links
+    "comm-link-1gbit": [*SMALL, "--link", "1gbit"],
+    "comm-link-500mbit": [*SMALL, "--link", "500mbit"],
+}
+COLUMNS = ("schedule", "fallback", "serial_ms", "serial_same_transport_ms", "runtime_taskflow_ms",
+           "taskflow_ms", "speedup", "runtime_speedup", "predicted_taskflow_ms",
+           "measured_taskflow_region_ms", "prediction_error_taskflow", "prediction_error_serial_schedule")
+
+
+def configs(args: argparse.Namespace) -> None:
+    rows = {}
+    print("| config | " + " | ".join(COLUMNS) + " |")
+    print("|---" * (len(COLUMNS) + 1) + "|")
+    for name, extra in CONFIGS.items():
+        if args.only and name not in args.only:
+            continue
+        argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", str(args.ep), "--json", "--predict",
+                "--iters", str(args.iters), "--warmup", str(args.warmup), *extra, *args.extra]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+        if proc.returncode:
+            print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
+            continue
+        rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"| {name} | " + " | ".join(str(rows[name].get(c)) for c in COLUMNS) + " |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    o = sub.add_parser("overhead")
+    o.add_argument("--tasks", type=int, default=4000)
+    o.add_argument("--repeats", type=int, default=5)
+    c = sub.add_parser("configs")
+    c.add_argument("--ep", type=int, default=2)
+    c.add_argument("--iters", type=int, default=10)
+    c.add_argument("--warmup", type=int, default=5)
+    c.add_argument("--only", nargs="*", default=[])
+    c.add_argument("--out", default=None)
+    c.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `hpmoe bench` args")
+    args = ap.parse_args()
+    (overhead if args.what == "overhead" else configs)(args)
+
+
+if __name__ == "__main__":
+    main()

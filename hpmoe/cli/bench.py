@@ -1,0 +1,168 @@
+"""``hpmoe bench``: Dispatch-to-Combine latency of the serialized torch.distributed
+baseline, of the serial schedule on hpmoe's runtime, and of the taskflow.
+
+Without RANK/WORLD_SIZE in the environment it launches ``--ep`` local ranks itself
+(each in its own shaped network namespace with ``--link``); under ``torchrun`` (or
+as one of those ranks) it is one rank of the benchmark, and rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..routing import RoutingKind
+from ..runtime.bench import BenchConfig, run_bench
+from ..runtime.bench_report import BenchReport
+from ..runtime.faults import Fault
+from ..runtime.forensics import RegionError
+from ..runtime.launch import LaunchSpec, launch
+from ..runtime.netns import LinkSpec
+from ..runtime.session import JOB_ENV, RuntimeConfig
+from ..runtime.transport import TransportKind
+from ..schedule.base import SchedulePolicy, WorkerCounts
+from ..spec import TileSpec, preset
+from ..trace import write_gantt, write_trace
+from .common import DTYPES, add_layer_args, emit
+
+_OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
+            "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
+            "trace", "link")
+_FLAGS = ("json", "predict", "cache_schedules")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure the runtime against the serialized baseline")
+    add_layer_args(p, tokens=512, ep=2)
+    p.set_defaults(preset="small", ep=None, run=run)
+    p.add_argument("--transport", choices=[TransportKind.SHM.value, TransportKind.DIST.value], default=None,
+                   help="shm (one host) or dist (torch.distributed p2p); default shm, dist with --link")
+    p.add_argument("--schedule", choices=["auto", *(s.value for s in SchedulePolicy)], default="auto",
+                   help="taskflow schedule; auto: the cost model picks critical-path or hyperparallel "
+                        "(their per-step scheduling time included)")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="run ranks in network namespaces joined by links shaped to RATE (e.g. 2gbit)")
+    p.add_argument("--workers", default="1,1", help="matrix,vector worker threads per rank")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker and for the baseline")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up iterations (the cost model reads them)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds any wait may take")
+    p.add_argument("--predict", action="store_true", help="also replay the schedules on the cpu model")
+    p.add_argument("--cache-schedules", action="store_true",
+                   help="reuse schedules when token counts repeat (they do here: same inputs)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write trace.json (Perfetto) and gantt.png of the measured taskflow region, and "
+                        "predicted-trace.json / predicted-gantt.png with --predict")
+    p.add_argument("--fault", default=None, metavar="KIND:RANK[:AFTER]",
+                   help="inject a fault (kill, silent, unreachable) to see failures propagate")
+    p.add_argument("--timeout", type=float, default=1800.0, help="launcher: wall-time limit (s)")
+
+
+def _transport(args: argparse.Namespace) -> TransportKind:
+    if args.transport is None:
+        return TransportKind.DIST if args.link else TransportKind.SHM
+    kind = TransportKind(args.transport)
+    if args.link and kind is TransportKind.SHM:
+        raise ValueError("--link shapes the network between ranks: it needs --transport dist")
+    return kind
+
+
+def _workers(text: str) -> WorkerCounts:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--workers={text!r} must be MATRIX,VECTOR (e.g. 1,2)")
+    return WorkerCounts(matrix=int(parts[0]), vector=int(parts[1]))
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """The benchmark the arguments describe (validates them)."""
+    runtime = RuntimeConfig(transport=_transport(args), workers=_workers(args.workers),
+                            deadline_s=args.deadline, threads=args.threads)
+    return BenchConfig(
+        moe=preset(args.preset, DTYPES[args.dtype]), tokens=args.tokens,
+        routing=RoutingKind(args.routing), seed=args.seed,
+        tiles=TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols),
+        runtime=runtime, policy=None if args.schedule == "auto" else SchedulePolicy(args.schedule),
+        warmup=args.warmup, iters=args.iters,
+        link=LinkSpec(args.link) if args.link else None, predict=args.predict,
+        cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = bench_config(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _rank_main(args, config)
+    ep = 2 if args.ep is None else args.ep
+    if ep <= 0 or config.moe.experts % ep:
+        raise ValueError(f"--ep={ep} must be a positive divisor of the {config.moe.experts} experts")
+    spec = LaunchSpec(argv=(sys.executable, "-m", "hpmoe", "bench", *_rank_argv(args)), world=ep,
+                      link=config.link, timeout_s=args.timeout, grace_s=args.deadline + 10.0)
+    result = launch(spec)
+    if not result.ok:
+        codes = {r.rank: r.returncode for r in result.ranks}
+        print(f"hpmoe bench: ranks failed, exit codes {codes}", file=sys.stderr)
+    return result.returncode
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The arguments each launched rank gets (every option explicit)."""
+    out = []
+    for name in _OPTIONS:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out + [f"--{name.replace('_', '-')}" for name in _FLAGS if getattr(args, name)]
+
+
+def _rank_main(args: argparse.Namespace, config: BenchConfig) -> int:
+    """One rank: join the gloo group, benchmark, rank 0 prints.  A failed region
+    prints its diagnosis and exits at once (peers are told; nothing is left behind)."""
+    world = int(os.environ["WORLD_SIZE"])
+    if args.ep is not None and args.ep != world:
+        raise ValueError(f"--ep={args.ep} but WORLD_SIZE={world}")
+    if config.link is not None and JOB_ENV not in os.environ:
+        raise ValueError("--link is for `hpmoe bench` starting its own ranks, not for torchrun")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=max(60.0, 2 * args.deadline)))
+    try:
+        report = run_bench(config)
+    except RegionError as err:
+        print(str(err), file=sys.stderr, flush=True)
+        os._exit(1)  # pending gloo work of a failed region must not block the exit
+    except RuntimeError as err:  # a collective that failed because a peer died
+        print(f"hpmoe runtime: rank {dist.get_rank()} stopped: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+    if dist.get_rank() == 0:
+        _print(args, config, report, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _print(args: argparse.Namespace, config: BenchConfig, report: BenchReport, world: int) -> None:
+    head = {"preset": args.preset, "tokens_per_rank": args.tokens, "routing": args.routing,
+            "dtype": args.dtype, "transport": config.runtime.transport.value,
+            "link": args.link, "workers": args.workers, "threads": args.threads,
+            "warmup": args.warmup, "iters": args.iters}
+    files = _write_traces(Path(args.trace), report) if args.trace else {}
+    emit(head | report.to_json() | files, args.json)
+
+
+def _write_traces(out: Path, report: BenchReport) -> dict:
+    """Measured (and predicted) timelines as Perfetto JSON and, with matplotlib, Gantt PNGs."""
+    plots = importlib.util.find_spec("matplotlib") is not None
+    files = {}
+    for prefix, timeline in (("", report.timeline), ("predicted-", report.predicted_timeline)):
+        if timeline is None:
+            continue
+        key = prefix.replace("-", "_")
+        files[f"{key}trace"] = str(write_trace(timeline, out / f"{prefix}trace.json"))
+        if plots:
+            files[f"{key}gantt"] = str(write_gantt(timeline, out / f"{prefix}gantt.png"))
+    return files

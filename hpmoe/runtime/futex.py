@@ -1,0 +1,63 @@
+"""Linux futexes on 32-bit words, through ``ctypes``: the only synchronisation
+primitive the runtime's event counters need.
+
+``add`` is an atomic fetch-and-add done by the kernel (``FUTEX_WAKE_OP`` with
+``FUTEX_OP_ADD``) that also wakes every thread sleeping on the word, in any process
+that maps it (the futexes are shared, not ``FUTEX_PRIVATE``).  The locked
+read-modify-write is a full memory barrier, so every store the caller made before
+``add`` (a put's data) is visible to a thread that observes the new value.
+``wait`` sleeps while the word still holds an expected value, up to a timeout.
+Calls through ``ctypes.CDLL`` release the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
+_FUTEX_WAIT, _FUTEX_WAKE_OP = 0, 5
+_FUTEX_OP_ADD = 1
+_WAKE_ALL = 0x7FFFFFFF
+MAX_ADD = 2047  # FUTEX_OP's oparg is a signed 12-bit field
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> tuple[ctypes.CDLL, int]:
+    machine = platform.machine()
+    if machine not in _SYS_FUTEX or os.uname().sysname != "Linux":
+        raise OSError(f"futex counters need Linux on x86_64 or aarch64, got {os.uname().sysname} {machine}")
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.syscall.restype = ctypes.c_long
+    return lib, _SYS_FUTEX[machine]
+
+
+_LIBC, _SYS = _libc()
+_NULL = ctypes.c_void_p(0)
+
+
+def add(addr: int, n: int = 1) -> None:
+    """Atomically add ``n`` (1..2047) to the int32 at ``addr`` and wake its waiters."""
+    if not 0 < n <= MAX_ADD:
+        raise ValueError(f"futex add n={n} outside [1, {MAX_ADD}]")
+    word = ctypes.c_void_p(addr)
+    op = (_FUTEX_OP_ADD << 28) | (n << 12)
+    if _LIBC.syscall(_SYS, word, _FUTEX_WAKE_OP, _WAKE_ALL, _NULL, word, op) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"futex add at {addr:#x}: {os.strerror(err)}")
+
+
+def wait(addr: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the int32 at ``addr`` equals ``expected`` (signed), at most
+    ``timeout_s`` seconds; returns early on a wake, a change or a signal."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    if _LIBC.syscall(_SYS, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int(expected),
+                     ctypes.byref(ts), _NULL, 0) < 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+            raise OSError(err, f"futex wait at {addr:#x}: {os.strerror(err)}")

@@ -1,0 +1,117 @@
+"""Emulated hosts: one network namespace per rank, joined through a bridge in a
+hub namespace by veth pairs shaped with ``tc tbf`` in both directions, so that
+communication between ranks is a bandwidth-bound resource of its own.
+
+Needs root, ``ip`` and ``tc``.  Namespaces are named ``hpm-<token>-...`` (unique
+per run) and deleted by ``delete_topology`` — also after a partial creation.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
+_SCALE = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+IFNAME = "eth0"  # each rank's interface inside its namespace
+SUBNET = "10.77.0"
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Per-rank, per-direction link rate in tc syntax (``2gbit``, ``500mbit``)."""
+
+    rate: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rate, str) or not _RATE.match(self.rate):
+            raise ValueError(f"link rate={self.rate!r} must look like 2gbit, 500mbit or 800kbit")
+
+    @property
+    def bytes_per_s(self) -> float:
+        value, unit = _RATE.match(self.rate).groups()
+        return float(value) * _SCALE[unit] / 8.0
+
+    @property
+    def burst(self) -> str:
+        """tbf bucket: 4 ms at the rate, at least 256 KiB (a GSO packet is <= 64 KiB)."""
+        return f"{max(262144, int(self.bytes_per_s * 0.004))}b"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Created namespaces: ``ranks[r]`` holds rank r with address ``address(r)``."""
+
+    token: str
+    hub: str
+    ranks: tuple[str, ...]
+    link: LinkSpec
+
+    @staticmethod
+    def address(rank: int) -> str:
+        return f"{SUBNET}.{rank + 1}"
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        """argv prefix that runs a command inside rank ``rank``'s namespace."""
+        return ["ip", "netns", "exec", self.ranks[rank]]
+
+
+def _run(*argv: str) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if proc.returncode:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+
+
+def _shape(ns: str, dev: str, link: LinkSpec) -> None:
+    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+         link.rate, "burst", link.burst, "latency", "20ms")
+
+
+def create_topology(world: int, link: LinkSpec, token: str) -> Topology:
+    """Namespaces for ``world`` ranks; on failure everything created is deleted."""
+    if not isinstance(world, int) or not 1 <= world <= 250:
+        raise ValueError(f"world={world!r} must be an int in [1, 250] for --link")
+    prefix = f"hpm-{token[:12]}"
+    topo = Topology(token=token, hub=f"{prefix}-hub",
+                    ranks=tuple(f"{prefix}-r{r}" for r in range(world)), link=link)
+    try:
+        _run("ip", "netns", "add", topo.hub)
+        _run("ip", "-n", topo.hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", topo.hub, "link", "set", "br0", "up")
+        for r in range(world):
+            _add_rank(topo, r)
+    except BaseException:
+        delete_topology(topo)
+        raise
+    return topo
+
+
+def _add_rank(topo: Topology, r: int) -> None:
+    ns, port = topo.ranks[r], f"p{r}"
+    _run("ip", "netns", "add", ns)
+    _run("ip", "-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", port, "netns", topo.hub)
+    _run("ip", "-n", ns, "addr", "add", f"{topo.address(r)}/24", "dev", IFNAME)
+    for dev in ("lo", IFNAME):
+        _run("ip", "-n", ns, "link", "set", dev, "up")
+    _run("ip", "-n", topo.hub, "link", "set", port, "master", "br0")
+    _run("ip", "-n", topo.hub, "link", "set", port, "up")
+    _shape(ns, IFNAME, topo.link)
+    _shape(topo.hub, port, topo.link)
+
+
+def delete_topology(topo: Topology) -> list[str]:
+    """Delete every namespace of ``topo`` that exists; returns the names deleted."""
+    existing = set(list_namespaces())
+    gone = []
+    for ns in (*topo.ranks, topo.hub):
+        if ns in existing:
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+            gone.append(ns)
+    return gone
+
+
+def list_namespaces(prefix: str = "hpm-") -> list[str]:
+    """Names of network namespaces starting with ``prefix``."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]

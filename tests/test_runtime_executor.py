@@ -1,0 +1,210 @@
+"""The runtime's executor, counters, plan exchange, shared segments and heap, in one
+process (no ranks): handmade graphs on the local transport."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hpmoe.graph import TaskKind, task_columns
+from hpmoe.lower.forward import lower_forward
+from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
+from hpmoe.runtime.counters import Counters
+from hpmoe.runtime.executor import Executor, ExecutorConfig
+from hpmoe.runtime.faults import Fault, FaultKind
+from hpmoe.runtime.forensics import RegionError
+from hpmoe.runtime.heap import HeapNeed, SymmetricHeap
+from hpmoe.runtime.local_transport import LocalTransport
+from hpmoe.runtime.netns import LinkSpec
+from hpmoe.runtime.plan import plan_from_tile_counts, tile_counts
+from hpmoe.runtime.session import RuntimeConfig
+from hpmoe.runtime.shm import SHM_DIR, create_segment, job_segments, new_token, open_segment, sweep
+from hpmoe.runtime.taskflow import Taskflow, compile_program
+from hpmoe.spec import ParallelSpec, TileSpec, preset
+
+from .handmade import build, by_hand, gemm, vec
+
+
+class Log:
+    """Kernels that append the task's column tile to a shared list (col0 = task id)."""
+
+    def __init__(self, sleep_s: float = 0.0, fail_on: int = -1):
+        self.seen: list[int] = []
+        self.sleep_s, self.fail_on = sleep_s, fail_on
+
+    def kernel(self, tile: object, me: object, peer: object, ctx: object) -> None:
+        if tile.kind == TaskKind.GEMM_UP:
+            time.sleep(self.sleep_s)
+        if tile.row1 == self.fail_on:
+            raise ValueError(f"kernel failure on purpose at row1={tile.row1}")
+        self.seen.append(tile.kind)
+
+    def taskflow(self) -> Taskflow:
+        return Taskflow(name="log", kernels={TaskKind.GEMM_UP: self.kernel, TaskKind.SWIGLU: self.kernel},
+                        puts={}, symmetric=(), lower=lambda *a: None, symmetric_shapes=lambda *a: {})
+
+
+def _run(graph, workers, log: Log, deadline: float = 5.0, repeats: int = 1, transport=None):
+    """Run the one-rank ``graph`` ``repeats`` times; returns the last RegionResult."""
+    program = compile_program(by_hand(graph, workers), log.taskflow(), 0)
+    transport = transport or LocalTransport()
+    executor = Executor(ExecutorConfig(deadline_s=deadline, poll_s=0.01))
+    try:
+        for _ in range(repeats):
+            transport.begin()
+            transport.prepare_events(program.num_events)
+            result = executor.run(program, log.taskflow(), None, None, transport)
+        return result
+    finally:
+        executor.close()
+
+
+def _chain():
+    """GEMM (matrix) signals event 0; SWIGLU (vector) waits on it."""
+    return build(1, [gemm(1, signals=[(0, 0)]), vec(1, wait=0)], {0: [1]})
+
+
+def test_a_waiting_task_runs_after_its_event_and_counters_carry_over_regions() -> None:
+    log = Log(sleep_s=0.02)
+    res = _run(_chain(), [0, 0], log, repeats=3)
+    assert log.seen == [TaskKind.GEMM_UP, TaskKind.SWIGLU] * 3
+    tl = res.timeline
+    start = dict(zip(tl.task.tolist(), tl.start.tolist(), strict=True))
+    end = dict(zip(tl.task.tolist(), tl.end.tolist(), strict=True))
+    assert start[1] >= end[0]
+    assert tl.queue.tolist() == [0, 1] and tl.makespan > 0.02
+
+
+def test_unreachable_threshold_ends_with_a_report_within_the_deadline() -> None:
+    graph = build(1, [gemm(1, signals=[(0, 0)]), vec(1, wait=0)], {0: [2]})
+    t0 = time.monotonic()
+    with pytest.raises(RegionError) as info:
+        _run(graph, [0, 0], Log(), deadline=0.3)
+    assert time.monotonic() - t0 < 2.0
+    report = info.value.report
+    waiting = [w for w in report.workers if w.status == "waits"]
+    assert len(waiting) == 1 and "SWIGLU" in waiting[0].task
+    assert (waiting[0].progress, waiting[0].threshold) == (1, 2)
+    assert "deadline" in report.cause and "event r0:0" in report.cause
+    finished = [w for w in report.workers if w.status == "finished"]
+    assert "GEMM_UP" in finished[0].last_done
+    assert "counter 1 of threshold 2" in str(info.value)
+
+
+def test_a_failing_kernel_stops_every_worker_and_names_the_task() -> None:
+    graph = build(1, [gemm(1, signals=[(0, 0)]), vec(1, wait=0)], {0: [1]})
+    graph = type(graph)(**{**graph.__dict__, "row1": np.array([7, 1])})
+    with pytest.raises(RegionError) as info:
+        _run(graph, [0, 0], Log(fail_on=7), deadline=5.0)
+    report = info.value.report
+    assert "ValueError" in report.cause and "GEMM_UP" in report.cause
+    assert [w.status for w in report.workers] == ["failed in", "waits", "finished"]
+    assert report.elapsed_s < 1.0
+
+
+def test_counters_progress_is_modulo_2_32() -> None:
+    c = Counters.anonymous(2)
+    c._array[0] = 2**31 - 1
+    base = int(c.snapshot()[0])
+    c.add(0, 2)
+    assert c.value(0) == -(2**31) + 1 and c.progress(0, base) == 2
+    c.add(1, 5000)
+    assert c.progress(1, 0) == 5000
+
+
+def test_a_sleeping_waiter_wakes_on_add() -> None:
+    c = Counters.anonymous(1)
+    threading.Timer(0.05, c.add, args=(0,)).start()
+    t0 = time.monotonic()
+    c.sleep(0, 0, 5.0)
+    assert time.monotonic() - t0 < 2.0 and c.value(0) == 1
+
+
+# ---------------------------------------------------------------------------- plan exchange
+
+@pytest.mark.parametrize("kind", list(RoutingKind))
+@pytest.mark.parametrize("ep", [2, 4])
+def test_tile_counts_rebuild_every_ranks_graph_exactly(kind: RoutingKind, ep: int) -> None:
+    """What each rank lowers from the exchanged counts equals the graph of all ids."""
+    moe, tiles = preset("tiny"), TileSpec(rows=8, gemm_rows=8, gemm_cols=16)
+    par = ParallelSpec(ep=ep, tokens_per_rank=20)
+    ids = synthetic_routing(kind, moe, par, seed=5).ids
+    true = lower_forward(plan_routing(ids, moe, par), tiles)
+    per_rank = ids.view(ep, 20, moe.top_k)
+    counts = torch.stack([tile_counts(per_rank[r], moe.experts, tiles.rows) for r in range(ep)])
+    for me in range(ep):
+        plan = plan_from_tile_counts(per_rank[me], counts, moe, par, me, tiles.rows)
+        assert torch.equal(plan.order[me], plan_routing(ids, moe, par).order[me])
+        mine = lower_forward(plan, tiles)
+        for c in (*task_columns(), "sig_ptr", "sig_rank", "sig_event", "event_ptr", "threshold"):
+            assert np.array_equal(getattr(mine, c), getattr(true, c)), c
+
+
+def test_inconsistent_tile_counts_are_rejected() -> None:
+    moe, par = preset("tiny"), ParallelSpec(ep=2, tokens_per_rank=8)
+    ids = synthetic_routing(RoutingKind.BALANCED, moe, par, seed=0).ids.view(2, 8, -1)
+    counts = torch.stack([tile_counts(ids[r], moe.experts, 4) for r in range(2)])
+    counts[1, 0, 0] += 1
+    with pytest.raises(ValueError, match="token counts per tile"):
+        plan_from_tile_counts(ids[0], counts, moe, par, 0, 4)
+
+
+# ---------------------------------------------------------------------------- configuration
+
+def test_bad_configuration_names_the_field() -> None:
+    with pytest.raises(ValueError, match="deadline_s"):
+        RuntimeConfig(deadline_s=0)
+    with pytest.raises(ValueError, match="threads"):
+        RuntimeConfig(threads=0)
+    with pytest.raises(TypeError, match="transport"):
+        RuntimeConfig(transport="shm")
+    with pytest.raises(ValueError, match="link rate"):
+        LinkSpec("2 gigabit")
+    assert LinkSpec("2gbit").bytes_per_s == 2.5e8
+    assert Fault.parse("kill:1:5") == Fault(FaultKind.KILL, 1, 5)
+    with pytest.raises(ValueError, match="KIND:RANK"):
+        Fault.parse("kill")
+
+
+# ---------------------------------------------------------------------------- shared memory
+
+def test_segments_are_private_exclusive_and_swept() -> None:
+    job = new_token()
+    seg = create_segment(f"hpmoe-{job}-x-r0-g0", 4096)
+    try:
+        st = os.stat(SHM_DIR / seg.name)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        with pytest.raises(FileExistsError):
+            create_segment(seg.name, 4096)
+        os.chmod(SHM_DIR / seg.name, 0o644)
+        with pytest.raises(PermissionError):
+            open_segment(seg.name, 4096)
+    finally:
+        seg.close()
+        assert sweep(job) == [seg.name]
+    assert job_segments(job) == []
+
+
+def test_heap_grows_by_generation_and_leaves_nothing_behind() -> None:
+    job, session = new_token(), new_token()
+    heap = SymmetricHeap(job, session, 0, 1, barrier=lambda: None)
+    small = HeapNeed(events=10, fields=(("recv", (4, 8), torch.bfloat16), ("comb", (3, 8), torch.float32)))
+    big = HeapNeed(events=5000, fields=(("recv", (400, 800), torch.bfloat16),))
+    try:
+        assert heap.ensure([small]) == [0] and heap.ensure([small]) == []
+        views = heap.tensors(0, small)
+        views["comb"].fill_(1.5)
+        heap.counters(0).add(9)
+        assert views["recv"].shape == (4, 8) and heap.counters(0).value(9) == 1
+        assert job_segments(job) == []  # unlinked as soon as every rank mapped it
+        assert heap.ensure([big]) == [0] and heap.counters(0).value(9) == 0
+        assert heap.tensors(0, big)["recv"].shape == (400, 800)
+    finally:
+        heap.close()
+    assert job_segments(job) == []

@@ -1,0 +1,76 @@
+"""Failures end in a diagnosis on every rank within the deadline, never in a hang:
+a rank killed mid-run, a rank whose puts never signal, an event threshold that
+cannot be reached — on both transports.  No process and no /dev/shm segment of
+the job outlives it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from hpmoe.runtime.launch import LaunchResult, LaunchSpec, launch
+from hpmoe.runtime.shm import job_segments
+
+DEADLINE = 2.0
+BENCH = ("--preset", "tiny", "--tokens", "32", "--tile-rows", "8", "--gemm-rows", "8", "--gemm-cols", "16",
+         "--iters", "1", "--warmup", "1", "--schedule", "hyperparallel", "--deadline", str(DEADLINE))
+
+
+def _run(transport: str, fault: str) -> LaunchResult:
+    argv = (sys.executable, "-m", "hpmoe", "bench", *BENCH, "--transport", transport, "--fault", fault)
+    return launch(LaunchSpec(argv=argv, world=2, capture=True, timeout_s=90.0, grace_s=DEADLINE + 8.0))
+
+
+def _assert_clean(result: LaunchResult) -> None:
+    assert result.swept == (), f"segments left for the launcher to remove: {result.swept}"
+    assert job_segments(result.job) == []
+    for r in result.ranks:
+        assert not os.path.exists(f"/proc/{r.pid}"), f"rank {r.rank} (pid {r.pid}) outlived the job"
+        assert not r.stopped, f"rank {r.rank} had to be stopped by the launcher"
+
+
+def _stopped_after(stderr: str) -> float | None:
+    """Seconds in the report line ``rank r stopped after T s`` (None when absent)."""
+    for line in stderr.splitlines():
+        if " stopped after " in line:
+            return float(line.split(" stopped after ")[1].split(" s")[0])
+    return None
+
+
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_a_rank_killed_mid_run_stops_every_rank_with_a_diagnosis(transport: str) -> None:
+    result = _run(transport, "kill:1:3")
+    _assert_clean(result)
+    assert result.ranks[1].returncode == -9
+    survivor = result.ranks[0]
+    assert survivor.returncode == 1, survivor.stderr
+    assert "hpmoe runtime: rank 0 stopped" in survivor.stderr
+    first = survivor.stderr.splitlines()[0]
+    assert "rank 1 (pid" in first or "from rank 1 failed" in first, first
+    assert "waits task" in survivor.stderr and "last finished" in survivor.stderr
+    assert _stopped_after(survivor.stderr) < DEADLINE
+
+
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_a_rank_that_never_signals_is_diagnosed_at_the_deadline(transport: str) -> None:
+    result = _run(transport, "silent:1")
+    _assert_clean(result)
+    for r in result.ranks:
+        assert r.returncode == 1, r.stderr
+        assert f"hpmoe runtime: rank {r.rank} stopped after" in r.stderr
+        assert "counter 0 of threshold" in r.stderr
+        assert _stopped_after(r.stderr) < DEADLINE + 1.0
+
+
+@pytest.mark.parametrize(("transport", "rank"), [("shm", 0), ("dist", 1)])
+def test_an_unreachable_threshold_is_diagnosed_at_the_deadline(transport: str, rank: int) -> None:
+    result = _run(transport, f"unreachable:{rank}")
+    _assert_clean(result)
+    culprit = result.ranks[rank]
+    assert culprit.returncode == 1
+    assert "(deadline)" in culprit.stderr and "UNPERMUTE" in culprit.stderr
+    assert DEADLINE <= _stopped_after(culprit.stderr) < DEADLINE + 1.0
+    other = result.ranks[1 - rank]
+    assert other.returncode == 1 and "stopped" in other.stderr

@@ -1,0 +1,72 @@
+"""``hpmoe bench`` end to end: spawning its own ranks, under torchrun, and with
+ranks in shaped network namespaces; the JSON report, the measured and predicted
+traces, and nothing left behind (segments, namespaces)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpmoe.hardware import save_profile
+from hpmoe.runtime.netns import list_namespaces
+from hpmoe.runtime.shm import SHM_DIR
+
+from .handmade import UNIT_HW
+
+TINY = ["--preset", "tiny", "--tokens", "24", "--tile-rows", "8", "--gemm-rows", "8", "--gemm-cols", "16",
+        "--iters", "2", "--warmup", "1", "--json", "--deadline", "30"]
+FIELDS = ("serial_ms", "serial_same_transport_ms", "taskflow_ms", "speedup", "max_abs_diff")
+
+
+def _bench(argv: list[str], tmp_path: Path, timeout: float = 120.0) -> dict:
+    env = {**os.environ, "HPMOE_PROFILE": str(save_profile(dataclasses.replace(UNIT_HW, name="cpu"),
+                                                           tmp_path / "cpu.json"))}
+    before = sorted(p.name for p in SHM_DIR.glob("hpmoe-*"))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in SHM_DIR.glob("hpmoe-*")) == before
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(isinstance(report[f], float | int) for f in FIELDS), report
+    assert report["bitwise_equal_serial_schedule"] is True
+    assert report["max_abs_diff"] < 1e-4  # fp32 tiny layer: refs differ only by GEMM tiling
+    return report
+
+
+def test_bench_spawns_its_ranks_and_writes_both_traces(tmp_path: Path) -> None:
+    out = tmp_path / "traces"
+    argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", *TINY, "--predict", "--trace", str(out),
+            "--schedule", "critical-path"]
+    report = _bench(argv, tmp_path)
+    assert report["schedule"] == "critical-path" and report["candidate"] is not None
+    assert isinstance(report["fallback"], bool) and report["model_critical-path_ms"] > 0
+    assert report["predicted_taskflow_ms"] > 0 and "prediction_error_taskflow" in report
+    for name in ("trace.json", "predicted-trace.json"):
+        events = json.loads((out / name).read_text())["traceEvents"]
+        assert any(e.get("ph") == "X" for e in events)
+    assert report["trace"] == str(out / "trace.json")
+
+
+def test_bench_runs_under_torchrun(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [str(torchrun), "--nproc-per-node", "2", "-m", "hpmoe", "bench", *TINY, "--transport", "dist"]
+    report = _bench(argv, tmp_path)
+    assert report["ep"] == 2 and report["transport"] == "dist"
+    assert report["schedule"] in ("critical-path", "hyperparallel")  # auto: the cost model's pick
+    assert {"model_critical-path_ms", "model_hyperparallel_ms"} <= set(report)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and tc")
+def test_bench_with_shaped_links_removes_its_namespaces(tmp_path: Path) -> None:
+    before = list_namespaces()
+    argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", *TINY, "--link", "1gbit"]
+    report = _bench(argv, tmp_path)
+    assert report["transport"] == "dist" and report["link"] == "1gbit"
+    assert 0 < report["link_measured_gbytes_per_s"] < 0.2  # 1 gbit/s = 0.125 GB/s per direction
+    assert list_namespaces() == before
