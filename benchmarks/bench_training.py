@@ -1,0 +1,229 @@
+"""CPU step time and peak memory of MoE training steps (forward + backward of a stack of layers):
+``hpmoe.MoE`` with and without SwiGLU recompute, next to autograd through the gate and
+``refs.dense_moe`` on the same parameters.
+
+Each mode runs in two fresh subprocesses: one times the steps with the default
+allocator; in the other, large allocations go through mmap (``MALLOC_MMAP_THRESHOLD_``)
+so that the resident set follows live memory, and peak = the high-water mark of the
+resident set during a step (reset through /proc/self/clear_refs) minus the resident
+set just before it (with ``--ep``: the whole process's high-water mark).  Saved = bytes
+held between forward and backward (tensors autograd saves, plus the taskflow's
+``SavedActivations``; parameters and the input excluded).
+
+    .venv/bin/python benchmarks/bench_training.py [--preset small] [--tokens 4096]
+        [--layers 1] [--virtual-ep 2 | --ep 2] [--steps 5] [--threads 1]
+
+With ``--ep N`` each mode runs on N gloo ranks on the runtime (per step, the slowest
+rank's time and the largest rank's peak are reported; saved bytes are the largest
+rank's); dense autograd has no distributed counterpart and is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from hpmoe import refs
+from hpmoe.layer import MoE, RegionState
+from hpmoe.routing import route
+from hpmoe.runtime import RuntimeConfig, Session
+from hpmoe.schedule import WorkerCounts
+from hpmoe.spec import MoESpec, preset
+from hpmoe.testing import spawn_gloo
+
+MODES = ("dense-autograd", "hpmoe", "hpmoe-recompute")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One mode: step time (median / min ms over the steps), peak resident-set growth
+    during a step (MiB, max over the steps) and bytes saved for backward (MiB)."""
+
+    mode: str
+    median_ms: float
+    min_ms: float
+    peak_mib: float
+    saved_mib: float
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _forward(mode: str, layers: list[MoE], x: torch.Tensor) -> torch.Tensor:
+    """The stack with residuals: h <- h + layer(h), by the taskflow or by autograd
+    through the gate and refs.dense_moe."""
+    h = x
+    for layer in layers:
+        if mode == "dense-autograd":
+            w = layer.expert_weights()
+            h = h + refs.dense_moe(h, route(h, w), w)
+        else:
+            h = h + layer(h)
+    return h
+
+
+def _region_states(out: torch.Tensor) -> list[RegionState]:
+    """Every taskflow region in the autograd graph of ``out``."""
+    found, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(getattr(node, "state", None), RegionState):
+            found.append(node.state)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _saved_bytes(mode: str, layers: list[MoE], x: torch.Tensor) -> int:
+    """Bytes autograd saves for backward (distinct storages, not parameters or x) plus
+    the taskflows' saved activations."""
+    skip = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
+    skip.add(x.untyped_storage().data_ptr())
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _forward(mode, layers, x)
+    return sum(seen.values()) + sum(s.saved_bytes() for s in _region_states(out))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What to measure: ``layers`` MoE layers of ``preset`` in ``dtype``.  ``ep`` > 0 runs
+    that many processes on the runtime (gloo group, shared-memory transport, one matrix
+    and one vector worker each), each with ``tokens`` tokens; else one process with
+    ``tokens`` tokens over ``virtual_ep`` virtual ranks.  ``threads``: intra-op threads
+    (per worker)."""
+
+    preset: str = "small"
+    dtype: str = "bf16"
+    tokens: int = 4096
+    layers: int = 1
+    virtual_ep: int = 2
+    ep: int = 0
+    steps: int = 5
+    threads: int = 1
+
+    @property
+    def spec(self) -> MoESpec:
+        return preset(self.preset, torch.bfloat16 if self.dtype == "bf16" else torch.float32)
+
+    def argv(self) -> list[str]:
+        pairs = ((f"--{f.name.replace('_', '-')}", getattr(self, f.name)) for f in fields(self))
+        return [str(v) for pair in pairs for v in pair]
+
+
+def _stack(mode: str, s: Setting, session: Session | None, rank: int
+           ) -> tuple[list[MoE], torch.Tensor, torch.Tensor]:
+    """``s.layers`` layers (seeds 0..layers-1) on ``session`` or virtual ranks; x and dy
+    [s.tokens, H] of this rank."""
+    spec, recompute = s.spec, mode == "hpmoe-recompute"
+    layers = [MoE(spec, ep_group=session, virtual_ep=1 if session else s.virtual_ep, recompute=recompute,
+                  seed=i) for i in range(s.layers)]
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(s.tokens, spec.hidden, generator=g).to(spec.dtype)
+    return layers, x, torch.randn(s.tokens, spec.hidden, generator=g).to(spec.dtype)
+
+
+def measure(mode: str, what: str, s: Setting, session: Session | None = None, rank: int = 0) -> list[float]:
+    """Per step after a warm-up: seconds (``what="time"``) or bytes of peak resident set
+    (``what="memory"``): in one process, its growth during the step; on the runtime, the
+    whole process's (worker threads keep their last region's buffers alive until the
+    next region starts, so growth over the step's start would undercount).  For
+    memory, the bytes saved for backward are appended last."""
+    layers, x, dy = _stack(mode, s, session, rank)
+    _forward(mode, layers, x).backward(dy)
+    samples = []
+    for _ in range(s.steps):
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        _reset_peak()
+        before, start = 0 if session else _status("VmRSS"), time.perf_counter()
+        _forward(mode, layers, x).backward(dy)
+        samples.append(time.perf_counter() - start if what == "time" else _status("VmHWM") - before)
+    return samples + ([float(_saved_bytes(mode, layers, x))] if what == "memory" else [])
+
+
+def _rank_measure(rank: int, world: int, mode: str, what: str, s: Setting) -> list[float]:
+    """``measure`` on one rank of a gloo group, every layer on one shared session."""
+    config = RuntimeConfig(workers=WorkerCounts(matrix=1, vector=1), threads=s.threads)
+    with Session(config) as session:
+        return measure(mode, what, s, session, rank)
+
+
+def _measure_child(mode: str, what: str, s: Setting) -> list[float]:
+    """One process, or ``s.ep`` gloo ranks (per step: the slowest / largest rank)."""
+    if not s.ep:
+        return measure(mode, what, s)
+    per_rank = spawn_gloo(_rank_measure, s.ep, mode, what, s, threads=s.threads, timeout=1800)
+    return [max(values) for values in zip(*per_rank, strict=True)]
+
+
+def _run_child(mode: str, what: str, s: Setting) -> list[float]:
+    """``_measure_child`` in a fresh interpreter; for memory, large allocations go
+    through mmap so the resident set follows live memory (this slows steps down: time
+    is measured in a separate interpreter with the default allocator)."""
+    env = dict(os.environ)
+    if what == "memory":
+        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, __file__, "--child", mode, what, *s.argv()]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(mode: str, s: Setting) -> Measurement:
+    times, memory = _run_child(mode, "time", s), _run_child(mode, "memory", s)
+    return Measurement(mode, statistics.median(times) * 1e3, min(times) * 1e3, max(memory[:-1]) / 2**20,
+                       memory[-1] / 2**20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in fields(Setting):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    ap.add_argument("--child", nargs=2, metavar=("MODE", "WHAT"), help="internal: one measurement")
+    a = ap.parse_args()
+    s = Setting(**{f.name: getattr(a, f.name) for f in fields(Setting)})
+    torch.set_num_threads(s.threads)
+    if a.child:
+        print(json.dumps(_measure_child(*a.child, s)))
+        return
+    where = (f"{s.tokens} tokens per rank, EP {s.ep} processes on the runtime" if s.ep
+             else f"{s.tokens} tokens, virtual EP {s.virtual_ep}")
+    print(f"{s.preset} {s.dtype}, {s.layers} layer(s), {where}, "
+          f"{s.threads} thread(s), {s.steps} steps")
+    peak = "peak RSS MiB (whole process)" if s.ep else "peak MiB (growth during the step)"
+    print(f"| mode | step ms (median) | step ms (min) | {peak} | saved for backward MiB |")
+    print("|---|---:|---:|---:|---:|")
+    for mode in MODES[1:] if s.ep else MODES:
+        m = run(mode, s)
+        print(f"| {m.mode} | {m.median_ms:.0f} | {m.min_ms:.0f} | {m.peak_mib:.1f} | {m.saved_mib:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""hpmoe.MoE: the autograd layer against autograd through the gate and refs.dense_moe,
+single process (virtual EP) and on gloo ranks of an EP group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpmoe import refs
+from hpmoe.layer import MoE, RegionState
+from hpmoe.routing import route
+from hpmoe.runtime import RuntimeConfig, TransportKind
+from hpmoe.schedule import SchedulePolicy, WorkerCounts
+from hpmoe.spec import GateKind, MoESpec, preset
+from hpmoe.testing import spawn_gloo
+from hpmoe.weights import ExpertWeights
+
+from .helpers import TINY_TILES
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+SOFTMAX = MoESpec(hidden=24, ffn=12, experts=8, top_k=3, gate=GateKind.SOFTMAX, dtype=torch.float32)
+NAMES = ["experts.gate_up_proj", "experts.down_proj", "gate.weight", "shared_experts.gate_proj.weight",
+         "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"]
+
+
+def _data(spec, tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, tokens // 2, spec.hidden, generator=g).to(spec.dtype)
+    return x, torch.randn(x.shape, generator=g).to(spec.dtype)
+
+
+def _run(layer, x, dy):
+    """(out, x.grad, {name: grad}) of one forward/backward of ``layer``."""
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(dy)
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _reference(layer, x, dy):
+    """The same, by autograd through the gate and refs.dense_moe on ``layer``'s parameters."""
+    x = x.clone().requires_grad_()
+    flat = x.reshape(-1, layer.spec.hidden)
+    w = layer.expert_weights()
+    out = refs.dense_moe(flat, route(flat, w), w).view(x.shape)
+    out.backward(dy)
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _assert_close_runs(a, b, dtype):
+    torch.testing.assert_close(a[0], b[0], **TOL[dtype])
+    torch.testing.assert_close(a[1], b[1], **TOL[dtype])
+    assert a[2].keys() == b[2].keys()
+    for name in a[2]:
+        torch.testing.assert_close(a[2][name], b[2][name], **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("spec", [preset("tiny"), SOFTMAX], ids=["sigmoid-shared", "softmax"])
+def test_gradients_match_autograd_through_gate_and_dense_reference(spec, ep, dtype):
+    spec = spec.with_dtype(dtype)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=ep, tiles=TINY_TILES)
+    x, dy = _data(spec, 16)
+    got = _run(layer, x, dy)
+    layer.zero_grad()
+    _assert_close_runs(got, _reference(layer, x, dy), dtype)
+    assert sorted(got[2]) == sorted(NAMES if spec.shared_experts else NAMES[:3])
+    assert all(g.abs().sum() > 0 for g in got[2].values())
+
+
+def _saved_bytes(out: torch.Tensor) -> int:
+    node = out.grad_fn
+    while not isinstance(getattr(node, "state", None), RegionState):
+        node = node.next_functions[0][0]
+    return node.state.saved_bytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recompute_and_task_order_leave_every_bit_unchanged(dtype):
+    spec = preset("tiny", dtype)
+    w = ExpertWeights.random(spec, 2)
+    x, dy = _data(spec, 24, seed=3)
+    base = _run(MoE(spec, w, virtual_ep=2, tiles=TINY_TILES), x, dy)
+    for options in [dict(recompute=True), dict(schedule=7), dict(schedule=8, recompute=True)]:
+        got = _run(MoE(spec, w, virtual_ep=2, tiles=TINY_TILES, **options), x, dy)
+        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), options
+        assert all(torch.equal(got[2][n], base[2][n]) for n in base[2]), options
+
+
+def test_recompute_saves_the_swiglu_activations_memory():
+    spec = preset("tiny")
+    x, _ = _data(spec, 16)
+    kept, lean = (_saved_bytes(MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES)(x))
+                  for r in (False, True))
+    rows = 16 * spec.top_k  # every routed row is held by exactly one rank
+    assert kept - lean == (rows * spec.ffn + 16 * spec.shared_ffn) * 4
+
+
+def test_parameters_are_trained_through_an_optimizer():
+    spec = preset("tiny")
+    layer = MoE(spec, virtual_ep=2, tiles=TINY_TILES)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x, target = _data(spec, 16, seed=4)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = (layer(x) - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_bad_configuration_and_input_are_refused():
+    spec = preset("tiny")
+    with pytest.raises(ValueError, match="virtual_ep must be a positive int"):
+        MoE(spec, virtual_ep=0)
+    with pytest.raises(ValueError, match="cannot be combined with an ep_group"):
+        MoE(spec, virtual_ep=2, ep_group=object())
+    with pytest.raises(ValueError, match="weights must be ExpertWeights of spec"):
+        MoE(spec, ExpertWeights.random(SOFTMAX))
+    with pytest.raises(TypeError, match="recompute must be a bool"):
+        MoE(spec, recompute="yes")
+    with pytest.raises(ValueError, match=r"hidden_states must be \[\.\.\., 32\]"):
+        MoE(spec)(torch.zeros(3, 31))
+    with pytest.raises(ValueError, match="ep=3 must be a positive int dividing the 4 tokens"):
+        MoE(spec, virtual_ep=3)(torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="scheduling policies need an ep_group"):
+        MoE(spec, schedule=SchedulePolicy.SERIAL)
+    with pytest.raises(ValueError, match="with an ep_group, schedule is a SchedulePolicy"):
+        MoE(spec, ep_group=object(), schedule=3)
+    with pytest.raises(ValueError, match="runtime and hardware configure the runtime"):
+        MoE(spec, runtime=RuntimeConfig())
+
+
+# ---------------------------------------------------------------------------- distributed
+
+
+def _rank_step(rank, world, groups, tokens, options):
+    """One forward/backward of an EP-group layer on this rank's share of the tokens."""
+    handles = [dist.new_group(g) for g in groups]
+    group = next(g for g in groups if rank in g)
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=handles[groups.index(group)], tiles=TINY_TILES,
+                **options)
+    x, dy = _data(spec, tokens * len(group))
+    me = group.index(rank)
+    shares = (t.reshape(len(group), -1, spec.hidden)[me] for t in (x, dy))
+    result = _run(layer, *shares)
+    layer.close()
+    return result
+
+
+RUNS = {
+    "world-hyperparallel-shm": ([[0, 1]], {}),
+    "subgroups-serial-dist-recompute": ([[0, 2], [1, 3]], dict(
+        schedule=SchedulePolicy.SERIAL, recompute=True,
+        runtime=RuntimeConfig(transport=TransportKind.DIST, workers=WorkerCounts(matrix=2, vector=2)))),
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_distributed_ranks_on_the_runtime_equal_virtual_ranks(run):
+    groups, options = RUNS[run]
+    world = sum(len(g) for g in groups)
+    results = spawn_gloo(_rank_step, world, groups, 6, options, timeout=120)
+    spec = preset("tiny")
+    for group in groups:
+        virtual = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=len(group), tiles=TINY_TILES)
+        x, dy = _data(spec, 6 * len(group))
+        want = _run(virtual, x.reshape(len(group), -1, spec.hidden), dy.reshape(len(group), -1, spec.hidden))
+        assert torch.equal(torch.stack([results[r][0] for r in group]), want[0])
+        assert torch.equal(torch.stack([results[r][1] for r in group]), want[1])
+        for name, grad in want[2].items():
+            total = sum(results[r][2][name] for r in group)  # expert grads: zero off the owner
+            if name.startswith("gate"):  # router grads: per-rank GEMMs, summed
+                torch.testing.assert_close(total, grad, **TOL[torch.float32])
+            else:
+                assert torch.equal(total, grad), name
+
+
+def _unequal_tokens(rank, world):
+    spec = preset("tiny")
+    layer = MoE(spec, ep_group=dist.group.WORLD, tiles=TINY_TILES)
+    try:
+        layer(torch.zeros(3 + rank, spec.hidden))
+    except ValueError as err:
+        return str(err)
+    finally:
+        layer.close()
+    return "no error"
+
+
+def test_distributed_ranks_must_hold_equal_token_counts():
+    messages = spawn_gloo(_unequal_tokens, 2, timeout=60)
+    assert all("same positive number of tokens, got [3, 4]" in m for m in messages)
