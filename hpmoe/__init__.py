@@ -6,14 +6,19 @@ with every EP rank virtual in one process.
 """
 
 from .execute import execute_forward, moe_forward
+from .execute_backward import execute_backward, moe_forward_backward
 from .graph import TaskGraph, TaskKind, Unit
+from .layer import MoE
+from .lower.backward import lower_backward
 from .lower.forward import lower_forward
+from .replace import replace_moe_blocks
 from .routing import Routing, RoutingKind, RoutingPlan, plan_routing, route, synthetic_routing
 from .spec import GateKind, MoESpec, ParallelSpec, TileSpec, preset
 from .verify import GraphError, verify_graph
 from .weights import ExpertWeights
 
 __all__ = [
+    "MoE", "execute_backward", "lower_backward", "moe_forward_backward", "replace_moe_blocks",
     "ExpertWeights", "GateKind", "GraphError", "MoESpec", "ParallelSpec", "Routing", "RoutingKind",
     "RoutingPlan", "TaskGraph", "TaskKind", "TileSpec", "Unit", "execute_forward", "lower_forward",
     "moe_forward", "plan_routing", "preset", "route", "synthetic_routing", "verify_graph",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,8 @@ class ForwardBuffers:
     """One rank's forward buffers.  ``recv`` and ``comb`` are the symmetric ones:
     peers put into them.  Shapes: x, out, so [T, H]; send, comb [T*k, H];
     recv, y [R, H]; h [R, 2F]; a [R, F]; sh [T, 2Fs]; sa [T, Fs] (R = rows received)."""
+
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("recv", "comb")
 
     x: torch.Tensor
     send: torch.Tensor

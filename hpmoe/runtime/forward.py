@@ -59,7 +59,7 @@ FORWARD = Taskflow(
     name="forward", kernels={k: fn for k, fn in KERNELS.items() if not IS_PUT[k]},
     puts={TaskKind.DISPATCH: PutSpec(src="send", dst="recv"),
           TaskKind.COMBINE: PutSpec(src="y", dst="comb")},
-    symmetric=symmetric_fields(ForwardBuffers, default=("recv", "comb")), lower=lower_forward,
+    symmetric=symmetric_fields(ForwardBuffers), lower=lower_forward,
     symmetric_shapes=forward_symmetric_shapes,
     describe_event=forward_event_name)
 

@@ -77,10 +77,10 @@ class Taskflow:
             raise ValueError(f"Taskflow.kernels also lists put kinds {sorted(overlap)}")
 
 
-def symmetric_fields(buffer_type: type, default: tuple[str, ...] = ()) -> tuple[str, ...]:
+def symmetric_fields(buffer_type: type) -> tuple[str, ...]:
     """The fields peers write into, as the buffer type declares them in its
-    ``SYMMETRIC`` class attribute (``default`` for types that do not declare it)."""
-    fields_ = getattr(buffer_type, "SYMMETRIC", default)
+    ``SYMMETRIC`` class attribute."""
+    fields_ = getattr(buffer_type, "SYMMETRIC", ())
     if not fields_ or not all(isinstance(f, str) for f in fields_):
         raise TypeError(f"{buffer_type.__name__} declares no symmetric fields (SYMMETRIC={fields_!r})")
     return tuple(fields_)
