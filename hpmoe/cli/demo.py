@@ -77,8 +77,19 @@ def simulated_a3(out: Path) -> None:
     print(f"Perfetto trace of rank 0: {write_trace(timeline, out / 'trace_a3.json', (0,))}")
 
 
+def real_ranks() -> None:
+    """Two real ranks on this CPU (shared-memory puts) against the torch baseline."""
+    from . import main
+
+    _section("real runtime: 2 local ranks, preset 'small', 1024 tok/rank, shared-memory transport")
+    print("(serial_ms: the all_to_all_single baseline; taskflow_ms: hpmoe's runtime; "
+          "speedup = serial_ms / taskflow_ms)")
+    main(["bench", "--ep", "2", "--preset", "small", "--tokens", "1024", "--iters", "5", "--warmup", "2"])
+
+
 def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     exact_forward(args.ep, args.tokens)
     simulated_a3(args.out)
+    real_ranks()
     return 0
