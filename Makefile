@@ -17,7 +17,7 @@ demo: $(BIN)/hpmoe
 
 test: $(BIN)/hpmoe
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -x -q -p no:cacheprovider
+	$(BIN)/python -m pytest -x -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) out
