@@ -18,7 +18,7 @@ from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.runtime.counters import Counters
 from hpmoe.runtime.executor import Executor, ExecutorConfig
 from hpmoe.runtime.faults import Fault, FaultKind
-from hpmoe.runtime.forensics import RegionError
+from hpmoe.runtime.forensics import RegionError, WorkerStatus
 from hpmoe.runtime.heap import HeapNeed, SymmetricHeap
 from hpmoe.runtime.local_transport import LocalTransport
 from hpmoe.runtime.netns import LinkSpec
@@ -88,11 +88,11 @@ def test_unreachable_threshold_ends_with_a_report_within_the_deadline() -> None:
         _run(graph, [0, 0], Log(), deadline=0.3)
     assert time.monotonic() - t0 < 2.0
     report = info.value.report
-    waiting = [w for w in report.workers if w.status == "waits"]
+    waiting = [w for w in report.workers if w.status is WorkerStatus.WAITS]
     assert len(waiting) == 1 and "SWIGLU" in waiting[0].task
     assert (waiting[0].progress, waiting[0].threshold) == (1, 2)
     assert "deadline" in report.cause and "event r0:0" in report.cause
-    finished = [w for w in report.workers if w.status == "finished"]
+    finished = [w for w in report.workers if w.status is WorkerStatus.FINISHED]
     assert "GEMM_UP" in finished[0].last_done
     assert "counter 1 of threshold 2" in str(info.value)
 
@@ -104,7 +104,8 @@ def test_a_failing_kernel_stops_every_worker_and_names_the_task() -> None:
         _run(graph, [0, 0], Log(fail_on=7), deadline=5.0)
     report = info.value.report
     assert "ValueError" in report.cause and "GEMM_UP" in report.cause
-    assert [w.status for w in report.workers] == ["failed in", "waits", "finished"]
+    assert [w.status for w in report.workers] == [WorkerStatus.FAILED, WorkerStatus.WAITS,
+                                                 WorkerStatus.FINISHED]
     assert report.elapsed_s < 1.0
 
 

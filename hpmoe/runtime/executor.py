@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .counters import MASK
-from .forensics import Aborted, HangReport, RegionError, WaitTimeout, WorkerReport, WorkerState
+from .forensics import Aborted, HangReport, RegionError, WaitTimeout, WorkerReport, WorkerState, WorkerStatus
 from .taskflow import Kernel, PeerView, RankProgram, Taskflow
 from .timeline import RunTimeline, timeline_from_records
 from .transport import Transport
@@ -197,14 +197,14 @@ class _Run:
         common = {"name": st.name, "last_done": last, "done": st.done, "total": st.total}
         if st.waiting >= 0 and st.event >= 0:
             raw = self.counters.words[st.event]
-            return WorkerReport(status="waits", task=g.task(st.waiting),
+            return WorkerReport(status=WorkerStatus.WAITS, task=g.task(st.waiting),
                                 event=self.taskflow.describe_event(g, rank, st.event),
                                 progress=(raw - self.base[st.event]) & MASK,
                                 threshold=self.program.threshold[st.event], raw=raw, **common)
         if st.running >= 0:
-            status = "failed in" if st.failed else "runs"
+            status = WorkerStatus.FAILED if st.failed else WorkerStatus.RUNS
             return WorkerReport(status=status, task=g.task(st.running), **common)
-        status = "finished" if st.done == st.total else "stopped"
+        status = WorkerStatus.FINISHED if st.done == st.total else WorkerStatus.STOPPED
         return WorkerReport(status=status, **common)
 
 

@@ -3,7 +3,18 @@ counter against its threshold, and the last task it finished."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class WorkerStatus(enum.Enum):
+    """What a worker was doing when its rank stopped (the value is how reports say it)."""
+
+    WAITS = "waits"
+    RUNS = "runs"
+    FAILED = "failed in"
+    FINISHED = "finished"
+    STOPPED = "stopped"
 
 
 @dataclass
@@ -31,7 +42,7 @@ class WorkerReport:
     """A worker's state at the time of the failure, described for humans."""
 
     name: str
-    status: str  # "waits", "runs", "failed in", "finished" or "stopped"
+    status: WorkerStatus
     task: str = ""
     event: str = ""
     progress: int = -1  # increments of the event's counter in this region
@@ -42,11 +53,11 @@ class WorkerReport:
     total: int = 0
 
     def line(self) -> str:
-        head = f"  {self.name}: {self.status}"
-        if self.status == "waits":
+        head = f"  {self.name}: {self.status.value}"
+        if self.status is WorkerStatus.WAITS:
             head += (f" {self.task} on {self.event}: counter {self.progress} of threshold "
                      f"{self.threshold} (raw {self.raw})")
-        elif self.status in ("runs", "failed in"):
+        elif self.status in (WorkerStatus.RUNS, WorkerStatus.FAILED):
             head += f" {self.task}"
         last = self.last_done or "none"
         return f"{head}; {self.done}/{self.total} tasks done, last finished: {last}"
