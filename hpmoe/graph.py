@@ -149,10 +149,6 @@ class TaskGraph:
     def num_events(self) -> int:
         return len(self.threshold)
 
-    def global_event(self, rank: np.ndarray, local: np.ndarray) -> np.ndarray:
-        """Global event index of (owner rank, local id) pairs."""
-        return self.event_ptr[rank] + local
-
     def wait_global(self) -> np.ndarray:
         """[n] global id of the event each task waits on, -1 when none."""
         g = self.event_ptr[self.rank] + self.wait
@@ -172,10 +168,6 @@ class TaskGraph:
         peer = f"->r{self.peer[i]}" if IS_PUT[k] else ""
         return (f"task {i} {k.name} r{self.rank[i]}{peer} e{self.expert[i]} "
                 f"rows[{self.row0[i]}:{self.row1[i]}) cols[{self.col0[i]}:{self.col1[i]})")
-
-    def select(self, mask: np.ndarray) -> np.ndarray:
-        """Task ids where ``mask`` holds."""
-        return np.flatnonzero(mask)
 
 
 class GraphBuilder:

@@ -23,6 +23,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, FileNotFoundError) as err:  # bad input; a missing profile
         print(f"hpmoe {args.command}: error: {err}", file=sys.stderr)
         return 2

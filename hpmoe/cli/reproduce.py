@@ -16,14 +16,13 @@ import time
 
 import torch
 
-from ..hardware import HARDWARE_PRESETS, HardwareModel
+from ..hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
 from ..lower import Direction, lower
 from ..routing import RoutingKind, plan_routing, synthetic_routing
 from ..schedule import critical_path_candidates, hardware_workers, hyperparallel_schedule, paper_tiles
 from ..simulate import graph_bounds, simulate
 from ..spec import PRESETS, ParallelSpec, TileSpec, preset
 from .common import emit
-from .simulate import load_hardware
 
 _US = 1e6
 COLUMNS = ("direction", "ep", "routing", "serial_us", "hyperparallel_us", "critical_path_us",
@@ -78,7 +77,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    hardware = load_hardware(args.hardware)
+    hardware = hardware_preset(args.hardware)
     jobs = [(Direction(d), ep, RoutingKind(r)) for d in args.direction for r in args.routing
             for ep in args.ep]
     rows, start = [], time.perf_counter()

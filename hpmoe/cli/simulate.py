@@ -51,18 +51,9 @@ class SimRun:
     simulate_s: float
 
 
-def load_hardware(name: str) -> HardwareModel:
-    """``hardware_preset(name)``; a missing ``cpu`` profile becomes a ValueError that
-    says to run ``hpmoe calibrate``."""
-    try:
-        return hardware_preset(name)
-    except FileNotFoundError as err:
-        raise ValueError(str(err)) from None
-
-
 def run_simulation(args: argparse.Namespace) -> SimRun:
     """Lower, schedule and simulate what the layer and simulation arguments describe."""
-    hardware = load_hardware(args.hardware)
+    hardware = hardware_preset(args.hardware)
     layer = layer_from_args(args)
     if args.paper_tiles:
         layer = replace(layer, tiles=paper_tiles(hardware))

@@ -39,13 +39,15 @@ def lower_forward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | N
     for make in (_permute, _dispatch, _gemm_up, _swiglu, _gemm_down, _combine, _shared_up,
                  _shared_swiglu, _shared_down, _unpermute):
         builder.add(make(layout, sel))
+    shared_out = _shared_down_per_token_tile(layout)  # the same on every rank
     for r in ranks:
-        builder.set_events(r, forward_thresholds(layout, r))
+        builder.set_events(r, forward_thresholds(layout, r, shared_out))
     return builder.freeze(meta={"layout": layout, "direction": "forward"})
 
 
-def forward_thresholds(layout: Layout, rank: int) -> np.ndarray:
-    """Thresholds of ``rank``'s events, computed from the layout alone."""
+def forward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray) -> np.ndarray:
+    """Thresholds of ``rank``'s events, computed from the layout alone;
+    ``shared_out``: shared-expert tiles signalling each token tile."""
     plan, blocks, pieces = layout.plan, layout.blocks, layout.pieces
     moe = plan.moe
     nb = int(blocks.count[rank])
@@ -55,7 +57,7 @@ def forward_thresholds(layout: Layout, rank: int) -> np.ndarray:
     a = ceil_div(blocks.row1[mine] - blocks.row0[mine], layout.tiles.rows)
     y = np.full(nb, _ntiles(moe.hidden, layout.tiles))
     _, tt = piece_token_tiles(layout, pieces.src == rank)
-    out = np.bincount(tt, minlength=layout.token_tiles) + _shared_down_per_token_tile(layout)
+    out = np.bincount(tt, minlength=layout.token_tiles) + shared_out
     sh = np.full(layout.shared_blocks, _ntiles(2 * moe.shared_ffn, layout.tiles))
     sa = ceil_div(_shared_block_rows(layout), layout.tiles.rows)
     perm = np.ones(int(pieces.per_src[rank]), np.int64)

@@ -101,10 +101,6 @@ class StepTimes:
     prepare_s: float
     region_s: float
 
-    @property
-    def total_s(self) -> float:
-        return self.exchange_s + self.schedule_s + self.prepare_s + self.region_s
-
 
 @dataclass
 class ForwardOutput:
