@@ -12,7 +12,7 @@ import argparse
 import statistics
 import time
 
-from hpmoe.lower.forward import lower_forward
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 

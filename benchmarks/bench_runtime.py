@@ -20,7 +20,7 @@ import json
 import subprocess
 import sys
 
-from hpmoe.runtime.overhead import EmptyShape, seconds_per_task
+from hpmoe.bench.overhead import EmptyShape, seconds_per_task
 
 
 def overhead(args: argparse.Namespace) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from hpmoe.hardware import hardware_preset
-from hpmoe.lower.forward import lower_forward
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, schedule
-from hpmoe.simulate import simulate
+from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.simulate import simulate
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 
 

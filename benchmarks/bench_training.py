@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from hpmoe import refs
-from hpmoe.layer import MoE, RegionState
+from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
 from hpmoe.schedule import WorkerCounts

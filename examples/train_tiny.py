@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpmoe.hf import tiny_deepseek_v3_config
-from hpmoe.replace import replace_moe_blocks
+from hpmoe.nn.hf import tiny_deepseek_v3_config
+from hpmoe.nn.replace import replace_moe_blocks
 from hpmoe.spec import TileSpec
 
 TILES = TileSpec(rows=32, gemm_rows=32, gemm_cols=32)

@@ -5,16 +5,16 @@ Pipeline: ``MoESpec`` → ``route`` → ``plan_routing`` → ``lower_forward`` (
 with every EP rank virtual in one process.
 """
 
-from .execute import execute_forward, moe_forward
-from .execute_backward import execute_backward, moe_forward_backward
-from .graph import TaskGraph, TaskKind, Unit
-from .layer import MoE
-from .lower.backward import lower_backward
-from .lower.forward import lower_forward
-from .replace import replace_moe_blocks
+from .exec.exact import execute_forward, moe_forward
+from .exec.exact_backward import execute_backward, moe_forward_backward
+from .ir.graph import TaskGraph, TaskKind, Unit
+from .ir.verify import GraphError, verify_graph
+from .nn.layer import MoE
+from .nn.replace import replace_moe_blocks
+from .regions.backward import lower_backward
+from .regions.forward import lower_forward
 from .routing import Routing, RoutingKind, RoutingPlan, plan_routing, route, synthetic_routing
 from .spec import GateKind, MoESpec, ParallelSpec, TileSpec, preset
-from .verify import GraphError, verify_graph
 from .weights import ExpertWeights
 
 __all__ = [

@@ -80,7 +80,7 @@ class ExpertWeights:
     @staticmethod
     def from_hf(module: torch.nn.Module) -> ExpertWeights:
         """Read a transformers ``DeepseekV3MoE`` or ``Qwen3MoeSparseMoeBlock``."""
-        from .hf import weights_from_hf
+        from .nn.hf import weights_from_hf
 
         return weights_from_hf(module)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpmoe.graph import IS_PUT, GraphBuilder, TaskBlock, TaskGraph, TaskKind
-from hpmoe.hardware import HardwareModel, LinkEntry
+from hpmoe.ir.graph import IS_PUT, GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from hpmoe.schedule import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
+from hpmoe.sim.hardware import HardwareModel, LinkEntry
 
 US = 1e-6
 

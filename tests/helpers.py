@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpmoe.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from hpmoe.ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from hpmoe.routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
 from hpmoe.spec import MoESpec, ParallelSpec, TileSpec, preset
 

@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from hpmoe import refs
-from hpmoe.execute import execute_forward
-from hpmoe.execute_backward import Gradients, execute_backward, moe_forward_backward
-from hpmoe.graph import IS_PUT, TaskKind
-from hpmoe.hardware import hardware_preset
-from hpmoe.kernels_backward import BACKWARD_KERNELS, SavedActivations
-from hpmoe.lower.backward import backward_event_name, lower_backward
+from hpmoe.exec.exact import execute_forward
+from hpmoe.exec.exact_backward import Gradients, execute_backward, moe_forward_backward
+from hpmoe.ir.graph import IS_PUT, TaskKind
+from hpmoe.ir.verify import GraphError, verify_graph
+from hpmoe.regions.backward import backward_event_name, lower_backward
+from hpmoe.regions.backward_kernels import BACKWARD_KERNELS, SavedActivations
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, schedule, verify_schedule
-from hpmoe.simulate import simulate
+from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.simulate import simulate
 from hpmoe.spec import GateKind, MoESpec, ParallelSpec, preset
-from hpmoe.verify import GraphError, verify_graph
 from hpmoe.weights import ExpertWeights
 
 from .helpers import TINY_TILES, tiny_plan

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from hpmoe.cost import gemm_dims, graph_dtype, task_costs
-from hpmoe.graph import IS_PUT, TaskKind, Unit
-from hpmoe.hardware import LinkDirection, hardware_preset
-from hpmoe.lower.forward import lower_forward
+from hpmoe.ir.graph import IS_PUT, TaskKind, Unit
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
+from hpmoe.sim.cost import gemm_dims, graph_dtype, task_costs
+from hpmoe.sim.hardware import LinkDirection, hardware_preset
 from hpmoe.spec import TileSpec
 
 from .handmade import UNIT_HW, US, Task, build, gemm, put, vec

@@ -6,7 +6,7 @@ import torch
 
 import hpmoe
 from hpmoe import refs
-from hpmoe.execute import execute_forward
+from hpmoe.exec.exact import execute_forward
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.spec import ParallelSpec, preset
 from hpmoe.testing import spawn_gloo
@@ -96,7 +96,7 @@ def test_matches_transformers_blocks(make):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from hpmoe import hf
+    from hpmoe.nn import hf
 
     config = getattr(hf, f"tiny_{make}_config")()
     block = (DeepseekV3MoE if make == "deepseek_v3" else Qwen3MoeSparseMoeBlock)(config).float()

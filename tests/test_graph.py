@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from hpmoe.graph import UNIT_OF_KIND, TaskKind, Unit
-from hpmoe.lower.forward import lower_forward
+from hpmoe.ir.graph import UNIT_OF_KIND, TaskKind, Unit
+from hpmoe.ir.verify import GraphError, completion_levels, random_order, verify_graph
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
-from hpmoe.verify import GraphError, completion_levels, random_order, verify_graph
 
 from .helpers import TINY_TILES, chain_graph, tiny_plan
 

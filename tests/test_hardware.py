@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import hpmoe.calibrate
-from hpmoe.calibrate import add_calibrate_parser, calibrate
-from hpmoe.hardware import (
+import hpmoe.sim.calibrate
+from hpmoe.sim.calibrate import add_calibrate_parser, calibrate
+from hpmoe.sim.hardware import (
     PROFILE_ENV,
     HardwareModel,
     LinkDirection,
@@ -165,7 +165,7 @@ def test_calibrate_parser() -> None:
 
 def test_run_calibrate_saves_and_prints(tmp_path, monkeypatch, capsys) -> None:
     hw = dataclasses.replace(hardware_preset("h100"), name="cpu")
-    monkeypatch.setattr(hpmoe.calibrate, "calibrate", lambda **kwargs: hw)
+    monkeypatch.setattr(hpmoe.sim.calibrate, "calibrate", lambda **kwargs: hw)
     parser = argparse.ArgumentParser(prog="hpmoe")
     add_calibrate_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["calibrate", "--out", str(tmp_path / "p.json"), "--json"])

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from hpmoe.hf import (
+from hpmoe.nn.hf import (
     randomize_moe_,
     spec_from_hf,
     tiny_deepseek_v3_config,

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from hpmoe import refs
-from hpmoe.layer import MoE, RegionState
+from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy, WorkerCounts

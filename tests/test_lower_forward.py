@@ -4,8 +4,8 @@ tiles that produce each task's rows."""
 import numpy as np
 import pytest
 
-from hpmoe.graph import TaskGraph, TaskKind
-from hpmoe.lower.forward import lower_forward
+from hpmoe.ir.graph import TaskGraph, TaskKind
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.spec import TileSpec
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpmoe.hf import randomize_moe_, tiny_deepseek_v3_config, tiny_qwen3_moe_config
-from hpmoe.layer import MoE
-from hpmoe.replace import replace_moe_blocks
+from hpmoe.nn.hf import randomize_moe_, tiny_deepseek_v3_config, tiny_qwen3_moe_config
+from hpmoe.nn.layer import MoE
+from hpmoe.nn.replace import replace_moe_blocks
 from hpmoe.testing import spawn_gloo
 
 from .helpers import TINY_TILES

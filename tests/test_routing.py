@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpmoe.hf import randomize_moe_, spec_from_hf, tiny_deepseek_v3_config, tiny_qwen3_moe_config
+from hpmoe.nn.hf import randomize_moe_, spec_from_hf, tiny_deepseek_v3_config, tiny_qwen3_moe_config
 from hpmoe.routing import (
     Routing,
     RoutingKind,

@@ -12,20 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from hpmoe.graph import TaskKind, task_columns
-from hpmoe.lower.forward import lower_forward
+from hpmoe.exec.program import Taskflow, compile_program
+from hpmoe.ir.graph import TaskKind, task_columns
+from hpmoe.launch.netns import LinkSpec
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.runtime.counters import Counters
 from hpmoe.runtime.executor import Executor, ExecutorConfig
 from hpmoe.runtime.faults import Fault, FaultKind
 from hpmoe.runtime.forensics import RegionError, WorkerStatus
-from hpmoe.runtime.heap import HeapNeed, SymmetricHeap
-from hpmoe.runtime.local_transport import LocalTransport
-from hpmoe.runtime.netns import LinkSpec
 from hpmoe.runtime.plan import plan_from_tile_counts, tile_counts
 from hpmoe.runtime.session import RuntimeConfig
-from hpmoe.runtime.shm import SHM_DIR, create_segment, job_segments, new_token, open_segment, sweep
-from hpmoe.runtime.taskflow import Taskflow, compile_program
+from hpmoe.runtime.transport.heap import HeapNeed, SymmetricHeap
+from hpmoe.runtime.transport.local import LocalTransport
+from hpmoe.runtime.transport.segment import (
+    SHM_DIR,
+    create_segment,
+    job_segments,
+    new_token,
+    open_segment,
+    sweep,
+)
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 
 from .handmade import build, by_hand, gemm, vec

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from hpmoe.runtime.launch import LaunchResult, LaunchSpec, launch
-from hpmoe.runtime.shm import job_segments
+from hpmoe.launch.launcher import LaunchResult, LaunchSpec, launch
+from hpmoe.runtime.transport.segment import job_segments
 
 DEADLINE = 2.0
 BENCH = ("--preset", "tiny", "--tokens", "32", "--tile-rows", "8", "--gemm-rows", "8", "--gemm-cols", "16",

@@ -10,11 +10,11 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from hpmoe.execute import execute_forward
+from hpmoe.exec.exact import execute_forward
 from hpmoe.refs import serialized_ep_forward
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.runtime import ForwardOptions, ForwardRunner, RuntimeConfig, Session, TransportKind
-from hpmoe.runtime.shm import SHM_DIR
+from hpmoe.runtime.transport.segment import SHM_DIR
 from hpmoe.schedule import SchedulePolicy, WorkerCounts
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 from hpmoe.testing import spawn_gloo

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hpmoe.hardware import save_profile
-from hpmoe.runtime.netns import list_namespaces
-from hpmoe.runtime.shm import SHM_DIR
+from hpmoe.launch.netns import list_namespaces
+from hpmoe.runtime.transport.segment import SHM_DIR
+from hpmoe.sim.hardware import save_profile
 
 from .handmade import UNIT_HW
 

@@ -12,10 +12,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpmoe.runtime.heap import HeapNeed
-from hpmoe.runtime.shm import SHM_DIR, new_token
-from hpmoe.runtime.shm_transport import ShmTransport
-from hpmoe.runtime.taskflow import PeerView
+from hpmoe.exec.program import PeerView
+from hpmoe.runtime.transport.heap import HeapNeed
+from hpmoe.runtime.transport.segment import SHM_DIR, new_token
+from hpmoe.runtime.transport.shm import ShmTransport
 from hpmoe.testing import spawn_gloo
 
 DATA, ACK = 0, 1  # events: a put landed here; the peer has checked our last put

@@ -11,10 +11,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from hpmoe.cost import task_costs
-from hpmoe.graph import IS_PUT, TaskKind
-from hpmoe.hardware import LinkEntry, hardware_preset
-from hpmoe.lower.forward import lower_forward
+from hpmoe.ir.graph import IS_PUT, TaskKind
+from hpmoe.ir.verify import GraphError
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.schedule import (
     SchedulePolicy,
@@ -27,9 +26,10 @@ from hpmoe.schedule import (
 )
 from hpmoe.schedule import critical_path as cp_module
 from hpmoe.schedule.serial import phase_order
-from hpmoe.simulate import replay, simulate
+from hpmoe.sim.cost import task_costs
+from hpmoe.sim.hardware import LinkEntry, hardware_preset
+from hpmoe.sim.simulate import replay, simulate
 from hpmoe.spec import MoESpec, TileSpec, preset
-from hpmoe.verify import GraphError
 
 from .handmade import UNIT_HW, US, build, by_hand, gemm, put, vec
 from .helpers import tiny_plan

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from hpmoe.cli import main
-from hpmoe.graph import TaskKind
-from hpmoe.hardware import hardware_preset
-from hpmoe.lower.forward import lower_forward
+from hpmoe.ir.graph import TaskKind
+from hpmoe.ir.verify import GraphError
+from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.schedule import SchedulePolicy, schedule
-from hpmoe.simulate import Timeline, graph_bounds, simulate
-from hpmoe.verify import GraphError
+from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.simulate import Timeline, graph_bounds, simulate
 
 from .handmade import UNIT_HW, US, build, by_hand, gemm, put, vec
 from .helpers import TINY_TILES, tiny_plan

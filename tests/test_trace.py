@@ -9,8 +9,8 @@ import pytest
 
 from hpmoe.cli import main
 from hpmoe.schedule import WorkerCounts
-from hpmoe.simulate import Timeline, simulate
-from hpmoe.trace import chrome_trace, track_ids, write_gantt, write_trace
+from hpmoe.sim.simulate import Timeline, simulate
+from hpmoe.sim.trace import chrome_trace, track_ids, write_gantt, write_trace
 
 from .handmade import UNIT_HW, build, by_hand, gemm, put
 

@@ -17,18 +17,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..bench.report import BenchReport
+from ..bench.runner import BenchConfig, run_bench
+from ..launch.launcher import LaunchSpec, launch
+from ..launch.netns import LinkSpec
 from ..routing import RoutingKind
-from ..runtime.bench import BenchConfig, run_bench
-from ..runtime.bench_report import BenchReport
 from ..runtime.faults import Fault
 from ..runtime.forensics import RegionError
-from ..runtime.launch import LaunchSpec, launch
-from ..runtime.netns import LinkSpec
 from ..runtime.session import JOB_ENV, RuntimeConfig
-from ..runtime.transport import TransportKind
+from ..runtime.transport.base import TransportKind
 from ..schedule.base import SchedulePolicy, WorkerCounts
+from ..sim.trace import write_gantt, write_trace
 from ..spec import TileSpec, preset
-from ..trace import write_gantt, write_trace
 from .common import DTYPES, add_layer_args, emit
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..calibrate import add_calibrate_parser, run_calibrate
+from ..sim.calibrate import add_calibrate_parser, run_calibrate
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from .. import refs
-from ..execute import execute_forward
-from ..hardware import hardware_preset
-from ..lower.forward import lower_forward
+from ..exec.exact import execute_forward
+from ..regions.forward import lower_forward
 from ..routing import RoutingKind, plan_routing, route, synthetic_routing
 from ..schedule import SchedulePolicy, paper_tiles, schedule
-from ..simulate import simulate
+from ..sim.hardware import hardware_preset
+from ..sim.simulate import simulate
+from ..sim.trace import write_gantt, write_trace
 from ..spec import ParallelSpec, TileSpec, preset
-from ..trace import write_gantt, write_trace
 from ..weights import ExpertWeights
 from .info import graph_summary
 

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from ..graph import TaskGraph, TaskKind, Unit
-from ..lower.forward import lower_forward
+from ..ir.graph import TaskGraph, TaskKind, Unit
+from ..regions.forward import lower_forward
 from .common import add_layer_args, emit, layer_from_args
 
 

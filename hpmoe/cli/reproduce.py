@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from ..hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
-from ..lower import Direction, lower
+from ..regions import Direction, lower
 from ..routing import RoutingKind, plan_routing, synthetic_routing
 from ..schedule import critical_path_candidates, hardware_workers, hyperparallel_schedule, paper_tiles
-from ..simulate import graph_bounds, simulate
+from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
+from ..sim.simulate import graph_bounds, simulate
 from ..spec import PRESETS, ParallelSpec, TileSpec, preset
 from .common import emit
 

@@ -6,11 +6,11 @@ import argparse
 import time
 from dataclasses import dataclass, replace
 
-from ..graph import TaskGraph
-from ..hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
-from ..lower import Direction, lower
+from ..ir.graph import TaskGraph
+from ..regions import Direction, lower
 from ..schedule import Schedule, SchedulePolicy, paper_tiles, schedule
-from ..simulate import SimResult, simulate
+from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
+from ..sim.simulate import SimResult, simulate
 from .common import Layer, add_layer_args, emit, layer_from_args
 
 _US = 1e6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..trace import write_gantt, write_trace
+from ..sim.trace import write_gantt, write_trace
 from .common import add_layer_args, emit
 from .simulate import add_sim_args, run_simulation, summary
 

@@ -5,14 +5,14 @@ Entry points: ``Session`` (one per rank and EP group), ``ForwardRunner`` (the
 forward Dispatch-to-Combine region), ``Executor`` (any ``Taskflow``).
 """
 
+from ..exec.program import PeerView, PutSpec, RankProgram, Taskflow, compile_program, rank_subgraph
 from .executor import Executor, ExecutorConfig, RegionResult
 from .faults import Fault, FaultKind
 from .forensics import HangReport, RegionError, WorkerReport
 from .forward import FORWARD, ForwardOptions, ForwardOutput, ForwardRunner, StepTimes, make_schedule
 from .session import JOB_ENV, RuntimeConfig, Session
-from .taskflow import PeerView, PutSpec, RankProgram, Taskflow, compile_program, rank_subgraph
 from .timeline import RunTimeline
-from .transport import Step, Transport, TransportKind
+from .transport.base import Step, Transport, TransportKind
 
 __all__ = [
     "FORWARD", "JOB_ENV", "Executor", "ExecutorConfig", "Fault", "FaultKind", "ForwardOptions",

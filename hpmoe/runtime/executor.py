@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..exec.program import Kernel, PeerView, RankProgram, Taskflow
 from .counters import MASK
 from .forensics import Aborted, HangReport, RegionError, WaitTimeout, WorkerReport, WorkerState, WorkerStatus
-from .taskflow import Kernel, PeerView, RankProgram, Taskflow
 from .timeline import RunTimeline, timeline_from_records
-from .transport import Transport
+from .transport.base import Transport
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ..graph import PUT_KINDS
-from .taskflow import Kernel, RankProgram
+from ..exec.program import Kernel, RankProgram
+from ..ir.graph import PUT_KINDS
 
 
 class FaultKind(enum.Enum):

@@ -19,21 +19,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..graph import IS_PUT, TaskGraph, TaskKind
-from ..hardware import HardwareModel
-from ..kernels import KERNELS, ForwardBuffers, RankContext
-from ..lower.forward import lower_forward
+from ..exec.program import PutSpec, RankProgram, Taskflow, compile_program, symmetric_fields
+from ..ir.graph import IS_PUT, TaskGraph, TaskKind
+from ..regions.forward import lower_forward
+from ..regions.kernels import KERNELS, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing
 from ..schedule import critical_path_schedule, hyperparallel_schedule, serial_schedule
 from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
+from ..sim.hardware import HardwareModel
 from ..spec import ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .faults import Fault
 from .plan import exchange_tile_counts, plan_from_tile_counts
 from .session import Session
-from .taskflow import PutSpec, RankProgram, Taskflow, compile_program, symmetric_fields
 from .timeline import RunTimeline
-from .transport import Step
+from .transport.base import Step
 
 _CATEGORIES = ("ROWS", "H", "A", "Y", "OUT", "SH", "SA", "PERM")
 

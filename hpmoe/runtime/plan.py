@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..lower.layout import ceil_div
+from ..regions.layout import ceil_div
 from ..routing import RoutingPlan, plan_routing
 from ..spec import MoESpec, ParallelSpec
 

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.base import WorkerCounts
-from .dist_transport import DistTransport
 from .executor import Executor, ExecutorConfig
-from .local_transport import LocalTransport
-from .shm import check_token
-from .shm_transport import ShmTransport
-from .transport import Transport, TransportKind
+from .transport.base import Transport, TransportKind
+from .transport.dist import DistTransport
+from .transport.local import LocalTransport
+from .transport.segment import check_token
+from .transport.shm import ShmTransport
 
 JOB_ENV = "HPMOE_JOB"  # set by the launcher: prefix of every shared segment of the job
 

@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from ..graph import TaskGraph
-from ..hardware import HardwareModel
+from ..ir.graph import TaskGraph
+from ..sim.hardware import HardwareModel
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .critical_path import Candidate, critical_path_candidates, critical_path_schedule
 from .hyperparallel import hyperparallel_schedule, paper_tiles

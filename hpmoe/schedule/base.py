@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph import TaskGraph, Unit
+from ..ir.graph import TaskGraph, Unit
 
 
 class SchedulePolicy(enum.Enum):

@@ -1,7 +1,7 @@
 """Ours: list scheduling at tile level with cost-model priorities, all ranks together.
 
 Plan of ``critical_path_schedule``:
-  1. costs of every task (``hpmoe.cost``) and its priority: the bottom level, i.e. the
+  1. costs of every task (``hpmoe.sim.cost``) and its priority: the bottom level, i.e. the
      longest chain of uncontended durations from the task to the end of the graph.  A
      remote put's chain also counts the transfers queued behind it at its egress and
      ingress ports (ports are servers too), so that the GEMMs whose outputs must cross
@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..cost import PUT_DIRECTION, TaskCosts, task_costs
-from ..graph import IS_PUT, TaskGraph, TaskKind, Unit
-from ..hardware import HardwareModel, LinkDirection
-from ..simulate import END, ISSUE, LINK_DONE, LinkPorts, bottom_levels, makespan
-from ..verify import GraphError
+from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
+from ..ir.verify import GraphError
+from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
+from ..sim.hardware import HardwareModel, LinkDirection
+from ..sim.simulate import END, ISSUE, LINK_DONE, LinkPorts, bottom_levels, makespan
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
@@ -191,7 +191,7 @@ def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     state.run()
     if state.assigned != graph.num_tasks:
         raise GraphError(f"{graph.num_tasks - state.assigned} tasks never became ready; "
-                         "run hpmoe.verify.verify_graph for the cause")
+                         "run hpmoe.ir.verify.verify_graph for the cause")
     return schedule_from_assignment(graph, SchedulePolicy.CRITICAL_PATH, workers,
                                     np.asarray(state.worker), np.asarray(state.seq))
 
@@ -212,7 +212,7 @@ def link_workers(workers: WorkerCounts, costs: TaskCosts) -> int:
 
 class _ListState:
     """Python lists for the hot loop.  Pools are (rank, unit): ``rank * 2 + unit``.
-    Events share ``hpmoe.simulate``'s heap codes, so links behave as in the replay."""
+    Events share ``hpmoe.sim.simulate``'s heap codes, so links behave as in the replay."""
 
     def __init__(self, graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, prio: np.ndarray,
                  port: np.ndarray):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import IS_PUT, TaskGraph, Unit
-from ..hardware import HardwareModel
+from ..ir.graph import IS_PUT, TaskGraph, Unit
+from ..sim.hardware import HardwareModel
 from ..spec import TileSpec
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .verify import task_levels

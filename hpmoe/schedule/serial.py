@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..graph import IS_PUT, TaskGraph, TaskKind
+from ..ir.graph import IS_PUT, TaskGraph, TaskKind
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import deal_round_robin, stagger
 

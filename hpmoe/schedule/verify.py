@@ -9,7 +9,7 @@ task before it in its queue.  Plan of ``verify_schedule``:
      predecessor's completion or the original event already implies the other, by
      every signaller of the original event too (then the extra event needs all of
      them: exact when thresholds equal signal counts, as every lowering makes them);
-  4. ``hpmoe.verify.check_deadlock`` runs the extended graph; a cycle is reported with
+  4. ``hpmoe.ir.verify.check_deadlock`` runs the extended graph; a cycle is reported with
      its tasks, and every queue-order event in it is named by its queue.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph import TaskGraph, Unit
-from ..verify import GraphError, check_deadlock, completion_levels, gather_csr, ready_at_start
+from ..ir.graph import TaskGraph, Unit
+from ..ir.verify import GraphError, check_deadlock, completion_levels, gather_csr, ready_at_start
 from .base import Schedule, queue_id
 
 
@@ -62,11 +62,11 @@ def initially_ready(graph: TaskGraph) -> np.ndarray:
 
 def task_levels(graph: TaskGraph) -> np.ndarray:
     """[n] completion level of each task in the infinitely wide execution of ``graph``
-    (``hpmoe.verify.completion_levels``); ``GraphError`` when some task never runs."""
+    (``hpmoe.ir.verify.completion_levels``); ``GraphError`` when some task never runs."""
     level = completion_levels(graph.wait_global(), graph.threshold, graph.sig_ptr, graph.signals_global())
     if (level < 0).any():
         raise GraphError(f"{graph.task(int(np.flatnonzero(level < 0)[0]))} can never run; "
-                         "run hpmoe.verify.verify_graph for the cause")
+                         "run hpmoe.ir.verify.verify_graph for the cause")
     return level
 
 

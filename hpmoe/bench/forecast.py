@@ -1,0 +1,256 @@
+"""The runtime's cost model: the calibrated ``cpu`` profile adapted to how the
+runtime runs (worker counts, cores per rank, the executor's own per-task cost,
+the link measured over the transport in use), agreed by every rank; and the
+decision to fall back to the serialized baseline when it predicts no gain.
+
+Every input is measured (calibration, link, executor overhead, per-step setup
+times); nothing is fitted to the outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..runtime.session import RuntimeConfig
+from ..runtime.transport.base import TransportKind
+from ..schedule.base import Schedule, SchedulePolicy
+from ..sim.cost import task_costs
+from ..sim.hardware import HardwareModel, LinkEntry, load_profile
+from ..sim.simulate import SimResult, simulate
+from .overhead import EmptyShape, seconds_per_task
+
+MIN_GAIN = 1.05  # predicted serial / taskflow below this: run the serialized baseline
+
+
+def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
+    """Group rank 0's calibrated ``cpu`` profile (None when it has none), on every rank."""
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = load_profile().to_dict()
+        except FileNotFoundError:
+            box[0] = None
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return None if box[0] is None else HardwareModel.from_dict(box[0])
+
+
+def measure_link(group: dist.ProcessGroup | None, nbytes: int, repeats: int = 8) -> tuple[float, float]:
+    """(bytes/s per rank and direction, seconds of latency) of the runtime's puts:
+    every rank ``isend``s ``nbytes`` to every other rank at once, back to back as a
+    region's stream of puts; the slowest rank's best of ``repeats``, latency from
+    64-byte messages."""
+    big = _exchange_seconds(group, nbytes, repeats, False, 0.0, min)
+    small = _exchange_seconds(group, 64, repeats, False, 0.0, min)
+    world = dist.get_world_size(group)
+    return (world - 1) * (nbytes - 64) / max(big - small, 1e-9), small
+
+
+def measure_all_to_all(group: dist.ProcessGroup | None, nbytes: int, repeats: int = 3,
+                       idle_s: float = 0.02) -> float:
+    """Effective bytes/s per rank and direction of the serialized baseline's
+    ``all_to_all_single`` with ``nbytes`` per peer, each after ``idle_s`` of silence
+    as between its compute phases (TCP restarts slow after idle): the slowest rank's
+    median of ``repeats``, startup included (no separate latency)."""
+    seconds = _exchange_seconds(group, nbytes, repeats, True, idle_s, np.median)
+    return (dist.get_world_size(group) - 1) * nbytes / seconds
+
+
+def _exchange_seconds(group: dist.ProcessGroup | None, nbytes: int, repeats: int,
+                      collective: bool, idle_s: float, pick: Callable) -> float:
+    """``pick`` (min, median) over ``repeats`` of the slowest rank's seconds for one
+    exchange of ``nbytes`` per peer, after two untimed ones (connections warm)."""
+    world = dist.get_world_size(group)
+    send = torch.zeros(world * nbytes, dtype=torch.uint8)
+    recv = torch.empty(world * nbytes, dtype=torch.uint8)
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier(group=group)
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        _exchange(group, send, recv, nbytes, collective)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return float(pick(slowest_rank(np.array(times), group)))
+
+
+def _exchange(group: dist.ProcessGroup | None, send: torch.Tensor, recv: torch.Tensor, nbytes: int,
+              collective: bool) -> None:
+    if collective:
+        dist.all_to_all_single(recv, send, group=group)
+        return
+    rank = dist.get_rank(group)
+    peers = [p for p in range(dist.get_world_size(group)) if p != rank]
+    works = [dist.isend(send[p * nbytes:(p + 1) * nbytes], group=group, group_dst=p) for p in peers]
+    works += [dist.irecv(recv[p * nbytes:(p + 1) * nbytes], group=group, group_src=p) for p in peers]
+    for w in works:
+        w.wait()
+
+
+def slowest_rank(values: np.ndarray, group: dist.ProcessGroup | None) -> np.ndarray:
+    """Elementwise max over the group's ranks of ``values`` (float64 array)."""
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64)).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.numpy()
+
+
+def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.ProcessGroup | None,
+                     seconds: float = 0.05) -> float:
+    """The fraction of the profile's GEMM rate a rank gets while every rank of the
+    group runs GEMM tiles at once (128 x 512 x 512 in ``dtype``, for ``seconds``):
+    the slowest rank's measured rate over the calibrated one, at most 1.  It
+    captures ranks sharing cores, and whatever else runs on the host.  Collective."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(128 if i == 0 else 512, 512, generator=g).to(dtype) for i in range(2))
+    out = torch.empty(128, 512, dtype=dtype)
+    torch.mm(a, b.t(), out=out)
+    dist.barrier(group=group)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b.t(), out=out)
+        n += 1
+    per_gemm = float(slowest_rank(np.array([(time.perf_counter() - t0) / n]), group)[0])
+    return min(1.0, 2.0 * 128 * 512 * 512 / per_gemm / profile.matrix_flops(dtype))
+
+
+def runtime_hardware(profile: HardwareModel, runtime: RuntimeConfig, link: tuple[float, float] | None,
+                     share: float, executor_overhead: float, ep: int) -> HardwareModel:
+    """The cost model of the runtime: the ``cpu`` profile with the runtime's worker
+    counts; compute rates scaled by ``share`` (``concurrent_share``);
+    ``executor_overhead`` (s, the executor's own cost per task) added to the
+    per-task cost; and, when ``link`` is given, the link measured over
+    torch.distributed (the profile's link is the shared-memory put)."""
+    hw = dataclasses.replace(
+        profile, matrix_workers=runtime.workers.matrix, vector_workers=runtime.workers.vector,
+        matrix_flops_bf16=profile.matrix_flops_bf16 * share,
+        matrix_flops_fp32=profile.matrix_flops_fp32 * share, vector_flops=profile.vector_flops * share,
+        task_overhead=profile.task_overhead + executor_overhead)
+    if link is None:
+        return hw
+    bw, latency = link
+    return dataclasses.replace(hw, link=(LinkEntry(max(ep, 1), bw, bw),), link_latency=latency,
+                               notes=profile.notes + "; link measured over torch.distributed")
+
+
+@dataclass(frozen=True)
+class Models:
+    """runtime: the cost model of hpmoe's runtime on its transport.  baseline: the
+    same with the link the serialized baseline gets from ``all_to_all_single``.
+    link, a2a: (bytes/s, latency s) of torch.distributed point-to-point and of
+    ``all_to_all_single`` (None for one rank).  share: ``concurrent_share``, the
+    fraction of the calibrated compute rate a rank gets."""
+
+    runtime: HardwareModel
+    baseline: HardwareModel
+    link: tuple[float, float] | None
+    a2a: tuple[float, float] | None
+    share: float
+
+
+def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, dtype: torch.dtype, nbytes: int,
+                  group: dist.ProcessGroup | None, link_rate: float | None = None) -> Models:
+    """Both models, built on group rank 0 from measurements and used by every rank
+    (schedules computed from them must agree).  Each path's link is measured with its
+    own traffic, ``nbytes`` per peer (a balanced dispatch): back-to-back point-to-point
+    transfers for the runtime's stream of puts — or, for a shaped link, its configured
+    ``link_rate`` (bytes/s), with the measured latency — and ``all_to_all_single``
+    after an idle gap for the baseline's bursts between compute phases.  Collective."""
+    world = dist.get_world_size(group)
+    link = measure_link(group, nbytes) if world > 1 else None
+    if link is not None and link_rate is not None:
+        link = (link_rate, link[1])
+    a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
+    share = concurrent_share(profile, dtype, group)
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        overhead = seconds_per_task(1000, EmptyShape.CHAIN)
+        own = link if runtime.transport is TransportKind.DIST else None
+        box[0] = (runtime_hardware(profile, runtime, own, share, overhead, world).to_dict(),
+                  runtime_hardware(profile, runtime, a2a, share, overhead, world).to_dict())
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return Models(*(HardwareModel.from_dict(d) for d in box[0]), link=link, a2a=a2a, share=share)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Dispatch-to-Combine seconds of the serialized baseline — ``model_serial_s``
+    forecast, ``serial_s`` measured in the warm-up — and ``taskflow_s``, the forecast
+    of the best runtime schedule ``policy`` among ``forecasts`` (per candidate).
+
+    The baseline is taken as the larger of its forecast and its warm-up time: a
+    shaped TCP link has a fast and a slow regime and either source alone may have
+    caught the fast one.  ``fallback``: run the baseline instead — when the forecast
+    gain is below ``MIN_GAIN``, or when the warm-up measured the chosen schedule no
+    faster than the baseline (``vetoed``: measurement contradicted the forecast)."""
+
+    serial_s: float
+    model_serial_s: float
+    taskflow_s: float
+    policy: SchedulePolicy
+    forecasts: dict[SchedulePolicy, float]
+    measured_s: float  # the chosen schedule's warm-up Dispatch-to-Combine
+    vetoed: bool
+
+    @property
+    def baseline_s(self) -> float:
+        return max(self.model_serial_s, self.serial_s)
+
+    @property
+    def gain(self) -> float:
+        return self.baseline_s / self.taskflow_s
+
+    @property
+    def fallback(self) -> bool:
+        return self.gain < MIN_GAIN or self.vetoed
+
+
+def cores_per_rank(ep: int) -> float:
+    """Cores of this host each of ``ep`` local ranks gets (may be < 1)."""
+    return len(os.sched_getaffinity(0)) / ep
+
+
+def forecast_region(schedule: Schedule, hardware: HardwareModel) -> tuple[float, SimResult]:
+    """(seconds, replay) of a region: the simulator's makespan, but no less than the
+    busiest rank's total work over the cores it owns — on a CPU a rank's matrix and
+    vector workers share its cores, which the simulator's independent workers do not
+    model.  Rates in ``hardware`` already carry the share when ranks outnumber cores."""
+    sim = simulate(schedule, hardware)
+    g = schedule.graph
+    work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
+    return max(sim.makespan, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep))), sim
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What the warm-up measured and ran, per candidate runtime policy: its last
+    schedule, its setup seconds (exchange + lower and schedule + prepare, medians),
+    its Dispatch-to-Combine seconds (median of the later warm-up iterations); and the
+    baseline's, the serial schedule and the count exchange's seconds."""
+
+    schedules: dict[SchedulePolicy, Schedule]
+    setup_s: dict[SchedulePolicy, float]
+    measured_s: dict[SchedulePolicy, float]
+    serial_s: float
+    serial_schedule: Schedule
+    exchange_s: float
+
+
+def decide(warm: WarmUp, models: Models) -> Decision:
+    """Forecast every candidate schedule — its region on the runtime's model plus its
+    measured setup — keep the fastest, and compare it with the forecast of the
+    baseline — the serial schedule with the link ``all_to_all_single`` gets, plus the
+    count exchange; the warm-up measurements may veto the taskflow."""
+    forecasts = {p: forecast_region(s, models.runtime)[0] + warm.setup_s[p]
+                 for p, s in warm.schedules.items()}
+    best = min(forecasts, key=forecasts.__getitem__)
+    model_serial = forecast_region(warm.serial_schedule, models.baseline)[0] + warm.exchange_s
+    return Decision(serial_s=warm.serial_s, model_serial_s=model_serial, taskflow_s=forecasts[best],
+                    policy=best, forecasts=forecasts, measured_s=warm.measured_s[best],
+                    vetoed=warm.measured_s[best] >= max(model_serial, warm.serial_s))

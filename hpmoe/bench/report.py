@@ -1,0 +1,162 @@
+"""What ``hpmoe bench`` reports: per-variant statistics, step breakdowns, the cost
+model's decision and predictions, output differences, and the measured timeline
+in the simulator's ``Timeline`` type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..runtime.forward import ForwardOutput
+from ..schedule.base import SchedulePolicy
+from ..sim.simulate import Timeline
+from .forecast import Decision, Models, forecast_region, slowest_rank
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Milliseconds over iterations: median, quartiles, minimum."""
+
+    median_ms: float
+    p25_ms: float
+    p75_ms: float
+    min_ms: float
+
+    @staticmethod
+    def of(seconds: np.ndarray) -> Stats:
+        q = np.percentile(seconds, [50, 25, 75]) * 1e3
+        return Stats(float(q[0]), float(q[1]), float(q[2]), float(seconds.min() * 1e3))
+
+    def fields(self, name: str) -> dict[str, float]:
+        return {f"{name}_ms": round(self.median_ms, 3), f"{name}_p25_ms": round(self.p25_ms, 3),
+                f"{name}_p75_ms": round(self.p75_ms, 3), f"{name}_min_ms": round(self.min_ms, 3)}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Simulated region makespans (ms) of the schedules that ran, next to the
+    measured region times (ms, median of the slowest rank)."""
+
+    serial_schedule_ms: float
+    taskflow_ms: float
+    measured_serial_schedule_ms: float
+    measured_taskflow_ms: float
+
+    @property
+    def errors(self) -> tuple[float, float]:
+        """Relative errors (predicted / measured - 1) of both."""
+        return (self.serial_schedule_ms / self.measured_serial_schedule_ms - 1.0,
+                self.taskflow_ms / self.measured_taskflow_ms - 1.0)
+
+    def fields(self) -> dict[str, float]:
+        e = self.errors
+        return {"predicted_serial_schedule_ms": round(self.serial_schedule_ms, 3),
+                "predicted_taskflow_ms": round(self.taskflow_ms, 3),
+                "measured_serial_schedule_region_ms": round(self.measured_serial_schedule_ms, 3),
+                "measured_taskflow_region_ms": round(self.measured_taskflow_ms, 3),
+                "prediction_error_serial_schedule": round(e[0], 4),
+                "prediction_error_taskflow": round(e[1], 4)}
+
+
+def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float,
+            measured_flow_s: float, models: Models) -> tuple[Prediction, Timeline]:
+    """Forecast both runtime regions on the runtime's model (``forecast_region``);
+    (prediction, the taskflow's simulated timeline)."""
+    s, _ = forecast_region(serial.schedule, models.runtime)
+    f, sim = forecast_region(flow.schedule, models.runtime)
+    return Prediction(serial_schedule_ms=s * 1e3, taskflow_ms=f * 1e3,
+                      measured_serial_schedule_ms=measured_serial_s * 1e3,
+                      measured_taskflow_ms=measured_flow_s * 1e3), sim.timeline
+
+
+def measured_timeline(out: ForwardOutput, group: dist.ProcessGroup | None) -> Timeline:
+    """Every rank's measured tasks of ``out``'s region as one ``Timeline`` (times from
+    the earliest start; ranks of one host share the monotonic clock).  Collective."""
+    tl = out.timeline
+    mine = (out.program.task_ids[tl.task], tl.origin_ns / 1e9 + tl.start, tl.origin_ns / 1e9 + tl.end)
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    sched, g = out.schedule, out.schedule.graph
+    start, end = np.full(g.num_tasks, np.nan), np.full(g.num_tasks, np.nan)
+    for ids, s, e in parts:
+        start[ids], end[ids] = s, e
+    origin = np.nanmin(start) if g.num_tasks else 0.0
+    nan = np.full(g.num_tasks, np.nan)
+    return Timeline(ep=g.ep, workers=sched.workers, kind=g.kind, rank=g.rank, peer=g.peer, unit=g.unit,
+                    worker=sched.worker, start=start - origin, end=end - origin, link_start=nan,
+                    link_end=nan.copy())
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    """Largest |a - b| over every rank's outputs."""
+    local = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    return float(slowest_rank(np.array([local]), group)[0])
+
+
+def all_equal(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """``torch.equal`` on every rank."""
+    return bool(slowest_rank(np.array([0.0 if torch.equal(a, b) else 1.0]), group)[0] == 0.0)
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """Everything ``hpmoe bench`` prints (identical on every rank).  ``stats`` and
+    ``steps`` are keyed by variant name (``bench.Variant`` values)."""
+
+    ep: int
+    policy: SchedulePolicy
+    stats: dict[str, Stats]
+    steps: dict[str, dict[str, float]]
+    max_abs_diff: float
+    runtime_max_abs_diff: float
+    bitwise_equal: bool
+    candidate: str | None
+    link: tuple[float, float] | None
+    a2a: tuple[float, float] | None
+    share: float | None
+    decision: Decision | None
+    prediction: Prediction | None
+    timeline: Timeline
+    predicted_timeline: Timeline | None
+    note: str = ""
+
+    def to_json(self) -> dict:
+        """Flat JSON-ready dict (milliseconds, ratios)."""
+        st = {name: s.median_ms for name, s in self.stats.items()}
+        out: dict = {"ep": self.ep, "schedule": self.policy.value, "candidate": self.candidate}
+        for name, s in self.stats.items():
+            out |= s.fields(name)
+        out |= {"speedup": round(st["serial"] / st["taskflow"], 3),
+                "runtime_speedup": round(st["serial"] / st["runtime_taskflow"], 3),
+                "runtime_speedup_over_serial_schedule": round(
+                    st["serial_same_transport"] / st["runtime_taskflow"], 3),
+                "max_abs_diff": self.max_abs_diff, "runtime_max_abs_diff": self.runtime_max_abs_diff,
+                "bitwise_equal_serial_schedule": self.bitwise_equal}
+        for name, parts in self.steps.items():
+            out |= {f"{name}_{k}_ms": round(s * 1e3, 3) for k, s in parts.items()}
+        return out | self._extras()
+
+    def _extras(self) -> dict:
+        out: dict = {}
+        if self.decision is not None:
+            d = self.decision
+            out |= {"fallback": d.fallback, "vetoed_by_warmup": d.vetoed,
+                    "warmup_serial_ms": round(d.serial_s * 1e3, 3),
+                    "warmup_runtime_ms": round(d.measured_s * 1e3, 3),
+                    "model_serial_ms": round(d.model_serial_s * 1e3, 3),
+                    "model_taskflow_ms": round(d.taskflow_s * 1e3, 3), "model_gain": round(d.gain, 3)}
+            out |= {f"model_{p.value}_ms": round(s * 1e3, 3) for p, s in d.forecasts.items()}
+        if self.share is not None:
+            out["cpu_share"] = round(self.share, 3)
+        if self.link is not None:
+            out |= {"link_measured_gbytes_per_s": round(self.link[0] / 1e9, 4),
+                    "link_latency_us": round(self.link[1] * 1e6, 1)}
+        if self.a2a is not None:
+            out |= {"all_to_all_measured_gbytes_per_s": round(self.a2a[0] / 1e9, 4),
+                    "all_to_all_latency_us": round(self.a2a[1] * 1e6, 1)}
+        if self.prediction is not None:
+            out |= self.prediction.fields()
+        return out | ({"note": self.note} if self.note else {})

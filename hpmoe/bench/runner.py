@@ -1,0 +1,254 @@
+"""Dispatch-to-Combine latency on identical inputs: the serialized torch.distributed
+baseline, the serial schedule on hpmoe's runtime, and the taskflow.
+
+Plan of ``run_bench`` (every rank, collectively):
+  1. every rank builds the same global batch from the seed and keeps its slice;
+  2. the cost models (``costmodel``): calibrated profile + measured link and
+     executor overhead, agreed by all ranks;
+  3. warm-up iterations of the baseline, the serial schedule and each candidate
+     runtime schedule; the cost model then forecasts every path (region plus the
+     measured per-step setup), picks the runtime schedule, and decides whether
+     hpmoe's answer ("taskflow") is that schedule on the runtime or, when it
+     predicts no gain, the serialized baseline;
+  4. timed iterations, variants interleaved, each after a barrier; a variant's
+     time in an iteration is the slowest rank's; medians and quartiles over them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..launch.netns import LinkSpec
+from ..refs import serialized_ep_forward
+from ..routing import Routing, RoutingKind, synthetic_routing
+from ..runtime.faults import Fault
+from ..runtime.forward import ForwardOptions, ForwardOutput, ForwardRunner
+from ..runtime.session import RuntimeConfig, Session
+from ..schedule.base import SchedulePolicy
+from ..sim.hardware import HardwareModel
+from ..spec import MoESpec, ParallelSpec, TileSpec
+from ..weights import ExpertWeights
+from .forecast import Decision, Models, WarmUp, agreed_models, agreed_profile, decide, slowest_rank
+from .report import BenchReport, Stats, all_equal, max_abs_diff, measured_timeline, predict
+
+
+class Variant(enum.Enum):
+    SERIAL = "serial"  # refs.serialized_ep_forward: all_to_all_single, kernel by kernel
+    SERIAL_SAME_TRANSPORT = "serial_same_transport"  # serial schedule, hpmoe runtime + transport
+    RUNTIME = "runtime_taskflow"  # the chosen schedule on hpmoe's runtime
+    TASKFLOW = "taskflow"  # what hpmoe runs: RUNTIME, or the baseline when the model predicts no gain
+
+
+STEP_NAMES = ("exchange", "schedule", "prepare", "region")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark: the layer, its inputs, the runtime and the measurement."""
+
+    moe: MoESpec
+    tokens: int
+    routing: RoutingKind
+    seed: int
+    tiles: TileSpec
+    runtime: RuntimeConfig
+    policy: SchedulePolicy | None  # None: the cost model picks critical-path or hyperparallel
+    warmup: int = 5
+    iters: int = 10
+    link: LinkSpec | None = None
+    predict: bool = False
+    cache_schedules: bool = False
+    fault: Fault | None = None
+
+    def __post_init__(self) -> None:
+        if self.warmup < 1 or self.iters <= 0:
+            raise ValueError(f"BenchConfig.warmup={self.warmup} must be >= 1 (the cost model reads "
+                             f"it) and BenchConfig.iters={self.iters} > 0")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """This rank's slice of the global batch, and the layer's weights."""
+
+    x: torch.Tensor
+    routing: Routing
+    weights: ExpertWeights
+
+
+def make_inputs(config: BenchConfig, world: int, rank: int) -> Inputs:
+    """The same global batch on every rank (from ``config.seed``); this rank's slice."""
+    moe, t = config.moe, config.tokens
+    par = ParallelSpec(ep=world, tokens_per_rank=t)
+    par.local_experts(moe)
+    g = torch.Generator().manual_seed(config.seed)
+    x = torch.randn(world * t, moe.hidden, generator=g).to(moe.dtype)
+    r = synthetic_routing(config.routing, moe, par, seed=config.seed)
+    mine = slice(rank * t, (rank + 1) * t)
+    routing = Routing(r.ids[mine].contiguous(), r.weights[mine].contiguous())
+    weights = ExpertWeights.random(moe, seed=config.seed)
+    return Inputs(x=x[mine].contiguous(), routing=routing, weights=weights)
+
+
+@dataclass
+class Samples:
+    """Per variant name: seconds of each iteration on this rank, the last output, and
+    (runtime variants) each iteration's step times and the last ``ForwardOutput``."""
+
+    seconds: dict[str, list[float]]
+    outs: dict[str, torch.Tensor]
+    steps: dict[str, list[tuple[float, float, float, float]]]
+    last: dict[str, ForwardOutput]
+
+    @staticmethod
+    def empty(names: list[str]) -> Samples:
+        return Samples({n: [] for n in names}, {}, {n: [] for n in names}, {})
+
+    def record(self, name: str, res: object, seconds: float) -> None:
+        if isinstance(res, ForwardOutput):
+            self.outs[name], self.last[name] = res.out.clone(), res
+            t = res.times
+            self.steps[name].append((t.exchange_s, t.schedule_s, t.prepare_s, t.region_s))
+        else:
+            self.outs[name] = res.out
+        self.seconds[name].append(seconds)
+
+    def alias(self, name: str, to: str) -> None:
+        self.seconds[name], self.outs[name] = self.seconds[to], self.outs[to]
+
+    def step_medians(self, name: str, group: dist.ProcessGroup | None) -> dict[str, float]:
+        """Median seconds of each step of ``name`` (slowest rank per iteration)."""
+        rows = slowest_rank(np.array(self.steps[name]), group)
+        return dict(zip(STEP_NAMES, np.median(rows, axis=0).tolist(), strict=True))
+
+
+Calls = dict[str, Callable[[], object]]
+
+
+def candidate_policies(policy: SchedulePolicy | None,
+                       profile: HardwareModel | None) -> tuple[list[SchedulePolicy], str]:
+    """The runtime schedules to try (None: the cost model picks) and a note."""
+    if profile is None:
+        if policy in (None, SchedulePolicy.CRITICAL_PATH):
+            return [SchedulePolicy.HYPERPARALLEL], ("no cpu profile (run `hpmoe calibrate`): "
+                                                   "hyperparallel, no cost-model choice")
+        return [policy], ""
+    if policy is None:
+        return [SchedulePolicy.CRITICAL_PATH, SchedulePolicy.HYPERPARALLEL], ""
+    return [policy], ""
+
+
+def runtime_name(policy: SchedulePolicy) -> str:
+    return f"runtime:{policy.value}"
+
+
+def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: HardwareModel | None,
+               policies: list[SchedulePolicy]) -> Calls:
+    """The baseline, the serial schedule, and one runtime call per candidate policy."""
+    def runner(policy: SchedulePolicy) -> ForwardRunner:
+        return ForwardRunner(session, data.weights, ForwardOptions(
+            tiles=config.tiles, policy=policy, hardware=hardware, cache_schedules=config.cache_schedules))
+
+    def runtime(r: ForwardRunner) -> Callable[[], object]:
+        return lambda: r(data.x, data.routing, config.fault)
+
+    serial, group = runner(SchedulePolicy.SERIAL), session.group
+    calls: Calls = {Variant.SERIAL.value: lambda: serialized_ep_forward(data.x, data.routing, data.weights,
+                                                                        group),
+                    Variant.SERIAL_SAME_TRANSPORT.value: lambda: serial(data.x, data.routing)}
+    return calls | {runtime_name(p): runtime(runner(p)) for p in policies}
+
+
+def timed_loop(iters: int, calls: Calls, group: dist.ProcessGroup | None) -> Samples:
+    """``iters`` iterations, calls interleaved, each after a barrier."""
+    s = Samples.empty(list(calls))
+    for _ in range(iters):
+        for name, call in calls.items():
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            res = call()
+            s.record(name, res, time.perf_counter() - t0)
+    return s
+
+
+def run_bench(config: BenchConfig, group: dist.ProcessGroup | None = None) -> BenchReport:
+    """Run the benchmark on every rank of ``group`` (collective); same report everywhere."""
+    data = make_inputs(config, dist.get_world_size(group), dist.get_rank(group))
+    torch.set_num_threads(config.runtime.threads)  # the baseline's intra-op threads
+    profile = agreed_profile(group)
+    policies, note = candidate_policies(config.policy, profile)
+    with torch.no_grad(), Session(config.runtime, group) as session:
+        models = _models(config, profile, group)
+        every = make_calls(config, session, data, models.runtime if models else None, policies)
+        warm = timed_loop(config.warmup, every, group)
+        decision = _decide(warm, models, policies, group)
+        chosen = decision.policy if decision is not None else policies[0]
+        calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
+        calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
+        if decision is not None and decision.fallback:
+            calls[Variant.TASKFLOW.value] = calls[Variant.SERIAL.value]
+        samples = timed_loop(config.iters, calls, group)
+        if Variant.TASKFLOW.value not in calls:
+            samples.alias(Variant.TASKFLOW.value, Variant.RUNTIME.value)
+        return build_report(config, chosen, samples, models, decision, group, note)
+
+
+def _models(config: BenchConfig, profile: HardwareModel | None,
+            group: dist.ProcessGroup | None) -> Models | None:
+    """The cost models (None without a profile); links measured with the bytes a
+    rank sends each peer in a balanced dispatch (a shaped link's rate is known)."""
+    if profile is None:
+        return None
+    moe, world = config.moe, dist.get_world_size(group)
+    nbytes = max(64, config.tokens * moe.top_k * moe.hidden * moe.dtype.itemsize // world)
+    rate = config.link.bytes_per_s if config.link is not None else None
+    return agreed_models(profile, config.runtime, moe.dtype, nbytes, group, rate)
+
+
+def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy],
+            group: dist.ProcessGroup | None) -> Decision | None:
+    """The cost model's choice, from the warm-up's schedules and setup times; vetoed
+    when the warm-up measured the chosen schedule no faster than the baseline."""
+    if models is None:
+        return None
+    steps = {p: warm.step_medians(runtime_name(p), group) for p in policies}
+
+    def settled(name: str) -> float:  # median of the later warm-up iterations
+        later = warm.seconds[name][len(warm.seconds[name]) // 2:]
+        return float(np.median(slowest_rank(np.array(later), group)))
+
+    return decide(WarmUp(
+        schedules={p: warm.last[runtime_name(p)].schedule for p in policies},
+        setup_s={p: st["exchange"] + st["schedule"] + st["prepare"] for p, st in steps.items()},
+        measured_s={p: settled(runtime_name(p)) for p in policies}, serial_s=settled(Variant.SERIAL.value),
+        serial_schedule=warm.last[Variant.SERIAL_SAME_TRANSPORT.value].schedule,
+        exchange_s=min(st["exchange"] for st in steps.values())), models)
+
+
+def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models: Models | None,
+                 decision: Decision | None, group: dist.ProcessGroup | None, note: str) -> BenchReport:
+    """Reduce every rank's samples into the report (collective)."""
+    names = [v.value for v in Variant]
+    sst, rt = Variant.SERIAL_SAME_TRANSPORT.value, Variant.RUNTIME.value
+    stats = {n: Stats.of(slowest_rank(np.array(s.seconds[n]), group)) for n in names}
+    steps = {n: s.step_medians(n, group) for n in (sst, rt)}
+    prediction, predicted = None, None
+    if config.predict and models is not None:
+        prediction, predicted = predict(s.last[sst], s.last[rt], steps[sst]["region"], steps[rt]["region"],
+                                        models)
+    out, serial = s.outs, s.outs[Variant.SERIAL.value]
+    return BenchReport(
+        ep=dist.get_world_size(group), policy=policy, stats=stats, steps=steps,
+        max_abs_diff=max_abs_diff(out[Variant.TASKFLOW.value], serial, group),
+        runtime_max_abs_diff=max_abs_diff(out[rt], serial, group),
+        bitwise_equal=all_equal(out[rt], out[sst], group),
+        candidate=s.last[rt].schedule.graph.meta.get("candidate"), link=models.link if models else None,
+        a2a=models.a2a if models else None, share=models.share if models else None,
+        decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
+        predicted_timeline=predicted, note=note)

@@ -1,0 +1,139 @@
+"""The exact backward executor: every EP rank of the backward task graph, virtual,
+in one process, through ``hpmoe.exec.exact.run_graph`` with ``BACKWARD_KERNELS``.
+
+Every gradient tile is written by exactly one task holding its full reduction and
+input gradients are summed over slots in a fixed order in fp32, so the result is
+bitwise the same under every valid task order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..ir.graph import TaskGraph
+from ..ir.verify import random_order
+from ..regions.backward import lower_backward
+from ..regions.backward_kernels import BACKWARD_KERNELS, BackwardBuffers, BackwardContext, SavedActivations
+from ..routing import Routing, RoutingPlan
+from ..spec import TileSpec
+from ..weights import ExpertWeights
+from .exact import DEFAULT_TILES, execute_forward, run_graph
+
+Order = Sequence[int] | np.ndarray | int | None
+
+
+@dataclass
+class Gradients:
+    """Gradients of the MoE region with respect to its inputs and weights.
+
+    dx: [N, H] spec.dtype; dweights: [N, k] float32 (routing weights); dw13: [E, 2F, H];
+    dw2: [E, H, F]; dshared_w13: [2Fs, H] and dshared_w2: [H, Fs] (None without shared
+    experts), all spec.dtype.  Shared gradients are summed over ranks in rank order
+    in fp32."""
+
+    dx: torch.Tensor
+    dweights: torch.Tensor
+    dw13: torch.Tensor
+    dw2: torch.Tensor
+    dshared_w13: torch.Tensor | None
+    dshared_w2: torch.Tensor | None
+
+
+@dataclass
+class BackwardResult:
+    """grads: the gradients; buffers: each rank's backward buffers; graph: the
+    backward task graph that ran."""
+
+    grads: Gradients
+    buffers: list[BackwardBuffers]
+    graph: TaskGraph
+
+
+def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan, dy: torch.Tensor,
+                     weights: ExpertWeights, topk_weights: torch.Tensor,
+                     tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
+                     order: Order = None) -> BackwardResult:
+    """Lower and run the backward region of ``plan.par.ep`` virtual ranks.
+
+    saved: per rank, what the forward kept (``SavedActivations.from_forward``);
+    dy: [N, H] spec.dtype output gradient; topk_weights: [N, k] float32.
+    ``order``: task ids, an int seed for a random valid order, or None (task-id order)."""
+    ep = plan.par.ep
+    if len(saved) != ep:
+        raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
+    _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
+    graph = lower_backward(plan, tiles, recompute=recompute)
+    if isinstance(order, int):
+        order = random_order(graph, order)
+    out = _full_outputs(dy, weights)
+    views = rank_views(out, plan)
+    dys, tws = dy.chunk(ep), topk_weights.chunk(ep)
+    buffers = [BackwardBuffers.allocate(saved[r], dys[r], plan, views[r]) for r in range(ep)]
+    contexts = [BackwardContext.build(weights, plan, tws[r], r) for r in range(ep)]
+    run_graph(graph, buffers, contexts, order, kernels=BACKWARD_KERNELS)
+    grads = replace(out, dshared_w13=_rank_sum(buffers, "dsw13", weights),
+                    dshared_w2=_rank_sum(buffers, "dsw2", weights))
+    return BackwardResult(grads=grads, buffers=buffers, graph=graph)
+
+
+def _full_outputs(dy: torch.Tensor, weights: ExpertWeights) -> Gradients:
+    """Full-size gradients every rank writes its slice of (no copies afterwards);
+    expert gradients zero-filled (experts without rows get no task)."""
+    k = weights.spec.top_k
+    return Gradients(dx=torch.empty(dy.shape, dtype=dy.dtype), dweights=torch.empty(dy.shape[0], k),
+                     dw13=torch.zeros_like(weights.w13), dw2=torch.zeros_like(weights.w2),
+                     dshared_w13=None, dshared_w2=None)
+
+
+def rank_views(out: Gradients, plan: RoutingPlan) -> list[dict[str, torch.Tensor]]:
+    """Per rank, its slices of full-size ``dx``/``dweights`` (its tokens) and
+    ``dw13``/``dw2`` (its experts), keyed by ``BackwardBuffers`` field."""
+    ep, local = plan.par.ep, plan.local_experts
+    dx, dw = out.dx.chunk(ep), out.dweights.chunk(ep)
+    return [{"dx": dx[r], "dw": dw[r], "dw13": out.dw13[r * local:(r + 1) * local],
+             "dw2": out.dw2[r * local:(r + 1) * local]} for r in range(ep)]
+
+
+def _check_dy(dy: object, weights: ExpertWeights, tokens: int) -> None:
+    spec = weights.spec
+    if not isinstance(dy, torch.Tensor):
+        raise TypeError(f"dy must be a torch.Tensor, got {type(dy).__name__}")
+    if tuple(dy.shape) != (tokens, spec.hidden):
+        raise ValueError(f"dy has shape {tuple(dy.shape)}, expected {(tokens, spec.hidden)}")
+    if dy.dtype != spec.dtype:
+        raise TypeError(f"dy has dtype {dy.dtype}, expected {spec.dtype} (MoESpec.dtype)")
+
+
+def _rank_sum(buffers: Sequence[BackwardBuffers], name: str, weights: ExpertWeights) -> torch.Tensor | None:
+    """Sum of a shared-expert gradient over ranks, in rank order, in fp32."""
+    if not weights.has_shared:
+        return None
+    acc = torch.zeros(getattr(buffers[0], name).shape)
+    for b in buffers:
+        acc += getattr(b, name).float()
+    return acc.to(weights.spec.dtype)
+
+
+@dataclass
+class StepResult:
+    """out: [N, H] spec.dtype forward output; backward: the backward run."""
+
+    out: torch.Tensor
+    backward: BackwardResult
+
+
+def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, dy: torch.Tensor,
+                         ep: int = 1, tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
+                         forward_order: Order = None, backward_order: Order = None) -> StepResult:
+    """Forward then backward of the MoE region over ``ep`` virtual ranks.
+
+    x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]."""
+    fwd = execute_forward(x, weights, routing, ep, tiles, forward_order)
+    plan = fwd.graph.meta["layout"].plan
+    saved = [SavedActivations.from_forward(b, recompute) for b in fwd.buffers]
+    bwd = execute_backward(saved, plan, dy, weights, routing.weights, tiles, recompute, backward_order)
+    return StepResult(out=fwd.out, backward=bwd)

@@ -1,0 +1,67 @@
+"""Drop-in: swap transformers MoE blocks of a model for ``hpmoe.MoE`` layers in place.
+
+The new layers adopt the blocks' own ``gate``, ``experts`` and ``shared_experts``
+submodules (``MoE.from_hf``), so every parameter stays the same tensor under the same
+name: optimizers built before the swap keep updating the right tensors and state dicts
+(keys and values) are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..runtime import Session
+from .layer import MoE, RegionOptions
+
+
+@dataclass
+class Replacement:
+    """names: qualified names of the replaced modules, in ``named_modules`` order.
+    session: the runtime session the layers share (distributed runs), else None;
+    ``close()`` it when done training."""
+
+    names: list[str]
+    session: Session | None
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+def supported_blocks() -> tuple[type, ...]:
+    """transformers' ``DeepseekV3MoE`` and ``Qwen3MoeSparseMoeBlock`` classes."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    return (DeepseekV3MoE, Qwen3MoeSparseMoeBlock)
+
+
+def replace_moe_blocks(model: nn.Module, **options: Any) -> Replacement:
+    """Replace every supported MoE block inside ``model`` by ``MoE.from_hf(block, ...)``.
+
+    ``options``: fields of ``hpmoe.nn.layer.RegionOptions`` (ep_group, virtual_ep, schedule,
+    recompute, tiles, runtime, hardware).  With a process group as ``ep_group`` one
+    runtime ``Session`` is opened here (collective over the group) and shared by every
+    new layer.  Raises ``ValueError`` when ``model`` holds no supported block or is
+    itself one (use ``MoE.from_hf``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    checked = RegionOptions(**options)
+    blocks = supported_blocks()
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, blocks)]
+    if not targets:
+        names = sorted(b.__name__ for b in blocks)
+        raise ValueError(f"model of type {type(model).__name__} holds no block of type {names}")
+    if targets[0][0] == "":
+        raise ValueError(f"model is itself a {type(model).__name__}; use hpmoe.MoE.from_hf(model)")
+    session = None
+    if checked.distributed and not isinstance(checked.ep_group, Session):
+        session = Session(options.pop("runtime", None), checked.ep_group)
+        options["ep_group"] = session
+    for name, block in targets:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, MoE.from_hf(block, **options))
+    return Replacement(names=[name for name, _ in targets], session=session)

@@ -1,0 +1,167 @@
+"""One torch op per tile task, on views of a rank's buffers.
+
+The exact executor (all ranks in one process) and the multi-rank runtime run the
+same functions; only where ``peer`` buffers live differs (a Python object or a
+peer's shared memory).  ``KERNELS`` maps every forward ``TaskKind`` to its function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.graph import TaskGraph, TaskKind
+from ..refs import topk_sum
+from ..routing import Routing, RoutingPlan
+from ..weights import ExpertWeights
+
+
+class Tile(NamedTuple):
+    """The fields of one task a kernel needs."""
+
+    kind: int
+    rank: int
+    peer: int
+    expert: int
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    dst_row0: int
+
+
+def tiles_of(graph: TaskGraph) -> list[Tile]:
+    """Every task of ``graph`` as a ``Tile`` (built once, read by the executors)."""
+    cols = [graph.kind, graph.rank, graph.peer, graph.expert, graph.row0, graph.row1,
+            graph.col0, graph.col1, graph.dst_row0]
+    return [Tile(*row) for row in zip(*(c.tolist() for c in cols), strict=True)]
+
+
+@dataclass
+class ForwardBuffers:
+    """One rank's forward buffers.  ``recv`` and ``comb`` are the symmetric ones:
+    peers put into them.  Shapes: x, out, so [T, H]; send, comb [T*k, H];
+    recv, y [R, H]; h [R, 2F]; a [R, F]; sh [T, 2Fs]; sa [T, Fs] (R = rows received)."""
+
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("recv", "comb")
+
+    x: torch.Tensor
+    send: torch.Tensor
+    recv: torch.Tensor
+    h: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor
+    comb: torch.Tensor
+    out: torch.Tensor
+    sh: torch.Tensor
+    sa: torch.Tensor
+    so: torch.Tensor
+
+    @staticmethod
+    def allocate(x: torch.Tensor, plan: RoutingPlan, rank: int,
+                 recv: torch.Tensor | None = None, comb: torch.Tensor | None = None) -> ForwardBuffers:
+        """Buffers for ``rank`` holding its tokens ``x`` [T, H]; ``recv``/``comb`` may
+        be passed in (views of a symmetric heap), else they are allocated here."""
+        moe = plan.moe
+        t, r, k, h, f, fs = (x.shape[0], plan.recv_rows(rank), moe.top_k, moe.hidden, moe.ffn,
+                             moe.shared_ffn)
+
+        def new(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=moe.dtype)
+
+        return ForwardBuffers(x=x, send=new(t * k, h), recv=new(r, h) if recv is None else recv,
+                              h=new(r, 2 * f), a=new(r, f), y=new(r, h),
+                              comb=new(t * k, h) if comb is None else comb, out=new(t, h),
+                              sh=new(t, 2 * fs), sa=new(t, fs), so=new(t, h))
+
+
+@dataclass
+class RankContext:
+    """Read-only data of one rank: its experts' weights and its slice of the plan.
+
+    w13: [L, 2F, H], w2: [L, H, F] (this rank's experts); token_of_row: [T*k] int64
+    token of each permuted row; pos: [T, k] int64 permuted row of (token, slot);
+    topk_weights: [T, k] float32."""
+
+    weights: ExpertWeights
+    w13: torch.Tensor
+    w2: torch.Tensor
+    token_of_row: torch.Tensor
+    pos: torch.Tensor
+    topk_weights: torch.Tensor
+
+    @staticmethod
+    def build(weights: ExpertWeights, plan: RoutingPlan, routing: Routing, rank: int) -> RankContext:
+        local, tpr, k = plan.local_experts, plan.par.tokens_per_rank, plan.moe.top_k
+        experts = slice(rank * local, (rank + 1) * local)
+        tokens = slice(rank * tpr, (rank + 1) * tpr)
+        return RankContext(weights=weights, w13=weights.w13[experts], w2=weights.w2[experts],
+                           token_of_row=plan.order[rank] // k, pos=plan.pos[rank],
+                           topk_weights=routing.weights[tokens])
+
+
+Kernel = Callable[[Tile, ForwardBuffers, ForwardBuffers, RankContext], None]
+
+
+def _permute(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    torch.index_select(me.x, 0, ctx.token_of_row[t.row0:t.row1], out=me.send[t.row0:t.row1])
+
+
+def _dispatch(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    peer.recv[t.dst_row0:t.dst_row0 + t.row1 - t.row0].copy_(me.send[t.row0:t.row1])
+
+
+def _gemm_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    w = ctx.w13[t.expert, t.col0:t.col1]
+    torch.mm(me.recv[t.row0:t.row1], w.t(), out=me.h[t.row0:t.row1, t.col0:t.col1])
+
+
+def swiglu(h: torch.Tensor, out: torch.Tensor) -> None:
+    """out [m, F] = silu(h[:, :F]) * h[:, F:] for h [m, 2F]."""
+    f = out.shape[1]
+    torch.mul(F.silu(h[:, :f]), h[:, f:], out=out)
+
+
+def _swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    swiglu(me.h[t.row0:t.row1], me.a[t.row0:t.row1])
+
+
+def _gemm_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    w = ctx.w2[t.expert, t.col0:t.col1]
+    torch.mm(me.a[t.row0:t.row1], w.t(), out=me.y[t.row0:t.row1, t.col0:t.col1])
+
+
+def _combine(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    peer.comb[t.dst_row0:t.dst_row0 + t.row1 - t.row0].copy_(me.y[t.row0:t.row1])
+
+
+def _unpermute(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    shared = me.so[t.row0:t.row1] if ctx.weights.has_shared else None
+    rows = me.comb[ctx.pos[t.row0:t.row1]]  # [m, k, H]
+    me.out[t.row0:t.row1] = topk_sum(rows, ctx.topk_weights[t.row0:t.row1], shared, me.out.dtype)
+
+
+def _shared_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    w = ctx.weights.shared_w13[t.col0:t.col1]
+    torch.mm(me.x[t.row0:t.row1], w.t(), out=me.sh[t.row0:t.row1, t.col0:t.col1])
+
+
+def _shared_swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    swiglu(me.sh[t.row0:t.row1], me.sa[t.row0:t.row1])
+
+
+def _shared_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
+    w = ctx.weights.shared_w2[t.col0:t.col1]
+    torch.mm(me.sa[t.row0:t.row1], w.t(), out=me.so[t.row0:t.row1, t.col0:t.col1])
+
+
+KERNELS: dict[TaskKind, Kernel] = {
+    TaskKind.PERMUTE: _permute, TaskKind.DISPATCH: _dispatch, TaskKind.GEMM_UP: _gemm_up,
+    TaskKind.SWIGLU: _swiglu, TaskKind.GEMM_DOWN: _gemm_down, TaskKind.COMBINE: _combine,
+    TaskKind.UNPERMUTE: _unpermute, TaskKind.SHARED_UP: _shared_up,
+    TaskKind.SHARED_SWIGLU: _shared_swiglu, TaskKind.SHARED_DOWN: _shared_down,
+}

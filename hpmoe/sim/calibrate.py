@@ -1,0 +1,227 @@
+"""Measure this CPU with torch and turn the figures into the ``cpu`` HardwareModel.
+
+Plan of ``calibrate``:
+  1. pin torch to ``threads`` intra-op threads (one worker = one such thread group);
+  2. GEMM FLOP/s at tile shapes 128 x 512 x K, bf16 and fp32 (median of repeats after warm-up);
+  3. memory bandwidth: a large ``Tensor.copy_`` (bytes read + bytes written per second);
+  4. elementwise rate: ``silu(g) * u`` on a 128 x 2048 bf16 tile;
+  5. per-task fixed cost: a one-element ``torch.add`` issued from Python;
+  6. link: a put (``copy_`` into a /dev/shm-backed tensor + an int32 counter bump) of 64 B
+     and of a large payload; latency = small put - task cost, bandwidth = the size slope.
+Timings are medians of repeats; nothing here is asserted on in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import torch
+import torch.nn.functional as F
+
+from hpmoe.sim.hardware import (
+    SWIGLU_FLOPS_PER_ELEMENT,
+    HardwareModel,
+    LinkEntry,
+    default_profile_path,
+    load_profile,
+    save_profile,
+)
+
+__all__ = ["CpuMeasurements", "measure", "model_from", "calibrate", "save_profile", "load_profile",
+           "default_profile_path", "add_calibrate_parser", "run_calibrate"]
+
+GEMM_M, GEMM_N = 128, 512  # a GEMM tile: 128 token rows x 512 output columns
+SWIGLU_TILE = (128, 2048)  # rows x FFN columns of one SwiGLU tile
+SMALL_PUT = 64  # bytes of the "empty" put that gives the link latency
+
+
+@dataclass(frozen=True)
+class _Plan:
+    repeats: int
+    gemm_ks: tuple[int, ...]
+    copy_bytes: int
+    put_bytes: int
+    put_repeats: int  # single-call samples of the large put: cheap, and the median drops stalls
+    tiny_calls: int
+
+
+PUT_BYTES = 128 * 7168 * 2  # one 128-token DeepSeek-V3 bf16 tile, the paper's put granularity
+# copy buffers are >= 2x a 32 MiB L3 so that the copy measures DRAM, not cache
+_QUICK = _Plan(repeats=5, gemm_ks=(512, 2048), copy_bytes=64 << 20, put_bytes=PUT_BYTES,
+               put_repeats=31, tiny_calls=300)
+_FULL = _Plan(repeats=15, gemm_ks=(256, 512, 1024, 2048, 4096), copy_bytes=256 << 20,
+              put_bytes=PUT_BYTES, put_repeats=101, tiny_calls=3000)
+
+
+@dataclass(frozen=True)
+class CpuMeasurements:
+    """Raw figures of one calibration run.
+
+    gemm_ks: K of each 128 x 512 x K GEMM measured; gemm_bf16 / gemm_fp32: FLOP/s at each K.
+    copy_bw: bytes/s (read + write) of a large copy.  swiglu_flops: FLOP/s of silu(g) * u,
+    counting SWIGLU_FLOPS_PER_ELEMENT per output element.  tiny_op: seconds per one-element
+    torch op from Python.  put_small: seconds per 64-byte put + signal into shared memory.
+    put_bw: bytes/s of payload into shared memory.
+    """
+
+    threads: int
+    quick: bool
+    gemm_ks: tuple[int, ...]
+    gemm_bf16: tuple[float, ...]
+    gemm_fp32: tuple[float, ...]
+    copy_bw: float
+    swiglu_flops: float
+    tiny_op: float
+    put_small: float
+    put_bw: float
+
+
+def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1, warmup: int = 2) -> float:
+    """Median seconds of one ``fn()`` call over ``repeats`` batches of ``inner`` calls."""
+    for _ in range(warmup * inner):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _gemm_flops(k: int, dtype: torch.dtype, plan: _Plan, gen: torch.Generator) -> float:
+    """FLOP/s of (128 x k) @ (k x 512) in ``dtype``."""
+    a = torch.randn(GEMM_M, k, generator=gen).to(dtype)
+    b = torch.randn(k, GEMM_N, generator=gen).to(dtype)
+    out = torch.empty(GEMM_M, GEMM_N, dtype=dtype)
+    seconds = _median_time(lambda: torch.mm(a, b, out=out), plan.repeats)
+    return 2.0 * GEMM_M * GEMM_N * k / seconds
+
+
+def _copy_bw(plan: _Plan) -> float:
+    """Bytes/s (read + write) of ``dst.copy_(src)`` on ``plan.copy_bytes`` bytes."""
+    src = torch.ones(plan.copy_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2.0 * plan.copy_bytes / _median_time(lambda: dst.copy_(src), plan.repeats)
+
+
+def _swiglu_flops(plan: _Plan, gen: torch.Generator) -> float:
+    """FLOP/s of ``silu(g) * u`` on one bf16 SwiGLU tile."""
+    g, u = (torch.randn(*SWIGLU_TILE, generator=gen).to(torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(g)
+    seconds = _median_time(lambda: torch.mul(F.silu(g), u, out=out), plan.repeats)
+    return SWIGLU_FLOPS_PER_ELEMENT * g.numel() / seconds
+
+
+def _tiny_op(plan: _Plan) -> float:
+    """Seconds per one-element ``torch.add`` called from Python."""
+    a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)
+    return _median_time(lambda: torch.add(a, b, out=c), plan.repeats, inner=plan.tiny_calls)
+
+
+def _time_puts(buf: memoryview, plan: _Plan) -> tuple[float, float]:
+    """Seconds of a SMALL_PUT-byte and of a ``plan.put_bytes`` put + counter bump into ``buf``."""
+    heap = torch.frombuffer(buf, dtype=torch.uint8)
+    data, counter = heap[:plan.put_bytes], heap[plan.put_bytes:plan.put_bytes + 4].view(torch.int32)
+    src = torch.ones(plan.put_bytes, dtype=torch.uint8)
+    small_dst, small_src = data[:SMALL_PUT], src[:SMALL_PUT]
+    small = _median_time(lambda: (small_dst.copy_(small_src), counter.add_(1)), plan.repeats,
+                         inner=plan.tiny_calls)
+    large = _median_time(lambda: (data.copy_(src), counter.add_(1)), plan.put_repeats)
+    return small, large
+
+
+def _put_figures(plan: _Plan) -> tuple[float, float]:
+    """(seconds of a 64-byte put, payload bytes/s) into a /dev/shm shared-memory segment."""
+    shm = shared_memory.SharedMemory(create=True, size=plan.put_bytes + 64)
+    try:
+        small, large = _time_puts(shm.buf, plan)
+    finally:
+        shm.close()
+        shm.unlink()
+    if not large > small:
+        raise RuntimeError(f"calibration: large put ({large:.3g} s) not slower than small ({small:.3g} s)")
+    return small, (plan.put_bytes - SMALL_PUT) / (large - small)
+
+
+def measure(threads: int = 1, quick: bool = False) -> CpuMeasurements:
+    """Run every micro-benchmark with torch pinned to ``threads`` threads."""
+    if not isinstance(threads, int) or threads <= 0:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    plan, gen = (_QUICK if quick else _FULL), torch.Generator().manual_seed(0)
+    with _torch_threads(threads), torch.no_grad():
+        bf16 = tuple(_gemm_flops(k, torch.bfloat16, plan, gen) for k in plan.gemm_ks)
+        fp32 = tuple(_gemm_flops(k, torch.float32, plan, gen) for k in plan.gemm_ks)
+        copy_bw, swiglu, tiny = _copy_bw(plan), _swiglu_flops(plan, gen), _tiny_op(plan)
+        put_small, put_bw = _put_figures(plan)
+    return CpuMeasurements(threads=threads, quick=quick, gemm_ks=plan.gemm_ks, gemm_bf16=bf16,
+                           gemm_fp32=fp32, copy_bw=copy_bw, swiglu_flops=swiglu, tiny_op=tiny,
+                           put_small=put_small, put_bw=put_bw)
+
+
+def model_from(m: CpuMeasurements, matrix_workers: int = 1, vector_workers: int = 1) -> HardwareModel:
+    """The ``cpu`` HardwareModel of measurements ``m`` (medians over the GEMM K sizes).
+
+    The link is one entry (EP 2) used for every EP size; link_latency is the small put
+    minus the per-task cost (floored at 0), so a put's fixed cost is not counted twice.
+    """
+    notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')}, torch {torch.__version__}, "
+             f"threads={m.threads}, quick={m.quick}")
+    return HardwareModel(
+        name="cpu", matrix_workers=matrix_workers, vector_workers=vector_workers,
+        matrix_flops_bf16=statistics.median(m.gemm_bf16), matrix_flops_fp32=statistics.median(m.gemm_fp32),
+        matrix_block=1,  # measured at tile shapes: no extra padding model
+        vector_flops=m.swiglu_flops, mem_bw=m.copy_bw,
+        link=(LinkEntry(2, m.put_bw, m.put_bw),),
+        link_latency=max(m.put_small - m.tiny_op, 0.0), task_overhead=m.tiny_op, notes=notes)
+
+
+def calibrate(threads: int = 1, quick: bool = False, matrix_workers: int = 1,
+              vector_workers: int = 1) -> HardwareModel:
+    """Measure this CPU (``threads`` torch threads per worker) and return its HardwareModel.
+
+    quick=True takes a few seconds with fewer repeats and smaller buffers.
+    """
+    return model_from(measure(threads, quick), matrix_workers, vector_workers)
+
+
+def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``hpmoe calibrate [--out PATH] [--quick] [--json]``; sets ``func=run_calibrate``."""
+    p = subparsers.add_parser("calibrate", help="measure this CPU and save the 'cpu' hardware profile")
+    p.add_argument("--out", default=None,
+                   help="profile path (default: $HPMOE_PROFILE, else ~/.cache/hpmoe/cpu.json)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats, smaller buffers (a few s)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--matrix-workers", type=int, default=1, help="matrix workers per rank (default 1)")
+    p.add_argument("--vector-workers", type=int, default=1, help="vector workers per rank (default 1)")
+    p.set_defaults(func=run_calibrate)
+    return p
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """CLI body: calibrate, save the profile, print it (JSON or summary); returns exit code 0."""
+    model = calibrate(threads=args.threads, quick=args.quick, matrix_workers=args.matrix_workers,
+                      vector_workers=args.vector_workers)
+    path = save_profile(model, args.out)
+    print(json.dumps(model.to_dict(), indent=2) if args.json else model.summary())
+    print(f"saved {path}", file=sys.stderr)
+    return 0

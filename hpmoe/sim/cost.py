@@ -1,0 +1,114 @@
+"""Per-task durations of a ``TaskGraph`` on a ``HardwareModel`` (vectorised over all tasks).
+
+Model, per task (seconds):
+
+- compute: matrix tasks run a GEMM tile of m x n x k on one matrix worker, with
+  m = rows, n = columns and k = flops / (2 m n), each padded up to the hardware's
+  ``matrix_block`` (``HardwareModel.matrix_time``); vector tasks do ``flops`` at one
+  vector worker's rate (``vector_time``).
+- memory: ``bytes`` (read + written) at one worker's share of ``mem_bw``.  The share
+  is ``mem_bw`` over the worker count *of the task's unit*: a unit whose workers all
+  stream draws the whole bandwidth.  The two units are assumed not to contend for
+  memory with each other (the GEMM operands that ``bytes`` counts again per column
+  tile are mostly L2 hits), so the lower bounds carry no memory term.
+- a task takes ``task_overhead + max(compute, memory)`` on its worker (roofline).
+- puts: a put whose ``link_bytes`` is 0 stays on its rank and is a memory copy like
+  any vector task.  A remote put costs ``task_overhead`` to issue, then occupies the
+  link for ``link_bytes / bandwidth``, then ``link_latency`` passes before its signal
+  lands: uncontended, ``overhead + link_latency + link_bytes / bandwidth``.  The
+  bandwidth is the measured all-to-all figure for the graph's EP size and the put's
+  direction (dispatch kinds vs combine kinds), per rank and direction.  Ports and
+  their contention are the simulator's business; this module gives uncontended costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
+from .hardware import HardwareModel, LinkDirection
+
+PUT_DIRECTION = {TaskKind.DISPATCH: LinkDirection.DISPATCH,
+                 TaskKind.GRAD_DISPATCH: LinkDirection.DISPATCH,
+                 TaskKind.COMBINE: LinkDirection.COMBINE,
+                 TaskKind.GRAD_COMBINE: LinkDirection.COMBINE}
+
+
+@dataclass(frozen=True)
+class TaskCosts:
+    """Uncontended costs of every task, seconds, arrays of shape [n] float64.
+
+    work: time on the worker before any link transfer (every task).
+    transfer: time a remote put occupies its source's egress and its peer's ingress
+      port (0 for every other task).
+    latency: time after the transfer until the put's signal lands (0 when no transfer).
+    """
+
+    work: np.ndarray
+    transfer: np.ndarray
+    latency: np.ndarray
+
+    @property
+    def duration(self) -> np.ndarray:
+        """[n] seconds from start to end of each task when nothing contends."""
+        return self.work + self.transfer + self.latency
+
+
+def graph_dtype(graph: TaskGraph) -> torch.dtype:
+    """GEMM dtype of a lowered graph (its layout's MoE dtype); bf16 for hand-built graphs."""
+    layout = graph.meta.get("layout")
+    return layout.plan.moe.dtype if layout is not None else torch.bfloat16
+
+
+def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | None = None) -> TaskCosts:
+    """Costs of every task of ``graph`` on ``hardware``; GEMMs in ``dtype`` (default:
+    ``graph_dtype(graph)``)."""
+    dtype = graph_dtype(graph) if dtype is None else dtype
+    work = hardware.task_overhead + np.maximum(compute_time(graph, hardware, dtype),
+                                               memory_time(graph, hardware))
+    remote = IS_PUT[graph.kind] & (graph.link_bytes > 0)
+    transfer = np.where(remote, link_transfer_time(graph, hardware), 0.0)
+    work = np.where(remote, hardware.task_overhead, work)
+    latency = np.where(remote, hardware.link_latency, 0.0)
+    return TaskCosts(work=work, transfer=transfer, latency=latency)
+
+
+def gemm_dims(graph: TaskGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(m, n, k) of every task's GEMM tile: rows, columns, and k = flops / (2 m n)
+    (0 where m or n is 0).  Meaningful for matrix tasks only."""
+    m = (graph.row1 - graph.row0).astype(np.float64)
+    n = (graph.col1 - graph.col0).astype(np.float64)
+    mn = m * n
+    k = np.divide(graph.flops, 2.0 * mn, out=np.zeros_like(mn), where=mn > 0)
+    return m, n, np.round(k)
+
+
+def compute_time(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype) -> np.ndarray:
+    """[n] seconds of arithmetic: padded GEMM tiles on matrix workers, flops on vector workers."""
+    m, n, k = gemm_dims(graph)
+    matrix = hardware.matrix_time(m, n, k, dtype)
+    vector = hardware.vector_time(graph.flops)
+    return np.where(graph.unit == Unit.MATRIX, matrix, vector)
+
+
+def memory_time(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
+    """[n] seconds to move each task's ``bytes`` at its worker's share of ``mem_bw``."""
+    sharers = np.where(graph.unit == Unit.MATRIX, hardware.matrix_workers, hardware.vector_workers)
+    return hardware.memory_time(graph.bytes, sharers)
+
+
+def link_bandwidths(hardware: HardwareModel, ep: int) -> np.ndarray:
+    """[len(TaskKind)] bytes/s of the link each put kind uses at ``ep`` ranks (0: not a put)."""
+    bw = np.zeros(len(TaskKind))
+    for kind, direction in PUT_DIRECTION.items():
+        bw[kind] = hardware.link_bandwidth(ep, direction)
+    return bw
+
+
+def link_transfer_time(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
+    """[n] seconds each task's ``link_bytes`` occupy the link (0 for non-puts)."""
+    bw = link_bandwidths(hardware, graph.ep)[graph.kind]
+    return np.divide(graph.link_bytes, bw, out=np.zeros(graph.num_tasks), where=bw > 0)
