@@ -9,7 +9,7 @@ $(BIN)/hpmoe: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,gpu]'
 	touch $@
 
 demo: $(BIN)/hpmoe

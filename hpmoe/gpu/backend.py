@@ -1,0 +1,229 @@
+"""``backend="triton"``: the forward and backward MoE regions as one persistent kernel each.
+
+Plan of a call:
+  1. plan the routing and lower the region to its task graph (every virtual rank);
+  2. schedule it with the chosen policy on this device's workers (on a GPU: as many as
+     can be resident, see ``residency``; in the interpreter: ``TritonOptions.workers``);
+  3. pack the schedule into int32 arrays and lay every rank's buffers out in one arena;
+  4. run the persistent kernel (``runner.DeviceProgram``) and read the outputs.
+
+Outputs and work buffers start as NaN, so a row no task wrote shows in the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .buffers import Arena, BufferSpace, buffer_space
+from .core import (
+    DEFAULT_TILES,
+    ExpertWeights,
+    HardwareModel,
+    ParallelSpec,
+    Routing,
+    RoutingPlan,
+    Schedule,
+    SchedulePolicy,
+    TaskGraph,
+    TileSpec,
+    WorkerCounts,
+    check_hidden,
+    check_routing,
+    hardware_preset,
+    lower_backward,
+    lower_forward,
+    plan_routing,
+    schedule,
+)
+from .pack import pack
+from .runner import DeviceProgram, KernelConfig, RunInfo
+
+INTERPRETER_WORKERS = WorkerCounts(matrix=2, vector=2)
+
+
+@dataclass(frozen=True)
+class TritonOptions:
+    """How the triton backend runs a region.
+
+    policy: the scheduling policy.  workers: queues per rank (None: on a GPU the most
+    that stay resident, split by the cost model; in the interpreter 2 + 2).
+    hardware: cost model of CRITICAL_PATH and of the worker split (None: ``h100``).
+    config: tile sizes and launch options (None: the device's default).
+    deadline_s: per-wait deadline on a GPU.  stamps: record per-task start/end."""
+
+    policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
+    workers: WorkerCounts | None = None
+    hardware: HardwareModel | None = None
+    config: KernelConfig | None = None
+    deadline_s: float = 10.0
+    stamps: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, SchedulePolicy):
+            raise TypeError(f"TritonOptions.policy must be a SchedulePolicy, got {self.policy!r}")
+        if self.workers is not None and not isinstance(self.workers, WorkerCounts):
+            raise TypeError(f"TritonOptions.workers must be WorkerCounts, got {self.workers!r}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"TritonOptions.deadline_s must be > 0, got {self.deadline_s!r}")
+
+
+@dataclass
+class PreparedRegion:
+    """One region compiled for a device: its schedule, device program and arena.
+    ``run()`` executes it again (a new epoch of the same counters)."""
+
+    schedule: Schedule
+    program: DeviceProgram
+    arena: Arena
+    options: TritonOptions
+
+    def run(self, delays_ns: np.ndarray | None = None) -> RunInfo:
+        return self.program.run(self.arena.addresses(), deadline_s=self.options.deadline_s,
+                                stamps=self.options.stamps, delays_ns=delays_ns)
+
+
+def region_schedule(graph: TaskGraph, options: TritonOptions, device: torch.device,
+                    dtype: torch.dtype) -> Schedule:
+    """Schedule ``graph`` on the device's workers (refusing more than can be resident)."""
+    hw = options.hardware or hardware_preset("h100")
+    workers = options.workers
+    if device.type == "cuda":
+        from .residency import device_workers
+        workers = device_workers(graph, hw, device, dtype, options.config, workers)
+    elif workers is None:
+        workers = INTERPRETER_WORKERS
+    hw = dataclasses.replace(hw, matrix_workers=workers.matrix, vector_workers=workers.vector)
+    return schedule(graph, options.policy, hw)
+
+
+def prepare(graph: TaskGraph, arena: Arena, options: TritonOptions) -> PreparedRegion:
+    sched = region_schedule(graph, options, arena.device, arena.dtype)
+    program = DeviceProgram(pack(sched, arena.space), arena.device, arena.dtype, options.config)
+    return PreparedRegion(schedule=sched, program=program, arena=arena, options=options)
+
+
+# ---------------------------------------------------------------------------- forward
+
+@dataclass
+class TritonForward:
+    """out: [N, H] spec.dtype.  region: the prepared forward region (its arena keeps
+    what the backward region reads).  plan, tiles: as lowered.  info: the run."""
+
+    out: torch.Tensor
+    region: PreparedRegion
+    plan: RoutingPlan
+    tiles: TileSpec
+    weights: ExpertWeights
+    routing: Routing
+    x: torch.Tensor
+    info: RunInfo
+
+
+def forward_arena(x: torch.Tensor, weights: ExpertWeights, routing: Routing, plan: RoutingPlan,
+                  space: BufferSpace) -> Arena:
+    """The arena of a forward call: work buffers NaN, caller tensors bound, indices filled."""
+    spec = weights.spec
+    arena = Arena(space, spec.dtype, x.device)
+    bind = {"x": x.contiguous(), "w13": weights.w13.contiguous(), "w2": weights.w2.contiguous(),
+            "topk": routing.weights.to(x.device, torch.float32).contiguous(),
+            "out": torch.full_like(x, float("nan"))}
+    if weights.has_shared:
+        bind.update(sw13=weights.shared_w13.contiguous(), sw2=weights.shared_w2.contiguous())
+    arena.bind_all(bind)
+    fill_indices(arena, plan, routing.weights)
+    return arena
+
+
+def fill_indices(arena: Arena, plan: RoutingPlan, topk_weights: torch.Tensor) -> None:
+    """Every rank's int32 row indices (token of each permuted row, permuted row of each
+    (token, slot)) and float32 routing weight of each permuted row, from the plan."""
+    k = plan.moe.top_k
+    flat_w = topk_weights.to(arena.device, torch.float32).reshape(plan.par.ep, -1)
+    for r in range(plan.par.ep):
+        order = plan.order[r].to(arena.device)
+        arena.rank_view("tok", r).copy_((order // k).view(-1, 1))
+        arena.rank_view("pos", r).copy_(plan.pos[r])
+        arena.rank_view("roww", r).copy_(flat_w[r][order].view(-1, 1))
+
+
+def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int = 1,
+                   tiles: TileSpec = DEFAULT_TILES, options: TritonOptions | None = None) -> TritonForward:
+    """The forward MoE region of ``ep`` virtual ranks as one persistent kernel on
+    ``x.device`` (a CUDA device, or the CPU through the Triton interpreter).
+
+    x: [N, H] spec.dtype; weights and routing on the same device.  Returns the output
+    [N, H] spec.dtype and what the backward region needs."""
+    options = options or TritonOptions()
+    spec = weights.spec
+    check_hidden(x, spec)
+    check_routing(routing, spec, x.shape[0])
+    if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
+        raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
+    par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
+    plan = plan_routing(routing.ids.cpu(), spec, par)
+    arena = forward_arena(x, weights, routing, plan, buffer_space(plan))
+    region = prepare(lower_forward(plan, tiles), arena, options)
+    info = region.run()
+    return TritonForward(out=arena.gather("out"), region=region, plan=plan, tiles=tiles, weights=weights,
+                         routing=routing, x=x, info=info)
+
+
+# ---------------------------------------------------------------------------- backward
+
+@dataclass
+class TritonGradients:
+    """The gradients (``exec.exact_backward.Gradients`` fields) and the backward run."""
+
+    dx: torch.Tensor
+    dweights: torch.Tensor
+    dw13: torch.Tensor
+    dw2: torch.Tensor
+    dshared_w13: torch.Tensor | None
+    dshared_w2: torch.Tensor | None
+    region: PreparedRegion
+    info: RunInfo
+
+
+def triton_backward(fwd: TritonForward, dy: torch.Tensor, recompute: bool = False,
+                    options: TritonOptions | None = None) -> TritonGradients:
+    """The backward region after ``fwd``: dy [N, H] spec.dtype on the forward's device.
+
+    Expert weight gradients of experts that received no rows are zero (no task
+    writes them); every other output starts as NaN."""
+    options = options or fwd.region.options
+    w, plan, arena = fwd.weights, fwd.plan, fwd.region.arena
+    if dy.shape != fwd.x.shape or dy.dtype != fwd.x.dtype or dy.device != fwd.x.device:
+        raise ValueError(f"dy must be {tuple(fwd.x.shape)} {fwd.x.dtype} on {fwd.x.device}, got "
+                         f"{tuple(dy.shape)} {dy.dtype} on {dy.device}")
+    k = w.spec.top_k
+    nan = float("nan")
+    out = {"dy": dy.contiguous(), "dx": torch.full_like(dy, nan),
+           "dweights": torch.full((dy.shape[0], k), nan, device=dy.device),
+           "dw13": torch.full_like(w.w13, nan), "dw2": torch.full_like(w.w2, nan)}
+    arena.bind_all(out)
+    if w.has_shared:
+        for name in ("dsw13", "dsw2"):
+            for r in range(plan.par.ep):
+                arena.rank_view(name, r).fill_(nan)
+    region = prepare(lower_backward(plan, fwd.tiles, recompute=recompute), arena, options)
+    info = region.run()
+    idle = plan.counts.sum(dim=(0,)).reshape(-1) == 0  # [ep * L] experts without rows
+    for name in ("dw13", "dw2"):
+        out[name][idle.to(dy.device)] = 0
+    return TritonGradients(dx=out["dx"], dweights=out["dweights"], dw13=out["dw13"], dw2=out["dw2"],
+                           dshared_w13=_rank_sum(arena, "dsw13", w), dshared_w2=_rank_sum(arena, "dsw2", w),
+                           region=region, info=info)
+
+
+def _rank_sum(arena: Arena, name: str, weights: ExpertWeights) -> torch.Tensor | None:
+    """A shared-expert gradient summed over ranks in rank order in fp32."""
+    if not weights.has_shared:
+        return None
+    acc = torch.zeros(arena.rank_view(name, 0).shape, device=arena.device)
+    for r in range(arena.space.ep):
+        acc += arena.rank_view(name, r).float()
+    return acc.to(weights.spec.dtype)

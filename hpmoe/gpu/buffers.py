@@ -1,0 +1,195 @@
+"""Every buffer a GPU taskflow touches, named, per virtual rank, and the arena that holds them.
+
+A ``BufferSpace`` lists the buffers of the forward and backward regions of one
+``RoutingPlan``: per EP rank, each field is a row-major 2-D view ``[rows, ld]``
+(``ld``: elements per row).  Packing refers to a buffer by its id in the space; the
+device reads its address from an int64 table bound at launch, so packing stays a
+pure function of the plan and the schedule.
+
+Element classes: DATA buffers hold ``spec.dtype``; F32 and I32 hold float32 routing
+weights / router gradients and int32 row indices.
+
+The ``Arena``: every rank's work buffers (send, recv, h, a, y, comb, ... and their
+gradients) are regions of one flat tensor per element class on one device, so a put
+from rank r to rank p is a copy into p's region of the same allocation.  Inputs,
+weights and full-size outputs are the caller's tensors, viewed per rank.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .core import RoutingPlan
+
+
+class Elem(enum.IntEnum):
+    """Element class of a buffer."""
+
+    DATA = 0  # spec.dtype
+    F32 = 1
+    I32 = 2
+
+
+@dataclass(frozen=True)
+class BufferField:
+    """One field of every rank: ``rows`` x ``ld`` elements of class ``elem``.
+    ``work``: allocated in the arena (else a view of a caller's tensor);
+    ``replicated``: every rank reads the same caller tensor (shared-expert weights)."""
+
+    name: str
+    elem: Elem
+    work: bool
+    replicated: bool = False
+
+
+def _fields() -> tuple[BufferField, ...]:
+    data_work = ["send", "recv", "h", "a", "y", "comb", "sh", "sa", "so", "gsend", "grecv", "da", "dh",
+                 "dxe", "gcomb", "sda", "sdh", "sdx", "dsw13", "dsw2"]
+    data_view = ["x", "out", "dy", "dx", "w13", "w2", "dw13", "dw2"]
+    return tuple([BufferField(n, Elem.DATA, True) for n in data_work]
+                 + [BufferField(n, Elem.DATA, False) for n in data_view]
+                 + [BufferField(n, Elem.DATA, False, replicated=True) for n in ("sw13", "sw2")]
+                 + [BufferField("roww", Elem.F32, True), BufferField("topk", Elem.F32, False),
+                    BufferField("dweights", Elem.F32, False), BufferField("tok", Elem.I32, True),
+                    BufferField("pos", Elem.I32, True)])
+
+
+FIELDS: tuple[BufferField, ...] = _fields()
+FIELD_INDEX: dict[str, int] = {f.name: i for i, f in enumerate(FIELDS)}
+
+
+@dataclass(frozen=True)
+class BufferSpace:
+    """Shapes of every (field, rank) buffer of one plan.
+
+    rows, ld: [len(FIELDS), ep] int64.  Buffer id of (field f, rank r): ``f * ep + r``.
+    dims: (T, k, H, F, Fs, L) tokens per rank, top-k, hidden, expert FFN, shared FFN,
+    local experts."""
+
+    ep: int
+    rows: np.ndarray
+    ld: np.ndarray
+    dims: tuple[int, int, int, int, int, int]
+
+    @property
+    def num_buffers(self) -> int:
+        return len(FIELDS) * self.ep
+
+    def ids(self, name: str, rank: np.ndarray | int) -> np.ndarray:
+        """Buffer ids of field ``name`` on ``rank`` (array or int)."""
+        return FIELD_INDEX[name] * self.ep + np.asarray(rank, np.int64)
+
+    def shape(self, name: str, rank: int) -> tuple[int, int]:
+        f = FIELD_INDEX[name]
+        return int(self.rows[f, rank]), int(self.ld[f, rank])
+
+
+def buffer_space(plan: RoutingPlan) -> BufferSpace:
+    """The buffers of ``plan``'s forward and backward regions, per rank."""
+    moe, ep = plan.moe, plan.par.ep
+    t, k, h, f, fs, el = (plan.par.tokens_per_rank, moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn,
+                          plan.local_experts)
+    recv = np.array([plan.recv_rows(r) for r in range(ep)], np.int64)
+    shapes = {"send": (t * k, h), "recv": (recv, h), "h": (recv, 2 * f), "a": (recv, f), "y": (recv, h),
+              "comb": (t * k, h), "sh": (t, 2 * fs), "sa": (t, fs), "so": (t, h), "gsend": (t * k, h),
+              "grecv": (recv, h), "da": (recv, f), "dh": (recv, 2 * f), "dxe": (recv, h),
+              "gcomb": (t * k, h), "sda": (t, fs), "sdh": (t, 2 * fs), "sdx": (t, h), "dsw13": (2 * fs, h),
+              "dsw2": (h, fs), "x": (t, h), "out": (t, h), "dy": (t, h), "dx": (t, h),
+              "w13": (el * 2 * f, h), "w2": (el * h, f), "sw13": (2 * fs, h), "sw2": (h, fs),
+              "dw13": (el * 2 * f, h), "dw2": (el * h, f), "roww": (t * k, 1), "topk": (t, k),
+              "dweights": (t, k), "tok": (t * k, 1), "pos": (t, k)}
+    rows = np.zeros((len(FIELDS), ep), np.int64)
+    ld = np.zeros((len(FIELDS), ep), np.int64)
+    for name, (r, c) in shapes.items():
+        rows[FIELD_INDEX[name]] = r
+        ld[FIELD_INDEX[name]] = c
+    return BufferSpace(ep=ep, rows=rows, ld=ld, dims=(t, k, h, f, fs, el))
+
+
+_TORCH = {Elem.F32: torch.float32, Elem.I32: torch.int32}
+
+
+class Arena:
+    """Every rank's work buffers as regions of one flat tensor per element class.
+
+    ``views[(name, rank)]``: [rows, ld] tensors (arena regions, or the caller's tensors
+    after ``bind``).  ``addresses()``: int64 [num_buffers] device addresses by buffer id."""
+
+    def __init__(self, space: BufferSpace, dtype: torch.dtype, device: torch.device | str,
+                 fill: float = float("nan")):
+        self.space, self.dtype, self.device = space, dtype, torch.device(device)
+        self.views: dict[tuple[str, int], torch.Tensor] = {}
+        self.flat: dict[Elem, torch.Tensor] = {}
+        for elem in Elem:
+            self._carve(elem, fill)
+
+    def _carve(self, elem: Elem, fill: float) -> None:
+        names = [f.name for f in FIELDS if f.work and f.elem is elem]
+        sizes = [(n, r, *self.space.shape(n, r)) for n in names for r in range(self.space.ep)]
+        total = sum(rows * ld for _, _, rows, ld in sizes)
+        dtype = self.dtype if elem is Elem.DATA else _TORCH[elem]
+        flat = torch.empty(max(total, 1), dtype=dtype, device=self.device)
+        flat.fill_(-1 if elem is Elem.I32 else fill)
+        self.flat[elem] = flat
+        at = 0
+        for n, r, rows, ld in sizes:
+            self.views[(n, r)] = flat[at:at + rows * ld].view(rows, ld)
+            at += rows * ld
+
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        """Use ``tensor`` (all ranks' rows of field ``name``, stacked in rank order) as
+        that field's buffers: rank r gets the next ``rows[r]`` rows (a replicated field:
+        every rank the whole tensor).  Shapes and dtype are checked; the tensor must be
+        contiguous and on the arena's device."""
+        f = FIELDS[FIELD_INDEX[name]]
+        want = self.dtype if f.elem is Elem.DATA else _TORCH[f.elem]
+        if tensor.dtype != want or tensor.device != self.device or not tensor.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous {want} tensor on {self.device}, got "
+                             f"{tensor.dtype} on {tensor.device} (contiguous={tensor.is_contiguous()})")
+        rows = self.space.rows[FIELD_INDEX[name]]
+        ld = int(self.space.ld[FIELD_INDEX[name], 0])
+        if f.replicated:
+            rows = rows[:1]
+        if tensor.numel() != int(rows.sum()) * ld:
+            raise ValueError(f"{name}: {tuple(tensor.shape)} holds {tensor.numel()} elements, expected "
+                             f"{int(rows.sum())} rows of {ld}")
+        parts = [(tensor.reshape(-1, ld).narrow(0, int(rows[:r].sum()), n) if ld else tensor.new_empty(n, 0))
+                 for r, n in enumerate(rows.tolist())]
+        for r in range(self.space.ep):
+            self.views[(name, r)] = parts[0 if f.replicated else r]
+
+    def bind_rank(self, name: str, rank: int, tensor: torch.Tensor) -> None:
+        """Use ``tensor`` as rank ``rank``'s buffer ``name`` (any shape holding
+        ``rows x ld`` contiguous elements of the field's dtype, on the arena's device)."""
+        f = FIELDS[FIELD_INDEX[name]]
+        want = self.dtype if f.elem is Elem.DATA else _TORCH[f.elem]
+        rows, ld = self.space.shape(name, rank)
+        if (tensor.dtype != want or tensor.device != self.device or not tensor.is_contiguous()
+                or tensor.numel() != rows * ld):
+            raise ValueError(f"{name} of rank {rank}: expected {rows}x{ld} contiguous {want} on "
+                             f"{self.device}, got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
+        self.views[(name, rank)] = tensor.view(rows, ld)
+
+    def bind_all(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.bind(name, tensor)
+
+    def rank_view(self, name: str, rank: int) -> torch.Tensor:
+        return self.views[(name, rank)]
+
+    def gather(self, name: str) -> torch.Tensor:
+        """Field ``name`` of every rank, concatenated in rank order."""
+        return torch.cat([self.views[(name, r)] for r in range(self.space.ep)])
+
+    def addresses(self) -> torch.Tensor:
+        """int64 [num_buffers] address of every buffer (0 for unbound ones), on the device."""
+        ep = self.space.ep
+        out = np.zeros(self.space.num_buffers, np.int64)
+        for (name, r), t in self.views.items():
+            out[FIELD_INDEX[name] * ep + r] = t.data_ptr()
+        return torch.from_numpy(out).to(self.device)

@@ -1,0 +1,28 @@
+"""The core objects the GPU backend reads, imported in one place.
+
+The backend consumes the compiler's output (task graphs, schedules, plans) and the
+runtime's report types; when a core module moves or renames a type, only this file
+changes."""
+
+from __future__ import annotations
+
+from ..exec.exact import DEFAULT_TILES
+from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
+from ..ir.verify import GraphError
+from ..regions.backward import lower_backward
+from ..regions.forward import lower_forward
+from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
+from ..runtime.forensics import HangReport, RegionError, WorkerReport, WorkerStatus
+from ..schedule import SchedulePolicy, schedule, verify_schedule
+from ..schedule.base import Schedule, WorkerCounts
+from ..sim.cost import task_costs
+from ..sim.hardware import HardwareModel, hardware_preset
+from ..sim.simulate import Timeline
+from ..spec import MoESpec, ParallelSpec, TileSpec
+from ..weights import ExpertWeights
+
+__all__ = ["DEFAULT_TILES", "IS_PUT", "ExpertWeights", "GraphError", "HangReport", "HardwareModel",
+           "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy",
+           "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts", "WorkerReport",
+           "WorkerStatus", "check_hidden", "check_routing", "hardware_preset", "lower_backward",
+           "lower_forward", "plan_routing", "schedule", "task_costs", "verify_schedule"]

@@ -1,0 +1,363 @@
+"""The device side: seven tile operations and the persistent worker loop, in Triton.
+
+Program q of ``taskflow_kernel`` walks worker queue q of a ``PackedProgram``:
+
+    wait (acquire) -> run the task's tile operation -> barrier -> release-add signals
+
+and nothing else: no policy, no MoE knowledge — order and placement came from the
+schedule, operands from ``ops.describe``.  Two modes share the loop:
+
+* BLOCKING (a GPU): a wait spins on an acquire load until its counter reaches the
+  call's threshold or ``deadline_ns`` of the global timer pass; a late wait writes
+  (flag, task, event, counter) to its program's row of ``errors`` and the program ends.
+* rounds (the Triton interpreter, which runs programs one after another): a wait polls
+  once; when unsatisfied the program stores its cursor and returns, and the host
+  launches the grid again until every queue is done.
+
+Column indices below mirror ``ops.COLUMNS`` and op codes ``ops.Op`` (checked by a test).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+C_OP = tl.constexpr(1)
+C_VARIANT = tl.constexpr(2)
+C_M = tl.constexpr(3)
+C_N = tl.constexpr(4)
+C_K = tl.constexpr(5)
+C_A = tl.constexpr(6)  # a_buf, a_row, a_col
+C_B = tl.constexpr(9)  # b_buf, b_row, b_col
+C_C = tl.constexpr(12)  # c_buf, c_row, c_col
+C_I = tl.constexpr(15)  # i_buf, i_row
+C_W = tl.constexpr(17)  # w_buf, w_row
+C_S = tl.constexpr(19)  # s_buf, s_row
+C_KK = tl.constexpr(21)
+NCOL = tl.constexpr(22)
+
+OP_GEMM = tl.constexpr(0)
+OP_COPY = tl.constexpr(1)
+OP_GATHER = tl.constexpr(2)
+OP_SWIGLU = tl.constexpr(3)
+OP_SWIGLU_BWD = tl.constexpr(4)
+OP_SUM = tl.constexpr(5)
+OP_ROWDOT = tl.constexpr(6)
+
+
+# ---------------------------------------------------------------------------- operands
+
+@triton.jit
+def _base(row, col: tl.constexpr, addr, lds, DT: tl.constexpr):
+    """(pointer to element (0, 0), row stride) of the operand at ``row[col:col + 3]``;
+    an absent buffer (-1) reads buffer 0's address and must not be dereferenced."""
+    buf = tl.maximum(tl.load(row + col), 0)
+    ld = tl.load(lds + buf).to(tl.int64)
+    ptr = tl.load(addr + buf).to(tl.pointer_type(DT))
+    return ptr + tl.load(row + col + 1).to(tl.int64) * ld + tl.load(row + col + 2), ld
+
+
+@triton.jit
+def _base2(row, col: tl.constexpr, addr, lds, DT: tl.constexpr):
+    """As ``_base`` for a (buffer, row) operand without a column."""
+    buf = tl.maximum(tl.load(row + col), 0)
+    ld = tl.load(lds + buf).to(tl.int64)
+    ptr = tl.load(addr + buf).to(tl.pointer_type(DT))
+    return ptr + tl.load(row + col + 1).to(tl.int64) * ld, ld
+
+
+# ---------------------------------------------------------------------------- tile operations
+# Only core builtins and functions of this module: the standard library's jit functions
+# (tl.zeros, tl.sum, ...) are bound to one mode when triton is imported, and the
+# interpreted copy of this module must not call compiled ones.
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def gemm_tile(row, addr, lds, DT: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """C[M, N] = A[M, K] @ B[K, N] in BM x BN blocks, fp32 accumulation over BK slices."""
+    m = tl.load(row + C_M)
+    n = tl.load(row + C_N)
+    k = tl.load(row + C_K)
+    a, lda = _base(row, C_A, addr, lds, DT)
+    b, ldb = _base(row, C_B, addr, lds, DT)
+    c, ldc = _base(row, C_C, addr, lds, DT)
+    rm = tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    for m0 in range(0, m, BM):
+        im = m0 + rm
+        for n0 in range(0, n, BN):
+            jn = n0 + rn
+            acc = tl.full((BM, BN), 0.0, tl.float32)
+            for k0 in range(0, k, BK):
+                kk = k0 + rk
+                if A_T:
+                    pa = a + kk[None, :].to(tl.int64) * lda + im[:, None]
+                else:
+                    pa = a + im[:, None].to(tl.int64) * lda + kk[None, :]
+                if B_T:
+                    pb = b + jn[None, :].to(tl.int64) * ldb + kk[:, None]
+                else:
+                    pb = b + kk[:, None].to(tl.int64) * ldb + jn[None, :]
+                x = tl.load(pa, mask=(im[:, None] < m) & (kk[None, :] < k), other=0.0)
+                y = tl.load(pb, mask=(kk[:, None] < k) & (jn[None, :] < n), other=0.0)
+                if UPCAST:
+                    x = x.to(tl.float32)
+                    y = y.to(tl.float32)
+                acc = tl.dot(x, y, acc, input_precision=PREC)
+            pc = c + im[:, None].to(tl.int64) * ldc + jn[None, :]
+            tl.store(pc, acc.to(DT), mask=(im[:, None] < m) & (jn[None, :] < n))
+
+
+@triton.jit
+def copy_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """C[i, :N] = A[i, :N] for M rows: a put into the peer's region, or a local copy."""
+    m = tl.load(row + C_M)
+    n = tl.load(row + C_N)
+    a, lda = _base(row, C_A, addr, lds, DT)
+    c, ldc = _base(row, C_C, addr, lds, DT)
+    for r0 in range(0, m, BR):
+        ir = r0 + tl.arange(0, BR)
+        for c0 in range(0, n, BC):
+            jc = c0 + tl.arange(0, BC)
+            mask = (ir[:, None] < m) & (jc[None, :] < n)
+            v = tl.load(a + ir[:, None].to(tl.int64) * lda + jc[None, :], mask=mask)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], v, mask=mask)
+
+
+@triton.jit
+def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """C[i, :N] = A[I[i], :N], scaled by W[i] in fp32 when W is given."""
+    m = tl.load(row + C_M)
+    n = tl.load(row + C_N)
+    scaled = tl.load(row + C_W) >= 0
+    a, lda = _base(row, C_A, addr, lds, DT)
+    c, ldc = _base(row, C_C, addr, lds, DT)
+    ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
+    wp, ldw = _base2(row, C_W, addr, lds, tl.float32)
+    for r0 in range(0, m, BR):
+        ir = r0 + tl.arange(0, BR)
+        src = tl.load(ip + ir.to(tl.int64) * ldi, mask=ir < m, other=0).to(tl.int64)
+        w = tl.load(wp + ir.to(tl.int64) * ldw, mask=(ir < m) & scaled, other=1.0)
+        for c0 in range(0, n, BC):
+            jc = c0 + tl.arange(0, BC)
+            mask = (ir[:, None] < m) & (jc[None, :] < n)
+            v = tl.load(a + src[:, None] * lda + jc[None, :], mask=mask)
+            if scaled:
+                v = (v.to(tl.float32) * w[:, None]).to(DT)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], v, mask=mask)
+
+
+@triton.jit
+def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """C[i, j] = silu(A[i, j]) * A[i, N + j], rounded as torch rounds (silu, then product)."""
+    m = tl.load(row + C_M)
+    n = tl.load(row + C_N)
+    a, lda = _base(row, C_A, addr, lds, DT)
+    c, ldc = _base(row, C_C, addr, lds, DT)
+    for r0 in range(0, m, BR):
+        ir = r0 + tl.arange(0, BR)
+        for c0 in range(0, n, BC):
+            jc = c0 + tl.arange(0, BC)
+            mask = (ir[:, None] < m) & (jc[None, :] < n)
+            pa = a + ir[:, None].to(tl.int64) * lda + jc[None, :]
+            g = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(pa + n, mask=mask, other=0.0).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], (s * u).to(DT), mask=mask)
+
+
+@triton.jit
+def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """dh = d(silu(gate) * up) given h = A and da = B, as autograd rounds it."""
+    m = tl.load(row + C_M)
+    n = tl.load(row + C_N)
+    a, lda = _base(row, C_A, addr, lds, DT)
+    b, ldb = _base(row, C_B, addr, lds, DT)
+    c, ldc = _base(row, C_C, addr, lds, DT)
+    for r0 in range(0, m, BR):
+        ir = r0 + tl.arange(0, BR)
+        for c0 in range(0, n, BC):
+            jc = c0 + tl.arange(0, BC)
+            mask = (ir[:, None] < m) & (jc[None, :] < n)
+            pa = a + ir[:, None].to(tl.int64) * lda + jc[None, :]
+            g = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(pa + n, mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(b + ir[:, None].to(tl.int64) * ldb + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+            sig = 1.0 / (1.0 + tl.exp(-g))
+            t = (d * u).to(DT).to(tl.float32)
+            dgate = t * sig * (1.0 + g * (1.0 - sig))
+            dup = d * (g * sig).to(DT).to(tl.float32)
+            pc = c + ir[:, None].to(tl.int64) * ldc + jc[None, :]
+            tl.store(pc, dgate.to(DT), mask=mask)
+            tl.store(pc + n, dup.to(DT), mask=mask)
+
+
+@triton.jit
+def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """C[i, :] = sum over slots j in order of W[i, j] * A[I[i, j], :] (fp32) + S[i, :]."""
+    m = tl.load(row + C_M)
+    n = tl.load(row + C_N)
+    slots = tl.load(row + C_KK)
+    weighted = tl.load(row + C_W) >= 0
+    shared = tl.load(row + C_S) >= 0
+    a, lda = _base(row, C_A, addr, lds, DT)
+    c, ldc = _base(row, C_C, addr, lds, DT)
+    ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
+    wp, ldw = _base2(row, C_W, addr, lds, tl.float32)
+    sp, lds_ = _base2(row, C_S, addr, lds, DT)
+    for r0 in range(0, m, BR):
+        ir = r0 + tl.arange(0, BR)
+        for c0 in range(0, n, BC):
+            jc = c0 + tl.arange(0, BC)
+            mask = (ir[:, None] < m) & (jc[None, :] < n)
+            acc = tl.full((BR, BC), 0.0, tl.float32)
+            for j in range(0, slots):
+                src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=ir < m, other=0).to(tl.int64)
+                v = tl.load(a + src[:, None] * lda + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+                if weighted:
+                    w = tl.load(wp + ir.to(tl.int64) * ldw + j, mask=ir < m, other=0.0)
+                    acc = acc + w[:, None] * v
+                else:
+                    acc = acc + v
+            if shared:
+                s = tl.load(sp + ir[:, None].to(tl.int64) * lds_ + jc[None, :], mask=mask, other=0.0)
+                acc = acc + s.to(tl.float32)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], acc.to(DT), mask=mask)
+
+
+@triton.jit
+def rowdot_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """C[i, j] = <A[i, :N], B[I[i, j], :N]> in fp32 (C is float32)."""
+    m = tl.load(row + C_M)
+    n = tl.load(row + C_N)
+    slots = tl.load(row + C_KK)
+    a, lda = _base(row, C_A, addr, lds, DT)
+    b, ldb = _base(row, C_B, addr, lds, DT)
+    c, ldc = _base(row, C_C, addr, lds, tl.float32)
+    ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
+    for r0 in range(0, m, BR):
+        ir = r0 + tl.arange(0, BR)
+        for j in range(0, slots):
+            src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=ir < m, other=0).to(tl.int64)
+            acc = tl.full((BR,), 0.0, tl.float32)
+            for c0 in range(0, n, BC):
+                jc = c0 + tl.arange(0, BC)
+                mask = (ir[:, None] < m) & (jc[None, :] < n)
+                x = tl.load(a + ir[:, None].to(tl.int64) * lda + jc[None, :], mask=mask, other=0.0)
+                o = tl.load(b + src[:, None] * ldb + jc[None, :], mask=mask, other=0.0)
+                acc += tl.reduce(x.to(tl.float32) * o.to(tl.float32), 1, _add)
+            tl.store(c + ir.to(tl.int64) * ldc + j, acc, mask=ir < m)
+
+
+@triton.jit
+def run_task(row, addr, lds, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Dispatch one task (its operand row) to its tile operation."""
+    op = tl.load(row + C_OP)
+    if op == OP_GEMM:
+        variant = tl.load(row + C_VARIANT)
+        if variant == 0:
+            gemm_tile(row, addr, lds, DT, False, True, BM, BN, BK, PREC, UPCAST)
+        elif variant == 1:
+            gemm_tile(row, addr, lds, DT, False, False, BM, BN, BK, PREC, UPCAST)
+        else:
+            gemm_tile(row, addr, lds, DT, True, False, BM, BN, BK, PREC, UPCAST)
+    elif op == OP_COPY:
+        copy_tile(row, addr, lds, DT, BR, BC)
+    elif op == OP_GATHER:
+        gather_tile(row, addr, lds, DT, BR, BC)
+    elif op == OP_SWIGLU:
+        swiglu_tile(row, addr, lds, DT, BR, BC)
+    elif op == OP_SWIGLU_BWD:
+        swiglu_bwd_tile(row, addr, lds, DT, BR, BC)
+    elif op == OP_SUM:
+        sum_tile(row, addr, lds, DT, BR, BC)
+    else:
+        rowdot_tile(row, addr, lds, DT, BR, BC)
+
+
+# ---------------------------------------------------------------------------- the worker loop
+
+@triton.jit
+def globaltimer():
+    """Nanoseconds of the GPU's global timer (compiled mode only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _now(clock, STAMP: tl.constexpr):
+    """A time stamp: the global timer (STAMP 2) or a logical clock ticking once per stamp (1)."""
+    if STAMP == 2:  # noqa: SIM108 (a constexpr branch: only one side is traced)
+        t = globaltimer()
+    else:
+        t = tl.atomic_add(clock, 1).to(tl.int64)
+    return t
+
+
+@triton.jit
+def wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, epoch, deadline_ns,
+               BLOCKING: tl.constexpr):
+    """True when task t may run: its event reached ``epoch * step + threshold``
+    (acquire).  BLOCKING spins until then or the deadline, recording a late wait."""
+    ev = tl.load(wait_event_ + t)
+    ok = ev < 0
+    if ev >= 0:
+        need = epoch * tl.load(wait_step + t) + tl.load(wait_threshold + t)
+        seen = tl.atomic_add(counters + ev, 0, sem="acquire", scope="gpu")
+        ok = seen >= need
+        if BLOCKING:
+            start = globaltimer()
+            late = start < 0
+            while (ok == 0) & (late == 0):
+                seen = tl.atomic_add(counters + ev, 0, sem="acquire", scope="gpu")
+                ok = seen >= need
+                late = globaltimer() - start > deadline_ns
+            if ok == 0:
+                tl.store(errors + 4 * q, 1)
+                tl.store(errors + 4 * q + 1, t)
+                tl.store(errors + 4 * q + 2, ev)
+                tl.store(errors + 4 * q + 3, seen)
+    return ok
+
+
+@triton.jit
+def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_event, queue_ptr, queue_task,
+                    addr, lds, counters, cursor, errors, stamps, clock, delays, epoch, deadline_ns,
+                    DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCKING: tl.constexpr, STAMP: tl.constexpr, DELAY: tl.constexpr):
+    """Program q runs worker queue q from its saved cursor: wait, run, barrier, signal."""
+    q = tl.program_id(0)
+    lo = tl.load(queue_ptr + q)
+    hi = tl.load(queue_ptr + q + 1)
+    i = lo + tl.load(cursor + q)
+    if DELAY:
+        t0 = globaltimer()
+        pause = tl.load(delays + q)
+        now = t0
+        while now - t0 < pause:
+            now = globaltimer()
+    go = i < hi
+    while go:
+        t = tl.load(queue_task + i)
+        ok = wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, epoch, deadline_ns,
+                        BLOCKING)
+        if ok:
+            if STAMP:
+                tl.store(stamps + 2 * t, _now(clock, STAMP))
+            run_task(tasks + t.to(tl.int64) * NCOL, addr, lds, DT, BM, BN, BK, BR, BC, PREC, UPCAST)
+            tl.debug_barrier()
+            if STAMP:
+                tl.store(stamps + 2 * t + 1, _now(clock, STAMP))
+            for s in range(tl.load(sig_ptr + t), tl.load(sig_ptr + t + 1)):
+                tl.atomic_add(counters + tl.load(sig_event + s), 1, sem="release", scope="gpu")
+            i += 1
+        go = ok & (i < hi)
+    tl.store(cursor + q, i - lo)

@@ -1,0 +1,248 @@
+"""What each task kind does on the device, as one row of int32 operand columns.
+
+The device knows seven tile operations (``Op``); every ``TaskKind`` is one of them on
+particular buffers.  ``DESCRIBE[kind](tasks, space)`` turns tasks of that kind into
+their operand rows, vectorised — one function per kind, each the device twin of the
+kind's torch kernel in ``regions.kernels`` / ``regions.backward_kernels``.
+
+An operand is (buffer id, first row, first column) in a ``BufferSpace``; element (i, j)
+of operand X is ``X[row + i, col + j]`` (``X[row + j, col + i]`` when transposed).
+
+  GEMM        C[M, N] = A[M, K] @ B[K, N], fp32 accumulation; VARIANT says which of A
+              and B is read transposed (NT: B is a [N, K] weight; NN; TN: A is [K, M]).
+  COPY        C[i, :N] = A[i, :N] for M rows (a put: C lives in the peer's region).
+  GATHER      C[i, :N] = A[I[i], :N], times W[i] in fp32 when W is given (permute).
+  SWIGLU      C[i, j] = silu(A[i, j]) * A[i, N + j].
+  SWIGLU_BWD  C = d(silu(gate) * up) from h = A and the output gradient B.
+  SUM         C[i, :] = sum_j W[i, j] * A[I[i, j], :] over KK slots in order, in fp32
+              (no W: weight 1), plus S[i, :] when given (unpermute).
+  ROWDOT      C[i, j] = <A[i, :N], B[I[i, j], :N]> in fp32 (router gradient).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .buffers import BufferSpace
+from .core import TaskGraph, TaskKind
+
+
+class Op(enum.IntEnum):
+    GEMM = 0
+    COPY = 1
+    GATHER = 2
+    SWIGLU = 3
+    SWIGLU_BWD = 4
+    SUM = 5
+    ROWDOT = 6
+
+
+class Gemm(enum.IntEnum):
+    """Which GEMM operands are read transposed."""
+
+    NT = 0
+    NN = 1
+    TN = 2
+
+
+COLUMNS = ("kind", "op", "variant", "m", "n", "k", "a_buf", "a_row", "a_col", "b_buf", "b_row", "b_col",
+           "c_buf", "c_row", "c_col", "i_buf", "i_row", "w_buf", "w_row", "s_buf", "s_row", "kk")
+COL = {name: i for i, name in enumerate(COLUMNS)}
+NCOL = len(COLUMNS)
+
+
+
+
+@dataclass(frozen=True)
+class Tasks:
+    """Columns of the tasks of one kind (arrays [n] int64)."""
+
+    rank: np.ndarray
+    peer: np.ndarray
+    expert: np.ndarray
+    row0: np.ndarray
+    row1: np.ndarray
+    col0: np.ndarray
+    col1: np.ndarray
+    dst_row0: np.ndarray
+
+    @staticmethod
+    def of(graph: TaskGraph, ids: np.ndarray) -> Tasks:
+        return Tasks(*(getattr(graph, c)[ids].astype(np.int64) for c in
+                       ("rank", "peer", "expert", "row0", "row1", "col0", "col1", "dst_row0")))
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.row1 - self.row0
+
+    @property
+    def cols(self) -> np.ndarray:
+        return self.col1 - self.col0
+
+
+Describe = Callable[[Tasks, BufferSpace], dict[str, np.ndarray]]
+
+
+def _op(op: Op, t: Tasks, sp: BufferSpace, **cols: object) -> dict[str, np.ndarray]:
+    """Operand columns: buffers given as (field name, rank array), the rest as arrays;
+    unnamed buffers are -1 (absent), unnamed numbers 0."""
+    n = len(t.rank)
+    out = {c: np.full(n, -1 if c.endswith("_buf") else 0, np.int64) for c in COLUMNS}
+    out["op"] = np.full(n, int(op), np.int64)
+    for name, value in cols.items():
+        if name.endswith("_buf"):
+            field, rank = value
+            out[name] = sp.ids(field, rank)
+        else:
+            out[name] = np.broadcast_to(np.asarray(value, np.int64), (n,))
+    return out
+
+
+def _dims(sp: BufferSpace) -> tuple[int, int, int, int, int, int]:
+    return sp.dims
+
+
+# ---------------------------------------------------------------------------- forward
+
+def _permute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    h = _dims(sp)[2]
+    return _op(Op.GATHER, t, sp, m=t.rows, n=h, a_buf=("x", t.rank), i_buf=("tok", t.rank), i_row=t.row0,
+               c_buf=("send", t.rank), c_row=t.row0)
+
+
+def _put(src: str, dst: str) -> Describe:
+    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+        return _op(Op.COPY, t, sp, m=t.rows, n=_dims(sp)[2], a_buf=(src, t.rank), a_row=t.row0,
+                   c_buf=(dst, t.peer), c_row=t.dst_row0)
+    return describe
+
+
+def _gemm_nt(a: str, w: str, c: str, depth: int, weight_rows: int | None) -> Describe:
+    """C[rows, cols] = A[rows] @ W[e][cols].T (W rows of expert e start at e * weight_rows;
+    None: a shared weight)."""
+    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+        d = dict(zip("tkhfsl", _dims(sp), strict=True))
+        wrow = t.col0 if weight_rows is None else t.expert * _size(d, weight_rows) + t.col0
+        return _op(Op.GEMM, t, sp, variant=Gemm.NT, m=t.rows, n=t.cols, k=_size(d, depth),
+                   a_buf=(a, t.rank), a_row=t.row0, b_buf=(w, t.rank), b_row=wrow,
+                   c_buf=(c, t.rank), c_row=t.row0, c_col=t.col0)
+    return describe
+
+
+def _size(d: dict[str, int], code: int | str) -> int:
+    """A dimension by code: 'h' hidden, 'f' FFN, '2f', 's' shared FFN, '2s'; ints pass."""
+    if isinstance(code, int):
+        return code
+    mult = 2 if code.startswith("2") else 1
+    return mult * d[code[-1]]
+
+
+def _swiglu(src: str, dst: str, width: str) -> Describe:
+    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+        d = dict(zip("tkhfsl", _dims(sp), strict=True))
+        return _op(Op.SWIGLU, t, sp, m=t.rows, n=_size(d, width), a_buf=(src, t.rank), a_row=t.row0,
+                   c_buf=(dst, t.rank), c_row=t.row0)
+    return describe
+
+
+def _sum(src: str, weights: str | None, shared: str, dst: str) -> Describe:
+    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+        _, k, h, _, fs, _ = _dims(sp)
+        cols = {"w_buf": (weights, t.rank), "w_row": t.row0} if weights else {}
+        if fs:
+            cols.update(s_buf=(shared, t.rank), s_row=t.row0)
+        return _op(Op.SUM, t, sp, m=t.rows, n=h, kk=k, a_buf=(src, t.rank), i_buf=("pos", t.rank),
+                   i_row=t.row0, c_buf=(dst, t.rank), c_row=t.row0, **cols)
+    return describe
+
+
+# ---------------------------------------------------------------------------- backward
+
+def _grad_permute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    h = _dims(sp)[2]
+    return _op(Op.GATHER, t, sp, m=t.rows, n=h, a_buf=("dy", t.rank), i_buf=("tok", t.rank), i_row=t.row0,
+               w_buf=("roww", t.rank), w_row=t.row0, c_buf=("gsend", t.rank), c_row=t.row0)
+
+
+def _gemm_nn(a: str, w: str, c: str, depth: str, weight_rows: str | None) -> Describe:
+    """C[rows, cols] = A[rows] @ W[e][:, cols] (W of expert e starts at row e * weight_rows)."""
+    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+        d = dict(zip("tkhfsl", _dims(sp), strict=True))
+        wrow = 0 if weight_rows is None else t.expert * _size(d, weight_rows)
+        return _op(Op.GEMM, t, sp, variant=Gemm.NN, m=t.rows, n=t.cols, k=_size(d, depth),
+                   a_buf=(a, t.rank), a_row=t.row0, b_buf=(w, t.rank), b_row=wrow, b_col=t.col0,
+                   c_buf=(c, t.rank), c_row=t.row0, c_col=t.col0)
+    return describe
+
+
+def _wgrad(g: str, x: str, c: str, width: str, weight_rows: str | None) -> Describe:
+    """C[e][cols] = G[rows, cols].T @ X[rows] (one task holds the full reduction)."""
+    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+        d = dict(zip("tkhfsl", _dims(sp), strict=True))
+        crow = t.col0 if weight_rows is None else t.expert * _size(d, weight_rows) + t.col0
+        return _op(Op.GEMM, t, sp, variant=Gemm.TN, m=t.cols, n=_size(d, width), k=t.rows,
+                   a_buf=(g, t.rank), a_row=t.row0, a_col=t.col0, b_buf=(x, t.rank), b_row=t.row0,
+                   c_buf=(c, t.rank), c_row=crow)
+    return describe
+
+
+def _swiglu_bwd(h: str, da: str, dh: str, width: str) -> Describe:
+    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+        d = dict(zip("tkhfsl", _dims(sp), strict=True))
+        return _op(Op.SWIGLU_BWD, t, sp, m=t.rows, n=_size(d, width), a_buf=(h, t.rank), a_row=t.row0,
+                   b_buf=(da, t.rank), b_row=t.row0, c_buf=(dh, t.rank), c_row=t.row0)
+    return describe
+
+
+def _recompute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    """Routed rows (expert >= 0): a from h; shared rows (expert -1): sa from sh."""
+    routed = _swiglu("h", "a", "f")(t, sp)
+    shared = _swiglu("sh", "sa", "s")(t, sp)
+    return {c: np.where(t.expert >= 0, routed[c], shared[c]) for c in COLUMNS}
+
+
+def _router_grad(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    _, k, h, _, _, _ = _dims(sp)
+    return _op(Op.ROWDOT, t, sp, m=t.rows, n=h, kk=k, a_buf=("dy", t.rank), a_row=t.row0,
+               b_buf=("comb", t.rank), i_buf=("pos", t.rank), i_row=t.row0, c_buf=("dweights", t.rank),
+               c_row=t.row0)
+
+
+K = TaskKind
+DESCRIBE: dict[TaskKind, Describe] = {
+    K.PERMUTE: _permute, K.DISPATCH: _put("send", "recv"),
+    K.GEMM_UP: _gemm_nt("recv", "w13", "h", "h", "2f"), K.SWIGLU: _swiglu("h", "a", "f"),
+    K.GEMM_DOWN: _gemm_nt("a", "w2", "y", "f", "h"), K.COMBINE: _put("y", "comb"),
+    K.UNPERMUTE: _sum("comb", "topk", "so", "out"), K.SHARED_UP: _gemm_nt("x", "sw13", "sh", "h", None),
+    K.SHARED_SWIGLU: _swiglu("sh", "sa", "s"), K.SHARED_DOWN: _gemm_nt("sa", "sw2", "so", "s", None),
+    K.GRAD_PERMUTE: _grad_permute, K.GRAD_DISPATCH: _put("gsend", "grecv"),
+    K.DGRAD_DOWN: _gemm_nn("grecv", "w2", "da", "h", "h"),
+    K.WGRAD_DOWN: _wgrad("grecv", "a", "dw2", "f", "h"),
+    K.SWIGLU_BWD: _swiglu_bwd("h", "da", "dh", "f"), K.DGRAD_UP: _gemm_nn("dh", "w13", "dxe", "2f", "2f"),
+    K.WGRAD_UP: _wgrad("dh", "recv", "dw13", "h", "2f"), K.GRAD_COMBINE: _put("dxe", "gcomb"),
+    K.GRAD_UNPERMUTE: _sum("gcomb", None, "sdx", "dx"), K.ROUTER_GRAD: _router_grad,
+    K.SHARED_DGRAD_DOWN: _gemm_nn("dy", "sw2", "sda", "h", None),
+    K.SHARED_WGRAD_DOWN: _wgrad("dy", "sa", "dsw2", "s", None),
+    K.SHARED_SWIGLU_BWD: _swiglu_bwd("sh", "sda", "sdh", "s"),
+    K.SHARED_DGRAD_UP: _gemm_nn("sdh", "sw13", "sdx", "2s", None),
+    K.SHARED_WGRAD_UP: _wgrad("sdh", "x", "dsw13", "h", None),
+    K.SWIGLU_RECOMPUTE: _recompute,
+}
+
+
+def describe(graph: TaskGraph, space: BufferSpace) -> np.ndarray:
+    """[n, NCOL] int64 operand rows of every task of ``graph`` (column ``kind`` first)."""
+    out = np.zeros((graph.num_tasks, NCOL), np.int64)
+    for k in np.unique(graph.kind).tolist():
+        kind = TaskKind(k)
+        if kind not in DESCRIBE:
+            raise ValueError(f"task kind {kind.name} has no device operation")
+        ids = np.flatnonzero(graph.kind == k)
+        cols = DESCRIBE[kind](Tasks.of(graph, ids), space)
+        cols["kind"] = np.full(len(ids), k, np.int64)
+        out[ids] = np.stack([cols[c] for c in COLUMNS], axis=1)
+    return out

@@ -1,0 +1,261 @@
+"""The host side of the persistent kernel: upload a ``PackedProgram``, launch, read back.
+
+``DeviceProgram(packed, device, config)`` holds the device arrays and the event
+counters of one region.  ``run(addresses)`` executes every queue once:
+
+* on a CUDA device, ONE launch of ``len(queues)`` programs (every program must be
+  resident: see ``residency``); a late wait ends in a ``RegionError`` whose
+  ``HangReport`` names (worker, task, event, counter);
+* otherwise in the Triton interpreter, in rounds: each launch runs every program up to
+  its next unsatisfied wait; a round in which no queue advances raises ``GraphError``
+  naming the stuck tasks.
+
+Counters are never reset: call c (from 0) waits for ``c * step + threshold``.
+Per-task start/end stamps (global timer on a GPU, a logical clock in the interpreter)
+become the simulator's ``Timeline``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from .core import GraphError, HangReport, RegionError, Timeline, WorkerReport, WorkerStatus
+from .pack import PackedProgram
+
+_TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.cache
+def device_module(interpret: bool) -> ModuleType:
+    """``hpmoe.gpu.device`` compiled for the GPU, or a copy of it built for the Triton
+    interpreter (``triton.jit`` reads TRITON_INTERPRET when a function is decorated)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ImportError("the triton backend needs triton: pip install 'hpmoe[gpu]'") from e
+    if not interpret and os.environ.get("TRITON_INTERPRET", "0") in ("0", ""):
+        from . import device
+        return device
+    name = "hpmoe.gpu._device_interpreted" if interpret else "hpmoe.gpu._device_compiled"
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("device.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options of the persistent kernel.
+
+    bm, bn, bk: GEMM block (tl.dot needs >= 16 each); br, bc: rows and columns of a
+    vector-operation chunk; num_warps / num_stages: Triton launch options."""
+
+    bm: int = 64
+    bn: int = 64
+    bk: int = 32
+    br: int = 16
+    bc: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("bm", "bn", "bk", "br", "bc", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"KernelConfig.{name} must be a positive int, got {v!r}")
+        for name in ("bm", "bn", "bk", "br", "bc"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"KernelConfig.{name}={v} must be a power of two")
+        if min(self.bm, self.bn, self.bk) < 16:
+            raise ValueError(f"KernelConfig GEMM block {self.bm}x{self.bn}x{self.bk}: tl.dot needs >= 16")
+
+
+INTERPRETER_CONFIG = KernelConfig(bm=16, bn=16, bk=16, br=16, bc=16)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What one call did: launches (1 on a GPU, rounds in the interpreter), the epoch
+    it ran as, wall seconds on the host, and the stamps [n, 2] int64 (or None)."""
+
+    launches: int
+    epoch: int
+    seconds: float
+    stamps: np.ndarray | None
+
+
+class DeviceProgram:
+    """A packed region resident on one device, with counters that persist across calls."""
+
+    def __init__(self, packed: PackedProgram, device: torch.device | str, dtype: torch.dtype,
+                 config: KernelConfig | None = None, interpret: bool | None = None):
+        self.packed = packed
+        self.device = torch.device(device)
+        self.interpret = self.device.type != "cuda" if interpret is None else interpret
+        if dtype not in _TL_DTYPES:
+            raise TypeError(f"dtype {dtype} is not supported by the triton backend ({list(_TL_DTYPES)})")
+        self.dtype = dtype
+        self.config = config or (INTERPRETER_CONFIG if self.interpret else KernelConfig())
+        self.arrays = {n: torch.from_numpy(a.copy()).to(self.device) for n, a in packed.arrays().items()}
+        ld = packed.space.ld.reshape(-1).astype(np.int64)
+        self.lds = torch.from_numpy(ld).to(self.device)
+        self.counters = torch.zeros(max(packed.num_events, 1), dtype=torch.int32, device=self.device)
+        self.calls = 0
+
+    # ------------------------------------------------------------------ launch
+
+    def _kernel_args(self, addresses: torch.Tensor, cursor: torch.Tensor, errors: torch.Tensor,
+                     stamps: torch.Tensor, clock: torch.Tensor, delays: torch.Tensor,
+                     deadline_ns: int) -> tuple:
+        a = self.arrays
+        return (a["tasks"], a["wait_event"], a["wait_threshold"], a["wait_step"], a["sig_ptr"],
+                a["sig_event"], a["queue_ptr"], a["queue_task"], addresses, self.lds, self.counters, cursor,
+                errors, stamps, clock, delays, self.calls, deadline_ns)
+
+    def _constexprs(self, blocking: bool, stamp: int, delay: bool) -> dict:
+        import triton.language as tl
+        c = self.config
+        return {"DT": getattr(tl, _TL_DTYPES[self.dtype]), "BM": c.bm, "BN": c.bn, "BK": c.bk, "BR": c.br,
+                "BC": c.bc, "PREC": "ieee" if self.dtype == torch.float32 else "tf32",
+                "UPCAST": self.interpret, "BLOCKING": blocking, "STAMP": stamp, "DELAY": delay}
+
+    def run(self, addresses: torch.Tensor, *, deadline_s: float = 10.0, stamps: bool = False,
+            delays_ns: np.ndarray | None = None, max_rounds: int | None = None) -> RunInfo:
+        """Run every queue once as call number ``self.calls``; raise ``RegionError``
+        (GPU: a wait passed ``deadline_s``) or ``GraphError`` (interpreter: no progress)."""
+        if self.calls >= self.packed.max_calls():
+            raise RuntimeError(f"counters would overflow int32 after {self.calls} calls: repack the region")
+        if addresses.shape != (self.packed.space.num_buffers,) or addresses.dtype != torch.int64:
+            raise ValueError(f"addresses must be int64 [{self.packed.space.num_buffers}], got "
+                             f"{addresses.dtype} {tuple(addresses.shape)}")
+        if delays_ns is not None and self.interpret:
+            raise ValueError("delays_ns needs a GPU (the interpreter has no timer)")
+        q, dev = self.packed.num_queues, self.device
+        cursor = torch.zeros(q, dtype=torch.int32, device=dev)
+        errors = torch.zeros(q, 4, dtype=torch.int32, device=dev)
+        stamp_buf = torch.zeros(max(self.packed.num_tasks, 1), 2, dtype=torch.int64, device=dev)
+        clock = torch.zeros(1, dtype=torch.int64, device=dev)
+        delays = torch.as_tensor(np.zeros(q) if delays_ns is None else delays_ns, dtype=torch.int64).to(dev)
+        stamp = (1 if self.interpret else 2) if stamps else 0
+        args = self._kernel_args(addresses, cursor, errors, stamp_buf, clock, delays, int(deadline_s * 1e9))
+        kernel = device_module(self.interpret).taskflow_kernel
+        meta = self._constexprs(not self.interpret, stamp, delays_ns is not None)
+        start = time.perf_counter()
+        if self.interpret:
+            launches = self._rounds(kernel, args, meta, cursor, max_rounds)
+        else:
+            kernel[(q,)](*args, **meta, num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+            torch.cuda.synchronize(dev)
+            launches = 1
+            self._check_errors(cursor, errors, time.perf_counter() - start)
+        epoch = self.calls
+        self.calls += 1
+        return RunInfo(launches=launches, epoch=epoch, seconds=time.perf_counter() - start,
+                       stamps=stamp_buf[:self.packed.num_tasks].cpu().numpy() if stamps else None)
+
+    def _rounds(self, kernel, args: tuple, meta: dict, cursor: torch.Tensor, max_rounds: int | None) -> int:
+        lengths = torch.from_numpy(np.diff(self.packed.queue_ptr).astype(np.int32))
+        before = cursor.clone()
+        rounds = 0
+        limit = self.packed.num_tasks + 1 if max_rounds is None else max_rounds
+        while not torch.equal(cursor.cpu(), lengths):
+            if rounds >= limit:
+                raise GraphError(f"the interpreter stopped after {rounds} rounds (max_rounds={limit})")
+            kernel[(self.packed.num_queues,)](*args, **meta)
+            rounds += 1
+            if torch.equal(cursor, before):
+                raise GraphError(self._cycle_message(cursor.cpu().numpy(), rounds))
+            before = cursor.clone()
+        return rounds
+
+    # ------------------------------------------------------------------ failures
+
+    def _heads(self, cursor: np.ndarray) -> list[tuple[int, int]]:
+        """(queue, task at its head) of every queue that is not done."""
+        p = self.packed
+        out = []
+        for qi in range(p.num_queues):
+            at = int(p.queue_ptr[qi]) + int(cursor[qi])
+            if at < int(p.queue_ptr[qi + 1]):
+                out.append((qi, int(p.queue_task[at])))
+        return out
+
+    def _need(self, task: int) -> int:
+        p = self.packed
+        return self.calls * int(p.wait_step[task]) + int(p.wait_threshold[task])
+
+    def _cycle_message(self, cursor: np.ndarray, rounds: int) -> str:
+        p, counters = self.packed, self.counters.cpu().numpy()
+        lines = [f"no queue advanced in round {rounds}: the remaining tasks wait on each other (a cycle "
+                 "through queue order and events)"]
+        for qi, task in self._heads(cursor):
+            ev = int(p.wait_event[task])
+            lines.append(f"  {p.queue_names[qi]}: {p.graph.task(task)} waits on event {ev}: "
+                         f"counter {int(counters[ev])} of {self._need(task)}")
+        return "\n".join(lines)
+
+    def _check_errors(self, cursor: torch.Tensor, errors: torch.Tensor, elapsed: float) -> None:
+        err, cur = errors.cpu().numpy(), cursor.cpu().numpy()
+        done = cur == np.diff(self.packed.queue_ptr)
+        if err[:, 0].any() or not done.all():
+            raise RegionError(self.hang_report(err, cur, elapsed))
+
+    def hang_report(self, errors: np.ndarray, cursor: np.ndarray, elapsed: float) -> HangReport:
+        """The runtime's report from the device's error rows [Q, 4] and cursors [Q]."""
+        p, g = self.packed, self.packed.graph
+        workers = []
+        for qi in range(p.num_queues):
+            lo, hi = int(p.queue_ptr[qi]), int(p.queue_ptr[qi + 1])
+            n = int(cursor[qi])
+            last = g.task(int(p.queue_task[lo + n - 1])) if n else ""
+            common = {"name": p.queue_names[qi], "done": n, "total": hi - lo, "last_done": last}
+            if errors[qi, 0]:
+                task, ev, seen = (int(v) for v in errors[qi, 1:])
+                need = self._need(task)
+                base = self.calls * int(p.wait_step[task])
+                workers.append(WorkerReport(status=WorkerStatus.WAITS, task=g.task(task),
+                                            event=f"event {ev}", progress=seen - base,
+                                            threshold=need - base, raw=seen, **common))
+            else:
+                status = WorkerStatus.FINISHED if lo + n == hi else WorkerStatus.STOPPED
+                workers.append(WorkerReport(status=status, **common))
+        late = int(errors[:, 0].sum())
+        return HangReport(rank=-1, cause=f"{late} wait(s) passed the deadline on the device "
+                          f"(all {p.graph.ep} virtual ranks)", workers=tuple(workers), elapsed_s=elapsed)
+
+    # ------------------------------------------------------------------ timeline
+
+    def timeline(self, stamps: np.ndarray) -> Timeline:
+        """The simulator's ``Timeline`` from per-task [start, end] stamps (seconds from
+        the first start; in the interpreter one logical tick counts as 1 ns)."""
+        g, s = self.packed.graph, self.packed.schedule
+        if s is None:
+            raise ValueError("a timeline needs a program packed from a schedule")
+        t0 = stamps[:, 0].min(initial=0)
+        nan = np.full(g.num_tasks, np.nan)
+        return Timeline(ep=g.ep, workers=s.workers, kind=g.kind.astype(np.int64),
+                        rank=g.rank.astype(np.int64), peer=g.peer.astype(np.int64),
+                        unit=g.unit.astype(np.int64), worker=s.worker.astype(np.int64),
+                        start=(stamps[:, 0] - t0) / 1e9, end=(stamps[:, 1] - t0) / 1e9,
+                        link_start=nan, link_end=nan.copy())
+
