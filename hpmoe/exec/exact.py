@@ -22,6 +22,7 @@ from ..regions.kernels import KERNELS, ForwardBuffers, RankContext, tiles_of
 from ..routing import Routing, check_hidden, check_routing, plan_routing
 from ..spec import ParallelSpec, TileSpec
 from ..weights import ExpertWeights
+from .backend import Backend, as_backend
 
 DEFAULT_TILES = TileSpec()
 
@@ -87,8 +88,15 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
 
 
 def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int = 1,
-                tiles: TileSpec = DEFAULT_TILES, order: Sequence[int] | np.ndarray | int | None = None
-                ) -> torch.Tensor:
+                tiles: TileSpec = DEFAULT_TILES, order: Sequence[int] | np.ndarray | int | None = None,
+                backend: Backend | str = Backend.EXACT) -> torch.Tensor:
     """Routed plus shared-expert output [N, H] of the MoE layer, computed by the
-    tile task graph of ``ep`` expert-parallel ranks (see ``execute_forward``)."""
+    tile task graph of ``ep`` expert-parallel ranks (see ``execute_forward``).
+    ``backend="triton"``: one persistent Triton kernel on ``x.device`` (``hpmoe.gpu``);
+    ``order`` is then not used and must be None."""
+    if as_backend(backend) is Backend.TRITON:
+        if order is not None:
+            raise ValueError(f"order={order!r}: the triton backend runs a schedule, not a task order")
+        from ..gpu.backend import triton_forward
+        return triton_forward(x, weights, routing, ep, tiles).out
     return execute_forward(x, weights, routing, ep, tiles, order).out

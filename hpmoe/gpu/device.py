@@ -77,6 +77,19 @@ def _add(a, b):
 
 
 @triton.jit
+def _to(x, DT: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 ``x`` rounded to ``DT`` to nearest even.  The interpreter truncates when it
+    narrows to bfloat16, so there (EMULATE) the rounding is done on the bits."""
+    if EMULATE and DT == tl.bfloat16:  # noqa: SIM300 (DT is a constexpr: it must come first)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True).to(DT)
+    else:
+        y = x.to(DT)
+    return y
+
+
+@triton.jit
 def gemm_tile(row, addr, lds, DT: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BM: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """C[M, N] = A[M, K] @ B[K, N] in BM x BN blocks, fp32 accumulation over BK slices."""
@@ -111,7 +124,7 @@ def gemm_tile(row, addr, lds, DT: tl.constexpr, A_T: tl.constexpr, B_T: tl.const
                     y = y.to(tl.float32)
                 acc = tl.dot(x, y, acc, input_precision=PREC)
             pc = c + im[:, None].to(tl.int64) * ldc + jn[None, :]
-            tl.store(pc, acc.to(DT), mask=(im[:, None] < m) & (jn[None, :] < n))
+            tl.store(pc, _to(acc, DT, UPCAST), mask=(im[:, None] < m) & (jn[None, :] < n))
 
 
 @triton.jit
@@ -131,7 +144,7 @@ def copy_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
     """C[i, :N] = A[I[i], :N], scaled by W[i] in fp32 when W is given."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
@@ -149,12 +162,12 @@ def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
             mask = (ir[:, None] < m) & (jc[None, :] < n)
             v = tl.load(a + src[:, None] * lda + jc[None, :], mask=mask)
             if scaled:
-                v = (v.to(tl.float32) * w[:, None]).to(DT)
+                v = _to(v.to(tl.float32) * w[:, None], DT, EMULATE)
             tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], v, mask=mask)
 
 
 @triton.jit
-def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
     """C[i, j] = silu(A[i, j]) * A[i, N + j], rounded as torch rounds (silu, then product)."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
@@ -168,12 +181,13 @@ def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
             pa = a + ir[:, None].to(tl.int64) * lda + jc[None, :]
             g = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(pa + n, mask=mask, other=0.0).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], (s * u).to(DT), mask=mask)
+            s = _to(g / (1.0 + tl.exp(-g)), DT, EMULATE).to(tl.float32)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], _to(s * u, DT, EMULATE), mask=mask)
 
 
 @triton.jit
-def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                    EMULATE: tl.constexpr):
     """dh = d(silu(gate) * up) given h = A and da = B, as autograd rounds it."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
@@ -190,16 +204,16 @@ def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.c
             u = tl.load(pa + n, mask=mask, other=0.0).to(tl.float32)
             d = tl.load(b + ir[:, None].to(tl.int64) * ldb + jc[None, :], mask=mask, other=0.0).to(tl.float32)
             sig = 1.0 / (1.0 + tl.exp(-g))
-            t = (d * u).to(DT).to(tl.float32)
+            t = _to(d * u, DT, EMULATE).to(tl.float32)
             dgate = t * sig * (1.0 + g * (1.0 - sig))
-            dup = d * (g * sig).to(DT).to(tl.float32)
+            dup = d * _to(g * sig, DT, EMULATE).to(tl.float32)
             pc = c + ir[:, None].to(tl.int64) * ldc + jc[None, :]
-            tl.store(pc, dgate.to(DT), mask=mask)
-            tl.store(pc + n, dup.to(DT), mask=mask)
+            tl.store(pc, _to(dgate, DT, EMULATE), mask=mask)
+            tl.store(pc + n, _to(dup, DT, EMULATE), mask=mask)
 
 
 @triton.jit
-def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
     """C[i, :] = sum over slots j in order of W[i, j] * A[I[i, j], :] (fp32) + S[i, :]."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
@@ -228,7 +242,7 @@ def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexp
             if shared:
                 s = tl.load(sp + ir[:, None].to(tl.int64) * lds_ + jc[None, :], mask=mask, other=0.0)
                 acc = acc + s.to(tl.float32)
-            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], acc.to(DT), mask=mask)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], _to(acc, DT, EMULATE), mask=mask)
 
 
 @triton.jit
@@ -271,13 +285,13 @@ def run_task(row, addr, lds, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
     elif op == OP_COPY:
         copy_tile(row, addr, lds, DT, BR, BC)
     elif op == OP_GATHER:
-        gather_tile(row, addr, lds, DT, BR, BC)
+        gather_tile(row, addr, lds, DT, BR, BC, UPCAST)
     elif op == OP_SWIGLU:
-        swiglu_tile(row, addr, lds, DT, BR, BC)
+        swiglu_tile(row, addr, lds, DT, BR, BC, UPCAST)
     elif op == OP_SWIGLU_BWD:
-        swiglu_bwd_tile(row, addr, lds, DT, BR, BC)
+        swiglu_bwd_tile(row, addr, lds, DT, BR, BC, UPCAST)
     elif op == OP_SUM:
-        sum_tile(row, addr, lds, DT, BR, BC)
+        sum_tile(row, addr, lds, DT, BR, BC, UPCAST)
     else:
         rowdot_tile(row, addr, lds, DT, BR, BC)
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, execute_forward
 from ..exec.exact_backward import Gradients, execute_backward
 from ..ir.graph import IS_PUT, TaskKind
@@ -116,6 +117,9 @@ class RegionOptions:
     recompute: recompute the SwiGLU activations in backward instead of saving them.
     tiles: the tiling.  runtime: ``RuntimeConfig`` of the session the layer opens.
     hardware: the cost model of the CRITICAL_PATH scheduler.
+    backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
+      persistent Triton kernel on the input's device; ``schedule`` is then a
+      ``SchedulePolicy`` or None for HYPERPARALLEL).
     """
 
     ep_group: Any = None
@@ -125,8 +129,10 @@ class RegionOptions:
     tiles: TileSpec = DEFAULT_TILES
     runtime: RuntimeConfig | None = None
     hardware: HardwareModel | None = None
+    backend: Backend | str = Backend.EXACT
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", as_backend(self.backend))
         if not isinstance(self.virtual_ep, int) or isinstance(self.virtual_ep, bool) or self.virtual_ep <= 0:
             raise ValueError(f"virtual_ep must be a positive int, got {self.virtual_ep!r}")
         if not isinstance(self.recompute, bool):
@@ -141,6 +147,8 @@ class RegionOptions:
             self._check_single_process()
 
     def _check_distributed(self) -> None:
+        if self.backend is not Backend.EXACT:
+            raise ValueError(f"backend={self.backend.value!r} runs in one process, without an ep_group")
         if self.virtual_ep != 1:
             raise ValueError(f"virtual_ep={self.virtual_ep} cannot be combined with an ep_group")
         if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
@@ -149,6 +157,12 @@ class RegionOptions:
             raise ValueError("runtime configures a session the layer opens; ep_group is already a Session")
 
     def _check_single_process(self) -> None:
+        if self.backend is Backend.TRITON:
+            if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
+                raise ValueError(f"schedule={self.schedule!r}: the triton backend takes a SchedulePolicy")
+            if self.runtime is not None:
+                raise ValueError("runtime configures the multi-rank runtime, not the triton backend")
+            return
         seed = isinstance(self.schedule, int) and not isinstance(self.schedule, bool)
         if self.schedule is not None and not seed:
             raise ValueError(f"schedule={self.schedule!r}: in one process, schedule is None or an int "
@@ -182,7 +196,7 @@ class MoE(nn.Module):
     def __init__(self, spec: MoESpec, weights: ExpertWeights | None = None, *, ep_group: Any = None,
                  schedule: SchedulePolicy | int | None = None, recompute: bool = False,
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
-                 hardware: HardwareModel | None = None, seed: int = 0):
+                 hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact"):
         super().__init__()
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
@@ -195,7 +209,8 @@ class MoE(nn.Module):
         shared = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
         self._setup(spec, TopkRouter(w.router.detach().clone(), bias),
                     FusedExperts(w.w13.detach().clone(), w.w2.detach().clone()), shared,
-                    RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware))
+                    RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware,
+                                  backend))
 
     def _setup(self, spec: MoESpec, gate: nn.Module, experts: nn.Module, shared: nn.Module | None,
                options: RegionOptions) -> None:
@@ -298,6 +313,7 @@ class RegionState:
     topk_weights: torch.Tensor
     options: RegionOptions
     session: Session | None = None
+    device: Any = None  # the triton backend's forward (its arena holds the saved activations)
 
     def saved_bytes(self) -> int:
         return sum(s.nbytes() for s in self.saved)
@@ -334,6 +350,11 @@ class MoEFunction(torch.autograd.Function):
 def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
                      call: RegionCall) -> tuple[torch.Tensor, RegionState]:
     opt = call.options
+    if opt.backend is Backend.TRITON:
+        from ..gpu.backend import TritonOptions, triton_forward
+        options = TritonOptions(policy=opt.policy, hardware=opt.hardware)
+        fwd = triton_forward(x, weights, routing, opt.virtual_ep, opt.tiles, options)
+        return fwd.out, RegionState(fwd.plan, [], weights, routing.weights, opt, device=fwd)
     fwd = execute_forward(x, weights, routing, opt.virtual_ep, opt.tiles, opt.schedule)
     saved = [SavedActivations.from_forward(b, opt.recompute) for b in fwd.buffers]
     plan = fwd.graph.meta["layout"].plan
@@ -342,6 +363,9 @@ def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
 
 def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
     opt = state.options
+    if state.device is not None:
+        from ..gpu.backend import triton_backward
+        return triton_backward(state.device, dy, opt.recompute)
     return execute_backward(state.saved, state.plan, dy, state.weights, state.topk_weights,
                             opt.tiles, opt.recompute, opt.schedule).grads
 
