@@ -36,7 +36,6 @@ from hpmoe import refs
 from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
-from hpmoe.schedule import WorkerCounts
 from hpmoe.spec import MoESpec, preset
 from hpmoe.testing import spawn_gloo
 
@@ -170,7 +169,7 @@ def measure(mode: str, what: str, s: Setting, session: Session | None = None, ra
 
 def _rank_measure(rank: int, world: int, mode: str, what: str, s: Setting) -> list[float]:
     """``measure`` on one rank of a gloo group, every layer on one shared session."""
-    config = RuntimeConfig(workers=WorkerCounts(matrix=1, vector=1), threads=s.threads)
+    config = RuntimeConfig(threads=s.threads)
     with Session(config) as session:
         return measure(mode, what, s, session, rank)
 

@@ -7,8 +7,9 @@ with every EP rank virtual in one process.
 
 from .exec.exact import execute_forward, moe_forward
 from .exec.exact_backward import execute_backward, moe_forward_backward
+from .ir.analysis import GraphError
 from .ir.graph import TaskGraph, TaskKind, Unit
-from .ir.verify import GraphError, verify_graph
+from .ir.verify import verify_graph
 from .nn.layer import MoE
 from .nn.replace import replace_moe_blocks
 from .regions.backward import lower_backward

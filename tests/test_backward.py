@@ -10,10 +10,11 @@ import torch
 from hpmoe import refs
 from hpmoe.exec.exact import execute_forward
 from hpmoe.exec.exact_backward import Gradients, execute_backward, moe_forward_backward
+from hpmoe.ir.analysis import GraphError
 from hpmoe.ir.graph import IS_PUT, TaskKind
-from hpmoe.ir.verify import GraphError, verify_graph
-from hpmoe.regions.backward import backward_event_name, lower_backward
-from hpmoe.regions.backward_kernels import BACKWARD_KERNELS, SavedActivations
+from hpmoe.ir.verify import verify_graph
+from hpmoe.regions.backward import BackwardEvent, lower_backward
+from hpmoe.regions.backward_kernels import BACKWARD, SavedActivations
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, schedule, verify_schedule
 from hpmoe.sim.hardware import hardware_preset
@@ -76,7 +77,7 @@ def test_graphs_verify_and_thresholds_equal_signal_counts(kind, ep, recompute, s
     kinds = set(np.unique(g.kind).tolist())
     assert (TaskKind.SWIGLU_RECOMPUTE in kinds) == recompute
     assert (TaskKind.SHARED_WGRAD_UP in kinds) == shared
-    assert kinds <= set(BACKWARD_KERNELS)
+    assert kinds <= set(BACKWARD.kernels) | set(BACKWARD.puts)
 
 
 def _producers(g, task):
@@ -138,11 +139,11 @@ def test_lowering_some_ranks_gives_the_same_tasks_and_events():
 
 def test_events_have_readable_names():
     g = lower_backward(tiny_plan(RoutingKind.BALANCED, ep=2, tokens=8), TINY_TILES)
-    ev = g.meta["events"]
-    dx2 = int(ev.base(1, "DX")) + 2
-    assert backward_event_name(g, 1, dx2) == f"event r1:{dx2} (DX 2)"
-    assert backward_event_name(g, 0, 0) == "event r0:0 (GROWS 0)"
-    assert backward_event_name(g, 0, ev.count(0)).endswith("(schedule barrier)")
+    ev = g.events
+    dx2 = int(ev.base(1, BackwardEvent.DX)) + 2
+    assert g.event_name(1, dx2) == f"event r1:{dx2} (DX 2)"
+    assert g.event_name(0, 0) == "event r0:0 (GROWS 0)"
+    assert g.event_name(0, ev.count(0)).endswith("(schedule barrier)")
 
 
 def test_bad_lowering_arguments_are_refused():
@@ -222,7 +223,7 @@ def test_saved_activations_shrink_with_recompute():
 def test_bad_backward_inputs_are_refused():
     x, w, r, dy = _inputs(_spec(True, torch.float32), 2, 4, RoutingKind.BALANCED)
     fwd = execute_forward(x, w, r, 2, TINY_TILES)
-    plan = fwd.graph.meta["layout"].plan
+    plan = fwd.plan
     saved = [SavedActivations.from_forward(b, False) for b in fwd.buffers]
     with pytest.raises(ValueError, match="dy has shape"):
         execute_backward(saved, plan, dy[:-1], w, r.weights, TINY_TILES)

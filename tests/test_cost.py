@@ -11,7 +11,7 @@ import torch
 from hpmoe.ir.graph import IS_PUT, TaskKind, Unit
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
-from hpmoe.sim.cost import gemm_dims, graph_dtype, task_costs
+from hpmoe.sim.cost import gemm_dims, task_costs
 from hpmoe.sim.hardware import LinkDirection, hardware_preset
 from hpmoe.spec import TileSpec
 
@@ -65,7 +65,7 @@ def test_lowered_graph_costs(dtype):
     plan = dataclasses.replace(plan, moe=moe)
     g = lower_forward(plan, TileSpec(4, 4, 8))
     hw = hardware_preset("ascend-a3")
-    assert graph_dtype(g) == dtype
+    assert g.dtype == dtype
     c = task_costs(g, hw)
     assert np.isfinite(c.duration).all() and (c.work >= hw.task_overhead).all()
     m, n, k = gemm_dims(g)

@@ -9,7 +9,8 @@ from hpmoe import refs
 from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
-from hpmoe.schedule import SchedulePolicy, WorkerCounts
+from hpmoe.schedule import SchedulePolicy
+from hpmoe.sim.hardware import cpu_nominal
 from hpmoe.spec import GateKind, MoESpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
@@ -155,7 +156,7 @@ RUNS = {
     "world-hyperparallel-shm": ([[0, 1]], {}),
     "subgroups-serial-dist-recompute": ([[0, 2], [1, 3]], dict(
         schedule=SchedulePolicy.SERIAL, recompute=True,
-        runtime=RuntimeConfig(transport=TransportKind.DIST, workers=WorkerCounts(matrix=2, vector=2)))),
+        runtime=RuntimeConfig(transport=TransportKind.DIST), hardware=cpu_nominal(2, 2))),
 }
 
 

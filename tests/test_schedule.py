@@ -11,14 +11,14 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from hpmoe.ir.analysis import GraphError
 from hpmoe.ir.graph import IS_PUT, TaskKind
-from hpmoe.ir.verify import GraphError
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.schedule import (
     SchedulePolicy,
+    WorkerCounts,
     critical_path_candidates,
-    hardware_workers,
     paper_tiles,
     schedule,
     serial_schedule,
@@ -112,7 +112,7 @@ def test_critical_path_keeps_the_fastest_candidate(monkeypatch):
     cands = {c.name: c.makespan for c in critical_path_candidates(g, hw)}
     assert cands["list-stages"] == cands["list-priority"] == cands["serial"] > cands["hyperparallel"]
     s = schedule(g, SchedulePolicy.CRITICAL_PATH, hw)
-    assert s.policy is SchedulePolicy.CRITICAL_PATH and s.graph.meta["candidate"] == "hyperparallel"
+    assert s.policy is SchedulePolicy.CRITICAL_PATH and s.candidate == "hyperparallel"
     assert simulate(s, hw).makespan == pytest.approx(cands["hyperparallel"])
 
 
@@ -121,7 +121,7 @@ def test_replay_reproduces_the_list_schedule(order):
     """The list scheduler is greedy, so replaying its queues gives back its own timeline."""
     g = lower_forward(tiny_plan(RoutingKind.ZIPF, ep=4, tokens=24), TileSpec(4, 4, 8))
     hw = hardware_preset("ascend-a3")
-    workers, costs = hardware_workers(hw), task_costs(g, hw)
+    workers, costs = WorkerCounts.from_hardware(hw), task_costs(g, hw)
     prio = cp_module.priority_rank(g, costs, workers, order)
     port = prio if order is cp_module.PutOrder.PRIORITY else cp_module.port_order(g, rounds=False)
     state = cp_module._ListState(g, costs, workers, prio, port)
@@ -238,4 +238,4 @@ def test_infinitely_fast_links_leave_only_the_compute_overlap_gain():
     # what is left is overlapping matrix with vector work: at most serial over the work bound
     assert 1.0 <= ratio["fast"] <= serial.makespan / max(bound.work, bound.critical_path) + 1e-9
     assert ratio["fast"] < ratio["real"]
-    assert hardware_workers(fast).vector == real.vector_workers
+    assert WorkerCounts.from_hardware(fast).vector == real.vector_workers

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hpmoe.cli import main
+from hpmoe.ir.analysis import GraphError
 from hpmoe.ir.graph import TaskKind
-from hpmoe.ir.verify import GraphError
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.schedule import SchedulePolicy, schedule

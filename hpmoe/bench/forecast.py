@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..runtime.session import RuntimeConfig
 from ..runtime.transport.base import TransportKind
-from ..schedule.base import Schedule, SchedulePolicy
+from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
 from ..sim.cost import task_costs
 from ..sim.hardware import HardwareModel, LinkEntry, load_profile
 from ..sim.simulate import SimResult, simulate
@@ -120,15 +120,15 @@ def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.Pro
     return min(1.0, 2.0 * 128 * 512 * 512 / per_gemm / profile.matrix_flops(dtype))
 
 
-def runtime_hardware(profile: HardwareModel, runtime: RuntimeConfig, link: tuple[float, float] | None,
+def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
                      share: float, executor_overhead: float, ep: int) -> HardwareModel:
-    """The cost model of the runtime: the ``cpu`` profile with the runtime's worker
-    counts; compute rates scaled by ``share`` (``concurrent_share``);
+    """The cost model of the runtime: the ``cpu`` profile with ``workers``; compute
+    rates scaled by ``share`` (``concurrent_share``);
     ``executor_overhead`` (s, the executor's own cost per task) added to the
     per-task cost; and, when ``link`` is given, the link measured over
     torch.distributed (the profile's link is the shared-memory put)."""
     hw = dataclasses.replace(
-        profile, matrix_workers=runtime.workers.matrix, vector_workers=runtime.workers.vector,
+        profile, matrix_workers=workers.matrix, vector_workers=workers.vector,
         matrix_flops_bf16=profile.matrix_flops_bf16 * share,
         matrix_flops_fp32=profile.matrix_flops_fp32 * share, vector_flops=profile.vector_flops * share,
         task_overhead=profile.task_overhead + executor_overhead)
@@ -154,8 +154,9 @@ class Models:
     share: float
 
 
-def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, dtype: torch.dtype, nbytes: int,
-                  group: dist.ProcessGroup | None, link_rate: float | None = None) -> Models:
+def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: WorkerCounts,
+                  dtype: torch.dtype, nbytes: int, group: dist.ProcessGroup | None,
+                  link_rate: float | None = None) -> Models:
     """Both models, built on group rank 0 from measurements and used by every rank
     (schedules computed from them must agree).  Each path's link is measured with its
     own traffic, ``nbytes`` per peer (a balanced dispatch): back-to-back point-to-point
@@ -172,8 +173,8 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, dtype: torch.d
     if dist.get_rank(group) == 0:
         overhead = seconds_per_task(1000, EmptyShape.CHAIN)
         own = link if runtime.transport is TransportKind.DIST else None
-        box[0] = (runtime_hardware(profile, runtime, own, share, overhead, world).to_dict(),
-                  runtime_hardware(profile, runtime, a2a, share, overhead, world).to_dict())
+        box[0] = (runtime_hardware(profile, workers, own, share, overhead, world).to_dict(),
+                  runtime_hardware(profile, workers, a2a, share, overhead, world).to_dict())
     dist.broadcast_object_list(box, group=group, group_src=0)
     return Models(*(HardwareModel.from_dict(d) for d in box[0]), link=link, a2a=a2a, share=share)
 

@@ -16,8 +16,9 @@ import time
 
 import numpy as np
 
-from ..exec.program import Taskflow, compile_program
+from ..exec.program import compile_program
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from ..regions.base import Region
 from ..runtime.executor import Executor, ExecutorConfig
 from ..runtime.transport.local import LocalTransport
 from ..schedule.base import SchedulePolicy, WorkerCounts, schedule_from_assignment
@@ -33,8 +34,9 @@ def _noop(*args: object) -> None:
     return None
 
 
-EMPTY = Taskflow(name="empty", kernels={TaskKind.GEMM_UP: _noop, TaskKind.SWIGLU: _noop}, puts={},
-                 symmetric=(), lower=lambda *a: None, symmetric_shapes=lambda *a: {})
+EMPTY = Region(kind=None, lower=lambda *a: empty_graph(1, EmptyShape.INDEPENDENT)[0],
+               kernels={TaskKind.GEMM_UP: _noop, TaskKind.SWIGLU: _noop}, puts={}, buffers=object,
+               symmetric_shapes=lambda *a: {})
 
 
 def _block(kind: TaskKind, ids: np.ndarray, n: int, chained: bool) -> TaskBlock:

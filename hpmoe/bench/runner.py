@@ -31,8 +31,8 @@ from ..routing import Routing, RoutingKind, synthetic_routing
 from ..runtime.faults import Fault
 from ..runtime.forward import ForwardOptions, ForwardOutput, ForwardRunner
 from ..runtime.session import RuntimeConfig, Session
-from ..schedule.base import SchedulePolicy
-from ..sim.hardware import HardwareModel
+from ..schedule.base import SchedulePolicy, WorkerCounts
+from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .forecast import Decision, Models, WarmUp, agreed_models, agreed_profile, decide, slowest_rank
@@ -51,7 +51,8 @@ STEP_NAMES = ("exchange", "schedule", "prepare", "region")
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark: the layer, its inputs, the runtime and the measurement."""
+    """One benchmark: the layer, its inputs, the runtime (its transport, and its worker
+    threads per rank: the hardware model's worker counts) and the measurement."""
 
     moe: MoESpec
     tokens: int
@@ -59,6 +60,7 @@ class BenchConfig:
     seed: int
     tiles: TileSpec
     runtime: RuntimeConfig
+    workers: WorkerCounts
     policy: SchedulePolicy | None  # None: the cost model picks critical-path or hyperparallel
     warmup: int = 5
     iters: int = 10
@@ -148,7 +150,7 @@ def runtime_name(policy: SchedulePolicy) -> str:
     return f"runtime:{policy.value}"
 
 
-def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: HardwareModel | None,
+def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: HardwareModel,
                policies: list[SchedulePolicy]) -> Calls:
     """The baseline, the serial schedule, and one runtime call per candidate policy."""
     def runner(policy: SchedulePolicy) -> ForwardRunner:
@@ -185,7 +187,8 @@ def run_bench(config: BenchConfig, group: dist.ProcessGroup | None = None) -> Be
     policies, note = candidate_policies(config.policy, profile)
     with torch.no_grad(), Session(config.runtime, group) as session:
         models = _models(config, profile, group)
-        every = make_calls(config, session, data, models.runtime if models else None, policies)
+        hardware = models.runtime if models else cpu_nominal(config.workers.matrix, config.workers.vector)
+        every = make_calls(config, session, data, hardware, policies)
         warm = timed_loop(config.warmup, every, group)
         decision = _decide(warm, models, policies, group)
         chosen = decision.policy if decision is not None else policies[0]
@@ -208,7 +211,7 @@ def _models(config: BenchConfig, profile: HardwareModel | None,
     moe, world = config.moe, dist.get_world_size(group)
     nbytes = max(64, config.tokens * moe.top_k * moe.hidden * moe.dtype.itemsize // world)
     rate = config.link.bytes_per_s if config.link is not None else None
-    return agreed_models(profile, config.runtime, moe.dtype, nbytes, group, rate)
+    return agreed_models(profile, config.runtime, config.workers, moe.dtype, nbytes, group, rate)
 
 
 def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy],
@@ -248,7 +251,7 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         max_abs_diff=max_abs_diff(out[Variant.TASKFLOW.value], serial, group),
         runtime_max_abs_diff=max_abs_diff(out[rt], serial, group),
         bitwise_equal=all_equal(out[rt], out[sst], group),
-        candidate=s.last[rt].schedule.graph.meta.get("candidate"), link=models.link if models else None,
+        candidate=s.last[rt].schedule.candidate or None, link=models.link if models else None,
         a2a=models.a2a if models else None, share=models.share if models else None,
         decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
         predicted_timeline=predicted, note=note)

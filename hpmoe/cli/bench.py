@@ -82,13 +82,13 @@ def _workers(text: str) -> WorkerCounts:
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     """The benchmark the arguments describe (validates them)."""
-    runtime = RuntimeConfig(transport=_transport(args), workers=_workers(args.workers),
-                            deadline_s=args.deadline, threads=args.threads)
+    runtime = RuntimeConfig(transport=_transport(args), deadline_s=args.deadline, threads=args.threads)
     return BenchConfig(
         moe=preset(args.preset, DTYPES[args.dtype]), tokens=args.tokens,
         routing=RoutingKind(args.routing), seed=args.seed,
         tiles=TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols),
-        runtime=runtime, policy=None if args.schedule == "auto" else SchedulePolicy(args.schedule),
+        runtime=runtime, workers=_workers(args.workers),
+        policy=None if args.schedule == "auto" else SchedulePolicy(args.schedule),
         warmup=args.warmup, iters=args.iters,
         link=LinkSpec(args.link) if args.link else None, predict=args.predict,
         cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None)

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ..regions import Direction, lower
+from ..regions import RegionKind, region
 from ..routing import RoutingKind, plan_routing, synthetic_routing
-from ..schedule import critical_path_candidates, hardware_workers, hyperparallel_schedule, paper_tiles
+from ..schedule import WorkerCounts, critical_path_candidates, hyperparallel_schedule, paper_tiles
 from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
 from ..sim.simulate import graph_bounds, simulate
 from ..spec import PRESETS, ParallelSpec, TileSpec, preset
@@ -34,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64], help="EP sizes")
     p.add_argument("--routing", nargs="+", default=[RoutingKind.BALANCED.value, RoutingKind.ZIPF.value],
                    choices=[k.value for k in RoutingKind], help="synthetic routings")
-    p.add_argument("--direction", nargs="+", default=[d.value for d in Direction],
-                   choices=[d.value for d in Direction], help="forward and/or backward region")
+    p.add_argument("--direction", nargs="+", default=[RegionKind.FORWARD.value, RegionKind.BACKWARD.value],
+                   choices=[d.value for d in RegionKind], help="the regions to simulate")
     p.add_argument("--hardware", default="ascend-a3", choices=list(HARDWARE_PRESETS))
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -44,17 +44,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def reproduce_row(args: argparse.Namespace, direction: Direction, ep: int, routing: RoutingKind,
+def reproduce_row(args: argparse.Namespace, direction: RegionKind, ep: int, routing: RoutingKind,
                   hardware: HardwareModel) -> dict:
     """Serial, hyperparallel, critical-path and the lower bound for one region, EP size
     and routing."""
     moe = preset(args.preset, torch.bfloat16)
     par = ParallelSpec(ep=ep, tokens_per_rank=args.tokens)
     plan = plan_routing(synthetic_routing(routing, moe, par, seed=args.seed).ids, moe, par)
-    graph = lower(plan, TileSpec(), direction)
+    graph = region(direction).lower(plan, TileSpec(), None)
     candidates = {c.name: c.makespan for c in critical_path_candidates(graph, hardware)}
-    paper = lower(plan, paper_tiles(hardware), direction)
-    hyper = simulate(hyperparallel_schedule(paper, hardware_workers(hardware)), hardware).makespan
+    paper = region(direction).lower(plan, paper_tiles(hardware), None)
+    hyper = simulate(hyperparallel_schedule(paper, WorkerCounts.from_hardware(hardware)), hardware).makespan
     serial, ours = candidates["serial"], min(candidates.values())
     bound = graph_bounds(graph, hardware).lower_bound
     return {"direction": direction.value, "ep": ep, "routing": routing.value,
@@ -78,7 +78,7 @@ def format_table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     hardware = hardware_preset(args.hardware)
-    jobs = [(Direction(d), ep, RoutingKind(r)) for d in args.direction for r in args.routing
+    jobs = [(RegionKind(d), ep, RoutingKind(r)) for d in args.direction for r in args.routing
             for ep in args.ep]
     rows, start = [], time.perf_counter()
     for k, (direction, ep, routing) in enumerate(jobs, 1):

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..ir.graph import TaskGraph
-from ..regions import Direction, lower
+from ..regions import RegionKind, region
 from ..schedule import Schedule, SchedulePolicy, paper_tiles, schedule
 from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
 from ..sim.simulate import SimResult, simulate
@@ -58,8 +58,10 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
     if args.paper_tiles:
         layer = replace(layer, tiles=paper_tiles(hardware))
     t0 = time.perf_counter()
-    direction = Direction.BACKWARD if args.backward else Direction.FORWARD
-    graph = lower(layer.plan, layer.tiles, direction, recompute=args.recompute)
+    kind = RegionKind.FORWARD
+    if args.backward:
+        kind = RegionKind.BACKWARD_RECOMPUTE if args.recompute else RegionKind.BACKWARD
+    graph = region(kind).lower(layer.plan, layer.tiles, None)
     t1 = time.perf_counter()
     sched = schedule(graph, SchedulePolicy(args.schedule), hardware)
     t2 = time.perf_counter()
@@ -76,7 +78,7 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
         "direction": "backward" if args.backward else "forward",
         "preset": args.preset, "ep": args.ep, "tokens_per_rank": args.tokens,
         "routing": sim.layer.routing.value, "hardware": sim.hardware.name, "schedule": args.schedule,
-        "candidate": sim.schedule.graph.meta.get("candidate", args.schedule),
+        "candidate": sim.schedule.candidate or args.schedule,
         "tiles": {"rows": tiles.rows, "gemm_rows": tiles.gemm_rows, "gemm_cols": tiles.gemm_cols},
         "tasks": int(sim.graph.num_tasks),
         "makespan_us": round(sim.result.makespan * _US, 3),

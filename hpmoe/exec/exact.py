@@ -1,71 +1,93 @@
-"""The exact executor: every EP rank of a task graph, virtual, in one process.
+"""The exact executor: every EP rank of a region, virtual, in one process.
 
-Tasks run one at a time in any valid order (default: task-id order when valid,
-else a topological order); each runs its kernel on views of per-rank buffers.
-Because every tile is computed by exactly one task over its full reduction, and
-the combine sums slots in a fixed order in fp32, the output is bitwise the same
+Tasks run one at a time in any valid global order (default: task-id order when
+valid, else a topological order).  Each rank's tasks are the very ``RankProgram``
+and task callables the multi-rank runtime runs (``program.task_calls``); the only
+differences are who walks the tasks (one loop over a global order instead of worker
+threads over queues) and the put, a copy between two ranks' buffers in one address
+space.  Because every tile is computed by exactly one task over its full reduction,
+and the combine sums slots in a fixed order in fp32, the output is bitwise the same
 under every valid order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..ir.graph import TaskGraph, TaskKind
-from ..ir.verify import GraphError, random_order
-from ..regions.forward import lower_forward
-from ..regions.kernels import KERNELS, ForwardBuffers, RankContext, tiles_of
-from ..routing import Routing, check_hidden, check_routing, plan_routing
+from ..ir.analysis import GraphError, random_order
+from ..ir.graph import TaskGraph
+from ..regions.base import Region
+from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
+from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
 from ..spec import ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .backend import Backend, as_backend
+from .program import PeerView, rank_program, task_calls
 
 DEFAULT_TILES = TileSpec()
+Order = Sequence[int] | np.ndarray | int | None
 
 
 @dataclass
 class ForwardResult:
     """out: [N, H] spec.dtype.  buffers: each rank's buffers after the run
-    (``recv`` holds dispatched rows, ``comb`` the combined expert outputs)."""
+    (``recv`` holds dispatched rows, ``comb`` the combined expert outputs).
+    plan: the routing plan the region ran; graph: its task graph."""
 
     out: torch.Tensor
     buffers: list[ForwardBuffers]
+    plan: RoutingPlan
     graph: TaskGraph
 
 
-def run_graph(graph: TaskGraph, buffers: Sequence[ForwardBuffers], contexts: Sequence[RankContext],
-              order: Sequence[int] | np.ndarray | None = None,
-              kernels: Mapping[TaskKind, Callable[..., None]] | None = None) -> None:
-    """Run every task of ``graph`` once, in ``order``; raise ``GraphError`` when a
-    task would run before its event reached its threshold.  ``kernels``: the
-    ``{TaskKind: fn(tile, me, peer, ctx)}`` table (default: the forward ``KERNELS``);
-    ``buffers`` and ``contexts`` are whatever that table's functions take."""
-    table = KERNELS if kernels is None else kernels
+class _VirtualRanks:
+    """Counters of every virtual rank and the in-process put between their buffers."""
+
+    def __init__(self, buffers: Sequence[object], event_counts: Sequence[int]):
+        self.buffers = buffers
+        self.counts = [[0] * n for n in event_counts]
+
+    def put(self, peer: int, view: PeerView, rows: torch.Tensor, signals: tuple[int, ...], seq: int) -> None:
+        getattr(self.buffers[peer], view.field)[view.row0:view.row0 + view.rows].copy_(rows)
+        peer_counts = self.counts[peer]
+        for e in signals:
+            peer_counts[e] += 1
+
+
+def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], contexts: Sequence[object],
+              order: Sequence[int] | np.ndarray | None = None) -> None:
+    """Run every task of ``graph`` (every rank's) once, in the global ``order`` (default:
+    task-id order), with ``region``'s kernels and puts; ``buffers`` and ``contexts`` are
+    per rank, of the region's types.  Raises ``GraphError`` when a task would run
+    before its event reached its threshold."""
     order = np.arange(graph.num_tasks) if order is None else np.asarray(order, np.int64)
     if sorted(order.tolist()) != list(range(graph.num_tasks)):
         raise ValueError(f"order must be a permutation of the {graph.num_tasks} task ids")
-    tiles = tiles_of(graph)
-    wait, signals, ptr = graph.wait_global().tolist(), graph.signals_global().tolist(), graph.sig_ptr.tolist()
-    threshold = graph.threshold.tolist()
-    count = [0] * graph.num_events
-    for i in order.tolist():
-        ev = wait[i]
-        if ev >= 0 and count[ev] < threshold[ev]:
-            raise GraphError(f"order runs {graph.task(i)} before its event {ev} reached "
-                             f"{threshold[ev]} (at {count[ev]})")
-        t = tiles[i]
-        table[t.kind](t, buffers[t.rank], buffers[t.peer], contexts[t.rank])
-        for e in signals[ptr[i]:ptr[i + 1]]:
-            count[e] += 1
+    programs = [rank_program(graph, region, r) for r in range(graph.ep)]
+    ranks = _VirtualRanks(buffers, [p.num_events for p in programs])
+    calls = [task_calls(p, region.kernels, buffers[r], contexts[r], ranks.put)
+             for r, p in enumerate(programs)]
+    local = np.zeros(graph.num_tasks, np.int64)
+    for p in programs:
+        local[p.task_ids] = np.arange(p.num_tasks)
+    for g, i in zip(order.tolist(), local[order].tolist(), strict=True):
+        r = int(graph.rank[g])
+        p, counts = programs[r], ranks.counts[r]
+        ev = p.wait[i]
+        if ev >= 0 and counts[ev] < p.threshold[ev]:
+            raise GraphError(f"order runs {graph.task(g)} before its event {graph.event_name(r, ev)} "
+                             f"reached {p.threshold[ev]} (at {counts[ev]})")
+        calls[r][i]()
+        for e in p.local_signals[i]:
+            counts[e] += 1
 
 
 def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
-                    tiles: TileSpec = DEFAULT_TILES, order: Sequence[int] | np.ndarray | int | None = None
-                    ) -> ForwardResult:
+                    tiles: TileSpec = DEFAULT_TILES, order: Order = None) -> ForwardResult:
     """Lower and run the forward region of ``ep`` virtual ranks.
 
     x: [N, H] spec.dtype, split evenly over ranks.  ``order``: task ids, or an int
@@ -77,18 +99,18 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
     plan = plan_routing(routing.ids, spec, par)
-    graph = lower_forward(plan, tiles)
+    graph = FORWARD.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)
     xs = x.chunk(ep) if x.shape[0] else [x] * ep
     buffers = [ForwardBuffers.allocate(xs[r], plan, r) for r in range(ep)]
     contexts = [RankContext.build(weights, plan, routing, r) for r in range(ep)]
-    run_graph(graph, buffers, contexts, order)
-    return ForwardResult(out=torch.cat([b.out for b in buffers]), buffers=buffers, graph=graph)
+    run_graph(graph, FORWARD, buffers, contexts, order)
+    return ForwardResult(out=torch.cat([b.out for b in buffers]), buffers=buffers, plan=plan, graph=graph)
 
 
 def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int = 1,
-                tiles: TileSpec = DEFAULT_TILES, order: Sequence[int] | np.ndarray | int | None = None,
+                tiles: TileSpec = DEFAULT_TILES, order: Order = None,
                 backend: Backend | str = Backend.EXACT) -> torch.Tensor:
     """Routed plus shared-expert output [N, H] of the MoE layer, computed by the
     tile task graph of ``ep`` expert-parallel ranks (see ``execute_forward``).

@@ -1,5 +1,5 @@
 """The exact backward executor: every EP rank of the backward task graph, virtual,
-in one process, through ``hpmoe.exec.exact.run_graph`` with ``BACKWARD_KERNELS``.
+in one process, through ``hpmoe.exec.exact.run_graph`` with the ``BACKWARD`` region.
 
 Every gradient tile is written by exactly one task holding its full reduction and
 input gradients are summed over slots in a fixed order in fp32, so the result is
@@ -11,19 +11,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
+from ..ir.analysis import random_order
 from ..ir.graph import TaskGraph
-from ..ir.verify import random_order
-from ..regions.backward import lower_backward
-from ..regions.backward_kernels import BACKWARD_KERNELS, BackwardBuffers, BackwardContext, SavedActivations
+from ..regions.backward_kernels import (
+    BACKWARD,
+    BACKWARD_RECOMPUTE,
+    BackwardBuffers,
+    BackwardContext,
+    SavedActivations,
+)
 from ..routing import Routing, RoutingPlan
 from ..spec import TileSpec
 from ..weights import ExpertWeights
-from .exact import DEFAULT_TILES, execute_forward, run_graph
-
-Order = Sequence[int] | np.ndarray | int | None
+from .exact import DEFAULT_TILES, Order, execute_forward, run_graph
 
 
 @dataclass
@@ -66,7 +68,10 @@ def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan, dy: t
     if len(saved) != ep:
         raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
     _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
-    graph = lower_backward(plan, tiles, recompute=recompute)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    region = BACKWARD_RECOMPUTE if recompute else BACKWARD
+    graph = region.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)
     out = _full_outputs(dy, weights)
@@ -74,7 +79,7 @@ def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan, dy: t
     dys, tws = dy.chunk(ep), topk_weights.chunk(ep)
     buffers = [BackwardBuffers.allocate(saved[r], dys[r], plan, views[r]) for r in range(ep)]
     contexts = [BackwardContext.build(weights, plan, tws[r], r) for r in range(ep)]
-    run_graph(graph, buffers, contexts, order, kernels=BACKWARD_KERNELS)
+    run_graph(graph, region, buffers, contexts, order)
     grads = replace(out, dshared_w13=_rank_sum(buffers, "dsw13", weights),
                     dshared_w2=_rank_sum(buffers, "dsw2", weights))
     return BackwardResult(grads=grads, buffers=buffers, graph=graph)
@@ -133,7 +138,6 @@ def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routi
 
     x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]."""
     fwd = execute_forward(x, weights, routing, ep, tiles, forward_order)
-    plan = fwd.graph.meta["layout"].plan
     saved = [SavedActivations.from_forward(b, recompute) for b in fwd.buffers]
-    bwd = execute_backward(saved, plan, dy, weights, routing.weights, tiles, recompute, backward_order)
+    bwd = execute_backward(saved, fwd.plan, dy, weights, routing.weights, tiles, recompute, backward_order)
     return StepResult(out=fwd.out, backward=bwd)

@@ -1,38 +1,52 @@
-"""What the executor runs, independent of forward or backward.
+"""The one compile path: a routing plan becomes what an executor runs.
 
-A ``Taskflow`` names a region type: its kernel table, which task kinds are puts
-(and which buffer fields they read and write), the symmetric fields of its buffer
-type, and how to lower a plan and size every rank's symmetric memory.  A
-``RankProgram`` is one rank's graph and schedule flattened into Python lists for
-the worker threads' hot loop.
+``compile_region`` lowers every rank's graph of a ``Region``, schedules it on a
+``HardwareModel``'s workers with a ``SchedulePolicy`` (and, in debug mode, proves
+the schedule deadlock-free); ``compile_program`` flattens one rank's part into a
+``RankProgram``: Python lists for the worker threads' hot loop.  The simulator, the
+exact executor, the multi-rank runtime and the GPU backend all start here.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit, task_columns
-from ..ir.verify import gather_csr
-from ..regions.kernels import Tile, tiles_of
+from ..ir.analysis import gather_csr
+from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit, task_columns, tiles_of
+from ..regions.base import Kernel, PutSpec, Region
 from ..routing import RoutingPlan
+from ..schedule import SchedulePolicy, schedule, verify_schedule
 from ..schedule.base import Schedule
+from ..sim.hardware import HardwareModel
 from ..spec import TileSpec
 
-Kernel = Callable[[Tile, object, object, object], None]
-ShapeMap = dict[str, tuple[tuple[int, ...], torch.dtype]]
+DEBUG_ENV = "HPMOE_DEBUG"  # "1": verify the graph and schedule of every compiled region
 
 
-@dataclass(frozen=True)
-class PutSpec:
-    """A put copies rows ``[row0, row1)`` of the sender's field ``src`` into rows
-    ``[dst_row0, dst_row0 + row1 - row0)`` of the peer's symmetric field ``dst``."""
+def debug_enabled() -> bool:
+    """Whether ``HPMOE_DEBUG=1`` asks every compile to verify what it builds."""
+    return os.environ.get(DEBUG_ENV, "") == "1"
 
-    src: str
-    dst: str
+
+def compile_region(plan: RoutingPlan, region: Region, tiles: TileSpec, policy: SchedulePolicy,
+                   hardware: HardwareModel, debug: bool | None = None) -> Schedule:
+    """Every rank's tasks of ``region`` for ``plan``, scheduled with ``policy`` on
+    ``hardware``'s workers (the only source of worker counts).  ``debug`` (default:
+    ``HPMOE_DEBUG=1``) verifies the graph's thresholds and the schedule's deadlock freedom."""
+    from ..ir.verify import verify_graph
+
+    graph = region.lower(plan, tiles, None)
+    sched = schedule(graph, policy, hardware)
+    if debug_enabled() if debug is None else debug:
+        verify_graph(graph)
+        verify_schedule(sched)
+    return sched
 
 
 @dataclass(frozen=True)
@@ -42,48 +56,6 @@ class PeerView:
     field: str
     row0: int
     rows: int
-
-
-@dataclass(frozen=True)
-class Taskflow:
-    """A region type the executor can run.
-
-    kernels: {TaskKind: fn(tile, me_buffers, peer_buffers, ctx)} for non-put kinds.
-    puts: {TaskKind: PutSpec} for the put kinds (done by the transport).
-    symmetric: fields of the buffer type that peers write into.
-    lower(plan, tiles, ranks): the TaskGraph of ``ranks`` (None: every rank).
-    symmetric_shapes(plan, rank): {field: (shape, dtype)} of that rank's symmetric fields.
-    describe_event(graph, rank, event): a human name for forensics.
-    """
-
-    name: str
-    kernels: Mapping[TaskKind, Kernel]
-    puts: Mapping[TaskKind, PutSpec]
-    symmetric: tuple[str, ...]
-    lower: Callable[[RoutingPlan, TileSpec, tuple[int, ...] | None], TaskGraph]
-    symmetric_shapes: Callable[[RoutingPlan, int], ShapeMap]
-    describe_event: Callable[[TaskGraph, int, int], str] = field(
-        default=lambda g, r, e: f"event r{r}:{e}")
-
-    def __post_init__(self) -> None:
-        for kind, spec in self.puts.items():
-            if not IS_PUT[kind]:
-                raise ValueError(f"Taskflow.puts has {TaskKind(kind).name}, which is not a put kind")
-            if spec.dst not in self.symmetric:
-                raise ValueError(f"Taskflow.puts[{TaskKind(kind).name}].dst={spec.dst!r} is not one "
-                                 f"of the symmetric fields {self.symmetric}")
-        overlap = set(self.kernels) & set(self.puts)
-        if overlap:
-            raise ValueError(f"Taskflow.kernels also lists put kinds {sorted(overlap)}")
-
-
-def symmetric_fields(buffer_type: type) -> tuple[str, ...]:
-    """The fields peers write into, as the buffer type declares them in its
-    ``SYMMETRIC`` class attribute."""
-    fields_ = getattr(buffer_type, "SYMMETRIC", ())
-    if not fields_ or not all(isinstance(f, str) for f in fields_):
-        raise TypeError(f"{buffer_type.__name__} declares no symmetric fields (SYMMETRIC={fields_!r})")
-    return tuple(fields_)
 
 
 @dataclass(frozen=True)
@@ -128,23 +100,50 @@ class RankProgram:
         return len(self.threshold)
 
 
-def compile_program(schedule: Schedule, taskflow: Taskflow, rank: int) -> RankProgram:
+def compile_program(schedule: Schedule, region: Region, rank: int) -> RankProgram:
     """Flatten ``rank``'s part of ``schedule`` (whose graph holds every rank, as the
-    schedulers need) into a ``RankProgram`` over local task ids.
+    schedulers need) into a ``RankProgram`` over local task ids, with its queues."""
+    program = rank_program(schedule.graph, region, rank)
+    return replace(program, queues=_queues(schedule, rank, program.task_ids))
+
+
+def rank_program(graph: TaskGraph, region: Region, rank: int) -> RankProgram:
+    """``rank``'s tasks of ``graph`` (every rank's) as a ``RankProgram`` without queues.
 
     Raises ValueError when a kind has neither a kernel nor a put spec, or a task
     signals an event it may not (non-puts signal only their rank, puts also their peer)."""
-    full = schedule.graph
-    _check_kinds(full, taskflow)
-    g, ids = rank_subgraph(full, rank)
+    _check_kinds(graph, region)
+    g, ids = rank_subgraph(graph, rank)
     local, remote = _split_signals(g, rank)
     is_put = IS_PUT[g.kind].tolist()
     return RankProgram(
         rank=rank, graph=g, tiles=tiles_of(g), wait=g.wait.tolist(), threshold=g.threshold.tolist(),
-        local_signals=local, remote_signals=remote, put_seq=put_sequence(full)[ids].tolist(),
-        queues=_queues(schedule, rank, ids), task_ids=ids,
-        put=[taskflow.puts.get(TaskKind(k)) if p else None
+        local_signals=local, remote_signals=remote, put_seq=put_sequence(graph)[ids].tolist(),
+        queues=(), task_ids=ids,
+        put=[region.puts.get(TaskKind(k)) if p else None
              for k, p in zip(g.kind.tolist(), is_put, strict=True)])
+
+
+Put = Callable[[int, "PeerView", torch.Tensor, tuple[int, ...], int], None]
+
+
+def task_calls(program: RankProgram, kernels: Mapping[int, Kernel], me: object, ctx: object,
+               put: Put) -> list[Callable[[], None]]:
+    """A zero-argument callable per task of ``program``: its kernel on this rank's
+    buffers ``me``, or, for a put, ``put(peer, view, rows, peer_signals, seq)``, which
+    copies ``rows`` into the peer's symmetric ``view`` and then signals the peer.  Every
+    executor runs these; they differ only in ``put`` and in who walks the tasks."""
+    calls: list[Callable[[], None]] = []
+    for i, t in enumerate(program.tiles):
+        spec = program.put[i]
+        if spec is None:
+            calls.append(functools.partial(kernels[t.kind], t, me, me, ctx))
+            continue
+        view = PeerView(spec.dst, t.dst_row0, t.row1 - t.row0)
+        src = getattr(me, spec.src)[t.row0:t.row1]
+        calls.append(functools.partial(put, t.peer, view, src, program.remote_signals[i],
+                                       program.put_seq[i]))
+    return calls
 
 
 def _split_signals(g: TaskGraph, rank: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -186,14 +185,15 @@ def rank_subgraph(graph: TaskGraph, rank: int) -> tuple[TaskGraph, np.ndarray]:
     event_ptr[rank + 1:] = hi - lo
     return TaskGraph(ep=graph.ep, ranks=(rank,), sig_ptr=sig_ptr, sig_rank=graph.sig_rank[sig],
                      sig_event=graph.sig_event[sig], event_ptr=event_ptr,
-                     threshold=graph.threshold[lo:hi], meta=graph.meta, **cols), ids
+                     threshold=graph.threshold[lo:hi], dtype=graph.dtype,
+                     events=graph.events, **cols), ids
 
 
-def _check_kinds(g: TaskGraph, taskflow: Taskflow) -> None:
+def _check_kinds(g: TaskGraph, region: Region) -> None:
     for k in np.unique(g.kind).tolist():
         kind = TaskKind(k)
-        if kind not in taskflow.kernels and kind not in taskflow.puts:
-            raise ValueError(f"taskflow {taskflow.name!r} has no kernel or put spec for {kind.name}")
+        if kind not in region.kernels and kind not in region.puts:
+            raise ValueError(f"region {region.name!r} has no kernel or put spec for {kind.name}")
 
 
 def put_sequence(g: TaskGraph) -> np.ndarray:

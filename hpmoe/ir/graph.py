@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
+import torch
+
+from .events import EventLayout
 
 
 class Unit(enum.IntEnum):
@@ -116,6 +120,8 @@ class TaskGraph:
     owned by ranks ``sig_rank[...]``.
     Events, per rank r in ``ranks``: local ids ``0 .. event_count[r]-1``, thresholds
     ``threshold[event_ptr[r] + local]``.  ``ep`` is the size of the EP group.
+    dtype: the layer's dtype (what the GEMM tiles compute in).  events: the region's
+    named event layout (None for hand-built graphs), for messages and traces.
     """
 
     ep: int
@@ -139,7 +145,8 @@ class TaskGraph:
     sig_event: np.ndarray
     event_ptr: np.ndarray  # [ep + 1]; ranks outside ``ranks`` own no events here
     threshold: np.ndarray
-    meta: dict = field(default_factory=dict, compare=False)
+    dtype: torch.dtype = torch.bfloat16
+    events: EventLayout | None = field(default=None, compare=False)
 
     @property
     def num_tasks(self) -> int:
@@ -161,6 +168,12 @@ class TaskGraph:
     def signaller(self) -> np.ndarray:
         """[num signals] the task each signal entry belongs to."""
         return np.repeat(np.arange(self.num_tasks), np.diff(self.sig_ptr))
+
+    def event_name(self, rank: int, event: int) -> str:
+        """A readable name of ``rank``'s local ``event``, e.g. ``event r1:7 (OUT 2)``."""
+        if self.events is None:
+            return f"event r{rank}:{event}"
+        return self.events.name(rank, event)
 
     def task(self, i: int) -> str:
         """A one-line human description of task ``i`` for error messages."""
@@ -186,7 +199,7 @@ class GraphBuilder:
     def set_events(self, rank: int, thresholds: np.ndarray) -> None:
         self.thresholds[rank] = np.asarray(thresholds, dtype=np.int64)
 
-    def freeze(self, meta: dict | None = None) -> TaskGraph:
+    def freeze(self, dtype: torch.dtype = torch.bfloat16, events: EventLayout | None = None) -> TaskGraph:
         cols = {name: _concat([getattr(b, name) for b in self.blocks], dt)
                 for name, dt in _TASK_DTYPES.items()}
         kind = _concat([np.full(len(b), int(b.kind), np.int16) for b in self.blocks], np.int16)
@@ -201,7 +214,7 @@ class GraphBuilder:
             ep=self.ep, ranks=self.ranks, kind=kind, unit=UNIT_OF_KIND[kind], sig_ptr=sig_ptr,
             sig_rank=_concat([b.sig_rank for b in self.blocks], np.int32),
             sig_event=_concat([b.sig_event for b in self.blocks], np.int64),
-            event_ptr=event_ptr, threshold=threshold, meta=meta or {}, **cols)
+            event_ptr=event_ptr, threshold=threshold, dtype=dtype, events=events, **cols)
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -214,4 +227,25 @@ def task_columns() -> tuple[str, ...]:
     """Names of the per-task arrays of a ``TaskGraph``."""
     return tuple(f.name for f in fields(TaskGraph)
                  if f.name not in {"ep", "ranks", "sig_ptr", "sig_rank", "sig_event", "event_ptr",
-                                   "threshold", "meta"})
+                                   "threshold", "dtype", "events"})
+
+
+class Tile(NamedTuple):
+    """The fields of one task a kernel needs."""
+
+    kind: int
+    rank: int
+    peer: int
+    expert: int
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    dst_row0: int
+
+
+def tiles_of(graph: TaskGraph) -> list[Tile]:
+    """Every task of ``graph`` as a ``Tile`` (built once, read by the executors)."""
+    cols = [graph.kind, graph.rank, graph.peer, graph.expert, graph.row0, graph.row1,
+            graph.col0, graph.col1, graph.dst_row0]
+    return [Tile(*row) for row in zip(*(c.tolist() for c in cols), strict=True)]

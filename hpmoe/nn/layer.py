@@ -25,9 +25,8 @@ Execution:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,26 +35,23 @@ from torch import nn
 from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, execute_forward
 from ..exec.exact_backward import Gradients, execute_backward
-from ..ir.graph import IS_PUT, TaskKind
-from ..regions.backward import backward_event_name, lower_backward
-from ..regions.backward_kernels import BACKWARD_KERNELS, BackwardBuffers, BackwardContext, SavedActivations
-from ..routing import Routing, RoutingPlan, route
-from ..runtime import (
-    ForwardOptions,
-    ForwardRunner,
-    PutSpec,
-    RankProgram,
-    RuntimeConfig,
-    Session,
-    Step,
-    Taskflow,
-    compile_program,
-    make_schedule,
+from ..exec.program import RankProgram, compile_program, compile_region
+from ..regions.backward_kernels import (
+    BACKWARD,
+    BACKWARD_RECOMPUTE,
+    BackwardBuffers,
+    BackwardContext,
+    SavedActivations,
 )
+from ..regions.base import Region
+from ..routing import Routing, RoutingPlan, route
 from ..schedule.base import Schedule, SchedulePolicy
-from ..sim.hardware import HardwareModel
+from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import GateKind, MoESpec, TileSpec
 from ..weights import ExpertWeights
+
+if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
+    from ..runtime import RuntimeConfig, Session
 
 # ---------------------------------------------------------------------------- parameters
 
@@ -139,8 +135,13 @@ class RegionOptions:
             raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
         if not isinstance(self.tiles, TileSpec):
             raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
-        if self.runtime is not None and not isinstance(self.runtime, RuntimeConfig):
-            raise TypeError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
+        if self.runtime is not None:
+            from ..runtime import RuntimeConfig
+
+            if not isinstance(self.runtime, RuntimeConfig):
+                raise TypeError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
+        if self.hardware is not None and not isinstance(self.hardware, HardwareModel):
+            raise TypeError(f"hardware must be a HardwareModel, got {type(self.hardware).__name__}")
         if self.distributed:
             self._check_distributed()
         else:
@@ -153,7 +154,7 @@ class RegionOptions:
             raise ValueError(f"virtual_ep={self.virtual_ep} cannot be combined with an ep_group")
         if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
             raise ValueError(f"schedule={self.schedule!r}: with an ep_group, schedule is a SchedulePolicy")
-        if isinstance(self.ep_group, Session) and self.runtime is not None:
+        if self.session is not None and self.runtime is not None:
             raise ValueError("runtime configures a session the layer opens; ep_group is already a Session")
 
     def _check_single_process(self) -> None:
@@ -173,6 +174,20 @@ class RegionOptions:
     @property
     def distributed(self) -> bool:
         return self.ep_group is not None
+
+    @property
+    def session(self) -> Session | None:
+        """``ep_group`` when it is a runtime ``Session`` shared between layers."""
+        if not self.distributed:
+            return None
+        from ..runtime import Session
+
+        return self.ep_group if isinstance(self.ep_group, Session) else None
+
+    @property
+    def rank_hardware(self) -> HardwareModel:
+        """The rank's hardware model on the runtime (default ``cpu_nominal()``)."""
+        return self.hardware if self.hardware is not None else cpu_nominal()
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -219,7 +234,7 @@ class MoE(nn.Module):
         self.experts = experts  # transformers' registration order: experts, gate, shared_experts
         self.gate = gate
         self.shared_experts = shared
-        self._session = options.ep_group if isinstance(options.ep_group, Session) else None
+        self._session = options.session
         self._owns_session = False
 
     @classmethod
@@ -243,6 +258,8 @@ class MoE(nn.Module):
         if not self.options.distributed:
             return None
         if self._session is None:
+            from ..runtime import Session
+
             self._session = Session(self.options.runtime, self.options.ep_group)
             self._owns_session = True
         return self._session
@@ -357,8 +374,7 @@ def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
         return fwd.out, RegionState(fwd.plan, [], weights, routing.weights, opt, device=fwd)
     fwd = execute_forward(x, weights, routing, opt.virtual_ep, opt.tiles, opt.schedule)
     saved = [SavedActivations.from_forward(b, opt.recompute) for b in fwd.buffers]
-    plan = fwd.graph.meta["layout"].plan
-    return fwd.out, RegionState(plan, saved, weights, routing.weights, opt)
+    return fwd.out, RegionState(fwd.plan, saved, weights, routing.weights, opt)
 
 
 def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
@@ -371,28 +387,6 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
 
 
 # ---------------------------------------------------------------------------- distributed
-
-
-def backward_symmetric_shapes(plan: RoutingPlan, rank: int) -> dict:
-    """grecv [R_rank, H] and gcomb [T*k, H] in the layer's dtype."""
-    moe, t = plan.moe, plan.par.tokens_per_rank
-    return {"grecv": ((plan.recv_rows(rank), moe.hidden), moe.dtype),
-            "gcomb": ((t * moe.top_k, moe.hidden), moe.dtype)}
-
-
-def backward_taskflow(recompute: bool) -> Taskflow:
-    """The backward region as a runtime ``Taskflow`` (kernels, puts, symmetric fields)."""
-    return Taskflow(
-        name="backward-recompute" if recompute else "backward",
-        kernels={k: fn for k, fn in BACKWARD_KERNELS.items() if not IS_PUT[k]},
-        puts={TaskKind.GRAD_DISPATCH: PutSpec(src="gsend", dst="grecv"),
-              TaskKind.GRAD_COMBINE: PutSpec(src="dxe", dst="gcomb")},
-        symmetric=BackwardBuffers.SYMMETRIC, lower=functools.partial(lower_backward, recompute=recompute),
-        symmetric_shapes=backward_symmetric_shapes, describe_event=backward_event_name)
-
-
-BACKWARD = backward_taskflow(False)
-BACKWARD_RECOMPUTE = backward_taskflow(True)
 
 
 def _check_equal_tokens(tokens: int, group: Any) -> None:
@@ -408,42 +402,45 @@ def _check_equal_tokens(tokens: int, group: Any) -> None:
 def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
                   call: RegionCall) -> tuple[torch.Tensor, RegionState]:
     """This rank's part of the forward region on the runtime: x [T, H] -> out [T, H]."""
+    from ..runtime import ForwardOptions, ForwardRunner
+
     s, opt = call.session, call.options
     _check_equal_tokens(x.shape[0], s.group)
-    options = ForwardOptions(tiles=opt.tiles, policy=opt.policy, hardware=opt.hardware)
+    options = ForwardOptions(tiles=opt.tiles, policy=opt.policy, hardware=opt.rank_hardware)
     fwd = ForwardRunner(s, weights, options)(x, routing)
     b, drop = fwd.buffers, opt.recompute
     # recv and comb view the session's symmetric memory, which its next region reuses
     saved = SavedActivations(x=x, xe=b.recv.clone(), h=b.h, a=None if drop else b.a, comb=b.comb.clone(),
                              sh=b.sh, sa=None if drop else b.sa)
-    plan = fwd.program.graph.meta["layout"].plan
-    return fwd.out, RegionState(plan, [saved], weights, routing.weights, opt, s)
+    return fwd.out, RegionState(fwd.plan, [saved], weights, routing.weights, opt, s)
 
 
 def _backward_program(s: Session, plan: RoutingPlan, opt: RegionOptions
-                      ) -> tuple[RankProgram, Schedule, Taskflow]:
+                      ) -> tuple[RankProgram, Schedule, Region]:
     """Open a backward region on ``s``: snapshot the counters, then a barrier (no peer
     puts before every rank has snapshotted; in forward the count exchange does this);
     lower every rank, schedule, keep this rank's program."""
     s.transport.begin()
     dist.barrier(group=s.group)
-    flow = BACKWARD_RECOMPUTE if opt.recompute else BACKWARD
-    schedule = make_schedule(flow.lower(plan, opt.tiles, None), opt.policy, s.config.workers, opt.hardware)
-    return compile_program(schedule, flow, s.rank), schedule, flow
+    region = BACKWARD_RECOMPUTE if opt.recompute else BACKWARD
+    schedule = compile_region(plan, region, opt.tiles, opt.policy, opt.rank_hardware)
+    return compile_program(schedule, region, s.rank), schedule, region
 
 
 def _dist_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
     """This rank's part of the backward region; expert gradients are full-size [E, ...]
     with this rank's experts filled in and zeros elsewhere."""
     s, opt, plan, w = state.session, state.options, state.plan, state.weights
-    program, schedule, flow = _backward_program(s, plan, opt)
-    sym = s.transport.prepare(Step(flow, plan, opt.tiles, schedule, program))
+    from ..runtime import Step
+
+    program, schedule, region = _backward_program(s, plan, opt)
+    sym = s.transport.prepare(Step(region, plan, opt.tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
     dw13, dw2 = torch.zeros_like(w.w13), torch.zeros_like(w.w2)
     views = {"grecv": sym["grecv"], "gcomb": sym["gcomb"], "dw13": dw13[mine], "dw2": dw2[mine]}
     buf = BackwardBuffers.allocate(state.saved[0], dy, plan, views)
     ctx = BackwardContext.build(w, plan, state.topk_weights, s.rank)
-    s.executor.run(program, flow, buf, ctx, s.transport)
+    s.executor.run(program, region, buf, ctx, s.transport)
     shared = w.has_shared
     return Gradients(dx=buf.dx, dweights=buf.dw, dw13=dw13, dw2=dw2,
                      dshared_w13=buf.dsw13 if shared else None, dshared_w2=buf.dsw2 if shared else None)

@@ -9,12 +9,14 @@ name: optimizers built before the swap keep updating the right tensors and state
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..runtime import Session
 from .layer import MoE, RegionOptions
+
+if TYPE_CHECKING:  # imported on first distributed use
+    from ..runtime import Session
 
 
 @dataclass
@@ -58,7 +60,9 @@ def replace_moe_blocks(model: nn.Module, **options: Any) -> Replacement:
     if targets[0][0] == "":
         raise ValueError(f"model is itself a {type(model).__name__}; use hpmoe.MoE.from_hf(model)")
     session = None
-    if checked.distributed and not isinstance(checked.ep_group, Session):
+    if checked.distributed and checked.session is None:
+        from ..runtime import Session
+
         session = Session(options.pop("runtime", None), checked.ep_group)
         options["ep_group"] = session
     for name, block in targets:

@@ -1,28 +1,20 @@
-"""Lowering: routing plans to tile task graphs (forward and backward)."""
+"""Regions of the MoE-FFN: each lowers a routing plan to tile tasks and owns the
+kernels, put specs and buffers that execute them (see ``base.Region``)."""
 
 from __future__ import annotations
 
-import enum
-
-from ..ir.graph import TaskGraph
-from ..routing import RoutingPlan
-from ..spec import TileSpec
+from .base import PutSpec, Region, RegionKind
 
 
-class Direction(enum.Enum):
-    """Which region of the MoE-FFN a graph covers."""
+def region(kind: RegionKind) -> Region:
+    """The ``Region`` of ``kind``."""
+    from .backward_kernels import BACKWARD, BACKWARD_RECOMPUTE
+    from .kernels import FORWARD
 
-    FORWARD = "forward"
-    BACKWARD = "backward"
+    if not isinstance(kind, RegionKind):
+        raise TypeError(f"kind must be a RegionKind, got {kind!r}")
+    return {RegionKind.FORWARD: FORWARD, RegionKind.BACKWARD: BACKWARD,
+            RegionKind.BACKWARD_RECOMPUTE: BACKWARD_RECOMPUTE}[kind]
 
 
-def lower(plan: RoutingPlan, tiles: TileSpec, direction: Direction = Direction.FORWARD,
-          ranks: tuple[int, ...] | None = None, recompute: bool = False) -> TaskGraph:
-    """The task graph of ``direction`` for ``ranks`` (default: all); ``recompute``
-    (backward only) recomputes the SwiGLU activation instead of reading it."""
-    from .backward import lower_backward
-    from .forward import lower_forward
-
-    if direction is Direction.BACKWARD:
-        return lower_backward(plan, tiles, ranks, recompute=recompute)
-    return lower_forward(plan, tiles, ranks)
+__all__ = ["PutSpec", "Region", "RegionKind", "region"]

@@ -27,53 +27,59 @@ does not depend on the execution order.  Expert weight gradients stay on the own
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
 
 import numpy as np
 
+from ..ir.events import EventLayout
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import TileSpec
-from .forward import (
-    _block,
-    _col_tiles,
-    _esize,
-    _gemm_weight_share,
-    _ntiles,
-    _row_chunks,
-    _shared_block_rows,
-    _shared_blocks,
-    _token_tiles,
+from .layout import Layout, ceil_div, make_layout, piece_token_tiles
+from .tiles import (
+    Lowering,
+    block_chunks,
+    block_gemm,
+    col_tiles,
+    elementwise_chunks,
+    ntiles,
+    put_columns,
+    select_ranks,
+    shared_block_rows,
+    shared_chunks,
+    shared_gemm,
+    signal_token_tiles,
+    signals_per_token_tile,
+    task_block,
+    token_tiles,
 )
-from .layout import Layout, ceil_div, expand, make_layout, piece_token_tiles
-
-BACKWARD_EVENTS = ("GROWS", "DA", "DH", "DX", "GEXP", "DHE", "GOUT", "SDA", "SDH", "SALL", "SREC",
-                   "GPERM")
 
 
-@dataclass(frozen=True)
-class BackwardEvents:
-    """Local event ids of every rank of the backward graph.
+class BackwardEvent(enum.IntEnum):
+    """Event categories of a backward rank, in local-id order: GROWS, DA, DH, DX one per
+    GEMM block; GEXP, DHE one per local expert; GOUT one per token tile; SDA, SDH one per
+    shared block; SALL, SREC one each when there are shared experts; GPERM one per piece
+    the rank sends."""
 
-    Category ``c`` of rank ``r`` covers local ids ``[offset[r, i], offset[r, i + 1])``
-    with ``i = BACKWARD_EVENTS.index(c)``: GROWS, DA, DH, DX one per GEMM block;
-    GEXP, DHE one per local expert; GOUT one per token tile; SDA, SDH one per shared
-    block; SALL, SREC one each when there are shared experts; GPERM one per piece
-    the rank sends.  offset: [ep, len(BACKWARD_EVENTS) + 1] int64.
-    """
-
-    offset: np.ndarray
-
-    def base(self, rank: np.ndarray | int, category: str) -> np.ndarray:
-        """First local event id of ``category`` on ``rank``."""
-        return self.offset[rank, BACKWARD_EVENTS.index(category)]
-
-    def count(self, rank: int) -> int:
-        return int(self.offset[rank, -1])
+    GROWS = 0
+    DA = 1
+    DH = 2
+    DX = 3
+    GEXP = 4
+    DHE = 5
+    GOUT = 6
+    SDA = 7
+    SDH = 8
+    SALL = 9
+    SREC = 10
+    GPERM = 11
 
 
-def backward_events(layout: Layout) -> BackwardEvents:
-    """The backward event-id layout of every rank, a pure function of ``layout``."""
+E = BackwardEvent
+
+
+def backward_events(layout: Layout) -> EventLayout:
+    """The backward event layout of every rank, a pure function of ``layout``."""
     ep, local = layout.plan.par.ep, layout.plan.local_experts
     nb = layout.blocks.count
 
@@ -84,20 +90,7 @@ def backward_events(layout: Layout) -> BackwardEvents:
     sizes = np.stack([nb, nb, nb, nb, full(local), full(local), full(layout.token_tiles),
                       full(layout.shared_blocks), full(layout.shared_blocks), full(has_shared),
                       full(has_shared), layout.pieces.per_src], axis=1)
-    offset = np.zeros((ep, len(BACKWARD_EVENTS) + 1), np.int64)
-    np.cumsum(sizes, axis=1, out=offset[:, 1:])
-    return BackwardEvents(offset=offset)
-
-
-@dataclass(frozen=True)
-class _Lowering:
-    """What every task-block builder reads: the layout, the event ids, the selected
-    ranks ([ep] bool) and whether the SwiGLU activation is recomputed."""
-
-    layout: Layout
-    events: BackwardEvents
-    sel: np.ndarray
-    recompute: bool
+    return EventLayout.from_sizes(BackwardEvent, sizes)
 
 
 def lower_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,
@@ -106,38 +99,25 @@ def lower_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | 
 
     ``recompute``: the SwiGLU activations (routed and shared) are recomputed from the
     saved pre-activations by SWIGLU_RECOMPUTE tasks instead of being saved."""
-    ep = plan.par.ep
-    ranks = tuple(range(ep)) if ranks is None else tuple(sorted(set(ranks)))
-    if any(not 0 <= r < ep for r in ranks):
-        raise ValueError(f"ranks={ranks} outside the EP group of size {ep}")
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    ranks, sel = select_ranks(plan.par.ep, ranks)
     layout = make_layout(plan, tiles)
-    sel = np.zeros(ep, bool)
-    sel[list(ranks)] = True
-    low = _Lowering(layout=layout, events=backward_events(layout), sel=sel, recompute=recompute)
-    builder = GraphBuilder(ep, ranks)
+    low = Lowering(layout=layout, events=backward_events(layout), sel=sel, recompute=recompute)
+    builder = GraphBuilder(plan.par.ep, ranks)
     # Phase order, so that task-id order is itself a valid (serial) execution order.
     for make in _PHASES:
         builder.add(make(low))
+    shared_out = signals_per_token_tile(_shared_dgrad_up(low.only(0)), low, E.GOUT)
     for r in ranks:
-        builder.set_events(r, backward_thresholds(layout, r, recompute))
-    return builder.freeze(meta={"layout": layout, "events": low.events, "direction": "backward",
-                                "recompute": recompute})
+        builder.set_events(r, backward_thresholds(layout, r, shared_out, recompute))
+    return builder.freeze(dtype=plan.moe.dtype, events=low.events)
 
 
-def backward_event_name(graph: TaskGraph, rank: int, event: int) -> str:
-    """A readable name of ``rank``'s local ``event``, e.g. ``event r1:7 (DX 2)``; events
-    beyond the backward layout are a scheduler's barriers."""
-    events = graph.meta.get("events")
-    if not isinstance(events, BackwardEvents) or not 0 <= event < events.count(rank):
-        return f"event r{rank}:{event} (schedule barrier)"
-    k = int(np.searchsorted(events.offset[rank], event, side="right")) - 1
-    return f"event r{rank}:{event} ({BACKWARD_EVENTS[k]} {event - int(events.offset[rank, k])})"
-
-
-def backward_thresholds(layout: Layout, rank: int, recompute: bool = False) -> np.ndarray:
-    """Thresholds of ``rank``'s backward events, computed from the layout alone."""
+def backward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray, recompute: bool = False
+                        ) -> np.ndarray:
+    """Thresholds of ``rank``'s backward events, computed from the layout alone;
+    ``shared_out``: shared-expert dgrad tiles signalling each token tile."""
     moe, blocks, pieces, local = layout.plan.moe, layout.blocks, layout.pieces, layout.plan.local_experts
     mine = blocks.rank == rank
     nb = int(blocks.count[rank])
@@ -147,142 +127,100 @@ def backward_thresholds(layout: Layout, rank: int, recompute: bool = False) -> n
     rows_in = np.bincount(pieces.expert[to_me], minlength=local)
     gexp = rows_in + (per_expert if recompute else 0)
     _, tt = piece_token_tiles(layout, pieces.src == rank)
-    gout = np.bincount(tt, minlength=layout.token_tiles) + _shared_dgrad_per_token_tile(layout)
-    sh = _shared_thresholds(layout, recompute)
+    gout = np.bincount(tt, minlength=layout.token_tiles) + shared_out
     return np.concatenate([
-        np.bincount(pieces.block[to_me], minlength=nb), np.full(nb, _ntiles(moe.ffn, layout.tiles)),
-        chunks, np.full(nb, _ntiles(moe.hidden, layout.tiles)), gexp, per_expert, gout, sh,
-        np.ones(int(pieces.per_src[rank]), np.int64)]).astype(np.int64)
+        np.bincount(pieces.block[to_me], minlength=nb), np.full(nb, ntiles(moe.ffn, layout.tiles)),
+        chunks, np.full(nb, ntiles(moe.hidden, layout.tiles)), gexp, per_expert, gout,
+        _shared_thresholds(layout, recompute), np.ones(int(pieces.per_src[rank]), np.int64)]).astype(np.int64)
 
 
 def _shared_thresholds(layout: Layout, recompute: bool) -> np.ndarray:
     """SDA, SDH, SALL, SREC thresholds (empty without shared experts)."""
     if not layout.shared_blocks:
         return np.zeros(0, np.int64)
-    chunks = ceil_div(_shared_block_rows(layout), layout.tiles.rows)
-    sda = np.full(layout.shared_blocks, _ntiles(layout.plan.moe.shared_ffn, layout.tiles))
+    chunks = ceil_div(shared_block_rows(layout), layout.tiles.rows)
+    sda = np.full(layout.shared_blocks, ntiles(layout.plan.moe.shared_ffn, layout.tiles))
     total = int(chunks.sum())
     return np.concatenate([sda, chunks, [total, total if recompute else 0]]).astype(np.int64)
 
 
-def _shared_dgrad_per_token_tile(layout: Layout) -> np.ndarray:
-    """SHARED_DGRAD_UP tiles that signal each token tile of one rank."""
-    ep = layout.plan.par.ep
-    low = _Lowering(layout=layout, events=backward_events(layout), sel=np.arange(ep) == 0,
-                    recompute=False)
-    blk = _shared_dgrad_up(low)
-    return np.bincount(blk.sig_event - low.events.base(0, "GOUT"), minlength=layout.token_tiles)
-
-
 # ------------------------------------------------------------------ source side: dispatch of dy
 
-def _grad_permute(low: _Lowering) -> TaskBlock:
-    p, ev = low.layout.pieces, low.events
+def _grad_permute(low: Lowering) -> TaskBlock:
+    p = low.layout.pieces
     i = np.flatnonzero(low.sel[p.src])
     h = low.layout.plan.moe.hidden
-    return _block(TaskKind.GRAD_PERMUTE, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                  expert=p.expert[i], col1=np.full(len(i), h), flops=p.rows[i] * h,
-                  bytes=2 * p.rows[i] * h * _esize(low.layout) + 4 * p.rows[i],
-                  sig_event=ev.base(p.src[i], "GPERM") + p.local[i])
+    return task_block(TaskKind.GRAD_PERMUTE, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
+                      expert=p.expert[i], col1=np.full(len(i), h), flops=p.rows[i] * h,
+                      bytes=2 * p.rows[i] * h * low.esize + 4 * p.rows[i],
+                      sig_event=low.events.base(p.src[i], E.GPERM) + p.local[i])
 
 
-def _put_columns(low: _Lowering, i: np.ndarray) -> dict:
-    """Work columns shared by the backward puts of pieces ``i``."""
-    p = low.layout.pieces
-    nbytes = p.rows[i] * low.layout.plan.moe.hidden * _esize(low.layout)
-    return {"expert": p.expert[i], "bytes": 2 * nbytes,
-            "link_bytes": np.where(p.src[i] != p.dst[i], nbytes, 0)}
-
-
-def _grad_dispatch(low: _Lowering) -> TaskBlock:
+def _grad_dispatch(low: Lowering) -> TaskBlock:
     p, ev = low.layout.pieces, low.events
     i = np.flatnonzero(low.sel[p.src])
     dst = p.dst[i]
-    sig = np.stack([ev.base(dst, "GROWS") + p.block[i], ev.base(dst, "GEXP") + p.expert[i]], axis=1)
-    return _block(TaskKind.GRAD_DISPATCH, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                  peer=dst, dst_row0=p.recv_row0[i], wait=ev.base(p.src[i], "GPERM") + p.local[i],
-                  sig_count=np.full(len(i), 2), sig_rank=np.repeat(dst, 2), sig_event=sig.ravel(),
-                  **_put_columns(low, i))
+    sig = np.stack([ev.base(dst, E.GROWS) + p.block[i], ev.base(dst, E.GEXP) + p.expert[i]], axis=1)
+    return task_block(TaskKind.GRAD_DISPATCH, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
+                      peer=dst, dst_row0=p.recv_row0[i], wait=ev.base(p.src[i], E.GPERM) + p.local[i],
+                      sig_count=np.full(len(i), 2), sig_rank=np.repeat(dst, 2), sig_event=sig.ravel(),
+                      **put_columns(low, i))
 
 
-def _grad_combine(low: _Lowering) -> TaskBlock:
+def _grad_combine(low: Lowering) -> TaskBlock:
     p, ev = low.layout.pieces, low.events
     i = np.flatnonzero(low.sel[p.dst])
     piece, tt = piece_token_tiles(low.layout, low.sel[p.dst])
-    return _block(TaskKind.GRAD_COMBINE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
-                  peer=p.src[i], dst_row0=p.send_row0[i], wait=ev.base(p.dst[i], "DX") + p.block[i],
-                  sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
-                  sig_rank=p.src[piece], sig_event=ev.base(p.src[piece], "GOUT") + tt,
-                  **_put_columns(low, i))
+    return task_block(TaskKind.GRAD_COMBINE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
+                      peer=p.src[i], dst_row0=p.send_row0[i], wait=ev.base(p.dst[i], E.DX) + p.block[i],
+                      sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
+                      sig_rank=p.src[piece], sig_event=ev.base(p.src[piece], E.GOUT) + tt,
+                      **put_columns(low, i))
 
 
 # ------------------------------------------------------------------ experts: dgrad
 
-def _block_gemm(kind: TaskKind, low: _Lowering, width: int, depth: int, wait: str,
-                signal: str) -> TaskBlock:
-    """GEMM tiles over every selected block: [rows, depth] @ [depth, width-tile]."""
-    b, ev = low.layout.blocks, low.events
-    blk = np.flatnonzero(low.sel[b.rank])
-    parent, col0, col1 = _col_tiles(width, low.layout.tiles, len(blk))
-    i = blk[parent]
-    rank, m, n = b.rank[i], b.row1[i] - b.row0[i], col1 - col0
-    weights = n * depth * _gemm_weight_share(low.layout, rank, b.expert[i])
-    return _block(kind, rank, b.row0[i], b.row1[i], expert=b.expert[i], col0=col0, col1=col1,
-                  flops=2.0 * m * n * depth, bytes=(m * depth + m * n + weights) * _esize(low.layout),
-                  wait=ev.base(rank, wait) + b.local[i], sig_event=ev.base(rank, signal) + b.local[i])
-
-
-def _dgrad_down(low: _Lowering) -> TaskBlock:
+def _dgrad_down(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    return _block_gemm(TaskKind.DGRAD_DOWN, low, moe.ffn, moe.hidden, "GROWS", "DA")
+    return block_gemm(TaskKind.DGRAD_DOWN, low, moe.ffn, moe.hidden, E.GROWS, E.DA)
 
 
-def _dgrad_up(low: _Lowering) -> TaskBlock:
+def _dgrad_up(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    return _block_gemm(TaskKind.DGRAD_UP, low, moe.hidden, 2 * moe.ffn, "DH", "DX")
+    return block_gemm(TaskKind.DGRAD_UP, low, moe.hidden, 2 * moe.ffn, E.DH, E.DX)
 
 
-def _block_chunks(low: _Lowering) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(block id, chunk row0, chunk row1) of every row chunk of the selected blocks."""
-    b = low.layout.blocks
-    blk = np.flatnonzero(low.sel[b.rank])
-    parent, r0, r1 = _row_chunks(b.row0[blk], b.row1[blk], low.layout.tiles.rows)
-    return blk[parent], r0, r1
-
-
-def _swiglu_bwd(low: _Lowering) -> TaskBlock:
+def _swiglu_bwd(low: Lowering) -> TaskBlock:
     b, ev = low.layout.blocks, low.events
-    i, r0, r1 = _block_chunks(low)
-    rank, f = b.rank[i], low.layout.plan.moe.ffn
-    sig = np.stack([ev.base(rank, "DH") + b.local[i], ev.base(rank, "DHE") + b.expert[i]], axis=1)
-    return _block(TaskKind.SWIGLU_BWD, rank, r0, r1, expert=b.expert[i], col1=np.full(len(i), f),
-                  flops=10.0 * (r1 - r0) * f, bytes=5 * (r1 - r0) * f * _esize(low.layout),
-                  wait=ev.base(rank, "DA") + b.local[i], sig_count=np.full(len(i), 2),
-                  sig_rank=np.repeat(rank, 2), sig_event=sig.ravel())
+    i, r0, r1 = block_chunks(low)
+    rank = b.rank[i]
+    sig = np.stack([ev.base(rank, E.DH) + b.local[i], ev.base(rank, E.DHE) + b.expert[i]], axis=1)
+    return elementwise_chunks(TaskKind.SWIGLU_BWD, low, rank, r0, r1, low.layout.plan.moe.ffn,
+                              passes=5, flops=10.0, expert=b.expert[i],
+                              wait=ev.base(rank, E.DA) + b.local[i], sig_count=np.full(len(i), 2),
+                              sig_rank=np.repeat(rank, 2), sig_event=sig.ravel())
 
 
-def _recompute(low: _Lowering) -> TaskBlock:
+def _recompute(low: Lowering) -> TaskBlock:
     """SWIGLU_RECOMPUTE of routed blocks (signal GEXP) then shared blocks (signal SREC)."""
     if not low.recompute:
-        low = _Lowering(low.layout, low.events, np.zeros_like(low.sel), False)
-    b, ev = low.layout.blocks, low.events
-    i, r0, r1 = _block_chunks(low)
-    srank, sb, s0, s1 = _shared_blocks(low.layout, low.sel)
-    parent, c0, c1 = _row_chunks(s0, s1, low.layout.tiles.rows)
-    rank = np.concatenate([b.rank[i], srank[parent]])
+        low = Lowering(low.layout, low.events, np.zeros_like(low.sel), False)
+    b, ev, moe = low.layout.blocks, low.events, low.layout.plan.moe
+    i, r0, r1 = block_chunks(low)
+    srank, _, c0, c1 = shared_chunks(low)
+    rank = np.concatenate([b.rank[i], srank])
     row0, row1 = np.concatenate([r0, c0]), np.concatenate([r1, c1])
-    f = np.concatenate([np.full(len(i), low.layout.plan.moe.ffn),
-                        np.full(len(parent), low.layout.plan.moe.shared_ffn)])
-    sig = np.concatenate([ev.base(b.rank[i], "GEXP") + b.expert[i], ev.base(srank[parent], "SREC")])
-    return _block(TaskKind.SWIGLU_RECOMPUTE, rank, row0, row1,
-                  expert=np.concatenate([b.expert[i], np.full(len(parent), -1)]), col1=f,
-                  flops=5.0 * (row1 - row0) * f, bytes=3 * (row1 - row0) * f * _esize(low.layout),
-                  sig_event=sig)
+    f = np.concatenate([np.full(len(i), moe.ffn), np.full(len(srank), moe.shared_ffn)])
+    sig = np.concatenate([ev.base(b.rank[i], E.GEXP) + b.expert[i], ev.base(srank, E.SREC)])
+    return task_block(TaskKind.SWIGLU_RECOMPUTE, rank, row0, row1,
+                      expert=np.concatenate([b.expert[i], np.full(len(srank), -1)]), col1=f,
+                      flops=5.0 * (row1 - row0) * f, bytes=3 * (row1 - row0) * f * low.esize,
+                      sig_event=sig)
 
 
 # ------------------------------------------------------------------ experts: wgrad
 
-def _experts(low: _Lowering) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _experts(low: Lowering) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(rank, local expert, row0, row1) of every selected expert holding rows; rows are
     the expert's whole receive range."""
     plan = low.layout.plan
@@ -293,120 +231,95 @@ def _experts(low: _Lowering) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return rank, expert, start[rank, expert], stop[rank, expert]
 
 
-def _wgrad(kind: TaskKind, low: _Lowering, width: int, depth: int, wait: str) -> TaskBlock:
-    """dW[e][cols] = G_e[:, cols].T @ A_e: one tile per (expert, column tile of width)."""
+def _wgrad_tiles(kind: TaskKind, low: Lowering, rank: np.ndarray, r0: np.ndarray, r1: np.ndarray,
+                 width: int, depth: int, **cols) -> TaskBlock:
+    """dW[cols] = G[r0:r1, cols].T @ A[r0:r1]: one tile per (parent, column tile of width),
+    each holding its whole reduction over rows."""
+    parent, col0, col1 = col_tiles(width, low.layout.tiles, len(rank))
+    m, n = (r1 - r0)[parent], col1 - col0
+    cols = {k: v[parent] for k, v in cols.items()}
+    return task_block(kind, rank[parent], r0[parent], r1[parent], col0=col0, col1=col1,
+                      flops=2.0 * m * n * depth, bytes=(m * n + m * depth + n * depth) * low.esize, **cols)
+
+
+def _wgrad(kind: TaskKind, low: Lowering, width: int, depth: int, wait: E) -> TaskBlock:
     rank, expert, r0, r1 = _experts(low)
-    parent, col0, col1 = _col_tiles(width, low.layout.tiles, len(rank))
-    rank, expert, r0, r1 = rank[parent], expert[parent], r0[parent], r1[parent]
-    m, n = r1 - r0, col1 - col0
-    return _block(kind, rank, r0, r1, expert=expert, col0=col0, col1=col1,
-                  flops=2.0 * m * n * depth, bytes=(m * n + m * depth + n * depth) * _esize(low.layout),
-                  wait=low.events.base(rank, wait) + expert)
+    return _wgrad_tiles(kind, low, rank, r0, r1, width, depth, expert=expert,
+                        wait=low.events.base(rank, wait) + expert)
 
 
-def _wgrad_down(low: _Lowering) -> TaskBlock:
+def _wgrad_down(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    return _wgrad(TaskKind.WGRAD_DOWN, low, moe.hidden, moe.ffn, "GEXP")
+    return _wgrad(TaskKind.WGRAD_DOWN, low, moe.hidden, moe.ffn, E.GEXP)
 
 
-def _wgrad_up(low: _Lowering) -> TaskBlock:
+def _wgrad_up(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    return _wgrad(TaskKind.WGRAD_UP, low, 2 * moe.ffn, moe.hidden, "DHE")
+    return _wgrad(TaskKind.WGRAD_UP, low, 2 * moe.ffn, moe.hidden, E.DHE)
 
 
 # ------------------------------------------------------------------ shared experts
 
-def _shared_gemm(kind: TaskKind, low: _Lowering, width: int, depth: int, wait: str | None,
-                 signal: str | None) -> TaskBlock:
-    """GEMM tiles over every selected shared block: [rows, depth] @ [depth, width-tile]."""
-    rank, b, r0, r1 = _shared_blocks(low.layout, low.sel)
-    parent, col0, col1 = _col_tiles(width, low.layout.tiles, len(rank))
-    rank, b, r0, r1 = rank[parent], b[parent], r0[parent], r1[parent]
-    m, n = r1 - r0, col1 - col0
-    cols = {"col0": col0, "col1": col1, "flops": 2.0 * m * n * depth,
-            "bytes": (m * depth + m * n + n * depth / max(low.layout.shared_blocks, 1))
-            * _esize(low.layout)}
-    if wait:
-        cols["wait"] = low.events.base(rank, wait) + b
-    if signal:
-        cols["sig_event"] = low.events.base(rank, signal) + b
-    return _block(kind, rank, r0, r1, **cols)
-
-
-def _shared_dgrad_down(low: _Lowering) -> TaskBlock:
+def _shared_dgrad_down(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    return _shared_gemm(TaskKind.SHARED_DGRAD_DOWN, low, moe.shared_ffn, moe.hidden, None, "SDA")
+    return shared_gemm(TaskKind.SHARED_DGRAD_DOWN, low, moe.shared_ffn, moe.hidden, None, E.SDA)
 
 
-def _shared_swiglu_bwd(low: _Lowering) -> TaskBlock:
+def _shared_swiglu_bwd(low: Lowering) -> TaskBlock:
     ev = low.events
-    rank, b, r0, r1 = _shared_blocks(low.layout, low.sel)
-    parent, c0, c1 = _row_chunks(r0, r1, low.layout.tiles.rows)
-    rank, b = rank[parent], b[parent]
-    f = low.layout.plan.moe.shared_ffn
-    sig = np.stack([ev.base(rank, "SDH") + b, ev.base(rank, "SALL")], axis=1)
-    return _block(TaskKind.SHARED_SWIGLU_BWD, rank, c0, c1, col1=np.full(len(rank), f),
-                  flops=10.0 * (c1 - c0) * f, bytes=5 * (c1 - c0) * f * _esize(low.layout),
-                  wait=ev.base(rank, "SDA") + b, sig_count=np.full(len(rank), 2),
-                  sig_rank=np.repeat(rank, 2), sig_event=sig.ravel())
+    rank, b, c0, c1 = shared_chunks(low)
+    sig = np.stack([ev.base(rank, E.SDH) + b, ev.base(rank, E.SALL)], axis=1)
+    return elementwise_chunks(TaskKind.SHARED_SWIGLU_BWD, low, rank, c0, c1, low.layout.plan.moe.shared_ffn,
+                              passes=5, flops=10.0, wait=ev.base(rank, E.SDA) + b,
+                              sig_count=np.full(len(rank), 2), sig_rank=np.repeat(rank, 2),
+                              sig_event=sig.ravel())
 
 
-def _shared_dgrad_up(low: _Lowering) -> TaskBlock:
+def _shared_dgrad_up(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    blk = _shared_gemm(TaskKind.SHARED_DGRAD_UP, low, moe.hidden, 2 * moe.shared_ffn, "SDH", None)
-    rows = low.layout.tiles.rows
-    first, last = blk.row0 // rows, (blk.row1 - 1) // rows
-    parent, j = expand(last - first + 1)
-    blk.sig_count = last - first + 1
-    blk.sig_rank = blk.rank[parent]
-    blk.sig_event = low.events.base(blk.rank[parent], "GOUT") + first[parent] + j
-    return blk
+    blk = shared_gemm(TaskKind.SHARED_DGRAD_UP, low, moe.hidden, 2 * moe.shared_ffn, E.SDH, None)
+    return signal_token_tiles(blk, low, E.GOUT)
 
 
-def _shared_wgrad(kind: TaskKind, low: _Lowering, width: int, depth: int, wait: str | None) -> TaskBlock:
+def _shared_wgrad(kind: TaskKind, low: Lowering, width: int, depth: int, wait: E | None) -> TaskBlock:
     """dW[cols] = G[:, cols].T @ A over all the rank's tokens, one tile per column tile."""
-    has = low.sel & bool(low.layout.shared_blocks)
-    rank, _ = expand(np.where(has, 1, 0))
-    parent, col0, col1 = _col_tiles(width, low.layout.tiles, len(rank))
-    rank = rank[parent]
-    m, n = low.layout.plan.par.tokens_per_rank, col1 - col0
-    cols = {"wait": low.events.base(rank, wait)} if wait else {}
-    return _block(kind, rank, np.zeros(len(rank), np.int64), np.full(len(rank), m), col0=col0,
-                  col1=col1, flops=2.0 * m * n * depth,
-                  bytes=(m * n + m * depth + n * depth) * _esize(low.layout), **cols)
+    rank = np.flatnonzero(low.sel & bool(low.layout.shared_blocks))
+    tokens = low.layout.plan.par.tokens_per_rank
+    cols = {"wait": low.events.base(rank, wait)} if wait is not None else {}
+    return _wgrad_tiles(kind, low, rank, np.zeros(len(rank), np.int64), np.full(len(rank), tokens),
+                        width, depth, **cols)
 
 
-def _shared_wgrad_down(low: _Lowering) -> TaskBlock:
+def _shared_wgrad_down(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    wait = "SREC" if low.recompute else None
+    wait = E.SREC if low.recompute else None
     return _shared_wgrad(TaskKind.SHARED_WGRAD_DOWN, low, moe.hidden, moe.shared_ffn, wait)
 
 
-def _shared_wgrad_up(low: _Lowering) -> TaskBlock:
+def _shared_wgrad_up(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    return _shared_wgrad(TaskKind.SHARED_WGRAD_UP, low, 2 * moe.shared_ffn, moe.hidden, "SALL")
+    return _shared_wgrad(TaskKind.SHARED_WGRAD_UP, low, 2 * moe.shared_ffn, moe.hidden, E.SALL)
 
 
 # ------------------------------------------------------------------ source side: sums
 
-def _grad_unpermute(low: _Lowering) -> TaskBlock:
+def _grad_unpermute(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    rank, t, r0, r1 = _token_tiles(low.layout, low.sel)
+    rank, t, r0, r1 = token_tiles(low)
     m = r1 - r0
     terms = moe.top_k + (1 if moe.shared_experts else 0)
-    return _block(TaskKind.GRAD_UNPERMUTE, rank, r0, r1, col1=np.full(len(rank), moe.hidden),
-                  flops=1.0 * terms * m * moe.hidden,
-                  bytes=(terms + 1) * m * moe.hidden * _esize(low.layout),
-                  wait=low.events.base(rank, "GOUT") + t)
+    return task_block(TaskKind.GRAD_UNPERMUTE, rank, r0, r1, col1=np.full(len(rank), moe.hidden),
+                      flops=1.0 * terms * m * moe.hidden, bytes=(terms + 1) * m * moe.hidden * low.esize,
+                      wait=low.events.base(rank, E.GOUT) + t)
 
 
-def _router_grad(low: _Lowering) -> TaskBlock:
+def _router_grad(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    rank, _, r0, r1 = _token_tiles(low.layout, low.sel)
+    rank, _, r0, r1 = token_tiles(low)
     m = r1 - r0
-    return _block(TaskKind.ROUTER_GRAD, rank, r0, r1, col1=np.full(len(rank), moe.hidden),
-                  flops=2.0 * moe.top_k * m * moe.hidden,
-                  bytes=(moe.top_k + 1) * m * moe.hidden * _esize(low.layout) + 4 * m * moe.top_k)
+    return task_block(TaskKind.ROUTER_GRAD, rank, r0, r1, col1=np.full(len(rank), moe.hidden),
+                      flops=2.0 * moe.top_k * m * moe.hidden,
+                      bytes=(moe.top_k + 1) * m * moe.hidden * low.esize + 4 * m * moe.top_k)
 
 
 _PHASES = (_grad_permute, _grad_dispatch, _recompute, _dgrad_down, _swiglu_bwd, _dgrad_up,

@@ -13,16 +13,19 @@ top-k order in fp32 (then the shared-expert term), router gradients are fp32 dot
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from ..ir.graph import TaskKind
+from ..ir.graph import TaskKind, Tile
 from ..routing import RoutingPlan
 from ..weights import ExpertWeights
-from .kernels import ForwardBuffers, Tile, swiglu
+from .backward import lower_backward
+from .base import PutSpec, Region, RegionKind, ShapeMap
+from .kernels import ForwardBuffers, swiglu
 
 
 @dataclass
@@ -182,10 +185,6 @@ def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Back
     me.gsend[rows].copy_(g)
 
 
-def _grad_dispatch(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    peer.grecv[t.dst_row0:t.dst_row0 + t.row1 - t.row0].copy_(me.gsend[t.row0:t.row1])
-
-
 def _dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     w = ctx.w2[t.expert, :, t.col0:t.col1]
     torch.mm(me.grecv[t.row0:t.row1], w, out=me.da[t.row0:t.row1, t.col0:t.col1])
@@ -208,10 +207,6 @@ def _wgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backwa
 def _wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     g = me.dh[t.row0:t.row1, t.col0:t.col1]
     torch.mm(g.t(), me.saved.xe[t.row0:t.row1], out=me.dw13[t.expert, t.col0:t.col1])
-
-
-def _grad_combine(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    peer.gcomb[t.dst_row0:t.dst_row0 + t.row1 - t.row0].copy_(me.dxe[t.row0:t.row1])
 
 
 def _grad_unpermute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -265,12 +260,32 @@ def _shared_wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: B
 
 
 BACKWARD_KERNELS: dict[TaskKind, BackwardKernel] = {
-    TaskKind.GRAD_PERMUTE: _grad_permute, TaskKind.GRAD_DISPATCH: _grad_dispatch,
+    TaskKind.GRAD_PERMUTE: _grad_permute,
     TaskKind.DGRAD_DOWN: _dgrad_down, TaskKind.WGRAD_DOWN: _wgrad_down,
     TaskKind.SWIGLU_BWD: _swiglu_bwd, TaskKind.DGRAD_UP: _dgrad_up, TaskKind.WGRAD_UP: _wgrad_up,
-    TaskKind.GRAD_COMBINE: _grad_combine, TaskKind.GRAD_UNPERMUTE: _grad_unpermute,
+    TaskKind.GRAD_UNPERMUTE: _grad_unpermute,
     TaskKind.ROUTER_GRAD: _router_grad, TaskKind.SWIGLU_RECOMPUTE: _recompute,
     TaskKind.SHARED_DGRAD_DOWN: _shared_dgrad_down, TaskKind.SHARED_SWIGLU_BWD: _shared_swiglu_bwd,
     TaskKind.SHARED_DGRAD_UP: _shared_dgrad_up, TaskKind.SHARED_WGRAD_DOWN: _shared_wgrad_down,
     TaskKind.SHARED_WGRAD_UP: _shared_wgrad_up,
 }
+
+
+def backward_symmetric_shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
+    """grecv [R_rank, H] and gcomb [T*k, H] in the layer's dtype."""
+    moe, t = plan.moe, plan.par.tokens_per_rank
+    return {"grecv": ((plan.recv_rows(rank), moe.hidden), moe.dtype),
+            "gcomb": ((t * moe.top_k, moe.hidden), moe.dtype)}
+
+
+def _backward_region(recompute: bool) -> Region:
+    return Region(
+        kind=RegionKind.BACKWARD_RECOMPUTE if recompute else RegionKind.BACKWARD,
+        lower=functools.partial(lower_backward, recompute=recompute), kernels=BACKWARD_KERNELS,
+        puts={TaskKind.GRAD_DISPATCH: PutSpec(src="gsend", dst="grecv"),
+              TaskKind.GRAD_COMBINE: PutSpec(src="dxe", dst="gcomb")},
+        buffers=BackwardBuffers, symmetric_shapes=backward_symmetric_shapes)
+
+
+BACKWARD = _backward_region(recompute=False)
+BACKWARD_RECOMPUTE = _backward_region(recompute=True)

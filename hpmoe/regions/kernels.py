@@ -1,44 +1,25 @@
 """One torch op per tile task, on views of a rank's buffers.
 
 The exact executor (all ranks in one process) and the multi-rank runtime run the
-same functions; only where ``peer`` buffers live differs (a Python object or a
-peer's shared memory).  ``KERNELS`` maps every forward ``TaskKind`` to its function.
+same functions.  ``KERNELS`` maps every non-put forward ``TaskKind`` to its function;
+``FORWARD`` is the forward ``Region`` (lowering, kernels, put specs, buffers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..ir.graph import TaskGraph, TaskKind
+from ..ir.graph import TaskKind, Tile
 from ..refs import topk_sum
 from ..routing import Routing, RoutingPlan
 from ..weights import ExpertWeights
-
-
-class Tile(NamedTuple):
-    """The fields of one task a kernel needs."""
-
-    kind: int
-    rank: int
-    peer: int
-    expert: int
-    row0: int
-    row1: int
-    col0: int
-    col1: int
-    dst_row0: int
-
-
-def tiles_of(graph: TaskGraph) -> list[Tile]:
-    """Every task of ``graph`` as a ``Tile`` (built once, read by the executors)."""
-    cols = [graph.kind, graph.rank, graph.peer, graph.expert, graph.row0, graph.row1,
-            graph.col0, graph.col1, graph.dst_row0]
-    return [Tile(*row) for row in zip(*(c.tolist() for c in cols), strict=True)]
+from .base import PutSpec, Region, RegionKind, ShapeMap
+from .forward import lower_forward
 
 
 @dataclass
@@ -111,10 +92,6 @@ def _permute(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext
     torch.index_select(me.x, 0, ctx.token_of_row[t.row0:t.row1], out=me.send[t.row0:t.row1])
 
 
-def _dispatch(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
-    peer.recv[t.dst_row0:t.dst_row0 + t.row1 - t.row0].copy_(me.send[t.row0:t.row1])
-
-
 def _gemm_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
     w = ctx.w13[t.expert, t.col0:t.col1]
     torch.mm(me.recv[t.row0:t.row1], w.t(), out=me.h[t.row0:t.row1, t.col0:t.col1])
@@ -133,10 +110,6 @@ def _swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext)
 def _gemm_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
     w = ctx.w2[t.expert, t.col0:t.col1]
     torch.mm(me.a[t.row0:t.row1], w.t(), out=me.y[t.row0:t.row1, t.col0:t.col1])
-
-
-def _combine(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
-    peer.comb[t.dst_row0:t.dst_row0 + t.row1 - t.row0].copy_(me.y[t.row0:t.row1])
 
 
 def _unpermute(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
@@ -160,8 +133,20 @@ def _shared_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankCon
 
 
 KERNELS: dict[TaskKind, Kernel] = {
-    TaskKind.PERMUTE: _permute, TaskKind.DISPATCH: _dispatch, TaskKind.GEMM_UP: _gemm_up,
-    TaskKind.SWIGLU: _swiglu, TaskKind.GEMM_DOWN: _gemm_down, TaskKind.COMBINE: _combine,
-    TaskKind.UNPERMUTE: _unpermute, TaskKind.SHARED_UP: _shared_up,
+    TaskKind.PERMUTE: _permute, TaskKind.GEMM_UP: _gemm_up, TaskKind.SWIGLU: _swiglu,
+    TaskKind.GEMM_DOWN: _gemm_down, TaskKind.UNPERMUTE: _unpermute, TaskKind.SHARED_UP: _shared_up,
     TaskKind.SHARED_SWIGLU: _shared_swiglu, TaskKind.SHARED_DOWN: _shared_down,
 }
+
+
+def forward_symmetric_shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
+    """recv [R_rank, H] and comb [T*k, H] in the layer's dtype."""
+    moe, t = plan.moe, plan.par.tokens_per_rank
+    return {"recv": ((plan.recv_rows(rank), moe.hidden), moe.dtype),
+            "comb": ((t * moe.top_k, moe.hidden), moe.dtype)}
+
+
+FORWARD = Region(
+    kind=RegionKind.FORWARD, lower=lower_forward, kernels=KERNELS,
+    puts={TaskKind.DISPATCH: PutSpec(src="send", dst="recv"), TaskKind.COMBINE: PutSpec(src="y", dst="comb")},
+    buffers=ForwardBuffers, symmetric_shapes=forward_symmetric_shapes)

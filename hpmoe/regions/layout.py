@@ -66,12 +66,8 @@ class Pieces:
 
 @dataclass(frozen=True)
 class Layout:
-    """Tiles of a plan plus the event-id layout of every rank.
-
-    Local event ids on rank r, in order: ROWS, H, A, Y (one per GEMM block each),
-    OUT (one per token tile), SH, SA (one per shared block each), PERM (one per piece
-    the rank sends).
-    """
+    """Tiles of a plan, shared by every region: GEMM row blocks, put pieces, token
+    tiles and shared-expert blocks.  Each region lays its events out over these."""
 
     plan: RoutingPlan
     tiles: TileSpec
@@ -80,22 +76,6 @@ class Layout:
     token_tiles: int
     shared_rows: int  # rows per shared-expert GEMM block
     shared_blocks: int  # 0 without shared experts
-
-    def base(self, rank: np.ndarray | int, category: str) -> np.ndarray:
-        """First local event id of ``category`` on ``rank``."""
-        b = self.blocks.count[rank]
-        order = {"ROWS": 0 * b, "H": b, "A": 2 * b, "Y": 3 * b}
-        if category in order:
-            return order[category]
-        out = 4 * b
-        if category == "OUT":
-            return out
-        sh = out + self.token_tiles
-        return {"SH": sh, "SA": sh + self.shared_blocks,
-                "PERM": sh + 2 * self.shared_blocks}[category]
-
-    def event_count(self, rank: int) -> int:
-        return int(self.base(rank, "PERM") + self.pieces.per_src[rank])
 
 
 def gemm_blocks(plan: RoutingPlan, tiles: TileSpec) -> Blocks:

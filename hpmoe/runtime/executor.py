@@ -15,12 +15,13 @@ import functools
 import queue as queue_mod
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..exec.program import Kernel, PeerView, RankProgram, Taskflow
+from ..exec.program import RankProgram, task_calls
+from ..regions.base import Region
 from .counters import MASK
 from .forensics import Aborted, HangReport, RegionError, WaitTimeout, WorkerReport, WorkerState, WorkerStatus
 from .timeline import RunTimeline, timeline_from_records
@@ -71,28 +72,12 @@ class DaemonThread:
             job()
 
 
-def _task_calls(program: RankProgram, kernels: Mapping, me: object, ctx: object,
-                transport: Transport) -> list[Callable[[], None]]:
-    """A zero-argument callable per task: its kernel on this rank's buffers, or its put."""
-    calls: list[Callable[[], None]] = []
-    for i, t in enumerate(program.tiles):
-        spec = program.put[i]
-        if spec is None:
-            calls.append(functools.partial(kernels[t.kind], t, me, me, ctx))
-            continue
-        view = PeerView(spec.dst, t.dst_row0, t.row1 - t.row0)
-        src = getattr(me, spec.src)[t.row0:t.row1]
-        calls.append(functools.partial(transport.put, t.peer, view, src, program.remote_signals[i],
-                                       program.put_seq[i]))
-    return calls
-
-
 class _Run:
     """State shared by the workers of one region."""
 
-    def __init__(self, program: RankProgram, taskflow: Taskflow, calls: list[Callable[[], None]],
+    def __init__(self, program: RankProgram, calls: list[Callable[[], None]],
                  transport: Transport, config: ExecutorConfig):
-        self.program, self.taskflow, self.calls = program, taskflow, calls
+        self.program, self.calls = program, calls
         self.transport, self.config = transport, config
         self.counters = transport.counters
         self.base = transport.base.tolist()
@@ -163,7 +148,7 @@ class _Run:
     def _describe(self, st: WorkerState | None, err: BaseException) -> str:
         g, name = self.program.graph, st.name if st is not None else "main"
         if isinstance(err, WaitTimeout):
-            event = self.taskflow.describe_event(g, self.program.rank, err.event)
+            event = g.event_name(self.program.rank, err.event)
             return (f"{name} waited {err.waited_s:.3f} s (deadline) for {g.task(err.task)} "
                     f"on {event}")
         if isinstance(err, TimeoutError):
@@ -198,7 +183,7 @@ class _Run:
         if st.waiting >= 0 and st.event >= 0:
             raw = self.counters.words[st.event]
             return WorkerReport(status=WorkerStatus.WAITS, task=g.task(st.waiting),
-                                event=self.taskflow.describe_event(g, rank, st.event),
+                                event=g.event_name(rank, st.event),
                                 progress=(raw - self.base[st.event]) & MASK,
                                 threshold=self.program.threshold[st.event], raw=raw, **common)
         if st.running >= 0:
@@ -216,14 +201,15 @@ class Executor:
         self._threads: list[DaemonThread] = []
         self._broken = False
 
-    def run(self, program: RankProgram, taskflow: Taskflow, me: object, ctx: object,
-            transport: Transport, kernels: Mapping[int, Kernel] | None = None) -> RegionResult:
-        """Run one region; ``me`` is this rank's buffer object (taskflow's buffer
-        type), ``ctx`` its read-only context.  Raises ``RegionError`` on failure."""
+    def run(self, program: RankProgram, region: Region, me: object, ctx: object,
+            transport: Transport) -> RegionResult:
+        """Run ``region``'s ``program``; ``me`` is this rank's buffer object (of the
+        region's buffer type), ``ctx`` its read-only context.  Raises ``RegionError``
+        on failure."""
         if self._broken:
             raise RuntimeError("executor has workers stuck in a failed region; make a new one")
-        calls = _task_calls(program, kernels or taskflow.kernels, me, ctx, transport)
-        run = _Run(program, taskflow, calls, transport, self.config)
+        calls = task_calls(program, region.kernels, me, ctx, transport.put)
+        run = _Run(program, calls, transport, self.config)
         while len(self._threads) < len(program.queues):
             name = f"hpmoe-worker-{len(self._threads)}"
             self._threads.append(DaemonThread(name, self.config.threads))

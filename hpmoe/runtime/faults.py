@@ -9,8 +9,9 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ..exec.program import Kernel, RankProgram
+from ..exec.program import RankProgram
 from ..ir.graph import PUT_KINDS
+from ..regions.base import Kernel, Region
 
 
 class FaultKind(enum.Enum):
@@ -41,18 +42,17 @@ class Fault:
             raise ValueError(f"fault={text!r} must be KIND:RANK[:AFTER]")
         return Fault(FaultKind(parts[0]), *(int(p) for p in parts[1:]))
 
-    def apply(self, program: RankProgram, kernels: Mapping[int, Kernel]
-              ) -> tuple[RankProgram, Mapping[int, Kernel]]:
-        """(program, kernels) with the fault in, on the faulty rank only."""
+    def apply(self, program: RankProgram, region: Region) -> tuple[RankProgram, Region]:
+        """(program, region) with the fault in, on the faulty rank only."""
         if program.rank != self.rank:
-            return program, kernels
+            return program, region
         if self.kind is FaultKind.KILL:
-            return program, _killing(kernels, self.after)
+            return program, replace(region, kernels=_killing(region.kernels, self.after))
         if self.kind is FaultKind.SILENT:
-            silent = {**kernels, **{k: _nothing for k in PUT_KINDS}}
+            silent = {**region.kernels, **{k: _nothing for k in PUT_KINDS}}
             return replace(program, put=[None] * program.num_tasks,
-                           remote_signals=[()] * program.num_tasks), silent
-        return _unreachable(program), kernels
+                           remote_signals=[()] * program.num_tasks), replace(region, kernels=silent, puts={})
+        return _unreachable(program), region
 
 
 def _nothing(*args: object) -> None:

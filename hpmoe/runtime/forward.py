@@ -12,21 +12,17 @@ Steps 2-5 are the Dispatch-to-Combine time.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..exec.program import PutSpec, RankProgram, Taskflow, compile_program, symmetric_fields
-from ..ir.graph import IS_PUT, TaskGraph, TaskKind
-from ..regions.forward import lower_forward
-from ..regions.kernels import KERNELS, ForwardBuffers, RankContext
+from ..exec.program import RankProgram, compile_program, compile_region
+from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing
-from ..schedule import critical_path_schedule, hyperparallel_schedule, serial_schedule
-from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
-from ..sim.hardware import HardwareModel
+from ..schedule.base import Schedule, SchedulePolicy
+from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .faults import Fault
@@ -35,59 +31,18 @@ from .session import Session
 from .timeline import RunTimeline
 from .transport.base import Step
 
-_CATEGORIES = ("ROWS", "H", "A", "Y", "OUT", "SH", "SA", "PERM")
-
-
-def forward_symmetric_shapes(plan: RoutingPlan, rank: int) -> dict:
-    """recv [R_rank, H] and comb [T*k, H] in the layer's dtype."""
-    moe, t = plan.moe, plan.par.tokens_per_rank
-    return {"recv": ((plan.recv_rows(rank), moe.hidden), moe.dtype),
-            "comb": ((t * moe.top_k, moe.hidden), moe.dtype)}
-
-
-def forward_event_name(graph: TaskGraph, rank: int, event: int) -> str:
-    """e.g. ``event r1:7 (OUT 2)`` from the forward layout's event categories."""
-    layout = graph.meta.get("layout")
-    if layout is None or event >= layout.event_count(rank):
-        return f"event r{rank}:{event} (schedule barrier)"
-    starts = [int(layout.base(rank, c)) for c in _CATEGORIES]
-    k = int(np.searchsorted(starts, event, side="right")) - 1  # last category starting <= event
-    return f"event r{rank}:{event} ({_CATEGORIES[k]} {event - starts[k]})"
-
-
-FORWARD = Taskflow(
-    name="forward", kernels={k: fn for k, fn in KERNELS.items() if not IS_PUT[k]},
-    puts={TaskKind.DISPATCH: PutSpec(src="send", dst="recv"),
-          TaskKind.COMBINE: PutSpec(src="y", dst="comb")},
-    symmetric=symmetric_fields(ForwardBuffers), lower=lower_forward,
-    symmetric_shapes=forward_symmetric_shapes,
-    describe_event=forward_event_name)
-
-
-def make_schedule(graph: TaskGraph, policy: SchedulePolicy, workers: WorkerCounts,
-                  hardware: HardwareModel | None = None) -> Schedule:
-    """Schedule every rank of ``graph`` on ``workers``; CRITICAL_PATH costs tasks on
-    ``hardware`` (its worker counts replaced by ``workers``)."""
-    if policy is SchedulePolicy.SERIAL:
-        return serial_schedule(graph, workers)
-    if policy is SchedulePolicy.HYPERPARALLEL:
-        return hyperparallel_schedule(graph, workers)
-    if hardware is None:
-        raise ValueError("schedule=critical-path needs a hardware model: run `hpmoe calibrate` "
-                         "for the cpu profile")
-    hw = dataclasses.replace(hardware, matrix_workers=workers.matrix, vector_workers=workers.vector)
-    return critical_path_schedule(graph, hw)
-
 
 @dataclass(frozen=True)
 class ForwardOptions:
-    """tiles: the tiling.  policy: the scheduler.  hardware: the cost model of
-    CRITICAL_PATH.  cache_schedules: reuse the schedule when the exchanged token
-    counts repeat (identical counts give an identical graph)."""
+    """tiles: the tiling.  policy: the scheduler.  hardware: the rank's model: its worker
+    counts are the runtime's worker threads, its rates the cost model of CRITICAL_PATH
+    (default: ``cpu_nominal()``, one matrix and one vector worker).  cache_schedules:
+    reuse the schedule when the exchanged token counts repeat (identical counts give an
+    identical graph)."""
 
     tiles: TileSpec = TileSpec()
     policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
-    hardware: HardwareModel | None = None
+    hardware: HardwareModel = field(default_factory=cpu_nominal)
     cache_schedules: bool = False
 
 
@@ -106,10 +61,12 @@ class StepTimes:
 class ForwardOutput:
     """out: [T, H] spec.dtype, this rank's tokens.  buffers: the rank's buffers
     (``recv``/``comb`` view symmetric memory: valid until the next call).
-    schedule: every rank's schedule; program: this rank's part."""
+    plan: the routing plan the region ran; schedule: every rank's schedule;
+    program: this rank's part."""
 
     out: torch.Tensor
     buffers: ForwardBuffers
+    plan: RoutingPlan
     schedule: Schedule
     program: RankProgram
     timeline: RunTimeline
@@ -138,16 +95,16 @@ class ForwardRunner:
         plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, self.options.tiles.rows)
         schedule = self._schedule(plan, counts)
         program = compile_program(schedule, FORWARD, s.rank)
-        program, kernels = fault.apply(program, FORWARD.kernels) if fault else (program, FORWARD.kernels)
+        program, region = fault.apply(program, FORWARD) if fault else (program, FORWARD)
         marks.append(time.perf_counter())
-        sym = s.transport.prepare(Step(FORWARD, plan, self.options.tiles, schedule, program))
+        sym = s.transport.prepare(Step(region, plan, self.options.tiles, schedule, program))
         buffers = ForwardBuffers.allocate(x, plan, s.rank, recv=sym["recv"], comb=sym["comb"])
         ctx = rank_context(self.weights, plan, routing, s.rank)
         marks.append(time.perf_counter())
-        result = s.executor.run(program, FORWARD, buffers, ctx, s.transport, kernels)
+        result = s.executor.run(program, region, buffers, ctx, s.transport)
         marks.append(time.perf_counter())
         times = StepTimes(*np.diff(marks).tolist())
-        return ForwardOutput(out=buffers.out, buffers=buffers, schedule=schedule, program=program,
+        return ForwardOutput(out=buffers.out, buffers=buffers, plan=plan, schedule=schedule, program=program,
                              timeline=result.timeline, times=times)
 
     def _schedule(self, plan: RoutingPlan, counts: torch.Tensor) -> Schedule:
@@ -155,8 +112,7 @@ class ForwardRunner:
         key = counts.numpy().tobytes() + bytes(str(plan.par), "ascii")
         if o.cache_schedules and key in self._cache:
             return self._cache[key]
-        graph = lower_forward(plan, o.tiles)
-        schedule = make_schedule(graph, o.policy, self.session.config.workers, o.hardware)
+        schedule = compile_region(plan, FORWARD, o.tiles, o.policy, o.hardware)
         if o.cache_schedules:
             self._cache = {key: schedule}
         return schedule

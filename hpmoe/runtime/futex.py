@@ -7,13 +7,15 @@ that maps it (the futexes are shared, not ``FUTEX_PRIVATE``).  The locked
 read-modify-write is a full memory barrier, so every store the caller made before
 ``add`` (a put's data) is visible to a thread that observes the new value.
 ``wait`` sleeps while the word still holds an expected value, up to a timeout.
-Calls through ``ctypes.CDLL`` release the GIL.
+Calls through ``ctypes.CDLL`` release the GIL.  libc is bound on the first call, so
+importing this module works on any platform.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 
@@ -28,7 +30,9 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+@functools.cache
 def _libc() -> tuple[ctypes.CDLL, int]:
+    """(libc, the futex syscall number), bound once; OSError off Linux x86_64/aarch64."""
     machine = platform.machine()
     if machine not in _SYS_FUTEX or os.uname().sysname != "Linux":
         raise OSError(f"futex counters need Linux on x86_64 or aarch64, got {os.uname().sysname} {machine}")
@@ -37,7 +41,6 @@ def _libc() -> tuple[ctypes.CDLL, int]:
     return lib, _SYS_FUTEX[machine]
 
 
-_LIBC, _SYS = _libc()
 _NULL = ctypes.c_void_p(0)
 
 
@@ -45,9 +48,10 @@ def add(addr: int, n: int = 1) -> None:
     """Atomically add ``n`` (1..2047) to the int32 at ``addr`` and wake its waiters."""
     if not 0 < n <= MAX_ADD:
         raise ValueError(f"futex add n={n} outside [1, {MAX_ADD}]")
+    libc, sys_futex = _libc()
     word = ctypes.c_void_p(addr)
     op = (_FUTEX_OP_ADD << 28) | (n << 12)
-    if _LIBC.syscall(_SYS, word, _FUTEX_WAKE_OP, _WAKE_ALL, _NULL, word, op) < 0:
+    if libc.syscall(sys_futex, word, _FUTEX_WAKE_OP, _WAKE_ALL, _NULL, word, op) < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"futex add at {addr:#x}: {os.strerror(err)}")
 
@@ -55,8 +59,9 @@ def add(addr: int, n: int = 1) -> None:
 def wait(addr: int, expected: int, timeout_s: float) -> None:
     """Sleep while the int32 at ``addr`` equals ``expected`` (signed), at most
     ``timeout_s`` seconds; returns early on a wake, a change or a signal."""
+    libc, sys_futex = _libc()
     ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
-    if _LIBC.syscall(_SYS, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int(expected),
+    if libc.syscall(sys_futex, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int(expected),
                      ctypes.byref(ts), _NULL, 0) < 0:
         err = ctypes.get_errno()
         if err not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):

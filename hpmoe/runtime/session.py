@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
-from ..schedule.base import WorkerCounts
 from .executor import Executor, ExecutorConfig
 from .transport.base import Transport, TransportKind
 from .transport.dist import DistTransport
@@ -25,13 +24,12 @@ JOB_ENV = "HPMOE_JOB"  # set by the launcher: prefix of every shared segment of 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """transport: SHM (one host) or DIST (any hosts).  workers: matrix and vector
-    worker threads per rank.  deadline_s: longest wait of any task on its event
+    """transport: SHM (one host) or DIST (any hosts).  deadline_s: longest wait of any
+    task on its event
     (and longest stretch without progress).  poll_s: abort-check interval.
     threads: torch intra-op threads per worker."""
 
     transport: TransportKind = TransportKind.SHM
-    workers: WorkerCounts = field(default_factory=lambda: WorkerCounts(matrix=1, vector=1))
     deadline_s: float = 60.0
     poll_s: float = 0.05
     threads: int = 1
@@ -39,8 +37,6 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportKind):
             raise TypeError(f"RuntimeConfig.transport must be a TransportKind, got {self.transport!r}")
-        if not isinstance(self.workers, WorkerCounts):
-            raise TypeError(f"RuntimeConfig.workers must be a WorkerCounts, got {self.workers!r}")
         self.executor_config()  # validates deadline_s, poll_s, threads
 
     def executor_config(self) -> ExecutorConfig:

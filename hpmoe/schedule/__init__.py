@@ -15,11 +15,6 @@ from .serial import serial_schedule
 from .verify import verify_schedule
 
 
-def hardware_workers(hardware: HardwareModel) -> WorkerCounts:
-    """The worker queues per rank of ``hardware``."""
-    return WorkerCounts(matrix=hardware.matrix_workers, vector=hardware.vector_workers)
-
-
 def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) -> Schedule:
     """Schedule every rank of ``graph`` on ``hardware``'s workers with ``policy``.
 
@@ -27,7 +22,7 @@ def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) 
     model and simulates its candidates."""
     if not isinstance(policy, SchedulePolicy):
         raise TypeError(f"policy must be a SchedulePolicy, got {policy!r}")
-    workers = hardware_workers(hardware)
+    workers = WorkerCounts.from_hardware(hardware)
     if policy is SchedulePolicy.SERIAL:
         return serial_schedule(graph, workers)
     if policy is SchedulePolicy.HYPERPARALLEL:
@@ -36,5 +31,5 @@ def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) 
 
 
 __all__ = ["Candidate", "Schedule", "SchedulePolicy", "WorkerCounts", "critical_path_candidates",
-           "critical_path_schedule", "hardware_workers", "hyperparallel_schedule", "paper_tiles",
+           "critical_path_schedule", "hyperparallel_schedule", "paper_tiles",
            "schedule", "schedule_from_assignment", "serial_schedule", "verify_schedule"]

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..ir.graph import TaskGraph, Unit
+
+if TYPE_CHECKING:
+    from ..sim.hardware import HardwareModel
 
 
 class SchedulePolicy(enum.Enum):
@@ -36,6 +40,11 @@ class WorkerCounts:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"WorkerCounts.{name} must be a positive int, got {value!r}")
 
+    @staticmethod
+    def from_hardware(hardware: HardwareModel) -> WorkerCounts:
+        """The worker queues per rank of ``hardware``: the one place worker counts come from."""
+        return WorkerCounts(matrix=hardware.matrix_workers, vector=hardware.vector_workers)
+
     def of(self, unit: Unit) -> int:
         return self.matrix if unit == Unit.MATRIX else self.vector
 
@@ -53,6 +62,8 @@ class Schedule:
         ``rank * workers.per_rank + (worker if MATRIX else workers.matrix + worker)``.
     queue_ptr / queue_task: CSR, the tasks of each queue in execution order
         (``queue_ptr`` has ``ep * workers.per_rank + 1`` entries).
+    candidate: which of the policy's candidates this is (e.g. ``list-stages``);
+    candidates: (name, simulated makespan in s) of every candidate the policy weighed.
     """
 
     graph: TaskGraph
@@ -62,6 +73,8 @@ class Schedule:
     queue: np.ndarray
     queue_ptr: np.ndarray
     queue_task: np.ndarray
+    candidate: str = ""
+    candidates: tuple[tuple[str, float], ...] = ()
 
     @property
     def num_queues(self) -> int:

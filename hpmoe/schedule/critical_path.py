@@ -29,15 +29,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..ir.analysis import GraphError, initially_ready
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
-from ..ir.verify import GraphError
 from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
 from ..sim.hardware import HardwareModel, LinkDirection
 from ..sim.simulate import END, ISSUE, LINK_DONE, LinkPorts, bottom_levels, makespan
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
-from .verify import initially_ready, require_all_ranks
+from .verify import require_all_ranks
 
 _COMBINE_KINDS = np.array([PUT_DIRECTION.get(k) is LinkDirection.COMBINE for k in TaskKind])
 
@@ -59,22 +59,19 @@ class Candidate:
 
 
 def critical_path_schedule(graph: TaskGraph, hardware: HardwareModel) -> Schedule:
-    """The fastest candidate (see module plan), labelled ``CRITICAL_PATH``; its graph's
-    ``meta`` records the winner under ``"candidate"`` and every makespan under
-    ``"candidates"``."""
+    """The fastest candidate (see module plan), labelled ``CRITICAL_PATH``, naming the
+    winner (``candidate``) and every candidate's simulated makespan (``candidates``)."""
     candidates = critical_path_candidates(graph, hardware)
     best = min(candidates, key=lambda c: c.makespan)  # first wins ties: the list schedule
-    meta = {**best.schedule.graph.meta, "candidate": best.name,
-            "candidates": {c.name: c.makespan for c in candidates}}
-    return replace(best.schedule, policy=SchedulePolicy.CRITICAL_PATH,
-                   graph=replace(best.schedule.graph, meta=meta))
+    return replace(best.schedule, policy=SchedulePolicy.CRITICAL_PATH, candidate=best.name,
+                   candidates=tuple((c.name, c.makespan) for c in candidates))
 
 
 def critical_path_candidates(graph: TaskGraph, hardware: HardwareModel) -> tuple[Candidate, ...]:
     """The list schedules (one per ``PutOrder``), then the hyperparallel and serial
     orders of ``graph``, each with its simulated makespan on ``hardware``."""
     require_all_ranks(graph)
-    workers = WorkerCounts(matrix=hardware.matrix_workers, vector=hardware.vector_workers)
+    workers = WorkerCounts.from_hardware(hardware)
     costs = task_costs(graph, hardware)
     made = (*((f"list-{o.value}", list_schedule(graph, costs, workers, o)) for o in PutOrder),
             ("hyperparallel", hyperparallel_schedule(graph, workers)),

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir.analysis import task_levels
 from ..ir.graph import IS_PUT, TaskGraph, Unit
 from ..sim.hardware import HardwareModel
 from ..spec import TileSpec
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
-from .verify import task_levels
 
 PAPER_TILE_ROWS = 128  # the paper's token tile of dispatch/combine puts and SwiGLU
 

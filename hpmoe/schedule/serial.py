@@ -42,7 +42,6 @@ def serial_schedule(graph: TaskGraph, workers: WorkerCounts) -> Schedule:
     table[list(kinds)] = np.arange(len(kinds))
     phase = table[graph.kind]
     barred = add_barriers(graph, phase, len(kinds))
-    barred = replace(barred, meta={**graph.meta, "serial_phases": kinds})
     worker, priority = deal_round_robin(barred, workers, (phase, stagger(barred)), restart=phase)
     return schedule_from_assignment(barred, SchedulePolicy.SERIAL, workers, worker, priority)
 

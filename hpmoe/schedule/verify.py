@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.analysis import GraphError, gather_csr
 from ..ir.graph import TaskGraph, Unit
-from ..ir.verify import GraphError, check_deadlock, completion_levels, gather_csr, ready_at_start
+from ..ir.verify import check_deadlock
 from .base import Schedule, queue_id
 
 
@@ -53,21 +54,6 @@ def verify_schedule(schedule: Schedule) -> None:
         check_deadlock(g, ext.wait, ext.sig_ptr, ext.signals, ext.threshold)
     except GraphError as err:
         raise GraphError(f"{err}. {_legend(schedule, ext, str(err))}") from None
-
-
-def initially_ready(graph: TaskGraph) -> np.ndarray:
-    """[n] bool: the task waits on nothing, or on an event of threshold 0."""
-    return ready_at_start(graph.wait_global(), graph.threshold)
-
-
-def task_levels(graph: TaskGraph) -> np.ndarray:
-    """[n] completion level of each task in the infinitely wide execution of ``graph``
-    (``hpmoe.ir.verify.completion_levels``); ``GraphError`` when some task never runs."""
-    level = completion_levels(graph.wait_global(), graph.threshold, graph.sig_ptr, graph.signals_global())
-    if (level < 0).any():
-        raise GraphError(f"{graph.task(int(np.flatnonzero(level < 0)[0]))} can never run; "
-                         "run hpmoe.ir.verify.verify_graph for the cause")
-    return level
 
 
 def require_all_ranks(graph: TaskGraph) -> None:

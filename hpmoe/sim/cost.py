@@ -57,16 +57,10 @@ class TaskCosts:
         return self.work + self.transfer + self.latency
 
 
-def graph_dtype(graph: TaskGraph) -> torch.dtype:
-    """GEMM dtype of a lowered graph (its layout's MoE dtype); bf16 for hand-built graphs."""
-    layout = graph.meta.get("layout")
-    return layout.plan.moe.dtype if layout is not None else torch.bfloat16
-
-
 def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | None = None) -> TaskCosts:
     """Costs of every task of ``graph`` on ``hardware``; GEMMs in ``dtype`` (default:
-    ``graph_dtype(graph)``)."""
-    dtype = graph_dtype(graph) if dtype is None else dtype
+    the graph's dtype)."""
+    dtype = graph.dtype if dtype is None else dtype
     work = hardware.task_overhead + np.maximum(compute_time(graph, hardware, dtype),
                                                memory_time(graph, hardware))
     remote = IS_PUT[graph.kind] & (graph.link_bytes > 0)

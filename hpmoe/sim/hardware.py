@@ -304,6 +304,24 @@ def _h100() -> HardwareModel:
     )
 
 
+def cpu_nominal(matrix_workers: int = 1, vector_workers: int = 1) -> HardwareModel:
+    """This project's reference CPU before calibration, with the given worker threads.
+
+    Rates are single-thread GEMM figures measured on a Xeon with AMX (DESIGN.md §5: 290
+    GFLOP/s bf16, 87 fp32) and its loopback all-to-all (0.6 GB/s per rank); the rest
+    are ASSUMPTIONS of the right order.  Enough to count workers and to rank schedules;
+    ``hpmoe calibrate`` measures the machine at hand."""
+    return HardwareModel(
+        name="cpu-nominal", matrix_workers=matrix_workers, vector_workers=vector_workers,
+        matrix_flops_bf16=290e9, matrix_flops_fp32=87e9, matrix_block=1,
+        vector_flops=2e9,  # ASSUMPTION: one core's elementwise torch ops
+        mem_bw=10 * _GB,  # ASSUMPTION: one core's streaming copy
+        link=(LinkEntry(2, 0.6 * _GB, 0.6 * _GB),),
+        link_latency=20 * _US,  # ASSUMPTION: a futex wake plus a small copy
+        task_overhead=20 * _US,  # ASSUMPTION: one Python task dispatch
+        notes="uncalibrated: GEMM and link rates from DESIGN.md §5, the rest assumed")
+
+
 _PRESETS = {"ascend-a3": _ascend_a3, "h100": _h100, "cpu": load_profile}
 HARDWARE_PRESETS = tuple(_PRESETS)
 

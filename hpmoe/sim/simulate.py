@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.analysis import GraphError, gather_csr, task_levels
 from ..ir.graph import TaskGraph, Unit
-from ..ir.verify import GraphError, gather_csr
 from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
-from ..schedule.verify import require_all_ranks, task_levels, verify_schedule
+from ..schedule.verify import require_all_ranks, verify_schedule
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...exec.program import PeerView, RankProgram, Taskflow
+from ...exec.program import PeerView, RankProgram
+from ...regions.base import Region
 from ...routing import RoutingPlan
 from ...schedule.base import Schedule
 from ...spec import TileSpec
@@ -36,7 +37,7 @@ class Step:
     rank's tasks (events of peers, puts addressed to this rank), ``program`` this
     rank's part."""
 
-    taskflow: Taskflow
+    region: Region
     plan: RoutingPlan
     tiles: TileSpec
     schedule: Schedule

@@ -60,7 +60,7 @@ def incoming_from(step: Step, rank: int, src: int) -> Incoming:
     assert (seq[ids] == np.arange(len(ids))).all(), "put sequence numbers must be dense"
     ptr, ev, owner = g.sig_ptr, g.sig_event, g.sig_rank
     return Incoming(
-        field=tuple(step.taskflow.puts[int(k)].dst for k in g.kind[ids]),
+        field=tuple(step.region.puts[int(k)].dst for k in g.kind[ids]),
         row0=tuple(g.dst_row0[ids].tolist()), rows=tuple((g.row1[ids] - g.row0[ids]).tolist()),
         signals=tuple(tuple(ev[ptr[i]:ptr[i + 1]][owner[ptr[i]:ptr[i + 1]] == rank].tolist()) for i in ids))
 
@@ -110,8 +110,8 @@ class DistTransport(Transport):
             self.counters = Counters.anonymous(max(n, 2 * self.counters.capacity))
             self._pre = self.counters.snapshot()
         self.base = self._pre
-        shapes = step.taskflow.symmetric_shapes(step.plan, self.rank)
-        self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1]) for f in step.taskflow.symmetric}
+        shapes = step.region.symmetric_shapes(step.plan, self.rank)
+        self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1]) for f in step.region.symmetric}
         peers = senders(step, self.rank)
         self._latch = _Latch(len(peers))
         self._headers_sent = [0] * self.world

@@ -2,7 +2,7 @@
 
 Segment layout (bytes): a 64-byte control block (int32 abort word at 0: 0, or the
 aborting rank + 1), then ``events`` int32 event counters, then the symmetric
-tensors of the current region, each 64-byte aligned, in the order the taskflow
+tensors of the current region, each 64-byte aligned, in the order the region
 lists them.  Sizes depend on the routing of each step: every rank computes every
 rank's need from the plan, so all agree, without messages, on which segments must
 grow; a grown segment is a new generation (new name), created by its owner,

@@ -94,7 +94,7 @@ class ShmTransport(Transport):
 
 def _needs(step: Step, world: int) -> list[HeapNeed]:
     """Every rank's segment need for ``step``, computed identically on every rank."""
-    tf, plan = step.taskflow, step.plan
+    tf, plan = step.region, step.plan
     events = np.diff(step.schedule.graph.event_ptr)
     out = []
     for r in range(world):

@@ -1,0 +1,112 @@
+"""Analyses of a task graph's wait/signal semantics, shared by every stage that
+reasons about completion without a clock: who waits on which event, the level at
+which each task can complete on unlimited workers, and random valid orders.
+(The simulator replays the same semantics on its own clock.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .graph import TaskGraph
+
+
+class GraphError(ValueError):
+    """A task graph or schedule that cannot complete; the message names the culprits."""
+
+
+@dataclass(frozen=True)
+class Waiters:
+    """CSR from global event id to the tasks waiting on it."""
+
+    ptr: np.ndarray
+    task: np.ndarray
+
+
+def waiters(wait_global: np.ndarray, num_events: int) -> Waiters:
+    has = np.flatnonzero(wait_global >= 0)
+    ev = wait_global[has]
+    order = np.argsort(ev, kind="stable")
+    ptr = np.zeros(num_events + 1, np.int64)
+    np.cumsum(np.bincount(ev, minlength=num_events), out=ptr[1:])
+    return Waiters(ptr=ptr, task=has[order])
+
+
+def gather_csr(ptr: np.ndarray, values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Concatenation of ``values[ptr[r]:ptr[r+1]]`` for every r in ``rows``."""
+    lo, hi = ptr[rows], ptr[rows + 1]
+    n = hi - lo
+    idx = np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    return values[idx]
+
+
+def completion_levels(wait: np.ndarray, threshold: np.ndarray, sig_ptr: np.ndarray,
+                      signals: np.ndarray) -> np.ndarray:
+    """Level at which each task can complete when workers are unlimited; -1 = never.
+
+    wait: [n] global event ids (-1: none); signals: global event ids, CSR by sig_ptr.
+    """
+    n = len(wait)
+    w = waiters(wait, len(threshold))
+    level = np.full(n, -1, np.int64)
+    count = np.zeros(len(threshold), np.int64)
+    ready = np.flatnonzero(ready_at_start(wait, threshold))
+    depth = 0
+    while ready.size:
+        level[ready] = depth
+        ev = gather_csr(sig_ptr, signals, ready)
+        before = count.copy()
+        np.add.at(count, ev, 1)
+        fired = np.unique(ev[(before[ev] < threshold[ev]) & (count[ev] >= threshold[ev])])
+        ready = gather_csr(w.ptr, w.task, fired)
+        ready = ready[level[ready] < 0]
+        depth += 1
+    return level
+
+
+def ready_at_start(wait: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+    """[n] bool: tasks that wait on nothing or on an event of threshold 0."""
+    ready = wait < 0
+    ready[~ready] = threshold[wait[~ready]] <= 0
+    return ready
+
+
+def initially_ready(graph: TaskGraph) -> np.ndarray:
+    """[n] bool: the task waits on nothing, or on an event of threshold 0."""
+    return ready_at_start(graph.wait_global(), graph.threshold)
+
+
+def task_levels(graph: TaskGraph) -> np.ndarray:
+    """[n] completion level of each task in the infinitely wide execution of ``graph``
+    (``completion_levels``); ``GraphError`` when some task never runs."""
+    level = completion_levels(graph.wait_global(), graph.threshold, graph.sig_ptr, graph.signals_global())
+    if (level < 0).any():
+        raise GraphError(f"{graph.task(int(np.flatnonzero(level < 0)[0]))} can never run; "
+                         "run hpmoe.ir.verify.verify_graph for the cause")
+    return level
+
+
+def random_order(graph: TaskGraph, seed: int) -> np.ndarray:
+    """A uniformly shuffled valid execution order (one task at a time)."""
+    rng = np.random.default_rng(seed)
+    wait, signals = graph.wait_global(), graph.signals_global()
+    w = waiters(wait, graph.num_events)
+    count = np.zeros(graph.num_events, np.int64)
+    ready = list(np.flatnonzero(ready_at_start(wait, graph.threshold)))
+    order = []
+    while ready:
+        j = int(rng.integers(len(ready)))
+        ready[j], ready[-1] = ready[-1], ready[j]
+        t = ready.pop()
+        order.append(t)
+        for ev in signals[graph.sig_ptr[t]:graph.sig_ptr[t + 1]]:
+            count[ev] += 1
+            if count[ev] == graph.threshold[ev]:
+                ready.extend(w.task[w.ptr[ev]:w.ptr[ev + 1]])
+    if len(order) != graph.num_tasks:
+        from .verify import verify_graph
+
+        verify_graph(graph)  # raises GraphError naming the cause
+    return np.asarray(order, np.int64)
