@@ -7,8 +7,8 @@ changes."""
 from __future__ import annotations
 
 from ..exec.exact import DEFAULT_TILES
+from ..ir.analysis import GraphError
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
-from ..ir.verify import GraphError
 from ..regions.backward import lower_backward
 from ..regions.forward import lower_forward
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
