@@ -17,9 +17,12 @@ from hpmoe.gpu.buffers import FIELDS, Arena, buffer_space  # noqa: E402
 from hpmoe.gpu.ops import COL, DESCRIBE, Op, describe  # noqa: E402
 from hpmoe.gpu.pack import pack_tasks  # noqa: E402
 from hpmoe.gpu.runner import DeviceProgram  # noqa: E402
-from hpmoe.ir.graph import TaskKind  # noqa: E402
-from hpmoe.regions.backward_kernels import BACKWARD_KERNELS, BackwardContext, SavedActivations  # noqa: E402
-from hpmoe.regions.kernels import KERNELS, RankContext, tiles_of  # noqa: E402
+from hpmoe.ir.graph import (
+    TaskKind,  # noqa: E402
+    tiles_of,  # noqa: E402
+)
+from hpmoe.regions.backward_kernels import BACKWARD_RECOMPUTE, BackwardContext, SavedActivations  # noqa: E402
+from hpmoe.regions.kernels import FORWARD, RankContext  # noqa: E402
 from hpmoe.routing import RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.spec import ParallelSpec, TileSpec, preset  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
@@ -50,7 +53,7 @@ class Setup:
         dy = torch.randn(EP * TOKENS, spec.hidden, generator=g).to(dtype)
         self.routing = synthetic_routing(RoutingKind.ZIPF, spec, ParallelSpec(EP, TOKENS), 0)
         self.fwd = execute_forward(x, self.w, self.routing, EP, TILES)
-        plan = self.fwd.graph.meta["layout"].plan
+        plan = self.fwd.plan
         self.plan, self.space = plan, buffer_space(plan)
         saved = [SavedActivations.from_forward(b, True) for b in self.fwd.buffers]
         self.bwd = execute_backward(saved, plan, dy, self.w, self.routing.weights, TILES, recompute=True)
@@ -92,7 +95,7 @@ def setup(request) -> Setup:
 def _check_one(s: Setup, kind: TaskKind, forward: bool) -> int:
     graph = s.fwd.graph if forward else s.bwd.graph
     arena = s.farena if forward else s.barena
-    table = KERNELS if forward else BACKWARD_KERNELS
+    region = FORWARD if forward else BACKWARD_RECOMPUTE
     buffers = s.fwd.buffers if forward else s.bwd.buffers
     contexts = s.fctx if forward else s.bctx
     ids = np.flatnonzero(graph.kind == kind)
@@ -110,7 +113,11 @@ def _check_one(s: Setup, kind: TaskKind, forward: bool) -> int:
         for o in outs:
             o.fill_(float("nan"))
         tile = tiles[t]
-        table[TaskKind(tile.kind)](tile, buffers[tile.rank], buffers[tile.peer], contexts[tile.rank])
+        kind = TaskKind(tile.kind)
+        if kind in region.puts:
+            region.puts[kind].copy(tile, buffers[tile.rank], buffers[tile.peer])
+        else:
+            region.kernels[kind](tile, buffers[tile.rank], buffers[tile.peer], contexts[tile.rank])
         for r in range(EP):
             got, want = device[r], outs[r]
             assert torch.equal(got.isnan(), want.isnan()), f"{graph.task(t)}: rows written differ on r{r}"
@@ -122,8 +129,8 @@ def _check_one(s: Setup, kind: TaskKind, forward: bool) -> int:
     return len(ids)
 
 
-FORWARD_KINDS = [k for k in TaskKind if k in KERNELS]
-BACKWARD_KINDS = [k for k in TaskKind if k in BACKWARD_KERNELS]
+FORWARD_KINDS = [k for k in TaskKind if k in FORWARD.kernels or k in FORWARD.puts]
+BACKWARD_KINDS = [k for k in TaskKind if k in BACKWARD_RECOMPUTE.kernels or k in BACKWARD_RECOMPUTE.puts]
 
 
 @pytest.mark.parametrize("kind", FORWARD_KINDS, ids=[k.name for k in FORWARD_KINDS])

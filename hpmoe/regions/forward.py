@@ -40,7 +40,7 @@ from .tiles import (
     signal_token_tiles,
     signals_per_token_tile,
     task_block,
-    token_tiles,
+    token_tile_sums,
 )
 
 
@@ -162,13 +162,7 @@ def _swiglu(low: Lowering) -> TaskBlock:
 # ------------------------------------------------------------------ source side
 
 def _unpermute(low: Lowering) -> TaskBlock:
-    moe = low.layout.plan.moe
-    rank, t, r0, r1 = token_tiles(low)
-    m = r1 - r0
-    terms = moe.top_k + (1 if moe.shared_experts else 0)
-    return task_block(TaskKind.UNPERMUTE, rank, r0, r1, col1=np.full(len(rank), moe.hidden),
-                      flops=2.0 * terms * m * moe.hidden, bytes=(terms + 1) * m * moe.hidden * low.esize,
-                      wait=low.events.base(rank, ForwardEvent.OUT) + t)
+    return token_tile_sums(TaskKind.UNPERMUTE, low, 2.0, ForwardEvent.OUT)  # weighted: 2 flops a term
 
 
 def _shared_up(low: Lowering) -> TaskBlock:

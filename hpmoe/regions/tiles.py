@@ -140,6 +140,18 @@ def token_tiles(low: Lowering) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     return rank, t, t * rows, np.minimum((t + 1) * rows, tpr)
 
 
+def token_tile_sums(kind: TaskKind, low: Lowering, flops_per_term: float, wait: enum.IntEnum) -> TaskBlock:
+    """One task per token tile summing each token's k expert rows (and the shared
+    expert's) in fp32, after the tile's ``wait`` event: unpermute and its gradient."""
+    moe = low.layout.plan.moe
+    rank, t, r0, r1 = token_tiles(low)
+    m = r1 - r0
+    terms = moe.top_k + (1 if moe.shared_experts else 0)
+    return task_block(kind, rank, r0, r1, col1=np.full(len(rank), moe.hidden),
+                      flops=flops_per_term * terms * m * moe.hidden,
+                      bytes=(terms + 1) * m * moe.hidden * low.esize, wait=low.events.base(rank, wait) + t)
+
+
 def shared_block_rows(layout: Layout) -> np.ndarray:
     tpr, s = layout.plan.par.tokens_per_rank, layout.shared_rows
     r0 = np.arange(layout.shared_blocks) * s
