@@ -14,7 +14,7 @@ from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # 
 from hpmoe.gpu.buffers import buffer_space  # noqa: E402
 from hpmoe.gpu.pack import pack  # noqa: E402
 from hpmoe.gpu.runner import DeviceProgram  # noqa: E402
-from hpmoe.ir.verify import GraphError  # noqa: E402
+from hpmoe.ir.analysis import GraphError  # noqa: E402
 from hpmoe.routing import RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.runtime.forensics import WorkerStatus  # noqa: E402
 from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule_from_assignment  # noqa: E402
