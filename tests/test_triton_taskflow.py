@@ -18,6 +18,7 @@ from hpmoe.ir.analysis import GraphError  # noqa: E402
 from hpmoe.routing import RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.runtime.forensics import WorkerStatus  # noqa: E402
 from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule_from_assignment  # noqa: E402
+from hpmoe.sim.trace import chrome_trace  # noqa: E402
 from hpmoe.spec import ParallelSpec, TileSpec, preset  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
 
@@ -102,6 +103,8 @@ def test_stamps_become_a_timeline_that_respects_every_wait():
     for s, ev in zip(signaller, g.signals_global(), strict=True):
         waiting = np.flatnonzero(waits == ev)
         assert (tl.start[waiting] > tl.end[s]).all(), g.task(int(s))
+    trace = chrome_trace(tl)
+    assert sum(e.get("ph") == "X" for e in trace["traceEvents"]) == g.num_tasks
 
 
 def test_a_late_wait_on_the_device_becomes_the_runtimes_hang_report():

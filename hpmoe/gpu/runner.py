@@ -31,6 +31,7 @@ import torch
 
 from .core import GraphError, HangReport, RegionError, Timeline, WorkerReport, WorkerStatus
 from .pack import PackedProgram
+from .residency import KernelResources, SMLimits, check_resident, resident_programs
 
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -132,13 +133,6 @@ class DeviceProgram:
                 a["sig_event"], a["queue_ptr"], a["queue_task"], addresses, self.lds, self.counters, cursor,
                 errors, stamps, clock, delays, self.calls, deadline_ns)
 
-    def _constexprs(self, blocking: bool, stamp: int, delay: bool) -> dict:
-        import triton.language as tl
-        c = self.config
-        return {"DT": getattr(tl, _TL_DTYPES[self.dtype]), "BM": c.bm, "BN": c.bn, "BK": c.bk, "BR": c.br,
-                "BC": c.bc, "PREC": "ieee" if self.dtype == torch.float32 else "tf32",
-                "UPCAST": self.interpret, "BLOCKING": blocking, "STAMP": stamp, "DELAY": delay}
-
     def run(self, addresses: torch.Tensor, *, deadline_s: float = 10.0, stamps: bool = False,
             delays_ns: np.ndarray | None = None, max_rounds: int | None = None) -> RunInfo:
         """Run every queue once as call number ``self.calls``; raise ``RegionError``
@@ -159,12 +153,16 @@ class DeviceProgram:
         stamp = (1 if self.interpret else 2) if stamps else 0
         args = self._kernel_args(addresses, cursor, errors, stamp_buf, clock, delays, int(deadline_s * 1e9))
         kernel = device_module(self.interpret).taskflow_kernel
-        meta = self._constexprs(not self.interpret, stamp, delays_ns is not None)
+        meta = kernel_meta(self.dtype, self.config, self.interpret, not self.interpret, stamp,
+                           delays_ns is not None)
         start = time.perf_counter()
         if self.interpret:
             launches = self._rounds(kernel, args, meta, cursor, max_rounds)
         else:
-            kernel[(q,)](*args, **meta, num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+            launch = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
+            compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
+            check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(dev)))
+            kernel[(q,)](*args, **meta, **launch)
             torch.cuda.synchronize(dev)
             launches = 1
             self._check_errors(cursor, errors, time.perf_counter() - start)
@@ -172,6 +170,32 @@ class DeviceProgram:
         self.calls += 1
         return RunInfo(launches=launches, epoch=epoch, seconds=time.perf_counter() - start,
                        stamps=stamp_buf[:self.packed.num_tasks].cpu().numpy() if stamps else None)
+
+    def launcher(self, addresses: torch.Tensor, deadline_s: float = 10.0):
+        """A callable that launches one call asynchronously on the GPU (no checks, no
+        synchronisation: for timing).  Each launch is a new epoch; read ``errors`` of
+        the returned callable after synchronising to see late waits."""
+        if self.interpret:
+            raise ValueError("launcher needs a CUDA device")
+        q, dev = self.packed.num_queues, self.device
+        cursor = torch.zeros(q, dtype=torch.int32, device=dev)
+        errors = torch.zeros(q, 4, dtype=torch.int32, device=dev)
+        dummy = torch.zeros(1, 2, dtype=torch.int64, device=dev)
+        kernel = device_module(False).taskflow_kernel
+        meta = kernel_meta(self.dtype, self.config, False, True, 0, False)
+        launch = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
+        args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
+        compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
+        check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(dev)))
+
+        def go() -> None:
+            cursor.zero_()
+            args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
+            kernel[(q,)](*args, **meta, **launch)
+            self.calls += 1
+
+        go.errors = errors
+        return go
 
     def _rounds(self, kernel, args: tuple, meta: dict, cursor: torch.Tensor, max_rounds: int | None) -> int:
         lengths = torch.from_numpy(np.diff(self.packed.queue_ptr).astype(np.int32))
@@ -259,3 +283,37 @@ class DeviceProgram:
                         start=(stamps[:, 0] - t0) / 1e9, end=(stamps[:, 1] - t0) / 1e9,
                         link_start=nan, link_end=nan.copy())
 
+
+
+
+def kernel_meta(dtype: torch.dtype, config: KernelConfig, interpret: bool, blocking: bool, stamp: int,
+                delay: bool) -> dict:
+    """The constexpr arguments of ``taskflow_kernel``."""
+    import triton.language as tl
+    c = config
+    return {"DT": getattr(tl, _TL_DTYPES[dtype]), "BM": c.bm, "BN": c.bn, "BK": c.bk, "BR": c.br, "BC": c.bc,
+            "PREC": "ieee" if dtype == torch.float32 else "tf32", "UPCAST": interpret, "BLOCKING": blocking,
+            "STAMP": stamp, "DELAY": delay}
+
+
+def kernel_resources(compiled: object) -> KernelResources:
+    """Registers, spills, shared memory and warps of a kernel compiled for this GPU."""
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+    meta = compiled.metadata
+    return KernelResources(registers=int(compiled.n_regs), spill_bytes=4 * int(compiled.n_spills),
+                           shared_bytes=int(meta.shared), num_warps=int(meta.num_warps))
+
+
+def compiled_resources(device: torch.device, dtype: torch.dtype,
+                       config: KernelConfig | None) -> KernelResources:
+    """Resources of the persistent kernel (blocking, no stamps) compiled for ``device``."""
+    config = config or KernelConfig()
+    i32 = torch.zeros(64, dtype=torch.int32, device=device)
+    i64 = torch.zeros(64, dtype=torch.int64, device=device)
+    args = (i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, i32, i32, i32, i64, i64, i64, 0, 1)
+    meta = kernel_meta(dtype, config, False, True, 0, False)
+    kernel = device_module(False).taskflow_kernel
+    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return kernel_resources(kernel.warmup(*args, grid=(1,), **meta, **launch))

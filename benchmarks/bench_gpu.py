@@ -1,0 +1,307 @@
+"""The MoE region on one GPU: hpmoe's persistent kernel against kernel-by-kernel peers.
+
+Runs only on a CUDA device.  Per shape (4096 tokens, ``--ep`` virtual ranks, default 1:
+the single-GPU training case), forward and forward+backward:
+
+  persistent/<policy>     each region ONE persistent Triton kernel (hpmoe.gpu), every policy
+  triton-phases           the same tile functions one phase (task kind) at a time, one
+                          launch per phase: separates the gain from overlap from kernel quality
+  torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
+                          fixed-order top-k sum; backward by autograd
+  torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
+  *+cudagraph             the two torch variants captured in CUDA graphs
+
+Measured in the same run: a plain bf16 GEMM (8192^3) as the tensor-core peak and a 1 GiB
+device copy as the memory bandwidth; a variant's roofline fraction is
+``max(flops / peak, bytes / bandwidth) / time`` with flops and bytes of the region's task
+graph.  Medians over ``--reps`` after ``--warmup`` runs, CUDA events.
+
+    python benchmarks/bench_gpu.py --out benchmarks/results [--shapes small qwen3 ...] [--ep 1]
+
+Writes <out>/bench_gpu.json and <out>/bench_gpu.md, and the stamped forward run of the
+persistent kernel per shape and policy (<out>/timeline-<shape>-<policy>.json, Perfetto
+format, and a Gantt .png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hpmoe import refs
+from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
+from hpmoe.gpu.pack import pack_tasks
+from hpmoe.gpu.runner import DeviceProgram
+from hpmoe.routing import Routing, RoutingKind, synthetic_routing
+from hpmoe.schedule import SchedulePolicy
+from hpmoe.sim.trace import write_gantt, write_trace
+from hpmoe.spec import MoESpec, ParallelSpec, TileSpec, preset
+from hpmoe.weights import ExpertWeights
+
+TOKENS = 4096
+TILES = TileSpec(rows=128, gemm_rows=128, gemm_cols=512)
+
+
+def shapes(device: torch.device) -> dict[str, MoESpec]:
+    """The benchmarked layers; DeepSeek-V3's expert count is cut to what fits this GPU."""
+    small = MoESpec(hidden=1024, ffn=512, experts=16, top_k=4, dtype=torch.bfloat16)
+    return {"deepseek-v3-fit": fit_experts(preset("deepseek-v3", torch.bfloat16), device),
+            "qwen3-30b-a3b": preset("qwen3-30b-a3b", torch.bfloat16),
+            "mixtral-8x7b": preset("mixtral-8x7b", torch.bfloat16), "small": small}
+
+
+def fit_experts(spec: MoESpec, device: torch.device) -> MoESpec:
+    """The largest power-of-two expert count (>= groups) whose weights, their gradients and
+    the baselines' gradient copies take at most half the device memory."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    per_expert = 3 * spec.hidden * spec.ffn * spec.dtype.itemsize * 4
+    e = spec.experts
+    while e > spec.groups and e * per_expert > total // 2:
+        e //= 2
+    return dataclasses.replace(spec, experts=e)
+
+
+# ---------------------------------------------------------------------------- timing
+
+def cuda_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (warmed up on a side stream first)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def device_peaks(reps: int) -> tuple[float, float]:
+    """(bf16 GEMM FLOP/s, device copy bytes/s read + write) measured on this GPU."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: a @ a, reps, 3)
+    src = torch.empty(1 << 29, device="cuda", dtype=torch.int16)
+    dst = torch.empty_like(src)
+    copy_ms = cuda_ms(lambda: dst.copy_(src), reps, 3)
+    return 2 * 8192 ** 3 / (ms / 1e3), 2 * src.numel() * 2 / (copy_ms / 1e3)
+
+
+# ---------------------------------------------------------------------------- torch peers
+
+@dataclasses.dataclass
+class Peer:
+    """Static routing state of the torch variants (computed once, so no host sync
+    happens inside a timed or captured call)."""
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    counts: list[int]
+    offs: torch.Tensor
+
+    @staticmethod
+    def of(routing: Routing, spec: MoESpec) -> Peer:
+        flat = routing.ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=spec.experts)
+        return Peer(order=order, inverse=refs.inverse_permutation(order), counts=counts.tolist(),
+                    offs=torch.cumsum(counts, 0).to(torch.int32))
+
+
+def eager_forward(x, w13, w2, sw13, sw2, tw, peer: Peer, spec: MoESpec) -> torch.Tensor:
+    """Kernel by kernel: gather, one F.linear / SwiGLU / F.linear per expert, unsort, sum."""
+    k = spec.top_k
+    rows = x[peer.order // k]
+    chunks = enumerate(rows.split(peer.counts))
+    outs = [refs.expert_ffn(chunk, w13[e], w2[e]) for e, chunk in chunks if len(chunk)]
+    o = torch.cat(outs).index_select(0, peer.inverse).view(x.shape[0], k, spec.hidden)
+    shared = refs.expert_ffn(x, sw13, sw2) if sw13 is not None else None
+    return refs.topk_sum(o, tw, shared, spec.dtype)
+
+
+def grouped_forward(x, w13, w2, sw13, sw2, tw, peer: Peer, spec: MoESpec) -> torch.Tensor:
+    """Permute, torch._grouped_mm up, SwiGLU, torch._grouped_mm down, unpermute."""
+    k, f = spec.top_k, spec.ffn
+    rows = x[peer.order // k]
+    h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=peer.offs)
+    a = F.silu(h[:, :f]) * h[:, f:]
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=peer.offs)
+    o = y.index_select(0, peer.inverse).view(x.shape[0], k, spec.hidden)
+    shared = refs.expert_ffn(x, sw13, sw2) if sw13 is not None else None
+    return refs.topk_sum(o, tw, shared, spec.dtype)
+
+
+def torch_step(forward, x, w: ExpertWeights, routing: Routing, dy, peer: Peer, backward: bool):
+    """A callable running ``forward`` (and autograd's backward) on leaves made once."""
+    leaves = [t.detach().requires_grad_(backward) if t is not None else None
+              for t in (x, w.w13, w.w2, w.shared_w13, w.shared_w2, routing.weights)]
+    grads = [t for t in leaves if t is not None]
+
+    def step() -> object:
+        out = forward(*leaves, peer, w.spec)
+        if backward:
+            return torch.autograd.grad(out, grads, dy)
+        return out
+    return step
+
+
+# ---------------------------------------------------------------------------- hpmoe variants
+
+def phase_programs(region, queues: int) -> list[Callable[[], None]]:
+    """One launcher per phase (task kind, in lowering order) of a prepared region."""
+    g, arena = region.schedule.graph, region.arena
+    kinds = list(dict.fromkeys(g.kind.tolist()))
+    out = []
+    for k in kinds:
+        ids = np.flatnonzero(g.kind == k)
+        packed = pack_tasks(g, arena.space, ids, min(queues, len(ids)))
+        program = DeviceProgram(packed, arena.device, arena.dtype, region.program.config)
+        out.append(program.launcher(arena.addresses()))
+    return out
+
+
+def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
+              out_dir: Path) -> list[dict]:
+    dev = torch.device("cuda")
+    w = ExpertWeights.random(spec, 0)
+    w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
+                                  if isinstance(getattr(w, f.name), torch.Tensor)})
+    routing = synthetic_routing(RoutingKind.BALANCED, spec, ParallelSpec(ep, TOKENS // ep), 0)
+    routing = Routing(ids=routing.ids.to(dev), weights=routing.weights.to(dev))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
+    dy = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
+    rows: list[dict] = []
+    work = {}
+
+    def record(region: str, variant: str, fn: Callable[[], object] | None, error: str = "") -> None:
+        ms = float("nan")
+        if fn is not None:
+            try:
+                ms = cuda_ms(fn, reps, warmup)
+            except Exception as e:  # a peer a torch build does not support is reported, not fatal
+                error = f"{type(e).__name__}: {e}"
+        flops, nbytes = work.get(region, (float("nan"), float("nan")))
+        roof = max(flops / peaks[0], nbytes / peaks[1]) * 1e3
+        rows.append({"shape": name, "experts": spec.experts, "ep": ep, "region": region, "variant": variant,
+                     "ms": ms, "tflops": flops / (ms / 1e3) / 1e12, "roofline_fraction": roof / ms,
+                     "error": error})
+        print(f"{name:>16} {region:>8} {variant:>32} {ms:9.3f} ms  {error}", flush=True)
+
+    fwd_regions = {}
+    for policy in SchedulePolicy:
+        fwd = triton_forward(x, w, routing, ep, TILES, TritonOptions(policy=policy, stamps=True))
+        bwd = triton_backward(fwd, dy)
+        gf, gb = fwd.region.schedule.graph, bwd.region.schedule.graph
+        work["fwd"] = (float(gf.flops.sum()), float(gf.bytes.sum()))
+        work["fwd+bwd"] = (work["fwd"][0] + float(gb.flops.sum()), work["fwd"][1] + float(gb.bytes.sum()))
+        save_timeline(fwd, out_dir / f"timeline-{name}-{policy.value}.json")
+        f_go = fwd.region.program.launcher(fwd.region.arena.addresses())
+        b_go = bwd.region.program.launcher(bwd.region.arena.addresses())
+        record("fwd", f"persistent/{policy.value}", f_go)
+        record("fwd+bwd", f"persistent/{policy.value}", lambda f=f_go, b=b_go: (f(), b()))
+        fwd_regions[policy] = (fwd, bwd)
+    fwd, bwd = fwd_regions[SchedulePolicy.HYPERPARALLEL]
+    queues = fwd.region.program.packed.num_queues
+    f_phases, b_phases = phase_programs(fwd.region, queues), phase_programs(bwd.region, queues)
+    record("fwd", "triton-phases", lambda: [p() for p in f_phases])
+    record("fwd+bwd", "triton-phases", lambda: [p() for p in f_phases + b_phases])
+    peer = Peer.of(routing, spec)
+    for label, forward in (("torch-eager", eager_forward), ("torch-grouped-mm", grouped_forward)):
+        for region, backward in (("fwd", False), ("fwd+bwd", True)):
+            step = torch_step(forward, x, w, routing, dy, peer, backward)
+            record(region, label, step)
+            try:
+                record(region, f"{label}+cudagraph", graphed(step))
+            except Exception as e:
+                record(region, f"{label}+cudagraph", None, f"{type(e).__name__}: {e}")
+    return rows
+
+
+def save_timeline(fwd, path: Path) -> None:
+    """The stamped forward run as a Perfetto trace and a Gantt PNG (when matplotlib is there)."""
+    tl = fwd.region.program.timeline(fwd.info.stamps)
+    write_trace(tl, path)
+    with contextlib.suppress(ImportError):
+        write_gantt(tl, path.with_suffix(".png"))
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"GPU: {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; "
+             f"bf16 GEMM peak {meta['peak_tflops']:.0f} TFLOP/s; copy {meta['copy_gbs']:.0f} GB/s (measured)",
+             "",
+             "| shape | region | variant | ms | TFLOP/s | roofline | note |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} (E {r['experts']}, EP {r['ep']}) | {r['region']} | {r['variant']} | "
+                     f"{r['ms']:.3f} | {r['tflops']:.1f} | {r['roofline_fraction']:.2f} | "
+                     f"{r['error'][:60]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu.py needs a CUDA device; none is available", file=sys.stderr)
+        return 2
+    import triton
+
+    dev = torch.device("cuda")
+    a.out.mkdir(parents=True, exist_ok=True)
+    peak, bw = device_peaks(a.reps)
+    meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "peak_tflops": peak / 1e12,
+            "copy_gbs": bw / 1e9,
+            "tokens": TOKENS, "tiles": dataclasses.asdict(TILES), "command": " ".join(sys.argv)}
+    rows: list[dict] = []
+    for name, spec in shapes(dev).items():
+        if a.shapes and name not in a.shapes:
+            continue
+        try:
+            rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out)
+        except Exception:
+            traceback.print_exc()
+            rows.append({"shape": name, "experts": spec.experts, "ep": a.ep, "region": "-", "variant": "-",
+                         "ms": float("nan"), "tflops": float("nan"), "roofline_fraction": float("nan"),
+                         "error": traceback.format_exc(limit=1)})
+        torch.cuda.empty_cache()
+    (a.out / "bench_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (a.out / "bench_gpu.md").write_text(markdown(meta, rows))
+    print(markdown(meta, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The persistent kernel on a CUDA device (``pytest -m gpu``; skipped without one).
+
+Against the exact executor on the CPU: fp32 and bf16, EP 1-8, every policy, forward
+and backward; 20 repeats bitwise equal (a difference would be a race); random start
+delays per program; the deadline path; the stamps' timeline."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from hpmoe.exec.exact import moe_forward  # noqa: E402
+from hpmoe.exec.exact_backward import moe_forward_backward  # noqa: E402
+from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # noqa: E402
+from hpmoe.gpu.runner import DeviceProgram  # noqa: E402
+from hpmoe.routing import RoutingKind, synthetic_routing  # noqa: E402
+from hpmoe.runtime.forensics import RegionError, WorkerStatus  # noqa: E402
+from hpmoe.schedule import SchedulePolicy  # noqa: E402
+from hpmoe.spec import GateKind, MoESpec, ParallelSpec, TileSpec  # noqa: E402
+from hpmoe.weights import ExpertWeights  # noqa: E402
+
+SPEC = MoESpec(hidden=256, ffn=128, experts=16, top_k=4, shared_experts=1, gate=GateKind.SOFTMAX,
+               dtype=torch.float32)
+TILES = TileSpec(rows=32, gemm_rows=64, gemm_cols=128)
+TOKENS = 64
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+GRADS = ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2")
+
+
+def _inputs(dtype, ep, seed):
+    spec = SPEC.with_dtype(dtype)
+    w = ExpertWeights.random(spec, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(ep * TOKENS, spec.hidden, generator=g).to(dtype)
+    dy = torch.randn(ep * TOKENS, spec.hidden, generator=g).to(dtype)
+    return x, w, synthetic_routing(RoutingKind.ZIPF, spec, ParallelSpec(ep, TOKENS), seed), dy
+
+
+def _cuda(w: ExpertWeights, x, routing, dy):
+    dev = torch.device("cuda")
+    moved = {f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    routing = dataclasses.replace(routing, weights=routing.weights.to(dev))
+    return dataclasses.replace(w, **moved), x.to(dev), routing, dy.to(dev)
+
+
+CASES = [(dtype, ep, policy) for dtype in (torch.float32, torch.bfloat16) for ep in (1, 2, 4, 8)
+         for policy in SchedulePolicy]
+
+
+@pytest.mark.parametrize("dtype,ep,policy", CASES,
+                         ids=[f"{str(d)[6:]}-ep{e}-{p.name}" for d, e, p in CASES])
+def test_forward_and_backward_match_the_exact_executors(dtype, ep, policy):
+    x, w, routing, dy = _inputs(dtype, ep, ep)
+    want = moe_forward_backward(x, w, routing, dy, ep, TILES)
+    gw, gx, grouting, gdy = _cuda(w, x, routing, dy)
+    fwd = triton_forward(gx, gw, grouting, ep, TILES, TritonOptions(policy=policy))
+    torch.testing.assert_close(fwd.out.cpu(), want.out, **TOL[dtype])
+    grads = triton_backward(fwd, gdy)
+    for name in GRADS:
+        torch.testing.assert_close(getattr(grads, name).cpu(), getattr(want.backward.grads, name),
+                                   **TOL[dtype], msg=name)
+    assert fwd.info.launches == 1 and grads.info.launches == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_twenty_repeats_and_random_start_delays_give_the_same_bits(dtype):
+    x, w, routing, _ = _inputs(dtype, 4, 3)
+    gw, gx, grouting, _ = _cuda(w, x, routing, x)
+    fwd = triton_forward(gx, gw, grouting, 4, TILES, TritonOptions(policy=SchedulePolicy.CRITICAL_PATH))
+    first = fwd.out.clone()
+    rng = np.random.default_rng(0)
+    region = fwd.region
+    for i in range(20):
+        region.arena.bind("out", torch.full_like(first, float("nan")))
+        delays = rng.integers(0, 200_000, region.program.packed.num_queues) if i % 2 else None
+        info = region.run(delays_ns=delays)
+        assert torch.equal(region.arena.gather("out"), first), f"repeat {i} (epoch {info.epoch})"
+    torch.testing.assert_close(first.cpu(), moe_forward(x, w, routing, 4, TILES), **TOL[dtype])
+
+
+def test_a_threshold_that_is_never_reached_ends_in_the_hang_report():
+    x, w, routing, _ = _inputs(torch.float32, 2, 5)
+    gw, gx, grouting, _ = _cuda(w, x, routing, x)
+    fwd = triton_forward(gx, gw, grouting, 2, TILES)
+    packed = fwd.region.program.packed
+    task = int(np.flatnonzero(packed.wait_event >= 0)[-1])
+    threshold = packed.wait_threshold.copy()
+    threshold[task] += 1_000_000
+    stuck = DeviceProgram(dataclasses.replace(packed, wait_threshold=threshold), "cuda", torch.float32)
+    with pytest.raises(RegionError) as err:
+        stuck.run(fwd.region.arena.addresses(), deadline_s=0.2)
+    waits = [r for r in err.value.report.workers if r.status is WorkerStatus.WAITS]
+    assert [r.task for r in waits] == [packed.graph.task(task)]
+    assert waits[0].threshold - waits[0].progress >= 1_000_000
+
+
+def test_global_timer_stamps_become_a_timeline_that_respects_every_wait():
+    x, w, routing, _ = _inputs(torch.bfloat16, 2, 6)
+    gw, gx, grouting, _ = _cuda(w, x, routing, x)
+    fwd = triton_forward(gx, gw, grouting, 2, TILES, TritonOptions(stamps=True))
+    tl = fwd.region.program.timeline(fwd.info.stamps)
+    g = fwd.region.schedule.graph
+    assert (tl.end >= tl.start).all() and tl.makespan > 0
+    waits = g.wait_global()
+    for s, ev in zip(g.signaller(), g.signals_global(), strict=True):
+        assert (tl.start[waits == ev] >= tl.end[s]).all(), g.task(int(s))
