@@ -11,6 +11,12 @@ the single-GPU training case), forward and forward+backward:
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
   *+cudagraph             the two torch variants captured in CUDA graphs
 
+The stamped HYPERPARALLEL forward run is fitted to a GPU hardware model
+(hpmoe.gpu.calibrate: per-task overhead, matrix rate, copy bandwidth per worker,
+signal-to-start latency; saved as <out>/calibration-<shape>.json) and the simulator
+predicts every policy's forward makespan with it (``predicted_ms``; the measured time
+also holds the launch).
+
 Measured in the same run: a plain bf16 GEMM (8192^3) as the tensor-core peak and a 1 GiB
 device copy as the memory bandwidth; a variant's roofline fraction is
 ``max(flops / peak, bytes / bandwidth) / time`` with flops and bytes of the region's task
@@ -42,10 +48,13 @@ import torch.nn.functional as F
 
 from hpmoe import refs
 from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
+from hpmoe.gpu.calibrate import calibrate, calibrated_hardware
 from hpmoe.gpu.pack import pack_tasks
 from hpmoe.gpu.runner import DeviceProgram
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import SchedulePolicy
+from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.simulate import simulate
 from hpmoe.sim.trace import write_gantt, write_trace
 from hpmoe.spec import MoESpec, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
@@ -228,6 +237,7 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         record("fwd", f"persistent/{policy.value}", f_go)
         record("fwd+bwd", f"persistent/{policy.value}", lambda f=f_go, b=b_go: (f(), b()))
         fwd_regions[policy] = (fwd, bwd)
+    predict(rows, name, fwd_regions, spec, out_dir)
     fwd, bwd = fwd_regions[SchedulePolicy.HYPERPARALLEL]
     queues = fwd.region.program.packed.num_queues
     f_phases, b_phases = phase_programs(fwd.region, queues), phase_programs(bwd.region, queues)
@@ -245,6 +255,23 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
     return rows
 
 
+def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: Path) -> None:
+    """Fit a GPU model to the stamped HYPERPARALLEL forward run and predict every policy's
+    forward makespan with the simulator (rows get ``predicted_ms``; the fit is saved)."""
+    fwd = regions[SchedulePolicy.HYPERPARALLEL][0]
+    sched = fwd.region.schedule
+    cal = calibrate(sched, fwd.region.program.timeline(fwd.info.stamps))
+    model = calibrated_hardware(hardware_preset("h100"), cal, sched, spec.dtype)
+    (out_dir / f"calibration-{name}.json").write_text(json.dumps(
+        {"fit": dataclasses.asdict(cal), "model": model.to_dict()}, indent=1))
+    for policy, (f, _) in regions.items():
+        ms = simulate(f.region.schedule, model).makespan * 1e3
+        for r in rows:
+            if r["shape"] == name and r["region"] == "fwd" and r["variant"] == f"persistent/{policy.value}":
+                r["predicted_ms"] = ms
+                print(f"{name:>16} fwd {policy.value:>24} predicted {ms:9.3f} ms, measured {r['ms']:9.3f} ms")
+
+
 def save_timeline(fwd, path: Path) -> None:
     """The stamped forward run as a Perfetto trace and a Gantt PNG (when matplotlib is there)."""
     tl = fwd.region.program.timeline(fwd.info.stamps)
@@ -257,10 +284,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"GPU: {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; "
              f"bf16 GEMM peak {meta['peak_tflops']:.0f} TFLOP/s; copy {meta['copy_gbs']:.0f} GB/s (measured)",
              "",
-             "| shape | region | variant | ms | TFLOP/s | roofline | note |", "|---|---|---|---|---|---|---|"]
+             "| shape | region | variant | ms | predicted ms | TFLOP/s | roofline | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        pred = r.get("predicted_ms", float("nan"))
         lines.append(f"| {r['shape']} (E {r['experts']}, EP {r['ep']}) | {r['region']} | {r['variant']} | "
-                     f"{r['ms']:.3f} | {r['tflops']:.1f} | {r['roofline_fraction']:.2f} | "
+                     f"{r['ms']:.3f} | {pred:.3f} | {r['tflops']:.1f} | {r['roofline_fraction']:.2f} | "
                      f"{r['error'][:60]} |")
     return "\n".join(lines) + "\n"
 

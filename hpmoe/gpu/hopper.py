@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .residency import H100, KernelResources, programs_per_sm
-from .runner import KernelConfig, device_module, kernel_meta
+from .runner import KernelConfig, device_module, kernel_meta, launch_options
 
 _POINTERS = {**{n: "*i32" for n in ("tasks", "wait_event_", "wait_threshold", "wait_step", "sig_ptr",
                                      "sig_event", "queue_ptr", "queue_task")},
@@ -47,7 +47,7 @@ class HopperReport:
     def line(self) -> str:
         c = self.config
         return (f"sm_90 {self.dtype} BM{c.bm} BN{c.bn} BK{c.bk} BR{c.br} BC{c.bc} warps {c.num_warps} "
-                f"stages {c.num_stages}: wgmma={self.wgmma} registers={self.registers} "
+                f"stages {c.num_stages} maxnreg {c.maxnreg}: wgmma={self.wgmma} registers={self.registers} "
                 f"spills={self.spill_bytes} B shared={self.shared_bytes} B -> {self.programs_per_sm}/SM, "
                 f"{self.resident} resident on an H100")
 
@@ -65,8 +65,7 @@ def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | N
     signature = {**_POINTERS, "epoch": "i32", "deadline_ns": "i64", **{k: "constexpr" for k in meta}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(_POINTERS))}
     src = ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(config))
     regs, local = cubin_usage(k.asm["cubin"])
     ptx = k.asm["ptx"]
     res = KernelResources(registers=regs, spill_bytes=local, shared_bytes=int(k.metadata.shared),
@@ -100,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     for name, default in asdict(KernelConfig()).items():
         p.add_argument(f"--{name.replace('num_', '')}", type=int, default=default, dest=name)
+    p.add_argument("--no-maxnreg", action="store_const", const=None, dest="maxnreg")
     p.add_argument("--stamps", action="store_true")
     a = p.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32

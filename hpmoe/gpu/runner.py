@@ -68,7 +68,10 @@ class KernelConfig:
     """Tile sizes and launch options of the persistent kernel.
 
     bm, bn, bk: GEMM block (tl.dot needs >= 16 each); br, bc: rows and columns of a
-    vector-operation chunk; num_warps / num_stages: Triton launch options."""
+    vector-operation chunk; num_warps / num_stages: Triton launch options; maxnreg: cap
+    on registers per thread (None: ptxas's choice).  Without a cap ptxas takes all 255
+    registers (2 programs of 4 warps per SM); at 128 the sm_90 build does not spill and
+    4 programs fit an SM (``python -m hpmoe.gpu.hopper``)."""
 
     bm: int = 64
     bn: int = 64
@@ -77,8 +80,12 @@ class KernelConfig:
     bc: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = 128
 
     def __post_init__(self) -> None:
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 16 <= self.maxnreg <= 255):
+            raise ValueError(f"KernelConfig.maxnreg must be None or an int in [16, 255], got "
+                             f"{self.maxnreg!r}")
         for name in ("bm", "bn", "bk", "br", "bc", "num_warps", "num_stages"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -92,6 +99,14 @@ class KernelConfig:
 
 
 INTERPRETER_CONFIG = KernelConfig(bm=16, bn=16, bk=16, br=16, bc=16)
+
+
+def launch_options(config: KernelConfig) -> dict:
+    """Triton launch/compile options of ``config``."""
+    out = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg is not None:
+        out["maxnreg"] = config.maxnreg
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,7 +174,7 @@ class DeviceProgram:
         if self.interpret:
             launches = self._rounds(kernel, args, meta, cursor, max_rounds)
         else:
-            launch = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
+            launch = launch_options(self.config)
             compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
             check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(dev)))
             kernel[(q,)](*args, **meta, **launch)
@@ -183,7 +198,7 @@ class DeviceProgram:
         dummy = torch.zeros(1, 2, dtype=torch.int64, device=dev)
         kernel = device_module(False).taskflow_kernel
         meta = kernel_meta(self.dtype, self.config, False, True, 0, False)
-        launch = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
+        launch = launch_options(self.config)
         args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
         compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
         check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(dev)))
@@ -315,5 +330,5 @@ def compiled_resources(device: torch.device, dtype: torch.dtype,
     args = (i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, i32, i32, i32, i64, i64, i64, 0, 1)
     meta = kernel_meta(dtype, config, False, True, 0, False)
     kernel = device_module(False).taskflow_kernel
-    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    launch = launch_options(config)
     return kernel_resources(kernel.warmup(*args, grid=(1,), **meta, **launch))
