@@ -72,7 +72,7 @@ def _forward(mode: str, layers: list[MoE], x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         if mode == "dense-autograd":
             w = layer.expert_weights()
-            h = h + refs.dense_moe(h, route(h, w), w)
+            h = h + refs.dense_moe(h, w, route(h, w))
         else:
             h = h + layer(h)
     return h

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,12 +87,19 @@ def synthetic_batches(cfg: TrainConfig, vocab: int = 64) -> torch.Tensor:
 
 
 def train(model: torch.nn.Module, batches: torch.Tensor, cfg: TrainConfig,
-          group: dist.ProcessGroup | None = None) -> list[float]:
+          group: dist.ProcessGroup | None = None, label: str | None = None) -> list[float]:
     """Adam over ``batches`` [steps, b, seq]; with ``group``, gradients and the logged loss
-    are averaged over its ranks (each holds an equal share of every batch)."""
+    are averaged over its ranks (each holds an equal share of every batch).  With
+    ``label``, shows progress on stderr every few seconds."""
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    losses = []
-    for ids in batches:
+    losses: list[float] = []
+    start = shown = time.monotonic()
+    for step, ids in enumerate(batches, 1):
+        if label is not None and (time.monotonic() - shown > 5.0 or step == len(batches)):
+            shown = time.monotonic()
+            last = f", loss {losses[-1]:.4f}" if losses else ""
+            print(f"{label}: step {step}/{len(batches)}{last} ({shown - start:.0f} s)", file=sys.stderr,
+                  flush=True)
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -116,14 +125,14 @@ def _average_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None
 
 
 def run_original(cfg: TrainConfig) -> list[float]:
-    return train(make_model(cfg), synthetic_batches(cfg), cfg)
+    return train(make_model(cfg), synthetic_batches(cfg), cfg, label="original model")
 
 
 def run_virtual(cfg: TrainConfig, virtual_ep: int) -> list[float]:
     """The hpmoe model in one process with ``virtual_ep`` virtual EP ranks."""
     model = make_model(cfg)
     replace_moe_blocks(model, virtual_ep=virtual_ep, tiles=TILES)
-    return train(model, synthetic_batches(cfg), cfg)
+    return train(model, synthetic_batches(cfg), cfg, label=f"hpmoe model ({virtual_ep} virtual ranks)")
 
 
 def run_rank(rank: int, world: int, cfg: TrainConfig) -> list[float]:
@@ -134,7 +143,8 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> list[float]:
     model = make_model(cfg)
     replaced = replace_moe_blocks(model, ep_group=dist.group.WORLD, tiles=TILES)
     share = synthetic_batches(cfg).chunk(world, dim=1)[rank]
-    losses = train(model, share, cfg, group=dist.group.WORLD)
+    label = "hpmoe model (rank 0)" if rank == 0 else None
+    losses = train(model, share, cfg, group=dist.group.WORLD, label=label)
     replaced.close()  # the runtime session's worker threads and shared memory
     del model, replaced
     gc.collect()  # free every object that holds the process group before the caller destroys it

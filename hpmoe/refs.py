@@ -82,10 +82,11 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- dense
 
 
-def dense_moe(x: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
-    """Single-process MoE layer: routed experts plus shared experts.
+def dense_moe(x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torch.Tensor:
+    """Single-process MoE layer: routed experts plus shared experts (arguments in the
+    order of ``moe_forward``).
 
-    x: [N, H] spec.dtype; routing: ids/weights [N, k]; weights: the layer's parameters.
+    x: [N, H] spec.dtype; weights: the layer's parameters; routing: ids/weights [N, k].
     Returns [N, H] spec.dtype.  Differentiable by autograd with respect to ``x``,
     ``routing.weights`` and every weight tensor.
 
@@ -93,6 +94,7 @@ def dense_moe(x: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torc
     2. run each expert once on its segment (:func:`grouped_ffn`);
     3. unsort to [N, k, H] and combine with :func:`topk_sum`.
     """
+    _check_order(weights, routing)
     spec = weights.spec
     check_hidden(x, spec)
     check_routing(routing, spec, x.shape[0])
@@ -126,18 +128,20 @@ class SerialResult:
     recv_counts: torch.Tensor
 
 
-def serialized_ep_forward(x_local: torch.Tensor, routing_local: Routing, weights: ExpertWeights,
+def serialized_ep_forward(x_local: torch.Tensor, weights: ExpertWeights, routing_local: Routing,
                           group: dist.ProcessGroup | None = None) -> SerialResult:
     """The kernel-by-kernel expert-parallel baseline, forward only (call on every rank).
 
-    x_local: [T, H] spec.dtype; routing_local: ids/weights [T, k] of these tokens (global
-    expert ids); weights: the full layer (rank r uses experts [r*L, (r+1)*L), L = E/ep).
+    x_local: [T, H] spec.dtype; weights: the full layer (rank r uses experts
+    [r*L, (r+1)*L), L = E/ep); routing_local: ids/weights [T, k] of these tokens (global
+    expert ids).
     T may differ between ranks.
 
     1. permute rows by global expert (stable argsort); 2. all-to-all the per-expert counts;
     3. dispatch rows (uneven all-to-all); 4. run the local experts; 5. send results back;
     6. unpermute and combine with :func:`topk_sum`, shared experts on the local tokens.
     """
+    _check_order(weights, routing_local)
     spec = weights.spec
     rank, ep = dist.get_rank(group), dist.get_world_size(group)
     local = _local_experts(spec, ep)
@@ -156,6 +160,13 @@ def serialized_ep_forward(x_local: torch.Tensor, routing_local: Routing, weights
         o = back.index_select(0, inverse_permutation(order)).view(t, k, spec.hidden)
         out = topk_sum(o, routing_local.weights, shared_ffn(x_local, weights), spec.dtype)
     return SerialResult(out=out, dispatch_recv=recv, combine_recv=back, recv_counts=recv_counts)
+
+
+def _check_order(weights: object, routing: object) -> None:
+    """TypeError when the two are swapped (the order is x, weights, routing everywhere)."""
+    if not isinstance(weights, ExpertWeights) or not isinstance(routing, Routing):
+        raise TypeError(f"expected (x, weights: ExpertWeights, routing: Routing), got weights="
+                        f"{type(weights).__name__}, routing={type(routing).__name__}")
 
 
 def _local_experts(spec: MoESpec, ep: int) -> int:

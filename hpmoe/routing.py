@@ -67,8 +67,11 @@ def check_hidden(x: object, spec: MoESpec, name: str = "x") -> None:
         raise ValueError(f"{name} has shape {tuple(x.shape)}, expected [tokens, {spec.hidden}]")
     if x.dtype != spec.dtype:
         raise TypeError(f"{name} has dtype {x.dtype}, expected {spec.dtype} (MoESpec.dtype)")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} contains NaN or inf")
+    finite = torch.isfinite(x).all(dim=1)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0, 0])
+        kind = "NaN" if bool(torch.isnan(x[row]).any()) else "inf"
+        raise ValueError(f"{name} has {kind} at row {row}")
 
 
 # ---------------------------------------------------------------------------- gates

@@ -47,7 +47,7 @@ def _autograd(x, w, routing, dy) -> Gradients:
     rw = routing.weights.clone().requires_grad_()
     names = ["w13", "w2"] + (["shared_w13", "shared_w2"] if w.has_shared else [])
     leaves = {n: getattr(w, n).clone().requires_grad_() for n in names}
-    refs.dense_moe(x, Routing(routing.ids, rw), dataclasses.replace(w, **leaves)).backward(dy)
+    refs.dense_moe(x, dataclasses.replace(w, **leaves), Routing(routing.ids, rw)).backward(dy)
     return Gradients(dx=x.grad, dweights=rw.grad, dw13=leaves["w13"].grad, dw2=leaves["w2"].grad,
                      dshared_w13=leaves["shared_w13"].grad if w.has_shared else None,
                      dshared_w2=leaves["shared_w2"].grad if w.has_shared else None)

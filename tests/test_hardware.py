@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 
 import numpy as np
@@ -170,5 +169,16 @@ def test_run_calibrate_saves_and_prints(tmp_path, monkeypatch, capsys) -> None:
     add_calibrate_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["calibrate", "--out", str(tmp_path / "p.json"), "--json"])
     assert args.func(args) == 0
-    assert HardwareModel.from_dict(json.loads(capsys.readouterr().out)) == hw
+    printed = tmp_path / "printed.json"  # `hpmoe calibrate --json > printed.json` is a profile
+    printed.write_text(capsys.readouterr().out)
+    assert load_profile(printed) == hw
     assert load_profile(tmp_path / "p.json") == hw
+
+
+def test_a_garbage_profile_names_its_file(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    for text, why in (("{not json", "is not JSON"), ('{"version": 1}', "version=1, expected a document"),
+                      ('{"version": 1, "hardware": {"name": "x"}}', "ValueError")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=f"profile {bad}.*{why}"):
+            load_profile(bad)

@@ -88,7 +88,7 @@ def _qwen3(seed: int, **overrides) -> torch.nn.Module:
 def _ours(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     w = weights_from_hf(block)
     flat = x.reshape(-1, x.shape[-1])
-    return dense_moe(flat, route(flat, w), w).view_as(x)
+    return dense_moe(flat, w, route(flat, w)).view_as(x)
 
 
 CASES = {

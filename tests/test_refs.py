@@ -45,7 +45,7 @@ def test_one_expert_top1_is_the_dense_ffn(dtype: torch.dtype, shared: int) -> No
     expected = expert_ffn(x, w.w13[0], w.w2[0]).float()
     if shared:
         expected = expected + expert_ffn(x, w.shared_w13, w.shared_w2).float()
-    assert torch.equal(dense_moe(x, routing, w), expected.to(dtype))
+    assert torch.equal(dense_moe(x, w, routing), expected.to(dtype))
 
 
 def _brute_force(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13: torch.Tensor,
@@ -81,7 +81,7 @@ def test_dense_matches_brute_force(name: str, kind: RoutingKind | None, dtype: t
     par = ParallelSpec(ep=1, tokens_per_rank=12)
     r = route(x, w) if kind is None else synthetic_routing(kind, spec, par, seed=4)
     expected = _brute_force(x, r.ids, r.weights, w.w13, w.w2, w.shared_w13, w.shared_w2)
-    out = dense_moe(x, r, w)
+    out = dense_moe(x, w, r)
     assert out.dtype == dtype
     # per-row GEMMs (M=1) may round differently from grouped ones (M>1): allclose, not equal
     torch.testing.assert_close(out, expected.to(dtype), **({} if dtype == torch.bfloat16 else
@@ -111,7 +111,7 @@ def test_dense_backward_matches_float64_brute_force() -> None:
     x, rw, w13, w2, sw13, sw2, ids = _grad_inputs(torch.float32)
     weights = dataclasses.replace(ExpertWeights.random(GRAD_SPEC), w13=w13, w2=w2,
                                   shared_w13=sw13, shared_w2=sw2)
-    out = dense_moe(x, Routing(ids, rw), weights)
+    out = dense_moe(x, weights, Routing(ids, rw))
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(10))
     grads = torch.autograd.grad((out * probe).sum(), (x, rw, w13, w2, sw13, sw2))
     ref_inputs = _grad_inputs(torch.float64)
@@ -126,12 +126,12 @@ def test_dense_rejects_bad_input() -> None:
     w = ExpertWeights.random(spec)
     x = _x(4, spec)
     with pytest.raises(TypeError, match="x has dtype"):
-        dense_moe(x.bfloat16(), route(x, w), w)
+        dense_moe(x.bfloat16(), w, route(x, w))
     with pytest.raises(ValueError, match="routing.ids has shape"):
-        dense_moe(x[:3], route(x, w), w)
+        dense_moe(x[:3], w, route(x, w))
     bad = Routing(torch.full((4, 2), 8), torch.ones(4, 2))
     with pytest.raises(ValueError, match="expert id 8"):
-        dense_moe(x, bad, w)
+        dense_moe(x, w, bad)
 
 
 # ---------------------------------------------------------------------------- serialized EP
@@ -146,10 +146,11 @@ class Case:
     weights: ExpertWeights
     splits: list[int]
 
-    def local(self, rank: int) -> tuple[torch.Tensor, Routing]:
+    def local(self, rank: int) -> tuple[torch.Tensor, ExpertWeights, Routing]:
+        """(x, weights, routing) of rank ``rank``'s tokens, as ``serialized_ep_forward`` takes them."""
         lo = sum(self.splits[:rank])
         rows = slice(lo, lo + self.splits[rank])
-        return self.x[rows], Routing(self.routing.ids[rows], self.routing.weights[rows])
+        return self.x[rows], self.weights, Routing(self.routing.ids[rows], self.routing.weights[rows])
 
 
 def _cases(ep: int) -> list[Case]:
@@ -171,7 +172,7 @@ def _cases(ep: int) -> list[Case]:
 
 
 def _ep_worker(rank: int, world: int, cases: list[Case]) -> dict[str, object]:
-    results = {"cases": [serialized_ep_forward(*case.local(rank), case.weights) for case in cases]}
+    results = {"cases": [serialized_ep_forward(*case.local(rank)) for case in cases]}
     if world == 4:
         results.update(_group_checks(rank, cases[0]))
     return results
@@ -183,10 +184,10 @@ def _group_checks(rank: int, case: Case) -> dict[str, object]:
     out: dict[str, object] = {}
     if rank >= 2:
         sub = dataclasses.replace(case, splits=[12, 12])
-        out["pair"] = serialized_ep_forward(*sub.local(rank - 2), sub.weights, pair)
+        out["pair"] = serialized_ep_forward(*sub.local(rank - 2), pair)
     if rank < 3:
         with pytest.raises(ValueError, match="ep=3 does not divide") as err:
-            serialized_ep_forward(*case.local(rank), case.weights, trio)
+            serialized_ep_forward(*case.local(rank), trio)
         out["trio"] = str(err.value)
     return out
 
@@ -196,7 +197,7 @@ def _expected_dispatch(case: Case, ep: int, dst: int) -> tuple[torch.Tensor, tor
     local = case.weights.spec.experts // ep
     rows, counts = [], torch.zeros(ep, local, dtype=torch.int64)
     for src in range(ep):
-        x, r = case.local(src)
+        x, _, r = case.local(src)
         for e in range(local):
             for t in range(x.shape[0]):
                 hits = int((r.ids[t] == dst * local + e).sum())
@@ -215,7 +216,7 @@ def _check_rank(res: SerialResult, case: Case, ep: int, rank: int, ref: torch.Te
 
 def _expected_combine(case: Case, rank: int) -> torch.Tensor:
     """Expert outputs of this rank's rows, one row at a time, sorted by (expert, token, slot)."""
-    x, r = case.local(rank)
+    x, _, r = case.local(rank)
     w = case.weights
     rows = sorted((int(r.ids[t, j]), t, j) for t in range(x.shape[0]) for j in range(r.ids.shape[1]))
     return torch.cat([expert_ffn(x[t:t + 1], w.w13[e], w.w2[e]) for e, t, _ in rows])
@@ -241,13 +242,13 @@ def test_serialized_ep_matches_dense(ep: int) -> None:
     cases = _cases(ep)
     results = spawn_gloo(_ep_worker, ep, cases)
     for i, case in enumerate(cases):
-        ref = dense_moe(case.x, case.routing, case.weights)
+        ref = dense_moe(case.x, case.weights, case.routing)
         for rank in range(ep):
             lo = sum(case.splits[:rank])
             _check_rank(results[rank]["cases"][i], case, ep, rank, ref[lo:lo + case.splits[rank]])
     assert results[ep - 1]["cases"][2].dispatch_recv.shape[0] == 0  # EMPTY_RANK reached nobody
     if ep == 4:
-        ref = dense_moe(cases[0].x, cases[0].routing, cases[0].weights)
+        ref = dense_moe(cases[0].x, cases[0].weights, cases[0].routing)
         _assert_close(torch.cat([results[2]["pair"].out, results[3]["pair"].out]), ref)
         assert all("MoESpec.experts=8" in results[r]["trio"] for r in range(3))
 
@@ -283,3 +284,11 @@ def test_spawn_gloo_raises_child_traceback() -> None:
 def test_spawn_gloo_times_out() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within timeout=5"):
         spawn_gloo(_sleep, 1, timeout=5)
+
+
+def test_reference_arguments_follow_moe_forward_and_a_swap_is_named() -> None:
+    spec = preset("tiny")
+    w = ExpertWeights.random(spec, 0)
+    x = _x(4, spec, seed=1)
+    with pytest.raises(TypeError, match="expected \\(x, weights: ExpertWeights, routing: Routing\\)"):
+        dense_moe(x, route(x, w), w)

@@ -206,7 +206,7 @@ def test_route_rejects_wrong_dtype() -> None:
 def test_route_rejects_nan() -> None:
     x = torch.randn(4, 32)
     x[2, 5] = float("nan")
-    with pytest.raises(ValueError, match="x contains NaN"):
+    with pytest.raises(ValueError, match="x has NaN at row 2"):
         route(x, _tiny_weights())
 
 

@@ -4,7 +4,10 @@ process (no ranks): handmade graphs on the local transport."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -32,7 +35,9 @@ from hpmoe.runtime.transport.segment import (
     job_segments,
     new_token,
     open_segment,
+    segment_name,
     sweep,
+    sweep_stale,
 )
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 
@@ -171,7 +176,7 @@ def test_bad_configuration_names_the_field() -> None:
         RuntimeConfig(threads=0)
     with pytest.raises(TypeError, match="transport"):
         RuntimeConfig(transport="shm")
-    with pytest.raises(ValueError, match="link rate"):
+    with pytest.raises(ValueError, match="--link="):
         LinkSpec("2 gigabit")
     assert LinkSpec("2gbit").bytes_per_s == 2.5e8
     assert Fault.parse("kill:1:5") == Fault(FaultKind.KILL, 1, 5)
@@ -181,12 +186,13 @@ def test_bad_configuration_names_the_field() -> None:
 
 # ---------------------------------------------------------------------------- shared memory
 
-def test_segments_are_private_exclusive_and_swept() -> None:
+def test_segments_are_private_exclusive_reserved_and_swept() -> None:
     job = new_token()
-    seg = create_segment(f"hpmoe-{job}-x-r0-g0", 4096)
+    seg = create_segment(segment_name(job, os.getpid(), new_token()), 4096)
     try:
         st = os.stat(SHM_DIR / seg.name)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        assert st.st_blocks * 512 >= 4096  # posix_fallocate reserved the pages
         with pytest.raises(FileExistsError):
             create_segment(seg.name, 4096)
         os.chmod(SHM_DIR / seg.name, 0o644)
@@ -198,9 +204,28 @@ def test_segments_are_private_exclusive_and_swept() -> None:
     assert job_segments(job) == []
 
 
+def test_a_squatted_segment_name_is_retried_and_a_dead_owners_segment_is_swept() -> None:
+    job, draws = new_token(), iter(["00000000000000aa", "00000000000000bb"])
+    squat = create_segment(segment_name(job, os.getpid(), "00000000000000aa"), 4096)  # the next name
+    heap = SymmetricHeap(job, 0, 1, [os.getpid()], lambda row: row[None], token=lambda: next(draws))
+    try:
+        assert heap.ensure([HeapNeed(events=4, fields=())]) == [0]
+        assert job_segments(job) == [squat.name]  # ours was created as ...bb, mapped, unlinked
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        stale = create_segment(segment_name(job, int(dead), new_token()), 4096)
+        assert sweep_stale() == [stale.name] and job_segments(job) == [squat.name]
+        stale.close()
+    finally:
+        heap.close()
+        squat.close()
+        sweep(job)
+    assert job_segments(job) == []
+
+
 def test_heap_grows_by_generation_and_leaves_nothing_behind() -> None:
-    job, session = new_token(), new_token()
-    heap = SymmetricHeap(job, session, 0, 1, barrier=lambda: None)
+    job = new_token()
+    heap = SymmetricHeap(job, 0, 1, [os.getpid()], lambda row: row[None])
     small = HeapNeed(events=10, fields=(("recv", (4, 8), torch.bfloat16), ("comb", (3, 8), torch.float32)))
     big = HeapNeed(events=5000, fields=(("recv", (400, 800), torch.bfloat16),))
     try:
@@ -215,3 +240,39 @@ def test_heap_grows_by_generation_and_leaves_nothing_behind() -> None:
     finally:
         heap.close()
     assert job_segments(job) == []
+
+
+_PAUSED_CHILD = """
+import sys, time
+from hpmoe.ir.graph import TaskKind
+from tests.test_runtime_executor import Log, _chain, _run
+
+class Steps(Log):  # the GEMM takes 1 s of its own running time, in 50 ms steps
+    def kernel(self, tile, me, peer, ctx):
+        if tile.kind == TaskKind.GEMM_UP:
+            print("running", flush=True)
+            for _ in range(20):
+                time.sleep(0.05)
+        self.seen.append(tile.kind)
+
+log = Steps()
+_run(_chain(), [0, 0], log, deadline=2.0)
+print("ok", log.seen == [TaskKind.GEMM_UP, TaskKind.SWIGLU], flush=True)
+"""
+
+
+def test_a_rank_stopped_and_resumed_does_not_blame_itself_for_the_time_it_was_stopped() -> None:
+    """Stopped for 3 s mid-region (deadline 2 s), the rank finishes once continued: the
+    time it did not run counts neither against the waiting task nor the watchdog."""
+    child = subprocess.Popen([sys.executable, "-c", _PAUSED_CHILD], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "running"
+        time.sleep(0.2)
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(child.pid, signal.SIGCONT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and out.strip() == "ok True", err

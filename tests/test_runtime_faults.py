@@ -1,7 +1,8 @@
 """Failures end in a diagnosis on every rank within the deadline, never in a hang:
 a rank killed mid-run, a rank whose puts never signal, an event threshold that
-cannot be reached — on both transports.  No process and no /dev/shm segment of
-the job outlives it."""
+cannot be reached — on both transports; outside the region, a rank stopped before a
+collective, one rank's bad input, ranks that disagree on dtype, tokens or weights.
+No process and no /dev/shm segment of the job outlives it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 
 from hpmoe.launch.launcher import LaunchResult, LaunchSpec, launch
 from hpmoe.runtime.transport.segment import job_segments
+
+from .fault_rank import DEADLINE as FAULT_DEADLINE
+from .fault_rank import INPUT_CASES
 
 DEADLINE = 2.0
 BENCH = ("--preset", "tiny", "--tokens", "32", "--tile-rows", "8", "--gemm-rows", "8", "--gemm-cols", "16",
@@ -74,3 +78,51 @@ def test_an_unreachable_threshold_is_diagnosed_at_the_deadline(transport: str, r
     assert DEADLINE <= _stopped_after(culprit.stderr) < DEADLINE + 1.0
     other = result.ranks[1 - rank]
     assert other.returncode == 1 and "stopped" in other.stderr
+
+
+def _case(case: str, transport: str = "shm") -> LaunchResult:
+    argv = (sys.executable, "-m", "tests.fault_rank", case, transport)
+    return launch(LaunchSpec(argv=argv, world=2, capture=True, timeout_s=60.0, grace_s=1.0))
+
+
+def _diagnosis(stderr: str, case: str) -> tuple[float, str]:
+    """(seconds, message) of a rank's ``CASE: diagnosed after T s: message`` line."""
+    line = next(x for x in stderr.splitlines() if x.startswith(f"{case}: diagnosed after "))
+    seconds, message = line.removeprefix(f"{case}: diagnosed after ").split(" s: ", 1)
+    return float(seconds), message
+
+
+INPUT_MESSAGES = {
+    "nan": "InputRejected: rank 1 rejected its input: x has NaN at row 13",
+    "expert": "InputRejected: rank 1 rejected its input: routing.ids contains expert id 11, outside [0, 8)",
+    "empty": "InputRejected: rank 1 rejected its input: x has no tokens (0 rows)",
+    "dtype": "MismatchError: ranks disagree on 'forward region 5: agreement': dtype differs: "
+             "rank 0 float32, rank 1 bfloat16",
+    "tokens": "MismatchError: ranks disagree on 'forward region 6: agreement': tokens differs: "
+              "rank 0 16, rank 1 12",
+    "weights": "MismatchError: ranks disagree on 'forward region 7: agreement': weights_crc differs: rank 0 ",
+}
+
+
+def test_one_sided_inputs_and_mismatches_end_every_rank_with_the_same_named_cause_at_once() -> None:
+    result = _case("inputs")
+    _assert_clean(result)
+    assert set(INPUT_MESSAGES) == set(INPUT_CASES)
+    for r in result.ranks:
+        assert r.returncode == 0 and r.stdout.strip() == "clean", r.stderr  # the session went on
+        for case, message in INPUT_MESSAGES.items():
+            seconds, said = _diagnosis(r.stderr, case)
+            assert said.startswith(message), said
+            assert seconds < FAULT_DEADLINE  # the agreement answers at once, not at the deadline
+
+
+def test_a_rank_stopped_outside_the_region_is_named_by_its_peer_at_the_deadline() -> None:
+    result = _case("stall")
+    assert job_segments(result.job) == []
+    stalled, survivor = result.ranks[1], result.ranks[0]
+    assert stalled.stopped and stalled.returncode in (-15, -9)
+    seconds, said = _diagnosis(survivor.stderr, "clean")
+    assert "in 'forward region 2: count exchange': rank 1 did not arrive" in said, said
+    assert "rank 1: 'forward region 2: agreement'" in survivor.stderr  # what it did last
+    assert "(stopped or hung)" in survivor.stderr
+    assert FAULT_DEADLINE <= seconds < FAULT_DEADLINE + 1.0

@@ -58,7 +58,7 @@ def _check(runner_of, kinds, policies, dtype, group, rank, ep) -> tuple[list[str
         exact = execute_forward(x, weights, routing, ep, TILES)
         mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
         local = Routing(routing.ids[mine], routing.weights[mine])
-        ref = serialized_ep_forward(x[mine], local, weights, group).out
+        ref = serialized_ep_forward(x[mine], weights, local, group).out
         for policy in policies:
             out = runner_of(weights, policy)(x[mine], local)
             name = f"{policy.value}/{kind.value}/{dtype}"

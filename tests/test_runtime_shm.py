@@ -61,12 +61,18 @@ def _ping_pong(transport: ShmTransport, rank: int, n: int, generations: int, bro
     return bad
 
 
+def _all_gather(row: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, row)
+    return torch.stack(parts)
+
+
 def _rank(rank: int, world: int, cases: list[tuple[int, int, bool]]) -> list[int]:
-    box = [new_token(), new_token()]  # job and session tokens, agreed through the group
+    box = [new_token()]  # the job token, agreed through the group
     dist.broadcast_object_list(box, src=0)
     pids = [0] * world
     dist.all_gather_object(pids, os.getpid())
-    transport = ShmTransport(rank, world, box[0], box[1], pids, barrier=dist.barrier)
+    transport = ShmTransport(rank, world, box[0], pids, _all_gather)
     try:
         out = []
         for n, generations, broken in cases:

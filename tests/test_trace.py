@@ -10,7 +10,7 @@ import pytest
 from hpmoe.cli import main
 from hpmoe.schedule import WorkerCounts
 from hpmoe.sim.simulate import Timeline, simulate
-from hpmoe.sim.trace import chrome_trace, track_ids, write_gantt, write_trace
+from hpmoe.sim.trace import chrome_trace, gantt_figure, lane_names, track_ids, write_gantt, write_trace
 
 from .handmade import UNIT_HW, build, by_hand, gemm, put
 
@@ -68,6 +68,20 @@ def test_write_trace_and_gantt(tmp_path):
     check_schema(json.loads(path.read_text()))
     png = write_gantt(tl, tmp_path / "gantt.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_gantt_chart_is_titled_lane_labelled_and_its_legend_beside_the_bars():
+    tl = sample_timeline()
+    fig = gantt_figure(tl, title="tiny, EP 2")
+    ax = fig.axes[0]
+    assert ax.get_title() == f"tiny, EP 2\nmakespan {tl.makespan * 1e6:,.1f} µs"
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    lanes = lane_names(tl.workers)
+    assert labels == [f"rank {r}  {n}" for r in (0, 1) for n in lanes]
+    assert lanes[-2:] == ["link egress", "link ingress"] and lanes[0] == "matrix 0"
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1  # beside the plot, never over a bar
 
 
 def test_a_measured_timeline_exports_too():

@@ -17,6 +17,7 @@ Plan of ``run_bench`` (every rank, collectively):
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,9 +29,12 @@ import torch.distributed as dist
 from ..launch.netns import LinkSpec
 from ..refs import serialized_ep_forward
 from ..routing import Routing, RoutingKind, synthetic_routing
+from ..runtime.collective import CollectiveError
 from ..runtime.faults import Fault
+from ..runtime.forensics import RegionError
 from ..runtime.forward import ForwardOptions, ForwardOutput, ForwardRunner
 from ..runtime.session import RuntimeConfig, Session
+from ..runtime.transport.segment import SegmentError
 from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
@@ -161,45 +165,69 @@ def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: Ha
         return lambda: r(data.x, data.routing, config.fault)
 
     serial, group = runner(SchedulePolicy.SERIAL), session.group
-    calls: Calls = {Variant.SERIAL.value: lambda: serialized_ep_forward(data.x, data.routing, data.weights,
+    calls: Calls = {Variant.SERIAL.value: lambda: serialized_ep_forward(data.x, data.weights, data.routing,
                                                                         group),
                     Variant.SERIAL_SAME_TRANSPORT.value: lambda: serial(data.x, data.routing)}
     return calls | {runtime_name(p): runtime(runner(p)) for p in policies}
 
 
-def timed_loop(iters: int, calls: Calls, group: dist.ProcessGroup | None) -> Samples:
-    """``iters`` iterations, calls interleaved, each after a barrier."""
+def timed_loop(iters: int, calls: Calls, session: Session, phase: str) -> Samples:
+    """``iters`` iterations, calls interleaved, each after a barrier (under the
+    session's deadline, announced on its board); rank 0 shows progress on stderr
+    (at most one line a second, and the last)."""
     s = Samples.empty(list(calls))
-    for _ in range(iters):
+    start = shown = time.monotonic()
+    for i in range(iters):
         for name, call in calls.items():
-            dist.barrier(group=group)
+            session.collectives.barrier(f"{phase} {i + 1}/{iters}: barrier before {name}", publish=False)
+            session.board.enter(f"{phase} {i + 1}/{iters}: {name}", publish=False)
             t0 = time.perf_counter()
             res = call()
             s.record(name, res, time.perf_counter() - t0)
+        if session.rank == 0 and (time.monotonic() - shown > 1.0 or i + 1 == iters):
+            shown = time.monotonic()
+            print(f"hpmoe bench: {phase} {i + 1}/{iters} ({shown - start:.1f} s)", file=sys.stderr,
+                  flush=True)
     return s
 
 
 def run_bench(config: BenchConfig, group: dist.ProcessGroup | None = None) -> BenchReport:
-    """Run the benchmark on every rank of ``group`` (collective); same report everywhere."""
+    """Run the benchmark on every rank of ``group`` (collective); same report everywhere.
+    A collective of the group that fails (its timeout should be the runtime's
+    deadline) ends in a ``CollectiveError`` naming the ranks that did not arrive."""
     data = make_inputs(config, dist.get_world_size(group), dist.get_rank(group))
     torch.set_num_threads(config.runtime.threads)  # the baseline's intra-op threads
+    with torch.no_grad(), Session(config.runtime, group) as session:
+        try:
+            return _run(config, session, data)
+        except (CollectiveError, RegionError, SegmentError):
+            raise
+        except RuntimeError as err:  # a collective of torch.distributed timed out or lost a peer
+            raise CollectiveError(session.collectives.diagnose_current(err)) from err
+
+
+def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
+    group = session.group
+    session.board.enter("bench: profile agreement")
     profile = agreed_profile(group)
     policies, note = candidate_policies(config.policy, profile)
-    with torch.no_grad(), Session(config.runtime, group) as session:
-        models = _models(config, profile, group)
-        hardware = models.runtime if models else cpu_nominal(config.workers.matrix, config.workers.vector)
-        every = make_calls(config, session, data, hardware, policies)
-        warm = timed_loop(config.warmup, every, group)
-        decision = _decide(warm, models, policies, group)
-        chosen = decision.policy if decision is not None else policies[0]
-        calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
-        calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
-        if decision is not None and decision.fallback:
-            calls[Variant.TASKFLOW.value] = calls[Variant.SERIAL.value]
-        samples = timed_loop(config.iters, calls, group)
-        if Variant.TASKFLOW.value not in calls:
-            samples.alias(Variant.TASKFLOW.value, Variant.RUNTIME.value)
-        return build_report(config, chosen, samples, models, decision, group, note)
+    session.board.enter("bench: cost model measurements")
+    models = _models(config, profile, group)
+    hardware = models.runtime if models else cpu_nominal(config.workers.matrix, config.workers.vector)
+    every = make_calls(config, session, data, hardware, policies)
+    warm = timed_loop(config.warmup, every, session, "warm-up")
+    session.board.enter("bench: decision")
+    decision = _decide(warm, models, policies, group)
+    chosen = decision.policy if decision is not None else policies[0]
+    calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
+    calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
+    if decision is not None and decision.fallback:
+        calls[Variant.TASKFLOW.value] = calls[Variant.SERIAL.value]
+    samples = timed_loop(config.iters, calls, session, "iteration")
+    if Variant.TASKFLOW.value not in calls:
+        samples.alias(Variant.TASKFLOW.value, Variant.RUNTIME.value)
+    session.board.enter("bench: report")
+    return build_report(config, chosen, samples, models, decision, group, note)
 
 
 def _models(config: BenchConfig, profile: HardwareModel | None,

@@ -9,7 +9,6 @@ as one of those ranks) it is one rank of the benchmark, and rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from datetime import timedelta
@@ -18,18 +17,20 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..bench.report import BenchReport
-from ..bench.runner import BenchConfig, run_bench
+from ..bench.runner import STEP_NAMES, BenchConfig, run_bench
 from ..launch.launcher import LaunchSpec, launch
 from ..launch.netns import LinkSpec
 from ..routing import RoutingKind
+from ..runtime.collective import CollectiveError
 from ..runtime.faults import Fault
 from ..runtime.forensics import RegionError
 from ..runtime.session import JOB_ENV, RuntimeConfig
 from ..runtime.transport.base import TransportKind
+from ..runtime.transport.segment import SegmentError
 from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.trace import write_gantt, write_trace
 from ..spec import TileSpec, preset
-from .common import DTYPES, add_layer_args, emit
+from .common import DTYPES, add_layer_args, emit, require_plotting
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
             "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
@@ -41,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure the runtime against the serialized baseline")
     add_layer_args(p, tokens=512, ep=2)
     p.set_defaults(preset="small", ep=None, run=run)
+    for action in p._actions:
+        if action.dest == "ep":
+            action.help = "expert-parallel ranks (default: 2 launched here; WORLD_SIZE under torchrun)"
     p.add_argument("--transport", choices=[TransportKind.SHM.value, TransportKind.DIST.value], default=None,
                    help="shm (one host) or dist (torch.distributed p2p); default shm, dist with --link")
     p.add_argument("--schedule", choices=["auto", *(s.value for s in SchedulePolicy)], default="auto",
@@ -51,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", default="1,1", help="matrix,vector worker threads per rank")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker and for the baseline")
     p.add_argument("--warmup", type=int, default=5, help="warm-up iterations (the cost model reads them)")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (medians over them)")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--predict", action="store_true", help="also replay the schedules on the cpu model")
     p.add_argument("--cache-schedules", action="store_true",
@@ -60,7 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="write trace.json (Perfetto) and gantt.png of the measured taskflow region, and "
                         "predicted-trace.json / predicted-gantt.png with --predict")
     p.add_argument("--fault", default=None, metavar="KIND:RANK[:AFTER]",
-                   help="inject a fault (kill, silent, unreachable) to see failures propagate")
+                   help="inject a fault to see failures propagate: kill (SIGKILL at kernel AFTER), "
+                        "silent (puts move nothing), unreachable (a threshold one too high), stall "
+                        "(SIGSTOP before the count exchange of region AFTER)")
     p.add_argument("--timeout", type=float, default=1800.0, help="launcher: wall-time limit (s)")
 
 
@@ -96,6 +102,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = bench_config(args)
+    if args.trace:
+        require_plotting("hpmoe bench --trace (gantt.png)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank_main(args, config)
     ep = 2 if args.ep is None else args.ep
@@ -128,11 +136,16 @@ def _rank_main(args: argparse.Namespace, config: BenchConfig) -> int:
         raise ValueError(f"--ep={args.ep} but WORLD_SIZE={world}")
     if config.link is not None and JOB_ENV not in os.environ:
         raise ValueError("--link is for `hpmoe bench` starting its own ranks, not for torchrun")
+    # rendezvous waits for ranks that start late; every collective after it has the deadline
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(60.0, 2 * args.deadline)))
+    group = dist.new_group(timeout=timedelta(seconds=args.deadline))
     try:
-        report = run_bench(config)
-    except RegionError as err:
+        report = run_bench(config, group)
+    except (RegionError, CollectiveError) as err:
         print(str(err), file=sys.stderr, flush=True)
+        os._exit(1)  # pending gloo work of a failed region must not block the exit
+    except SegmentError as err:
+        print(f"hpmoe runtime: rank {dist.get_rank()} stopped: {err}", file=sys.stderr, flush=True)
         os._exit(1)  # pending gloo work of a failed region must not block the exit
     except RuntimeError as err:  # a collective that failed because a peer died
         print(f"hpmoe runtime: rank {dist.get_rank()} stopped: {type(err).__name__}: {err}",
@@ -150,19 +163,54 @@ def _print(args: argparse.Namespace, config: BenchConfig, report: BenchReport, w
             "dtype": args.dtype, "transport": config.runtime.transport.value,
             "link": args.link, "workers": args.workers, "threads": args.threads,
             "warmup": args.warmup, "iters": args.iters}
-    files = _write_traces(Path(args.trace), report) if args.trace else {}
-    emit(head | report.to_json() | files, args.json)
+    files = _write_traces(Path(args.trace), report, args) if args.trace else {}
+    doc = head | report.to_json() | files
+    if args.json:
+        emit(doc, True)
+    else:
+        print(summary(doc))
 
 
-def _write_traces(out: Path, report: BenchReport) -> dict:
-    """Measured (and predicted) timelines as Perfetto JSON and, with matplotlib, Gantt PNGs."""
-    plots = importlib.util.find_spec("matplotlib") is not None
+def summary(doc: dict) -> str:
+    """A few lines for humans from the JSON report ``doc`` (fields: docs/bench-json.md)."""
+    def stats(name: str) -> str:
+        return (f"{doc[f'{name}_ms']:9.3f} ms  (quartiles {doc[f'{name}_p25_ms']:.3f}-"
+                f"{doc[f'{name}_p75_ms']:.3f}, {doc['iters']} iterations)")
+
+    link = f", link {doc['link']}" if doc.get("link") else ""
+    ran = "the serialized baseline: the cost model predicted no gain" if doc.get("fallback") else \
+        f"the {doc['schedule']} schedule on the runtime"
+    steps = ", ".join(f"{k} {doc[f'runtime_taskflow_{k}_ms']:.3f}" for k in STEP_NAMES)
+    lines = [
+        f"hpmoe bench: {doc['preset']}, {doc['tokens_per_rank']} tokens/rank, EP {doc['ep']}, "
+        f"{doc['dtype']}, {doc['routing']} routing, transport {doc['transport']}{link}",
+        f"  baseline (serialized torch.distributed) {stats('serial')}",
+        f"  hpmoe taskflow                          {stats('taskflow')}",
+        f"  speedup {doc['speedup']:.2f}x (hpmoe ran {ran}); the runtime schedule alone: "
+        f"{doc['runtime_speedup']:.2f}x over the baseline, "
+        f"{doc['runtime_speedup_over_serial_schedule']:.2f}x over the serial schedule",
+        f"  runtime steps, median ms: {steps}",
+        f"  max |hpmoe - baseline| {doc['max_abs_diff']:.3g}; runtime bitwise equal across schedules: "
+        f"{'yes' if doc['bitwise_equal_serial_schedule'] else 'NO'}",
+    ]
+    if doc.get("note"):
+        lines.append(f"  note: {doc['note']}")
+    files = [doc[k] for k in ("trace", "gantt", "predicted_trace", "predicted_gantt") if k in doc]
+    if files:
+        lines.append(f"  wrote {', '.join(files)}")
+    return "\n".join(lines + ["  (every figure: --json; its fields are described in docs/bench-json.md)"])
+
+
+def _write_traces(out: Path, report: BenchReport, args: argparse.Namespace) -> dict:
+    """Measured (and predicted) timelines as Perfetto JSON and Gantt PNGs."""
     files = {}
+    layer = f"{args.preset}, EP {report.ep}, {args.tokens} tokens/rank, {args.dtype}"
     for prefix, timeline in (("", report.timeline), ("predicted-", report.predicted_timeline)):
         if timeline is None:
             continue
         key = prefix.replace("-", "_")
+        what = "predicted on the cpu model" if prefix else "measured on this CPU"
+        title = f"{layer}: forward, schedule {report.policy.value}, {what}"
         files[f"{key}trace"] = str(write_trace(timeline, out / f"{prefix}trace.json"))
-        if plots:
-            files[f"{key}gantt"] = str(write_gantt(timeline, out / f"{prefix}gantt.png"))
+        files[f"{key}gantt"] = str(write_gantt(timeline, out / f"{prefix}gantt.png", title=title))
     return files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -20,8 +21,8 @@ def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) 
     p.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
     p.add_argument("--routing", default=RoutingKind.BALANCED.value,
                    choices=[k.value for k in RoutingKind], help="synthetic routing pattern")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activations and expert weights")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and inputs")
     p.add_argument("--tile-rows", type=int, default=128, help="rows per vector tile")
     p.add_argument("--gemm-rows", type=int, default=128, help="rows per GEMM tile (0: whole expert)")
     p.add_argument("--gemm-cols", type=int, default=512, help="columns per GEMM tile")
@@ -47,6 +48,13 @@ def layer_from_args(args: argparse.Namespace) -> Layer:
     routing = synthetic_routing(kind, moe, par, seed=args.seed)
     tiles = TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols)
     return Layer(moe=moe, par=par, tiles=tiles, routing=kind, plan=plan_routing(routing.ids, moe, par))
+
+
+def require_plotting(what: str) -> None:
+    """ModuleNotFoundError (one line, with the fix) unless matplotlib is installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError(f"{what} needs matplotlib, which is not installed: "
+                                  "pip install 'hpmoe[plot]' (or make demo / make test, which install it)")
 
 
 def emit(obj: dict, as_json: bool) -> None:

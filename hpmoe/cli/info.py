@@ -31,10 +31,10 @@ def graph_summary(graph: TaskGraph) -> dict:
         "tasks_per_unit": {u.name.lower(): int(units[u]) for u in Unit},
         "events": int(graph.num_events),
         "signals": int(len(graph.sig_event)),
-        "link_bytes_per_rank_max": float(link.max(initial=0)),
-        "link_bytes_per_rank_mean": float(link.mean()) if ranks else 0.0,
-        "memory_bytes": float(graph.bytes.sum()),
-        "flops": float(graph.flops.sum()),
+        "link_bytes_per_rank_max": int(round(float(link.max(initial=0)))),
+        "link_bytes_per_rank_mean": int(round(float(link.mean()))) if ranks else 0,
+        "memory_bytes": int(graph.bytes.sum()),
+        "flops": int(graph.flops.sum()),
     }
 
 

@@ -36,10 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    choices=[k.value for k in RoutingKind], help="synthetic routings")
     p.add_argument("--direction", nargs="+", default=[RegionKind.FORWARD.value, RegionKind.BACKWARD.value],
                    choices=[d.value for d in RegionKind], help="the regions to simulate")
-    p.add_argument("--hardware", default="ascend-a3", choices=list(HARDWARE_PRESETS))
-    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--hardware", default="ascend-a3", choices=list(HARDWARE_PRESETS), help="hardware model")
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS), help="MoE shape")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

@@ -3,10 +3,15 @@
 ``launch`` runs the same command in ``world`` processes with the environment
 torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) plus
 ``HPMOE_JOB``, optionally each in its own network namespace (``--link``).
-Failure propagates: once a rank exits with an error, the others get ``grace_s``
-to report their own diagnosis, then are terminated, then killed.  Children die
-with the launcher (PR_SET_PDEATHSIG).  Afterwards the launcher unlinks every
-shared segment of the job and deletes the namespaces, whatever happened.
+Without ``--link`` the launcher itself hosts the job's key-value store (as torchrun
+does), so the store outlives any rank and a stopped rank can still be named by
+its peers.  Failure propagates: once a rank exits with an error, the others get
+``grace_s`` to report their own diagnosis, then are terminated, then killed.
+Children die with the launcher (PR_SET_PDEATHSIG).  Afterwards the launcher
+unlinks every shared segment of the job, deletes the namespaces and its temporary
+directory, whatever happened: SIGTERM, SIGINT and SIGHUP run the same cleanup and
+then raise ``Interrupted``.  At start it sweeps what dead launchers and ranks left
+(segments, ``hpmoe-launch-p<pid>-*`` directories, ``hpm-p<pid>-*`` namespaces).
 """
 
 from __future__ import annotations
@@ -14,20 +19,38 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
+import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
 
 from ..runtime.session import JOB_ENV
-from ..runtime.transport.segment import new_token, sweep
+from ..runtime.transport.segment import new_token, pid_alive, sweep, sweep_stale
 from ..testing import free_port
-from .netns import IFNAME, LinkSpec, Topology, create_topology, delete_topology
+from .netns import IFNAME, LinkSpec, Topology, create_topology, delete_topology, sweep_stale_namespaces
 
 _PR_SET_PDEATHSIG = 1
 _LINK_PORT = 29500
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+TMP_PREFIX = "hpmoe-launch-p"
+_TMP = re.compile(r"^hpmoe-launch-p(\d+)-")
+
+
+class Interrupted(BaseException):
+    """The launcher got ``signum``; its ranks were stopped and everything removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -71,12 +94,14 @@ class RankExit:
 @dataclass(frozen=True)
 class LaunchResult:
     """job: the job token.  swept: shared segments still present after the ranks
-    exited (the launcher removed them; empty when ranks cleaned up themselves)."""
+    exited (the launcher removed them; empty when ranks cleaned up themselves).
+    stale: what the sweep at start removed (left by dead launchers and ranks)."""
 
     job: str
     ranks: tuple[RankExit, ...]
     elapsed_s: float
     swept: tuple[str, ...]
+    stale: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -91,22 +116,77 @@ class LaunchResult:
 
 def launch(spec: LaunchSpec) -> LaunchResult:
     """Run the job described by ``spec`` to completion (see module doc)."""
-    job, topo, procs = new_token(), None, []
+    stale = sweep_stale_all()
+    job, topo, procs, store = new_token(), None, [], None
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="hpmoe-launch-") as tmp:
+    with _Signals() as signals, tempfile.TemporaryDirectory(prefix=f"{TMP_PREFIX}{os.getpid()}-") as tmp:
         try:
             if spec.link is not None:
                 topo = create_topology(spec.world, spec.link, job)
-            master = (Topology.address(0), _LINK_PORT) if topo else ("127.0.0.1", free_port())
-            procs = [_start(spec, r, job, master, topo, tmp) for r in range(spec.world)]
+                master = (Topology.address(0), _LINK_PORT)
+            else:
+                master, store = _host_store(spec)
+            procs = [_start(spec, r, job, master, topo, tmp, store is not None) for r in range(spec.world)]
             stopped = _supervise(procs, spec, start)
         finally:
+            signals.disarm()  # a signal from here on waits until the cleanup is done
             _stop(procs)
             swept = tuple(sweep(job))
             if topo is not None:
                 delete_topology(topo)
+            del store
         exits = tuple(_exit(r, p, r in stopped, tmp, spec.capture) for r, p in enumerate(procs))
-    return LaunchResult(job=job, ranks=exits, elapsed_s=time.monotonic() - start, swept=swept)
+    return LaunchResult(job=job, ranks=exits, elapsed_s=time.monotonic() - start, swept=swept, stale=stale)
+
+
+class _Signals:
+    """While armed (main thread only), SIGTERM/SIGINT/SIGHUP raise ``Interrupted``;
+    once disarmed they are remembered and raised when the block exits."""
+
+    def __init__(self) -> None:
+        self._old: dict[int, object] = {}
+        self._armed, self._got = True, 0
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._got:
+            return
+        self._got = signum
+        if self._armed:
+            raise Interrupted(signum)
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        if self._got and exc[0] is None:
+            raise Interrupted(self._got)
+
+
+def _host_store(spec: LaunchSpec) -> tuple[tuple[str, int], dist.TCPStore]:
+    """The job's store, served by this process on a free local port."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, spec.world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=spec.timeout_s))
+    return ("127.0.0.1", port), store
+
+
+def sweep_stale_all() -> tuple[str, ...]:
+    """Remove what dead launchers and ranks left behind: our shared segments whose
+    creator is dead, launch directories and network namespaces of dead launchers."""
+    gone = [f"/dev/shm/{n}" for n in sweep_stale()]
+    for path in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
+        m = _TMP.match(path.name)
+        if m and path.stat().st_uid == os.getuid() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(str(path))
+    return tuple(gone + [f"netns {n}" for n in sweep_stale_namespaces()])
 
 
 def rank_env(rank: int, world: int, job: str, master: tuple[str, int],
@@ -126,9 +206,11 @@ def _die_with_parent() -> None:
 
 
 def _start(spec: LaunchSpec, rank: int, job: str, master: tuple[str, int], topo: Topology | None,
-           tmp: str) -> subprocess.Popen:
+           tmp: str, hosted: bool) -> subprocess.Popen:
     env = {**os.environ, **spec.env, **rank_env(rank, spec.world, job, master,
                                                   IFNAME if topo else None)}
+    if hosted:  # connect to the launcher's store instead of serving one on rank 0
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     argv = [*(topo.exec_prefix(rank) if topo else []), *spec.argv]
     out = err = None
     if spec.capture:
@@ -163,12 +245,14 @@ def _supervise(procs: list[subprocess.Popen], spec: LaunchSpec, start: float) ->
 
 
 def _stop(procs: list[subprocess.Popen], term_s: float = 2.0) -> None:
-    """SIGTERM every live rank's process group, then SIGKILL what is left; reap all."""
+    """SIGTERM (and SIGCONT) every live rank's process group, then SIGKILL what is
+    left; reap all."""
     for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, 5.0)):
         live = [p for p in procs if p.poll() is None]
         for p in live:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, sig)
+                os.killpg(p.pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once continued
         end = time.monotonic() + wait_s
         while any(p.poll() is None for p in live) and time.monotonic() < end:
             time.sleep(0.02)

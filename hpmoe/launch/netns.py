@@ -2,15 +2,21 @@
 hub namespace by veth pairs shaped with ``tc tbf`` in both directions, so that
 communication between ranks is a bandwidth-bound resource of its own.
 
-Needs root, ``ip`` and ``tc``.  Namespaces are named ``hpm-<token>-...`` (unique
-per run) and deleted by ``delete_topology`` — also after a partial creation.
+Needs root, ``ip`` and ``tc``.  Namespaces are named ``hpm-p<pid>-<token>-...``
+(the creating process, unique per run) and deleted by ``delete_topology`` — also
+after a partial creation — or, when that process died first, by
+``sweep_stale_namespaces``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass
+
+from ..runtime.transport.segment import pid_alive
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
 _SCALE = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -26,7 +32,9 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rate, str) or not _RATE.match(self.rate):
-            raise ValueError(f"link rate={self.rate!r} must look like 2gbit, 500mbit or 800kbit")
+            raise ValueError(f"--link={self.rate!r} must look like 2gbit, 500mbit or 800kbit")
+        if not self.bytes_per_s >= 1000:
+            raise ValueError(f"--link={self.rate!r} must be at least 8kbit")
 
     @property
     def bytes_per_s(self) -> float:
@@ -57,10 +65,20 @@ class Topology:
         return ["ip", "netns", "exec", self.ranks[rank]]
 
 
+class TopologyError(RuntimeError):
+    """The namespaces or links could not be built (not root, no ``ip``/``tc``, a rate
+    ``tc`` refuses)."""
+
+
 def _run(*argv: str) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise TopologyError(f"--link needs `{argv[0]}` (iproute2), which is not installed") from None
     if proc.returncode:
-        raise RuntimeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+        why = " ".join(proc.stderr.split())[:200]
+        raise TopologyError(f"`{' '.join(argv)}` failed ({proc.returncode}): {why}"
+                            + (" (--link needs root)" if os.geteuid() != 0 else ""))
 
 
 def _shape(ns: str, dev: str, link: LinkSpec) -> None:
@@ -72,7 +90,7 @@ def create_topology(world: int, link: LinkSpec, token: str) -> Topology:
     """Namespaces for ``world`` ranks; on failure everything created is deleted."""
     if not isinstance(world, int) or not 1 <= world <= 250:
         raise ValueError(f"world={world!r} must be an int in [1, 250] for --link")
-    prefix = f"hpm-{token[:12]}"
+    prefix = f"hpm-p{os.getpid()}-{token[:8]}"
     topo = Topology(token=token, hub=f"{prefix}-hub",
                     ranks=tuple(f"{prefix}-r{r}" for r in range(world)), link=link)
     try:
@@ -115,3 +133,20 @@ def list_namespaces(prefix: str = "hpm-") -> list[str]:
     """Names of network namespaces starting with ``prefix``."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+_OWNER = re.compile(r"^hpm-p(\d+)-[0-9a-f]{8}-(hub|r\d+)$")
+
+
+def sweep_stale_namespaces() -> list[str]:
+    """Delete ``hpm-p<pid>-*`` namespaces whose creating process is dead (nothing
+    without root or ``ip``); returns the names deleted."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return []
+    gone = []
+    for ns in list_namespaces():
+        m = _OWNER.match(ns)
+        if m and not pid_alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+            gone.append(ns)
+    return gone

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..exec.backend import Backend, as_backend
@@ -389,14 +388,6 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
 # ---------------------------------------------------------------------------- distributed
 
 
-def _check_equal_tokens(tokens: int, group: Any) -> None:
-    """Every rank of the EP group must hold the same positive number of tokens."""
-    mine = torch.tensor([tokens], dtype=torch.int64)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    counts = [int(p) for p in parts]
-    if len(set(counts)) != 1 or counts[0] <= 0:
-        raise ValueError(f"every EP rank must hold the same positive number of tokens, got {counts}")
 
 
 def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
@@ -405,7 +396,6 @@ def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
     from ..runtime import ForwardOptions, ForwardRunner
 
     s, opt = call.session, call.options
-    _check_equal_tokens(x.shape[0], s.group)
     options = ForwardOptions(tiles=opt.tiles, policy=opt.policy, hardware=opt.rank_hardware)
     fwd = ForwardRunner(s, weights, options)(x, routing)
     b, drop = fwd.buffers, opt.recompute
@@ -415,14 +405,15 @@ def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
     return fwd.out, RegionState(fwd.plan, [saved], weights, routing.weights, opt, s)
 
 
-def _backward_program(s: Session, plan: RoutingPlan, opt: RegionOptions
+def _backward_program(s: Session, plan: RoutingPlan, opt: RegionOptions, weights: ExpertWeights
                       ) -> tuple[RankProgram, Schedule, Region]:
-    """Open a backward region on ``s``: snapshot the counters, then a barrier (no peer
-    puts before every rank has snapshotted; in forward the count exchange does this);
-    lower every rank, schedule, keep this rank's program."""
+    """Open a backward region on ``s``: snapshot the counters, then the region's
+    agreement (a collective: no peer puts before every rank has snapshotted; in
+    forward the count exchange does this); lower every rank, schedule, keep this
+    rank's program."""
     s.transport.begin()
-    dist.barrier(group=s.group)
     region = BACKWARD_RECOMPUTE if opt.recompute else BACKWARD
+    s.agree(region.kind, weights, plan.par.tokens_per_rank, opt.tiles)
     schedule = compile_region(plan, region, opt.tiles, opt.policy, opt.rank_hardware)
     return compile_program(schedule, region, s.rank), schedule, region
 
@@ -433,7 +424,7 @@ def _dist_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
     s, opt, plan, w = state.session, state.options, state.plan, state.weights
     from ..runtime import Step
 
-    program, schedule, region = _backward_program(s, plan, opt)
+    program, schedule, region = _backward_program(s, plan, opt, w)
     sym = s.transport.prepare(Step(region, plan, opt.tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
     dw13, dw2 = torch.zeros_like(w.w13), torch.zeros_like(w.w2)

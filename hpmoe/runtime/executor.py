@@ -49,6 +49,14 @@ class ExecutorConfig:
             raise ValueError(f"ExecutorConfig.threads must be a positive int, got {self.threads!r}")
 
 
+def pause_s(config: ExecutorConfig) -> float:
+    """A gap this long between two polls means the process itself was not running
+    (stopped, or starved); waits and the no-progress watchdog do not count it, so a
+    rank resumed after SIGSTOP does not blame itself (its peers have their own
+    deadlines)."""
+    return max(1.0, 20 * config.poll_s)
+
+
 @dataclass(frozen=True)
 class RegionResult:
     """timeline: per-task measured times; elapsed_s: wall time of the workers."""
@@ -120,7 +128,7 @@ class _Run:
         ``WaitTimeout`` (after ``deadline_s``)."""
         st.waiting, st.event = task, ev
         words, base, need = self.counters.words, self.base[ev], self.program.threshold[ev]
-        start = time.monotonic()
+        start = seen = time.monotonic()
         limit = start + self.config.deadline_s
         while True:
             raw = words[ev]
@@ -129,6 +137,9 @@ class _Run:
             if self.transport.abort_reason() is not None:
                 raise Aborted()
             now = time.monotonic()
+            if now - seen > pause_s(self.config):  # stopped (SIGSTOP): not this wait's time
+                limit += now - seen
+            seen = now
             if now >= limit:
                 raise WaitTimeout(task, ev, now - start)
             self.counters.sleep(ev, raw, min(self.config.poll_s, limit - now))
@@ -230,8 +241,12 @@ class Executor:
         ``deadline_s``; give up on workers stuck inside kernels after a second one."""
         cfg = self.config
         last_done, last_t = -1, time.monotonic()
+        seen = last_t
         while not run.finished.wait(cfg.poll_s):
             now, done = time.monotonic(), sum(st.done for st in run.states)
+            if now - seen > pause_s(cfg):  # this process was stopped: that time is not the region's
+                last_t += now - seen
+            seen = now
             if done != last_done:
                 last_done, last_t = done, now
             elif now - last_t > 2 * cfg.deadline_s:

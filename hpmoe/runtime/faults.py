@@ -18,11 +18,13 @@ class FaultKind(enum.Enum):
     KILL = "kill"  # the rank SIGKILLs itself when it starts its `after`-th kernel
     SILENT = "silent"  # the rank's puts move no data and signal nothing
     UNREACHABLE = "unreachable"  # one event of the rank waits for one signal too many
+    STALL = "stall"  # the rank stops itself (SIGSTOP) before the count exchange of region `after`
 
 
 @dataclass(frozen=True)
 class Fault:
-    """A fault on rank ``rank``; ``after`` counts kernels (KILL only)."""
+    """A fault on rank ``rank``; ``after`` counts kernels (KILL) or names the region
+    whose count exchange the rank never reaches (STALL, regions count from 1)."""
 
     kind: FaultKind
     rank: int
@@ -38,13 +40,22 @@ class Fault:
     def parse(text: str) -> Fault:
         """``KIND:RANK[:AFTER]``, e.g. ``kill:1:5``."""
         parts = text.split(":")
-        if len(parts) not in (2, 3):
-            raise ValueError(f"fault={text!r} must be KIND:RANK[:AFTER]")
+        kinds = ", ".join(k.value for k in FaultKind)
+        if len(parts) not in (2, 3) or parts[0] not in {k.value for k in FaultKind}:
+            raise ValueError(f"--fault={text!r} must be KIND:RANK[:AFTER] with KIND one of {kinds}")
+        if not all(p.isdigit() for p in parts[1:]):
+            raise ValueError(f"--fault={text!r}: RANK and AFTER must be non-negative integers")
         return Fault(FaultKind(parts[0]), *(int(p) for p in parts[1:]))
+
+    def before_exchange(self, rank: int, region: int) -> None:
+        """STALL: stop this process (as SIGSTOP from outside would) on the faulty rank
+        when region ``region`` reaches its count exchange."""
+        if self.kind is FaultKind.STALL and rank == self.rank and region >= self.after:
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def apply(self, program: RankProgram, region: Region) -> tuple[RankProgram, Region]:
         """(program, region) with the fault in, on the faulty rank only."""
-        if program.rank != self.rank:
+        if program.rank != self.rank or self.kind is FaultKind.STALL:
             return program, region
         if self.kind is FaultKind.KILL:
             return program, replace(region, kernels=_killing(region.kernels, self.after))

@@ -1,8 +1,9 @@
 """The forward Dispatch-to-Combine region on the runtime.
 
 Per call, on every rank of the session's group (plan of ``ForwardRunner.__call__``):
+  0. agree on the region's fingerprint and every rank's input (``Session.agree``);
   1. snapshot the counters (``Transport.begin``);
-  2. all-gather token counts per (expert, token tile) — the only collective;
+  2. all-gather token counts per (expert, token tile);
   3. rebuild the plan, lower every rank's graph and schedule it (the schedulers
      need all ranks; every rank computes the same schedule), keep this rank's part;
   4. size symmetric memory and post receives (``Transport.prepare``);
@@ -19,11 +20,12 @@ import numpy as np
 import torch
 
 from ..exec.program import RankProgram, compile_program, compile_region
+from ..regions.base import RegionKind
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing
 from ..schedule.base import Schedule, SchedulePolicy
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import ParallelSpec, TileSpec
+from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .faults import Fault
 from .plan import exchange_tile_counts, plan_from_tile_counts
@@ -84,24 +86,29 @@ class ForwardRunner:
 
     def __call__(self, x: torch.Tensor, routing: Routing, fault: Fault | None = None) -> ForwardOutput:
         """x: [T, H] spec.dtype this rank's tokens; routing: their ids/weights [T, k]."""
-        spec, s = self.weights.spec, self.session
-        check_hidden(x, spec)
-        check_routing(routing, spec, x.shape[0])
-        par = ParallelSpec(ep=s.world, tokens_per_rank=x.shape[0])
+        spec, s, tiles = self.weights.spec, self.session, self.options.tiles
         marks = [time.perf_counter()]
+        tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else -1
+        n = s.agree(RegionKind.FORWARD, self.weights, tokens, tiles, input_error(x, routing, spec))
+        if fault is not None:
+            fault.before_exchange(s.rank, n)
+        par = ParallelSpec(ep=s.world, tokens_per_rank=tokens)
         s.transport.begin()
-        counts = exchange_tile_counts(routing.ids, spec.experts, self.options.tiles.rows, s.group)
+        counts = exchange_tile_counts(routing.ids, spec.experts, tiles.rows, s.collectives,
+                                      f"forward region {n}: count exchange")
         marks.append(time.perf_counter())
-        plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, self.options.tiles.rows)
+        plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, tiles.rows)
         schedule = self._schedule(plan, counts)
         program = compile_program(schedule, FORWARD, s.rank)
         program, region = fault.apply(program, FORWARD) if fault else (program, FORWARD)
         marks.append(time.perf_counter())
-        sym = s.transport.prepare(Step(region, plan, self.options.tiles, schedule, program))
+        sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
         buffers = ForwardBuffers.allocate(x, plan, s.rank, recv=sym["recv"], comb=sym["comb"])
         ctx = rank_context(self.weights, plan, routing, s.rank)
         marks.append(time.perf_counter())
+        s.board.enter(f"forward region {n}: run", publish=False)
         result = s.executor.run(program, region, buffers, ctx, s.transport)
+        s.board.enter(f"forward region {n}: done", publish=False)
         marks.append(time.perf_counter())
         times = StepTimes(*np.diff(marks).tolist())
         return ForwardOutput(out=buffers.out, buffers=buffers, plan=plan, schedule=schedule, program=program,
@@ -116,6 +123,18 @@ class ForwardRunner:
         if o.cache_schedules:
             self._cache = {key: schedule}
         return schedule
+
+
+def input_error(x: object, routing: Routing, spec: MoESpec) -> BaseException | None:
+    """What is wrong with this rank's ``x`` ([T, H]) and ``routing`` ([T, k]), or None."""
+    try:
+        check_hidden(x, spec)
+        if x.shape[0] == 0:
+            raise ValueError("x has no tokens (0 rows)")
+        check_routing(routing, spec, x.shape[0])
+    except (ValueError, TypeError) as err:
+        return err
+    return None
 
 
 def rank_context(weights: ExpertWeights, plan: RoutingPlan, routing: Routing, rank: int) -> RankContext:

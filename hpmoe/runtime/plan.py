@@ -14,11 +14,11 @@ ever reads.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..regions.layout import ceil_div
 from ..routing import RoutingPlan, plan_routing
 from ..spec import MoESpec, ParallelSpec
+from .collective import Collectives
 
 
 def tile_counts(ids: torch.Tensor, experts: int, rows: int) -> torch.Tensor:
@@ -30,13 +30,11 @@ def tile_counts(ids: torch.Tensor, experts: int, rows: int) -> torch.Tensor:
     return torch.bincount(flat, minlength=experts * tiles).view(experts, tiles).to(torch.int32)
 
 
-def exchange_tile_counts(ids: torch.Tensor, experts: int, rows: int,
-                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """[ep, E, token_tiles] int32: every rank's ``tile_counts`` (one all-gather)."""
-    mine = tile_counts(ids, experts, rows)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return torch.stack(parts)
+def exchange_tile_counts(ids: torch.Tensor, experts: int, rows: int, coll: Collectives,
+                         what: str = "count exchange") -> torch.Tensor:
+    """[ep, E, token_tiles] int32: every rank's ``tile_counts`` (one all-gather under
+    the session's deadline; its status word goes out with the next heartbeat)."""
+    return coll.all_gather(tile_counts(ids, experts, rows), what, publish=False)
 
 
 def stand_in_ids(counts: torch.Tensor, tokens: int, top_k: int, rows: int) -> torch.Tensor:

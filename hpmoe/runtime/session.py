@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
-import torch
 import torch.distributed as dist
 
+from ..spec import TileSpec
+from ..weights import ExpertWeights
+from .agree import Fingerprint, RegionKind, agree
+from .board import BEAT_S, Board
+from .collective import CollectiveError, Collectives, StallReport
 from .executor import Executor, ExecutorConfig
 from .transport.base import Transport, TransportKind
 from .transport.dist import DistTransport
 from .transport.local import LocalTransport
-from .transport.segment import check_token
+from .transport.segment import check_token, new_token, sweep_stale
 from .transport.shm import ShmTransport
 
 JOB_ENV = "HPMOE_JOB"  # set by the launcher: prefix of every shared segment of the job
@@ -27,12 +35,15 @@ class RuntimeConfig:
     """transport: SHM (one host) or DIST (any hosts).  deadline_s: longest wait of any
     task on its event
     (and longest stretch without progress).  poll_s: abort-check interval.
-    threads: torch intra-op threads per worker."""
+    threads: torch intra-op threads per worker.  check_weights: every region's
+    agreement includes a checksum of the weights (a debug switch: it reads every
+    weight byte per region)."""
 
     transport: TransportKind = TransportKind.SHM
     deadline_s: float = 60.0
     poll_s: float = 0.05
     threads: int = 1
+    check_weights: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportKind):
@@ -46,7 +57,9 @@ class RuntimeConfig:
 class Session:
     """This rank's end of the runtime for ``group`` (None: the default group).
 
-    Collective at construction (every rank of the group must create one)."""
+    Collective at construction (every rank of the group must create one, within
+    ``deadline_s`` of each other).  Until ``close``, SIGTERM and SIGINT first unlink
+    the shared segments this rank still holds, then act as before."""
 
     def __init__(self, config: RuntimeConfig | None = None, group: dist.ProcessGroup | None = None):
         if not dist.is_available() or not dist.is_initialized():
@@ -54,31 +67,64 @@ class Session:
         self.config = config or RuntimeConfig()
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.session = _agree_token(group)
+        store = dist.distributed_c10d._get_default_store()
+        hello = _hello(store, group, self.rank, self.world, self.config.deadline_s)
+        self.session, self.regions = hello.token, 0
+        beat = min(BEAT_S, self.config.deadline_s / 4)  # a stopped peer looks silent before any deadline
+        self.board = Board(store, hello.prefix, self.rank, self.world, beat)
+        self.collectives = Collectives(group, self.board, self.config.deadline_s)
         env_job = os.environ.get(JOB_ENV)
         self.job = check_token(JOB_ENV, env_job) if env_job else self.session
         self.executor = Executor(self.config.executor_config())
-        self.transport: Transport = self._make_transport()
+        self.transport: Transport = self._make_transport(hello)
+        self._handlers = _install(self._on_signal)
 
-    def _make_transport(self) -> Transport:
+    def agree(self, kind: RegionKind, weights: ExpertWeights, tokens: int, tiles: TileSpec,
+              error: BaseException | None = None) -> int:
+        """Open region number ``regions + 1`` of ``kind`` on every rank: agree on its
+        fingerprint and on every rank's input (``error``: this rank's objection).
+        Raises ``InputRejected``/``MismatchError`` on every rank, ``CollectiveError`` at
+        the deadline.  Returns the region's number."""
+        self.regions += 1
+        mine = Fingerprint.of(kind, weights, tokens, tiles, self.config.check_weights)
+        agree(self.collectives, f"{kind.name.lower()} region {self.regions}: agreement", mine, error)
+        return self.regions
+
+    def _make_transport(self, hello: _Hello) -> Transport:
         if self.config.transport is TransportKind.LOCAL:
             if self.world != 1:
                 raise ValueError(f"transport=local needs a group of one rank, got {self.world}")
             return LocalTransport()
         if self.config.transport is TransportKind.DIST:
             return DistTransport(self.rank, self.world, self.group, self.config.deadline_s)
-        hosts = _all_gather_int(_host_id(), self.group)
-        if len(set(hosts)) != 1:
-            raise ValueError(f"transport=shm needs every rank on one host, got {len(set(hosts))} "
+        if len(set(hello.hosts)) != 1:
+            raise ValueError(f"transport=shm needs every rank on one host, got {len(set(hello.hosts))} "
                              "hosts; use transport=dist")
-        pids = _all_gather_int(os.getpid(), self.group)
-        return ShmTransport(self.rank, self.world, self.job, self.session, pids,
-                            barrier=lambda: dist.barrier(group=self.group))
+        sweep_stale()  # segments of dead processes (a crash while a segment grew)
+        return ShmTransport(self.rank, self.world, self.job, list(hello.pids),
+                            lambda t: self.collectives.all_gather(t, "shared segment growth"))
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        """SIGTERM/SIGINT: unlink the segment names this rank still holds, then do
+        what the previous handler did (by default: die of the signal)."""
+        if isinstance(self.transport, ShmTransport):
+            self.transport.heap.unlink_created()
+        old = self._handlers.get(signum, signal.SIG_DFL)
+        if callable(old):
+            old(signum, frame)
+        elif old != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def close(self) -> None:
         """Stop the workers and release every segment (idempotent, local)."""
+        for signum, old in self._handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, old)
+        self._handlers = {}
         self.executor.close()
         self.transport.close()
+        self.board.close()
 
     def __enter__(self) -> Session:
         return self
@@ -88,18 +134,45 @@ class Session:
         self.close()
 
 
-def _agree_token(group: dist.ProcessGroup | None) -> str:
-    """Random 8-byte hex token drawn by group rank 0, known to every rank."""
-    t = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8).clone()
-    dist.broadcast(t, group=group, group_src=0)
-    return bytes(t.tolist()).hex()
+@dataclass(frozen=True)
+class _Hello:
+    """What the ranks of a new session told each other: its token, store prefix,
+    and every rank's host id and process id."""
+
+    token: str
+    prefix: str
+    hosts: tuple[int, ...]
+    pids: tuple[int, ...]
 
 
-def _all_gather_int(value: int, group: dist.ProcessGroup | None) -> list[int]:
-    mine = torch.tensor([value], dtype=torch.int64)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return [int(p) for p in parts]
+def _hello(store: dist.Store, group: dist.ProcessGroup | None, rank: int, world: int,
+           deadline_s: float) -> _Hello:
+    """Open a session through the store: the n-th session a rank opens on a group
+    meets the n-th of every other rank; ranks that do not say hello within
+    ``deadline_s`` are named.  The token is group rank 0's random draw."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    gkey = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+    n = store.add(f"hpmoe/{gkey}/opened/{rank}", 1)
+    prefix = f"hpmoe/{gkey}/{n}"
+    store.set(f"{prefix}/hello/{rank}", f"{new_token()} {_host_id()} {os.getpid()}")
+    keys = [f"{prefix}/hello/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=deadline_s))
+    except RuntimeError:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise CollectiveError(StallReport(rank, f"session {n} start", deadline_s,
+                                          f"rank(s) {missing} did not arrive within the {deadline_s:g} s "
+                                          "deadline", tuple(missing), ())) from None
+    parts = [v.decode().split() for v in store.multi_get(keys)]
+    return _Hello(token=parts[0][0], prefix=prefix, hosts=tuple(int(p[1]) for p in parts),
+                  pids=tuple(int(p[2]) for p in parts))
+
+
+def _install(handler: Callable[[int, object], None]) -> dict[int, object]:
+    """``handler`` for SIGTERM and SIGINT (main thread only); the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _host_id() -> int:

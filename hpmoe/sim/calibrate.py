@@ -32,6 +32,7 @@ from hpmoe.sim.hardware import (
     LinkEntry,
     default_profile_path,
     load_profile,
+    profile_document,
     save_profile,
 )
 
@@ -162,15 +163,22 @@ def _put_figures(plan: _Plan) -> tuple[float, float]:
     return small, (plan.put_bytes - SMALL_PUT) / (large - small)
 
 
-def measure(threads: int = 1, quick: bool = False) -> CpuMeasurements:
-    """Run every micro-benchmark with torch pinned to ``threads`` threads."""
+def measure(threads: int = 1, quick: bool = False,
+            progress: Callable[[str], None] | None = None) -> CpuMeasurements:
+    """Run every micro-benchmark with torch pinned to ``threads`` threads;
+    ``progress`` gets a line before each group of them."""
     if not isinstance(threads, int) or threads <= 0:
         raise ValueError(f"threads must be a positive int, got {threads!r}")
     plan, gen = (_QUICK if quick else _FULL), torch.Generator().manual_seed(0)
+    say = progress or (lambda line: None)
     with _torch_threads(threads), torch.no_grad():
+        say("1/4 GEMM tiles in bf16")
         bf16 = tuple(_gemm_flops(k, torch.bfloat16, plan, gen) for k in plan.gemm_ks)
+        say("2/4 GEMM tiles in fp32")
         fp32 = tuple(_gemm_flops(k, torch.float32, plan, gen) for k in plan.gemm_ks)
+        say("3/4 copies, SwiGLU, per-task cost")
         copy_bw, swiglu, tiny = _copy_bw(plan), _swiglu_flops(plan, gen), _tiny_op(plan)
+        say("4/4 shared-memory puts")
         put_small, put_bw = _put_figures(plan)
     return CpuMeasurements(threads=threads, quick=quick, gemm_ks=plan.gemm_ks, gemm_bf16=bf16,
                            gemm_fp32=fp32, copy_bw=copy_bw, swiglu_flops=swiglu, tiny_op=tiny,
@@ -195,12 +203,12 @@ def model_from(m: CpuMeasurements, matrix_workers: int = 1, vector_workers: int 
 
 
 def calibrate(threads: int = 1, quick: bool = False, matrix_workers: int = 1,
-              vector_workers: int = 1) -> HardwareModel:
+              vector_workers: int = 1, progress: Callable[[str], None] | None = None) -> HardwareModel:
     """Measure this CPU (``threads`` torch threads per worker) and return its HardwareModel.
 
     quick=True takes a few seconds with fewer repeats and smaller buffers.
     """
-    return model_from(measure(threads, quick), matrix_workers, vector_workers)
+    return model_from(measure(threads, quick, progress), matrix_workers, vector_workers)
 
 
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -209,10 +217,11 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--out", default=None,
                    help="profile path (default: $HPMOE_PROFILE, else ~/.cache/hpmoe/cpu.json)")
     p.add_argument("--quick", action="store_true", help="fewer repeats, smaller buffers (a few s)")
-    p.add_argument("--json", action="store_true", help="print the profile as JSON")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--matrix-workers", type=int, default=1, help="matrix workers per rank (default 1)")
-    p.add_argument("--vector-workers", type=int, default=1, help="vector workers per rank (default 1)")
+    p.add_argument("--json", action="store_true",
+                   help="print the profile file's JSON (`hpmoe calibrate --json > p.json` is a profile)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--matrix-workers", type=int, default=1, help="matrix workers per rank")
+    p.add_argument("--vector-workers", type=int, default=1, help="vector workers per rank")
     p.set_defaults(func=run_calibrate)
     return p
 
@@ -220,8 +229,9 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 def run_calibrate(args: argparse.Namespace) -> int:
     """CLI body: calibrate, save the profile, print it (JSON or summary); returns exit code 0."""
     model = calibrate(threads=args.threads, quick=args.quick, matrix_workers=args.matrix_workers,
-                      vector_workers=args.vector_workers)
+                      vector_workers=args.vector_workers,
+                      progress=lambda line: print(f"hpmoe calibrate: {line}", file=sys.stderr, flush=True))
     path = save_profile(model, args.out)
-    print(json.dumps(model.to_dict(), indent=2) if args.json else model.summary())
+    print(json.dumps(profile_document(model), indent=2) if args.json else model.summary())
     print(f"saved {path}", file=sys.stderr)
     return 0

@@ -227,9 +227,13 @@ def save_profile(model: HardwareModel, path: str | os.PathLike | None = None) ->
     """Write ``model`` as JSON to ``path`` (default: ``default_profile_path()``); returns the path."""
     out = Path(path) if path is not None else default_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"version": PROFILE_VERSION, "hardware": model.to_dict()}
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    out.write_text(json.dumps(profile_document(model), indent=2) + "\n")
     return out
+
+
+def profile_document(model: HardwareModel) -> dict:
+    """The JSON document of a profile file (what ``hpmoe calibrate --json`` prints)."""
+    return {"version": PROFILE_VERSION, "hardware": model.to_dict()}
 
 
 def load_profile(path: str | os.PathLike | None = None) -> HardwareModel:
@@ -240,10 +244,18 @@ def load_profile(path: str | os.PathLike | None = None) -> HardwareModel:
             f"no hardware profile at {src} (set by ${PROFILE_ENV} or the default "
             f"~/.cache/hpmoe/cpu.json): run `hpmoe calibrate` to measure this machine, "
             f"or point {PROFILE_ENV} at an existing profile")
-    doc = json.loads(src.read_text())
-    if doc.get("version") != PROFILE_VERSION:
-        raise ValueError(f"profile {src}: version={doc.get('version')!r}, expected {PROFILE_VERSION}")
-    return HardwareModel.from_dict(doc["hardware"])
+    try:
+        doc = json.loads(src.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"profile {src} is not JSON ({err}): write it with `hpmoe calibrate`") from None
+    if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION or "hardware" not in doc:
+        got = doc.get("version") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"profile {src}: version={got!r}, expected a document with version "
+                         f"{PROFILE_VERSION} and 'hardware' (write it with `hpmoe calibrate`)")
+    try:
+        return HardwareModel.from_dict(doc["hardware"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"profile {src}: {type(err).__name__}: {err}") from None
 
 
 # --- presets ---------------------------------------------------------------------------

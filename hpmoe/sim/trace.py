@@ -12,12 +12,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..ir.graph import TaskKind, Unit
 from ..schedule.base import WorkerCounts
 from .simulate import Timeline
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _US = 1e6
 
@@ -43,9 +47,7 @@ def _selected(timeline: Timeline, ranks: tuple[int, ...] | None) -> tuple[int, .
 
 def metadata_events(timeline: Timeline, ranks: tuple[int, ...]) -> list[dict]:
     """Process and thread names, in rank then track order."""
-    w = timeline.workers
-    names = ([f"matrix {i}" for i in range(w.matrix)] + [f"vector {i}" for i in range(w.vector)]
-             + ["link egress", "link ingress"])
+    names = lane_names(timeline.workers)
     events = []
     for r in ranks:
         events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0,
@@ -105,17 +107,40 @@ def write_trace(timeline: Timeline, path: str | os.PathLike, ranks: tuple[int, .
     return out
 
 
-def write_gantt(timeline: Timeline, path: str | os.PathLike, ranks: tuple[int, ...] | None = None) -> Path:
-    """A Gantt chart PNG of ``ranks`` (default: the first two): one row per worker and
-    link port, bars coloured by task kind.  Needs matplotlib (imported here)."""
+def lane_names(workers: WorkerCounts) -> list[str]:
+    """Names of a rank's rows in the Gantt chart and tracks in the trace, in order."""
+    return ([f"matrix {i}" for i in range(workers.matrix)] + [f"vector {i}" for i in range(workers.vector)]
+            + ["link egress", "link ingress"])
+
+
+def write_gantt(timeline: Timeline, path: str | os.PathLike, ranks: tuple[int, ...] | None = None,
+                title: str | None = None) -> Path:
+    """``gantt_figure`` saved as a PNG at ``path``; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = gantt_figure(timeline, ranks, title)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def gantt_figure(timeline: Timeline, ranks: tuple[int, ...] | None = None,
+                 title: str | None = None) -> Figure:
+    """A Gantt chart (matplotlib Figure) of ``ranks`` (default: the first two): one
+    labelled row per worker and link port, bars coloured by task kind, the legend
+    beside the plot, ``title`` (plus the makespan) on top.  Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     chosen = _selected(timeline, tuple(range(min(timeline.ep, 2))) if ranks is None else ranks)
-    rows = timeline.workers.per_rank + 2
-    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.12 * rows * len(chosen) + 1.5)))
+    names = lane_names(timeline.workers)
+    rows = len(names)
+    height = max(3.0, 0.16 * rows * len(chosen) + 1.2)
+    fig, ax = plt.subplots(figsize=(14, height))
     colors = plt.get_cmap("tab20")
     for k in TaskKind:
         bars = _gantt_bars(timeline, chosen, k, rows)
@@ -123,15 +148,17 @@ def write_gantt(timeline: Timeline, path: str | os.PathLike, ranks: tuple[int, .
             for y, spans in bars.items():
                 ax.broken_barh(spans, (y - 0.4, 0.8), color=colors(int(k) % 20), linewidth=0)
             ax.plot([], [], color=colors(int(k) % 20), linewidth=6, label=k.name.lower())
-    ax.set_yticks([j * rows + rows / 2 for j in range(len(chosen))], [f"rank {r}" for r in chosen])
-    ax.invert_yaxis()
+    labels = [f"rank {r}  {n}" for r in chosen for n in names]
+    ax.set_yticks(range(len(labels)), labels, fontsize=max(4.5, min(8.0, 220 / len(labels))))
+    for j in range(1, len(chosen)):
+        ax.axhline(j * rows - 0.5, color="black", linewidth=0.8)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
     ax.set_xlabel("time (µs)")
-    ax.legend(loc="upper right", fontsize=7, ncols=4)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    head = title or f"ranks {', '.join(map(str, chosen))} of {timeline.ep}"
+    ax.set_title(f"{head}\nmakespan {timeline.makespan * _US:,.1f} µs", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, title="task kind",
+              title_fontsize=8, frameon=False)
+    return fig
 
 
 def _gantt_bars(timeline: Timeline, ranks: tuple[int, ...], kind: TaskKind,

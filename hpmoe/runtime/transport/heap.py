@@ -6,11 +6,13 @@ tensors of the current region, each 64-byte aligned, in the order the region
 lists them.  Sizes depend on the routing of each step: every rank computes every
 rank's need from the plan, so all agree, without messages, on which segments must
 grow; a grown segment is a new generation (new name), created by its owner,
-mapped by everyone between two barriers, then unlinked by its owner.
+under a fresh random name announced in an all-gather, mapped by everyone, then
+unlinked by its owner after a second all-gather.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,12 +21,24 @@ import numpy as np
 import torch
 
 from ..counters import WORD, Counters
-from .segment import Segment, create_segment, open_segment, segment_name, unlink_segment
+from .segment import (
+    SHM_DIR,
+    Segment,
+    SegmentError,
+    create_fresh,
+    new_token,
+    open_segment,
+    segment_name,
+    shm_free,
+    size_text,
+    unlink_segment,
+)
 
 CONTROL = 64
 ALIGN = 64
 MIN_DATA = 1 << 20
 FieldShape = tuple[str, tuple[int, ...], torch.dtype]
+_ROW = 3  # int64s per rank in the growth all-gather
 
 
 def _align(n: int) -> int:
@@ -89,41 +103,79 @@ class _Mapping:
 
 
 class SymmetricHeap:
-    """Segments of the ``world`` local ranks of one session, seen from ``rank``.
+    """Segments of the ``world`` local ranks of one job, seen from ``rank``.
 
-    ``barrier`` synchronises all local ranks (a process-group barrier).
+    ``pids[r]`` is rank r's process (part of its segments' names).  ``all_gather``
+    maps an int64 row [n] of this rank to every rank's [world, n] (a collective of
+    all local ranks, under the session's deadline).  ``token`` draws the random part
+    of each new segment name.
     """
 
-    def __init__(self, job: str, session: str, rank: int, world: int, barrier: Callable[[], None]):
-        self.job, self.session, self.rank, self.world = job, session, rank, world
-        self._barrier = barrier
+    def __init__(self, job: str, rank: int, world: int, pids: list[int],
+                 all_gather: Callable[[torch.Tensor], torch.Tensor], token: Callable[[], str] = new_token):
+        self.job, self.rank, self.world, self.pids = job, rank, world, pids
+        self._all_gather, self._token = all_gather, token
         self._maps: dict[int, _Mapping] = {}
         self._capacity = [Capacity(0, 0)] * world
         self._generation = [-1] * world
+        self._created: set[str] = set()  # names this rank created and has not unlinked yet
 
     def ensure(self, needs: list[HeapNeed]) -> list[int]:
         """Grow the segments that cannot hold ``needs`` (one per rank); returns
-        the ranks whose segment is new (its counters start at zero)."""
+        the ranks whose segment is new (its counters start at zero).  Collective when
+        a segment grows: the owners create theirs under fresh names and every rank
+        learns them (or every owner's failure) in one all-gather."""
         grow = [r for r in range(self.world) if not self._capacity[r].fits(needs[r])]
         if not grow:
             return []
         for r in grow:
             self._capacity[r] = self._capacity[r].grown(needs[r])
             self._generation[r] += 1
-        if self.rank in grow:
-            self._map(self.rank, create_segment(self._name(self.rank), self._capacity[self.rank].size))
-        self._barrier()  # new segments exist
+        mine = self._create() if self.rank in grow else torch.zeros(_ROW, dtype=torch.int64)
+        table = self._all_gather(mine)
+        self._check(table, grow)
         for r in grow:
             if r != self.rank:
-                self._map(r, open_segment(self._name(r), self._capacity[r].size))
-        self._barrier()  # everyone mapped them
+                self._map(r, open_segment(self._name(r, table[r]), self._capacity[r].size))
+        self._all_gather(torch.zeros(1, dtype=torch.int64))  # everyone mapped them
         if self.rank in grow:
-            unlink_segment(self._name(self.rank))
+            self.unlink_created()
         return grow
 
-    def _name(self, r: int, generation: int | None = None) -> str:
-        g = self._generation[r] if generation is None else generation
-        return segment_name(self.job, self.session, r, g)
+    def _create(self) -> torch.Tensor:
+        """This rank's row: (1, token) with its new segment mapped, or (-errno, size, free)."""
+        size = self._capacity[self.rank].size
+        try:
+            seg, token = create_fresh(self.job, size, self._token)
+        except SegmentError as err:
+            return torch.tensor([-err.code, size, shm_free()], dtype=torch.int64)
+        self._created.add(seg.name)
+        self._map(self.rank, seg)
+        return torch.tensor([1, int(token, 16) - 2**63, 0], dtype=torch.int64)
+
+    def _check(self, table: torch.Tensor, grow: list[int]) -> None:
+        """Raise ``SegmentError`` on every rank when any owner failed."""
+        failed = [r for r in grow if int(table[r, 0]) != 1]
+        if not failed:
+            return
+        self.unlink_created()
+        code = -int(table[failed[0], 0])
+        if code != errno.ENOSPC:
+            raise SegmentError(code, f"rank {failed[0]} found every shared segment name it drew taken: "
+                               f"someone creates hpmoe names in {SHM_DIR}")
+        why = "; ".join(f"rank {r} could not create its {size_text(int(table[r, 1]))} shared segment, "
+                        f"{size_text(int(table[r, 2]))} free" for r in failed)
+        raise SegmentError(code, f"{SHM_DIR} is full: {why} (enlarge {SHM_DIR} or use transport=dist)")
+
+    def _name(self, r: int, row: torch.Tensor) -> str:
+        return segment_name(self.job, self.pids[r], f"{int(row[1]) + 2**63:016x}")
+
+    def unlink_created(self) -> None:
+        """Unlink every segment name this rank created and has not unlinked yet
+        (mappings stay valid; safe in a signal handler)."""
+        for name in list(self._created):
+            unlink_segment(name)
+            self._created.discard(name)
 
     def _map(self, r: int, seg: Segment) -> None:
         old = self._maps.pop(r, None)
@@ -166,11 +218,8 @@ class SymmetricHeap:
         return int(m.control[0]) if m is not None else 0
 
     def close(self) -> None:
-        """Unlink every name this session may have created (any rank, any
-        generation up to the current + 1) and drop the mappings."""
-        for r in range(self.world):
-            for g in range(self._generation[r] + 2):
-                unlink_segment(self._name(r, g))
+        """Unlink every name this rank created and drop the mappings."""
+        self.unlink_created()
         for m in self._maps.values():
             m.counters.release()
             m.segment.close()

@@ -22,14 +22,15 @@ from .heap import HeapNeed, SymmetricHeap
 
 class ShmTransport(Transport):
     """``world`` ranks of one host.  ``pids[r]`` is rank r's process id;
-    ``barrier`` synchronises all of them (used only when a segment grows)."""
+    ``all_gather`` is a collective of all of them (``SymmetricHeap``; used only when
+    a segment grows)."""
 
     kind = TransportKind.SHM
 
-    def __init__(self, rank: int, world: int, job: str, session: str, pids: list[int],
-                 barrier: Callable[[], None]):
+    def __init__(self, rank: int, world: int, job: str, pids: list[int],
+                 all_gather: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__(rank, world)
-        self.heap = SymmetricHeap(job, session, rank, world, barrier)
+        self.heap = SymmetricHeap(job, rank, world, pids, all_gather)
         self._pre = None
         self._views: list[dict[str, torch.Tensor]] = []
         self._counters: list[Counters] = []

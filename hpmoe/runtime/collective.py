@@ -1,0 +1,106 @@
+"""The collectives hpmoe issues outside a region, each under the session's deadline.
+
+Every collective is started asynchronously and waited on for at most ``deadline_s``.
+One that misses the deadline, or fails because a peer is gone, ends in a
+``CollectiveError`` whose report names the ranks that did not arrive and what each
+was doing last (their status words on the ``Board``).  The group is unusable after
+that (the collective is still pending): the process should report and exit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .board import Board, Status
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """Why rank ``rank`` stopped in ``what``: ``missing`` ranks had not arrived;
+    ``peers`` describes every other rank (empty when the store did not answer)."""
+
+    rank: int
+    what: str
+    elapsed_s: float
+    cause: str
+    missing: tuple[int, ...]
+    peers: tuple[str, ...]
+
+    def __str__(self) -> str:
+        head = (f"hpmoe runtime: rank {self.rank} stopped after {self.elapsed_s:.3f} s in "
+                f"'{self.what}': {self.cause}")
+        return "\n".join([head, *(f"  {p}" for p in self.peers)])
+
+
+class CollectiveError(RuntimeError):
+    """A collective that missed its deadline or failed; ``report`` names who is missing."""
+
+    def __init__(self, report: StallReport):
+        super().__init__(str(report))
+        self.report = report
+
+
+def stall_report(board: Board, mine: Status, what: str, elapsed_s: float, err: BaseException | str,
+                 deadline_s: float) -> StallReport:
+    """The report of rank ``board.rank`` whose collective ``what`` (entered as
+    ``mine``) did not complete: peers whose status is older than ``mine`` are missing."""
+    statuses, now = board.read(), time.time()
+    text = str(err)
+    failed = "timed out" not in text.lower() and "timeout" not in text.lower()
+    first = text.splitlines()[0][:200] if text else "unknown error"
+    why = f"it failed: {first}" if failed else f"not done within the {deadline_s:g} s deadline"
+    if statuses is None:
+        return StallReport(board.rank, what, elapsed_s,
+                           f"{why}; the store does not answer (the process hosting it is stopped or gone)",
+                           (), ())
+    missing = tuple(r for r, st in statuses.items() if r != board.rank and (st is None or st.seq < mine.seq))
+    peers = tuple(f"rank {r}: " + (st.describe(now, board.beat_s) if st else "no status published")
+                  for r, st in statuses.items() if r != board.rank)
+    names = ", ".join(map(str, missing))
+    if missing:
+        cause = f"rank{'s' if len(missing) > 1 else ''} {names} did not arrive ({why})"
+    else:
+        cause = f"every rank arrived, but {why}"
+    return StallReport(board.rank, what, elapsed_s, cause, missing, peers)
+
+
+class Collectives:
+    """This rank's collectives over ``group`` (None: the default group), each bounded
+    by ``deadline_s`` and announced on ``board``."""
+
+    def __init__(self, group: dist.ProcessGroup | None, board: Board, deadline_s: float):
+        self.group, self.board, self.deadline_s = group, board, deadline_s
+        self.world = dist.get_world_size(group)
+
+    def all_gather(self, tensor: torch.Tensor, what: str, publish: bool = True) -> torch.Tensor:
+        """[world, *tensor.shape]: every rank's ``tensor`` (same shape and dtype
+        everywhere); ``publish``: see ``Board.enter``."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        mine = self.board.enter(what, publish)
+        self._wait(dist.all_gather(parts, tensor.contiguous(), group=self.group, async_op=True), mine, what)
+        return torch.stack(parts)
+
+    def barrier(self, what: str, publish: bool = True) -> None:
+        mine = self.board.enter(what, publish)
+        self._wait(dist.barrier(group=self.group, async_op=True), mine, what)
+
+    def _wait(self, work: dist.Work, mine: Status, what: str) -> None:
+        start = time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=self.deadline_s))
+        except RuntimeError as err:
+            raise CollectiveError(self.diagnose(mine, what, err, time.monotonic() - start)) from None
+
+    def diagnose(self, mine: Status, what: str, err: BaseException | str, elapsed_s: float) -> StallReport:
+        return stall_report(self.board, mine, what, elapsed_s, err, self.deadline_s)
+
+    def diagnose_current(self, err: BaseException) -> StallReport:
+        """The report of a collective issued outside this class (its group's own
+        timeout fired, or a peer vanished) during the board's current status."""
+        mine = self.board.status
+        return self.diagnose(mine, mine.text, err, time.time() - mine.since)

@@ -1,0 +1,63 @@
+"""First contact with the command line: help with defaults for every flag, a version,
+and every input error as one line naming the flag and value (nothing is launched)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from hpmoe.cli import build_parser, main, version
+
+
+def _subparsers() -> dict:
+    return next(a for a in build_parser()._actions if a.dest == "command").choices
+
+
+def test_every_flag_has_help_and_help_shows_defaults(capsys: pytest.CaptureFixture) -> None:
+    for name, sub in _subparsers().items():
+        for action in sub._actions:
+            assert action.help, f"hpmoe {name} {action.option_strings} has no help"
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: small)" in out and "(default: 60.0)" in out and "stall" in out
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"hpmoe {version()}"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--link", "0gbit"], "hpmoe bench: error: --link='0gbit' must be at least 8kbit"),
+    (["bench", "--link", "fast"], "hpmoe bench: error: --link='fast' must look like 2gbit"),
+    (["bench", "--fault", "explode:0"], "hpmoe bench: error: --fault='explode:0' must be KIND:RANK[:AFTER] "
+                                        "with KIND one of kill, silent, unreachable, stall"),
+    (["bench", "--workers", "2"], "hpmoe bench: error: --workers='2' must be MATRIX,VECTOR"),
+])
+def test_bad_flags_end_in_one_line_naming_flag_and_value(argv: list[str], message: str,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(message), err
+
+
+def test_a_missing_plotting_extra_is_named_before_any_work(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture, tmp_path) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    assert main(["trace", "--preset", "tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("hpmoe trace: error: hpmoe trace (gantt.png) needs matplotlib, which is not installed: "
+                   "pip install 'hpmoe[plot]' (or make demo / make test, which install it)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_counts_bytes_and_flops_in_integers(capsys: pytest.CaptureFixture) -> None:
+    assert main(["info", "--preset", "tiny", "--ep", "2", "--tokens", "64", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for key in ("link_bytes_per_rank_max", "link_bytes_per_rank_mean", "memory_bytes", "flops"):
+        assert isinstance(doc[key], int), (key, doc[key])
