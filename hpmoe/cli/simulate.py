@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -63,12 +64,19 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
         kind = RegionKind.BACKWARD_RECOMPUTE if args.recompute else RegionKind.BACKWARD
     graph = region(kind).lower(layer.plan, layer.tiles, None)
     t1 = time.perf_counter()
+    _progress(f"lowered {graph.num_tasks} tasks in {t1 - t0:.1f} s; scheduling ({args.schedule})")
     sched = schedule(graph, SchedulePolicy(args.schedule), hardware)
     t2 = time.perf_counter()
+    _progress(f"scheduled in {t2 - t1:.1f} s; replaying on {hardware.name}")
     result = simulate(sched, hardware)
     t3 = time.perf_counter()
     return SimRun(layer=layer, hardware=hardware, graph=graph, schedule=sched, result=result,
                   lower_s=t1 - t0, schedule_s=t2 - t1, simulate_s=t3 - t2)
+
+
+def _progress(line: str) -> None:
+    """A progress line on stderr (stdout stays the result)."""
+    print(f"hpmoe: {line}", file=sys.stderr, flush=True)
 
 
 def summary(args: argparse.Namespace, sim: SimRun) -> dict:
