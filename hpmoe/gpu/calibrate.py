@@ -21,9 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sim.cost import gemm_dims
-from ..sim.hardware import LinkEntry
-from .core import HardwareModel, Schedule, TaskGraph, Timeline, Unit
+from .core import HardwareModel, LinkEntry, Schedule, TaskGraph, Timeline, Unit, gemm_dims
 
 
 @dataclass(frozen=True)

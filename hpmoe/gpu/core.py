@@ -15,14 +15,14 @@ from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_ro
 from ..runtime.forensics import HangReport, RegionError, WorkerReport, WorkerStatus
 from ..schedule import SchedulePolicy, schedule, verify_schedule
 from ..schedule.base import Schedule, WorkerCounts
-from ..sim.cost import task_costs
-from ..sim.hardware import HardwareModel, hardware_preset
+from ..sim.cost import gemm_dims, task_costs
+from ..sim.hardware import HardwareModel, LinkEntry, hardware_preset
 from ..sim.simulate import Timeline
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 
 __all__ = ["DEFAULT_TILES", "IS_PUT", "ExpertWeights", "GraphError", "HangReport", "HardwareModel",
-           "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy",
-           "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts", "WorkerReport",
-           "WorkerStatus", "check_hidden", "check_routing", "hardware_preset", "lower_backward",
-           "lower_forward", "plan_routing", "schedule", "task_costs", "verify_schedule"]
+           "LinkEntry", "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan", "Schedule",
+           "SchedulePolicy", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts",
+           "WorkerReport", "WorkerStatus", "check_hidden", "check_routing", "gemm_dims", "hardware_preset",
+           "lower_backward", "lower_forward", "plan_routing", "schedule", "task_costs", "verify_schedule"]
