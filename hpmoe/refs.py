@@ -20,24 +20,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .routing import Routing, check_hidden, check_routing
-from .spec import MoESpec
+from .spec import Activation, MoESpec
 from .weights import ExpertWeights
 
 # ---------------------------------------------------------------------------- math
 
 
-def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU expert, exactly as transformers' ``DeepseekV3Experts`` computes it.
+ACTIVATION_FNS = {Activation.SILU: F.silu, Activation.GELU: F.gelu,
+                  Activation.GELU_TANH: lambda t: F.gelu(t, approximate="tanh"), Activation.RELU: F.relu}
+
+
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               activation: Activation = Activation.SILU) -> torch.Tensor:
+    """One gated expert, exactly as transformers' ``DeepseekV3Experts`` computes it.
 
     x: [R, H]; w13: [2F, H] (gate rows [0, F), up rows [F, 2F)); w2: [H, F]; one dtype.
-    Returns [R, H] in ``x.dtype``: ``(silu(x @ gate.T) * (x @ up.T)) @ w2.T``.
+    Returns [R, H] in ``x.dtype``: ``(act(x @ gate.T) * (x @ up.T)) @ w2.T``.
     """
     gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    return F.linear(ACTIVATION_FNS[activation](gate) * up, w2)
 
 
 def grouped_ffn(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor) -> torch.Tensor:
+                w2: torch.Tensor, activation: Activation = Activation.SILU) -> torch.Tensor:
     """Run expert ``e`` on the ``e``-th segment of ``rows``.
 
     rows: [R, H] sorted by expert; counts: [E'] int64 rows per expert, summing to R;
@@ -45,7 +50,7 @@ def grouped_ffn(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
     Differentiable with respect to ``rows``, ``w13`` and ``w2``.
     """
     chunks = rows.split(counts.tolist())
-    outs = [expert_ffn(chunk, w13[e], w2[e]) for e, chunk in enumerate(chunks)]
+    outs = [expert_ffn(chunk, w13[e], w2[e], activation) for e, chunk in enumerate(chunks)]
     return torch.cat(outs) if outs else rows.new_empty(0, w2.shape[1])
 
 
@@ -53,7 +58,7 @@ def shared_ffn(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor | None:
     """Shared experts on every token: [N, H] spec.dtype, or None when there are none."""
     if not weights.has_shared:
         return None
-    return expert_ffn(x, weights.shared_w13, weights.shared_w2)
+    return expert_ffn(x, weights.shared_w13, weights.shared_w2, weights.spec.activation)
 
 
 def topk_sum(o: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
@@ -102,7 +107,7 @@ def dense_moe(x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torc
     flat = routing.ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=spec.experts)
-    ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2)
+    ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2, spec.activation)
     o = ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
     return topk_sum(o, routing.weights, shared_ffn(x, weights), spec.dtype)
 
@@ -155,7 +160,7 @@ def serialized_ep_forward(x_local: torch.Tensor, weights: ExpertWeights, routing
         recv_counts = exchange_counts(send_counts, group)
         recv = ep_dispatch(x_local[order // k], send_counts, recv_counts, group)
         mine = slice(rank * local, (rank + 1) * local)
-        ys = run_local_experts(recv, recv_counts, weights.w13[mine], weights.w2[mine])
+        ys = run_local_experts(recv, recv_counts, weights.w13[mine], weights.w2[mine], spec.activation)
         back = ep_combine(ys, send_counts, recv_counts, group)
         o = back.index_select(0, inverse_permutation(order)).view(t, k, spec.hidden)
         out = topk_sum(o, routing_local.weights, shared_ffn(x_local, weights), spec.dtype)
@@ -206,7 +211,7 @@ def _all_to_all(rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor,
 
 
 def run_local_experts(recv: torch.Tensor, recv_counts: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor) -> torch.Tensor:
+                      w2: torch.Tensor, activation: Activation = Activation.SILU) -> torch.Tensor:
     """Apply local expert e to its rows of every source.
 
     recv: [R, H] in dispatch order (source s, then local expert e); recv_counts: [ep, L];
@@ -217,5 +222,5 @@ def run_local_experts(recv: torch.Tensor, recv_counts: torch.Tensor, w13: torch.
     segment_key = torch.arange(local) * ep + torch.arange(ep)[:, None]  # [s, e] -> e*ep + s
     row_key = torch.repeat_interleave(segment_key.reshape(-1), recv_counts.reshape(-1))
     perm = torch.argsort(row_key, stable=True)
-    ys = grouped_ffn(recv[perm], recv_counts.sum(0), w13, w2)
+    ys = grouped_ffn(recv[perm], recv_counts.sum(0), w13, w2, activation)
     return ys.index_select(0, inverse_permutation(perm))

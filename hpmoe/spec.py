@@ -12,7 +12,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Activation(enum.Enum):
+    """The gate activation of every expert (routed and shared): ``act(gate) * up``."""
+
+    SILU = "silu"  # SwiGLU (DeepSeek, Qwen, Mixtral, ...)
+    GELU = "gelu"  # exact (erf) GELU: GeGLU
+    GELU_TANH = "gelu_tanh"  # tanh-approximated GELU
+    RELU = "relu"
 
 
 class GateKind(enum.Enum):
@@ -39,7 +48,8 @@ class MoESpec:
     groups / top_groups: group-limited routing (1 / 1 disables it).
     routed_scaling: factor applied to the top-k weights.
     norm_topk: renormalise the top-k weights to sum to one.
-    dtype: dtype of activations and expert weights (fp32 or bf16).
+    dtype: dtype of activations and expert weights (fp32, bf16 or fp16; every sum in fp32).
+    activation: the experts' gate activation.
     """
 
     hidden: int
@@ -53,6 +63,7 @@ class MoESpec:
     routed_scaling: float = 1.0
     norm_topk: bool = True
     dtype: torch.dtype = torch.bfloat16
+    activation: Activation = Activation.SILU
 
     def __post_init__(self) -> None:
         _check_positive("MoESpec", hidden=self.hidden, ffn=self.ffn, experts=self.experts,
@@ -74,7 +85,9 @@ class MoESpec:
             raise ValueError(f"MoESpec.groups={self.groups}: sigmoid group scores need >= 2 "
                              "experts per group")
         if self.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"MoESpec.dtype must be torch.float32 or torch.bfloat16, got {self.dtype}")
+            raise TypeError(f"MoESpec.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
+        if not isinstance(self.activation, Activation):
+            raise TypeError(f"MoESpec.activation must be an Activation, got {self.activation!r}")
         if not self.routed_scaling > 0:
             raise ValueError(f"MoESpec.routed_scaling must be > 0, got {self.routed_scaling}")
 

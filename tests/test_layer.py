@@ -11,13 +11,14 @@ from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.sim.hardware import cpu_nominal
-from hpmoe.spec import GateKind, MoESpec, preset
+from hpmoe.spec import Activation, GateKind, MoESpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
 from .helpers import TINY_TILES
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
 SOFTMAX = MoESpec(hidden=24, ffn=12, experts=8, top_k=3, gate=GateKind.SOFTMAX, dtype=torch.float32)
 NAMES = ["experts.gate_up_proj", "experts.down_proj", "gate.weight", "shared_experts.gate_proj.weight",
          "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"]
@@ -67,6 +68,29 @@ def test_gradients_match_autograd_through_gate_and_dense_reference(spec, ep, dty
     _assert_close_runs(got, _reference(layer, x, dy), dtype)
     assert sorted(got[2]) == sorted(NAMES if spec.shared_experts else NAMES[:3])
     assert all(g.abs().sum() > 0 for g in got[2].values())
+
+
+@pytest.mark.parametrize("activation", list(Activation))
+def test_every_activation_matches_autograd_and_differs_from_silu(activation):
+    spec = MoESpec(**{**vars(preset("tiny")), "activation": activation})
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES, recompute=True)
+    x, dy = _data(spec, 16)
+    got = _run(layer, x, dy)
+    layer.zero_grad()
+    _assert_close_runs(got, _reference(layer, x, dy), torch.float32)
+    if activation is not Activation.SILU:  # a kernel that ignored the activation would fail here
+        silu = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), virtual_ep=2, tiles=TINY_TILES)
+        assert (silu(x) - got[0]).abs().max() > 1e-3
+
+
+def test_fp16_accumulates_in_fp32():
+    spec = SOFTMAX.with_dtype(torch.float16)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES)
+    x, dy = _data(spec, 16)
+    got = _run(layer, x, dy)
+    layer.zero_grad()
+    _assert_close_runs(got, _reference(layer, x, dy), torch.float16)
+    assert got[0].dtype == torch.float16
 
 
 def _saved_bytes(out: torch.Tensor) -> int:

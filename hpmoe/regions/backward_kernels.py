@@ -22,10 +22,11 @@ import torch
 
 from ..ir.graph import TaskKind, Tile
 from ..routing import RoutingPlan
+from ..spec import Activation
 from ..weights import ExpertWeights
 from .backward import lower_backward
 from .base import PutSpec, Region, RegionKind, ShapeMap
-from .kernels import ForwardBuffers, swiglu
+from .kernels import ACTIVATIONS, ForwardBuffers, glu
 
 
 @dataclass
@@ -144,7 +145,7 @@ class BackwardContext:
     w13 [L, 2F, H], w2 [L, H, F]: this rank's experts; shared_w13 [2Fs, H] and
     shared_w2 [H, Fs] or None; token_of_row [T*k] int64 token of each permuted row;
     row_weight [T*k] float32 routing weight of each permuted row; pos [T, k] int64
-    permuted row of (token, slot)."""
+    permuted row of (token, slot); activation: the experts' gate activation."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -153,6 +154,7 @@ class BackwardContext:
     token_of_row: torch.Tensor
     row_weight: torch.Tensor
     pos: torch.Tensor
+    activation: Activation = Activation.SILU
 
     @staticmethod
     def build(weights: ExpertWeights, plan: RoutingPlan, topk_weights: torch.Tensor,
@@ -164,19 +166,27 @@ class BackwardContext:
         return BackwardContext(w13=weights.w13[experts], w2=weights.w2[experts],
                                shared_w13=weights.shared_w13, shared_w2=weights.shared_w2,
                                token_of_row=order // k, row_weight=topk_weights.reshape(-1)[order],
-                               pos=plan.pos[rank])
+                               pos=plan.pos[rank], activation=weights.spec.activation)
 
 
 BackwardKernel = Callable[[Tile, BackwardBuffers, BackwardBuffers, BackwardContext], None]
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor) -> None:
-    """dh [m, 2F] = gradient of silu(h[:, :F]) * h[:, F:] given da [m, F], as autograd
-    computes it (``da * up`` rounded to the dtype, then ``silu_backward``)."""
+ACTIVATION_GRADS: dict[Activation, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    Activation.SILU: torch.ops.aten.silu_backward,
+    Activation.GELU: torch.ops.aten.gelu_backward,
+    Activation.GELU_TANH: lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+    Activation.RELU: lambda g, x: torch.ops.aten.threshold_backward(g, x, 0),
+}
+
+
+def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: Activation) -> None:
+    """dh [m, 2F] = gradient of act(h[:, :F]) * h[:, F:] given da [m, F], as autograd
+    computes it (``da * up`` rounded to the dtype, then the activation's backward op)."""
     f = da.shape[1]
     gate, up = h[:, :f], h[:, f:]
-    dh[:, :f].copy_(torch.ops.aten.silu_backward(da * up, gate))
-    torch.mul(da, torch.nn.functional.silu(gate), out=dh[:, f:])
+    dh[:, :f].copy_(ACTIVATION_GRADS[activation](da * up, gate))
+    torch.mul(da, ACTIVATIONS[activation](gate), out=dh[:, f:])
 
 
 def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -191,7 +201,7 @@ def _dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backwa
 
 
 def _swiglu_bwd(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    swiglu_backward(me.saved.h[t.row0:t.row1], me.da[t.row0:t.row1], me.dh[t.row0:t.row1])
+    glu_backward(me.saved.h[t.row0:t.row1], me.da[t.row0:t.row1], me.dh[t.row0:t.row1], ctx.activation)
 
 
 def _dgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -229,10 +239,10 @@ def _router_grad(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backw
 
 
 def _recompute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    """Routed expert rows (expert >= 0) or shared rows (expert -1): a = swiglu(h)."""
+    """Routed expert rows (expert >= 0) or shared rows (expert -1): a = act(gate) * up."""
     s = me.saved
     h, a = (s.h, s.a) if t.expert >= 0 else (s.sh, s.sa)
-    swiglu(h[t.row0:t.row1], a[t.row0:t.row1])
+    glu(h[t.row0:t.row1], a[t.row0:t.row1], ctx.activation)
 
 
 def _shared_dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -241,7 +251,7 @@ def _shared_dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx:
 
 
 def _shared_swiglu_bwd(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    swiglu_backward(me.saved.sh[t.row0:t.row1], me.sda[t.row0:t.row1], me.sdh[t.row0:t.row1])
+    glu_backward(me.saved.sh[t.row0:t.row1], me.sda[t.row0:t.row1], me.sdh[t.row0:t.row1], ctx.activation)
 
 
 def _shared_dgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:

@@ -7,6 +7,7 @@ same functions.  ``KERNELS`` maps every non-put forward ``TaskKind`` to its func
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from ..ir.graph import TaskKind, Tile
 from ..refs import topk_sum
 from ..routing import Routing, RoutingPlan
+from ..spec import Activation
 from ..weights import ExpertWeights
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .forward import lower_forward
@@ -97,14 +99,20 @@ def _gemm_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext
     torch.mm(me.recv[t.row0:t.row1], w.t(), out=me.h[t.row0:t.row1, t.col0:t.col1])
 
 
-def swiglu(h: torch.Tensor, out: torch.Tensor) -> None:
-    """out [m, F] = silu(h[:, :F]) * h[:, F:] for h [m, 2F]."""
+ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
+    Activation.SILU: F.silu, Activation.GELU: F.gelu,
+    Activation.GELU_TANH: functools.partial(F.gelu, approximate="tanh"), Activation.RELU: F.relu,
+}
+
+
+def glu(h: torch.Tensor, out: torch.Tensor, activation: Activation) -> None:
+    """out [m, F] = act(h[:, :F]) * h[:, F:] for h [m, 2F] (SwiGLU for SILU)."""
     f = out.shape[1]
-    torch.mul(F.silu(h[:, :f]), h[:, f:], out=out)
+    torch.mul(ACTIVATIONS[activation](h[:, :f]), h[:, f:], out=out)
 
 
 def _swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
-    swiglu(me.h[t.row0:t.row1], me.a[t.row0:t.row1])
+    glu(me.h[t.row0:t.row1], me.a[t.row0:t.row1], ctx.weights.spec.activation)
 
 
 def _gemm_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
@@ -124,7 +132,7 @@ def _shared_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankConte
 
 
 def _shared_swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
-    swiglu(me.sh[t.row0:t.row1], me.sa[t.row0:t.row1])
+    glu(me.sh[t.row0:t.row1], me.sa[t.row0:t.row1], ctx.weights.spec.activation)
 
 
 def _shared_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
