@@ -30,11 +30,13 @@ def test_bad_moe_spec_names_the_field(kwargs, field):
         MoESpec(**(base | kwargs))
 
 
-def test_bad_dtype_and_gate_raise_type_error():
+def test_bad_dtype_gate_and_activation_raise_type_error():
     with pytest.raises(TypeError, match="dtype"):
-        MoESpec(hidden=8, ffn=4, experts=8, top_k=2, dtype=torch.float16)
+        MoESpec(hidden=8, ffn=4, experts=8, top_k=2, dtype=torch.float64)
     with pytest.raises(TypeError, match="gate"):
         MoESpec(hidden=8, ffn=4, experts=8, top_k=2, gate="sigmoid")
+    with pytest.raises(TypeError, match="activation"):
+        MoESpec(hidden=8, ffn=4, experts=8, top_k=2, activation="gelu")
 
 
 def test_ep_must_divide_experts():
