@@ -105,7 +105,7 @@ def _mask_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     """Keep only the experts of each token's ``top_groups`` best groups."""
     if spec.groups == 1:
         return choice
-    grouped = choice.view(choice.shape[0], spec.groups, -1)
+    grouped = choice.view(choice.shape[0], spec.groups, spec.experts // spec.groups)
     if spec.gate is GateKind.SIGMOID:
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
     else:

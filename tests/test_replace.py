@@ -103,7 +103,7 @@ def test_replace_moe_blocks_refuses_models_without_blocks_and_blocks_themselves(
         replace_moe_blocks(_block("qwen3_moe"))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         replace_moe_blocks("model")
-    with pytest.raises(TypeError, match="module must be one of"):
+    with pytest.raises(TypeError, match="module must be a transformers MoE block of"):
         MoE.from_hf(torch.nn.Linear(3, 3))
 
 

@@ -1,14 +1,20 @@
 """``hpmoe.MoE``: an ``nn.Module`` whose MoE-FFN region runs as tile taskflows.
 
-Routing (the gate) runs in ordinary autograd; the region — dispatch, expert GEMMs and
-SwiGLU, combine, shared experts — runs through ``MoEFunction``: the forward taskflow
-keeps minimal activations (``SavedActivations``), the backward taskflow returns the
-gradients of the input, of the routing weights (autograd carries them on to the
-router), of the expert weights and of the shared-expert weights.
+Routing runs in ordinary autograd — hpmoe's own gate (``MoE(spec)``) or, for a layer
+built over a transformers block (``MoE.from_hf``, ``replace_moe_blocks``), the block's own
+router module called as the block calls it, so output-capturing hooks, router logits and
+auxiliary losses are those of transformers.  The region — dispatch, expert GEMMs and the
+gated activation (``spec.activation``), combine, fusable shared experts — runs through
+``MoEFunction``: the forward taskflow keeps minimal activations (``SavedActivations``,
+handed to ``ctx.save_for_backward`` so saved-tensor hooks such as non-reentrant
+checkpointing manage them), the backward taskflow returns the gradients of the input, of
+the routing weights (autograd carries them on to the router), of the expert weights and
+of the shared-expert weights.  Any token count works (0 included): the layer pads every
+(virtual) rank to the same count with zero tokens of routing weight 0.
 
-Parameters carry transformers' names (``gate.weight``, ``gate.e_score_correction_bias``,
-``experts.gate_up_proj``, ``experts.down_proj``, ``shared_experts.{gate,up,down}_proj``),
-so state dicts line up with ``DeepseekV3MoE`` / ``Qwen3MoeSparseMoeBlock``.
+Dtypes: the region runs in the expert weights' dtype at call time (fp32, bf16, fp16; every
+sum in fp32), or in the autocast dtype inside ``torch.autocast``; the output has the
+input's dtype.  Parameters carry transformers' names, so state dicts are unchanged.
 
 Execution:
   * single process: ``virtual_ep`` ranks (default 1) through the exact executors;
@@ -25,10 +31,11 @@ Execution:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..exec.backend import Backend, as_backend
@@ -48,6 +55,8 @@ from ..schedule.base import Schedule, SchedulePolicy
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import GateKind, MoESpec, TileSpec
 from ..weights import ExpertWeights
+from .families import FAMILIES, family_of, read_block
+from .families.base import Family
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
     from ..runtime import RuntimeConfig, Session
@@ -200,11 +209,16 @@ class RegionOptions:
 class MoE(nn.Module):
     """A routed + shared MoE-FFN layer whose region runs as tile taskflows.
 
-    spec: the layer shape (``spec.dtype`` is the dtype of inputs and expert weights);
+    Built from a spec (``MoE(spec, weights)``: hpmoe's own router, ``hpmoe.routing.route``)
+    or over a transformers block (``MoE.from_hf(block)``: the block's own router module,
+    called as the block calls it).
+    spec: the layer shape; ``spec.dtype`` is the dtype the parameters were created in;
+    the region runs in the dtype of the expert weights at call time (after ``.to()``,
+    FSDP mixed precision), or in the autocast dtype inside ``torch.autocast``.
     weights: initial parameters (copied), or None for ``ExpertWeights.random(spec, seed)``.
     The other arguments are the fields of ``RegionOptions``.
-    forward: hidden_states [..., H] spec.dtype -> [..., H] spec.dtype; with an ep_group,
-    this rank's tokens (every rank of the group the same number).
+    forward: hidden_states [..., H] -> [..., H] in the dtype of hidden_states; with an
+    ep_group, this rank's tokens, any number of them (0 included) on every rank.
     """
 
     def __init__(self, spec: MoESpec, weights: ExpertWeights | None = None, *, ep_group: Any = None,
@@ -220,35 +234,43 @@ class MoE(nn.Module):
         fs = spec.shared_ffn
         bias = w.router_bias.detach().clone() if spec.gate is GateKind.SIGMOID else None
         parts = (w.shared_w13[:fs], w.shared_w13[fs:], w.shared_w2) if fs else ()
-        shared = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
-        self._setup(spec, TopkRouter(w.router.detach().clone(), bias),
-                    FusedExperts(w.w13.detach().clone(), w.w2.detach().clone()), shared,
+        self.experts = FusedExperts(w.w13.detach().clone(), w.w2.detach().clone())
+        self.gate = TopkRouter(w.router.detach().clone(), bias)
+        self.shared_experts = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
+        self._setup(spec, None, "shared_experts" if fs else None,
                     RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware,
                                   backend))
 
-    def _setup(self, spec: MoESpec, gate: nn.Module, experts: nn.Module, shared: nn.Module | None,
+    def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
                options: RegionOptions) -> None:
         self.spec = spec
+        self.family = family
+        self.fused_shared = fused_shared
         self.options = options
-        self.experts = experts  # transformers' registration order: experts, gate, shared_experts
-        self.gate = gate
-        self.shared_experts = shared
         self._session = options.session
         self._owns_session = False
 
     @classmethod
     def from_hf(cls, module: nn.Module, **options: Any) -> MoE:
-        """An hpmoe layer over the very parameters of a transformers ``DeepseekV3MoE`` or
-        ``Qwen3MoeSparseMoeBlock``: ``gate``, ``experts`` and ``shared_experts`` are that
-        module's submodules, so parameter objects, names and buffers are unchanged.
-        ``options``: fields of ``RegionOptions`` (ep_group, schedule, recompute, ...)."""
-        from .hf import weights_from_hf
-
-        spec = weights_from_hf(module).spec
+        """An hpmoe layer over the very submodules of a transformers MoE block of a family in
+        ``hpmoe.nn.families.FAMILIES``: parameter objects, names and buffers are unchanged and
+        the block's router module routes.  Raises ``TypeError`` for a block of no known family
+        and ``ValueError`` naming the family and the feature for one whose maths the region
+        does not compute.  ``options``: fields of ``RegionOptions``."""
+        family = family_of(module)
+        if family is None:
+            names = sorted(f.block for f in FAMILIES)
+            raise TypeError(f"module must be a transformers MoE block of {names}, "
+                            f"got {type(module).__name__}")
+        layout = read_block(module, family)
+        checked = RegionOptions(**options)
         moe = cls.__new__(cls)
         nn.Module.__init__(moe)
-        moe._setup(spec, module.gate, module.experts, getattr(module, "shared_experts", None),
-                   RegionOptions(**options))
+        for name, child in module.named_children():
+            moe.add_module(name, child)
+        if family.jitter:
+            setattr(moe, family.jitter, getattr(module, family.jitter))
+        moe._setup(layout.spec, family, layout.fused_shared, checked)
         return moe
 
     def session(self) -> Session | None:
@@ -271,14 +293,20 @@ class MoE(nn.Module):
         self._owns_session = False
 
     def expert_weights(self) -> ExpertWeights:
-        """The current parameters as ``ExpertWeights``, connected to autograd: router
-        [E, H] float32, w13 [E, 2F, H], w2 [E, H, F], shared_w13 = cat(gate, up) [2Fs, H]."""
-        bias = getattr(self.gate, "e_score_correction_bias", None)
-        bias = torch.zeros(self.spec.experts) if bias is None else bias.float()
-        sh = self.shared_experts if self.spec.shared_experts else None
+        """The current parameters as ``ExpertWeights`` in their current dtype, connected to
+        autograd: router [E, H] float32 (hpmoe's own router; zeros for a transformers block,
+        whose router module routes), w13 [E, 2F, H], w2 [E, H, F], shared_w13 = cat(gate, up)."""
+        w13 = self.experts.gate_up_proj
+        spec = replace(self.spec, dtype=w13.dtype)
+        router = torch.zeros((), dtype=torch.float32).expand(spec.experts, spec.hidden)
+        bias = torch.zeros(spec.experts, dtype=torch.float32)
+        if self.family is None:
+            router = self.gate.weight.float()
+            b = getattr(self.gate, "e_score_correction_bias", None)
+            bias = bias if b is None else b.float()
+        sh = getattr(self, self.fused_shared) if self.fused_shared else None
         return ExpertWeights(
-            spec=self.spec, router=self.gate.weight.float(), router_bias=bias,
-            w13=self.experts.gate_up_proj, w2=self.experts.down_proj,
+            spec=spec, router=router, router_bias=bias, w13=w13, w2=self.experts.down_proj,
             shared_w13=None if sh is None else torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
             shared_w2=None if sh is None else sh.down_proj.weight)
 
@@ -287,17 +315,96 @@ class MoE(nn.Module):
             raise ValueError(f"hidden_states must be [..., {self.spec.hidden}], got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
         x = hidden_states.reshape(-1, self.spec.hidden)
-        w = self.expert_weights()
-        routing = route(x, w)
-        call = RegionCall(spec=self.spec, ids=routing.ids, router=w.router.detach(),
-                          router_bias=w.router_bias, options=self.options, session=self.session())
-        out = MoEFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, call)
+        if self.family is None:
+            w = self.expert_weights()
+            routing = route(x.to(w.spec.dtype), w)
+            out = self._region(x, routing.ids, routing.weights)
+        else:
+            out = self._block_forward(x)
         return out.view(hidden_states.shape)
+
+    def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What the transformers block computes, with its routed experts (and a fusable
+        shared MLP) run by the region: jitter, router, region, then a shared expert that
+        runs beside the region."""
+        fam = self.family
+        amp = getattr(self, fam.jitter) if fam.jitter else 0.0
+        if self.training and amp > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - amp, 1.0 + amp)
+        _, weights, ids = getattr(self, fam.router)(x)
+        out = self._region(x, ids, weights)
+        shared = getattr(self, fam.shared) if fam.shared and not self.fused_shared else None
+        if shared is not None:
+            s = shared(x)
+            if fam.shared_gate:
+                s = torch.sigmoid(getattr(self, fam.shared_gate)(x)) * s
+            out = out + s
+        return out
+
+    def _region(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Run the region on x [N, H] routed by ids [N, k] with weights [N, k] (any float
+        dtype; combined in fp32).  Computes in the experts' dtype, or the autocast dtype;
+        pads the batch to equal token counts per (virtual) rank with zero rows of weight 0."""
+        w = self.expert_weights()
+        dtype = _compute_dtype(x, w.spec.dtype)
+        if dtype != w.spec.dtype:
+            w = _cast(w, dtype)
+        session = self.session()
+        padded = _padded_tokens(x.shape[0], self.options, session)
+        xp, idp, wp = _pad(x.to(dtype), ids.to(torch.int64), topk_weights.float(), padded, w.spec,
+                          self.options, session)
+        call = RegionCall(spec=w.spec, ids=idp, options=self.options, session=session)
+        with torch.autocast(x.device.type, enabled=False):
+            out = MoEFunction.apply(xp, wp, w.w13, w.w2, w.shared_w13, w.shared_w2, call)
+        return out[:x.shape[0]].to(x.dtype)
 
     def extra_repr(self) -> str:
         o = self.options
         where = f"ep_group, schedule={o.policy.value}" if o.distributed else f"virtual_ep={o.virtual_ep}"
-        return f"spec={self.spec}, {where}, recompute={o.recompute}"
+        family = f"family={self.family.name}, " if self.family else ""
+        return f"{family}spec={self.spec}, {where}, recompute={o.recompute}"
+
+
+def _compute_dtype(x: torch.Tensor, weights_dtype: torch.dtype) -> torch.dtype:
+    """The autocast dtype inside ``torch.autocast``, else the expert weights' dtype."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weights_dtype
+
+
+def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    """``w`` with its expert tensors cast to ``dtype`` (differentiably)."""
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype)
+
+    return ExpertWeights(replace(w.spec, dtype=dtype), w.router, w.router_bias, cast(w.w13), cast(w.w2),
+                         cast(w.shared_w13), cast(w.shared_w2))
+
+
+def _padded_tokens(tokens: int, options: RegionOptions, session: Session | None) -> int:
+    """Tokens per call after padding: a multiple of virtual_ep in one process, the largest
+    count of the EP group on every rank of it; at least one token per rank."""
+    if session is None:
+        return max(-(-tokens // options.virtual_ep), 1) * options.virtual_ep
+    return max(max(token_counts(tokens, session.group)), 1)
+
+
+def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, spec: MoESpec,
+         options: RegionOptions, session: Session | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Append ``total - N`` zero tokens of routing weight 0, each routed to the first local
+    expert of the rank that holds it: no communication, an expert output of exactly 0, and
+    nothing added to any gradient."""
+    n, k = ids.shape
+    if total == n:
+        return x, ids, weights
+    ranks = options.virtual_ep if session is None else dist.get_world_size(session.group)
+    local = max(spec.experts // ranks, 1)
+    pos = torch.arange(n, total)
+    owner = pos // (total // ranks) if session is None else torch.full_like(pos, session.rank)
+    pad_ids = (owner * local).clamp(max=spec.experts - 1).unsqueeze(1).expand(total - n, k)
+    return (torch.cat([x, x.new_zeros(total - n, x.shape[1])]), torch.cat([ids, pad_ids]),
+            torch.cat([weights, weights.new_zeros(total - n, k)]))
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -305,14 +412,12 @@ class MoE(nn.Module):
 
 @dataclass(frozen=True)
 class RegionCall:
-    """Non-tensor inputs of one region call: ids [N, k] int64 top-k expert ids of the
-    local tokens; router [E, H] / router_bias [E] float32 (detached, routing only);
-    session: the runtime session of a distributed layer, else None."""
+    """Non-tensor inputs of one region call: the spec (dtype: the compute dtype); ids
+    [N, k] int64 top-k expert ids of the local tokens; session: the runtime session of a
+    distributed layer, else None."""
 
     spec: MoESpec
     ids: torch.Tensor
-    router: torch.Tensor
-    router_bias: torch.Tensor
     options: RegionOptions
     session: Session | None = None
 
@@ -325,14 +430,35 @@ class RegionState:
 
     plan: RoutingPlan
     saved: list[SavedActivations]
-    weights: ExpertWeights
-    topk_weights: torch.Tensor
+    weights: ExpertWeights | None
+    topk_weights: torch.Tensor | None
     options: RegionOptions
     session: Session | None = None
     device: Any = None  # the triton backend's forward (its arena holds the saved activations)
+    nbytes: int = 0
 
     def saved_bytes(self) -> int:
-        return sum(s.nbytes() for s in self.saved)
+        """Bytes of the saved activations (the input x excluded)."""
+        return self.nbytes or sum(s.nbytes() for s in self.saved)
+
+    def pack(self) -> tuple[list[torch.Tensor | None], RegionState]:
+        """Every tensor of the state, for ``ctx.save_for_backward`` (so saved-tensor hooks,
+        e.g. non-reentrant activation checkpointing, see and may free them), and the state
+        without them."""
+        w = self.weights
+        tensors = [getattr(s, f.name) for s in self.saved for f in fields(SavedActivations)]
+        tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2, self.topk_weights]
+        bare = replace(self, saved=[None] * len(self.saved), weights=None, topk_weights=None,
+                       nbytes=self.saved_bytes())
+        return tensors, bare
+
+    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
+        """The inverse of ``pack``: this bare state with ``tensors`` put back."""
+        n, ranks = len(fields(SavedActivations)), len(self.saved)
+        saved = [SavedActivations(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
+        router, bias, w13, w2, sw13, sw2, topk = tensors[ranks * n:]
+        weights = ExpertWeights(self.plan.moe, router, bias, w13, w2, sw13, sw2)
+        return replace(self, saved=saved, weights=weights, topk_weights=topk)
 
 
 class MoEFunction(torch.autograd.Function):
@@ -347,16 +473,20 @@ class MoEFunction(torch.autograd.Function):
         # detached: the runtime's worker threads run with grad mode on (it is per thread)
         x, topk_weights, w13, w2, shared_w13, shared_w2 = (
             None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
-        weights = ExpertWeights(call.spec, call.router, call.router_bias, w13, w2, shared_w13, shared_w2)
+        spec = call.spec
+        router = torch.zeros((), dtype=torch.float32).expand(spec.experts, spec.hidden)  # routing is done
+        bias = torch.zeros(spec.experts, dtype=torch.float32)
+        weights = ExpertWeights(spec, router, bias, w13, w2, shared_w13, shared_w2)
         routing = Routing(ids=call.ids, weights=topk_weights)
         run = _dist_forward if call.options.distributed else _virtual_forward
-        out, ctx.state = run(x, weights, routing, call)
+        out, state = run(x, weights, routing, call)
+        tensors, ctx.state = state.pack()
+        ctx.save_for_backward(*tensors)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        state: RegionState = ctx.state
-        ctx.state = None  # free the saved activations as soon as possible
+        state: RegionState = ctx.state.unpack(ctx.saved_tensors)
         dy = dout.to(state.weights.spec.dtype).contiguous()
         run = _dist_backward if state.options.distributed else _virtual_backward
         g = run(state, dy)
@@ -388,6 +518,12 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
 # ---------------------------------------------------------------------------- distributed
 
 
+def token_counts(tokens: int, group: Any) -> list[int]:
+    """The number of tokens every rank of ``group`` holds (a collective)."""
+    mine = torch.tensor([tokens], dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [int(p) for p in parts]
 
 
 def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,

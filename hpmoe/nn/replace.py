@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from .families import FAMILIES, family_of, read_block
 from .layer import MoE, RegionOptions
 
 if TYPE_CHECKING:  # imported on first distributed use
@@ -33,12 +34,9 @@ class Replacement:
             self.session.close()
 
 
-def supported_blocks() -> tuple[type, ...]:
-    """transformers' ``DeepseekV3MoE`` and ``Qwen3MoeSparseMoeBlock`` classes."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    return (DeepseekV3MoE, Qwen3MoeSparseMoeBlock)
+def supported_blocks() -> tuple[str, ...]:
+    """Class names of the transformers MoE blocks hpmoe replaces (``hpmoe.nn.families``)."""
+    return tuple(f.block for f in FAMILIES if not f.refused)
 
 
 def replace_moe_blocks(model: nn.Module, **options: Any) -> Replacement:
@@ -52,11 +50,12 @@ def replace_moe_blocks(model: nn.Module, **options: Any) -> Replacement:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     checked = RegionOptions(**options)
-    blocks = supported_blocks()
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, blocks)]
+    targets = [(name, m) for name, m in model.named_modules() if family_of(m) is not None]
     if not targets:
-        names = sorted(b.__name__ for b in blocks)
+        names = sorted(supported_blocks())
         raise ValueError(f"model of type {type(model).__name__} holds no block of type {names}")
+    for _, block in targets:
+        read_block(block, family_of(block))  # refuse before replacing anything
     if targets[0][0] == "":
         raise ValueError(f"model is itself a {type(model).__name__}; use hpmoe.MoE.from_hf(model)")
     session = None

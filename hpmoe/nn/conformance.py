@@ -1,0 +1,116 @@
+"""Family conformance: every family of ``hpmoe.nn.families`` against transformers itself.
+
+For each family a tiny random causal LM (2 MoE layers, H 32, F 16, 8 experts, top-2, fp32)
+is built twice; one copy gets its MoE blocks replaced by hpmoe (``virtual_ep`` ranks, small
+tiles so every tile path runs).  Both run the same batch with ``labels`` and, where the
+family has one, ``output_router_logits=True``; the check reports the largest difference of
+the logits, of the auxiliary (load-balancing) loss and of every parameter's gradient.
+Refused families report the reason instead.
+
+    python -m hpmoe.nn.conformance        # prints the families table (markdown)
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..spec import TileSpec
+from .families import FAMILIES, Family
+from .replace import replace_moe_blocks
+
+CHECK_TILES = TileSpec(rows=3, gemm_rows=4, gemm_cols=8)
+
+
+@dataclass(frozen=True)
+class FamilyCheck:
+    """One row of the families table.  Errors are max |hpmoe - transformers| (fp32);
+    aux_err is None when the family has no auxiliary loss; refused: the reason, or ''."""
+
+    family: str
+    block: str
+    refused: str
+    blocks: int = 0
+    logits_err: float = 0.0
+    aux_err: float | None = None
+    grad_err: float = 0.0
+
+
+def tiny_model(family: Family, seed: int = 0, **overrides) -> nn.Module:
+    """``family.tiny_model`` in fp32 with every parameter drawn N(0, 1/fan_in) from ``seed``
+    (transformers leaves fused expert tensors uninitialised)."""
+    model = family.tiny_model(seed, **overrides).float()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def run_model(model: nn.Module, ids: torch.Tensor, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                          dict[str, torch.Tensor | None]]:
+    """(logits, aux_loss or None, {name: grad}) of one forward/backward; the loss is the
+    LM loss (plus the weighted aux loss) or, for a bare text model, the mean square of the
+    last hidden state.  ``torch.manual_seed(seed)`` first, so training-time jitter repeats."""
+    model.zero_grad()
+    torch.manual_seed(seed)
+    kwargs = {"input_ids": ids}
+    params = inspect.signature(model.forward).parameters
+    if "labels" in params:
+        kwargs["labels"] = ids
+    if "output_router_logits" in params or "kwargs" in params:
+        kwargs["output_router_logits"] = True
+    out = model(**kwargs)
+    y = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    loss = out.loss if getattr(out, "loss", None) is not None else y.square().mean()
+    loss.backward()
+    aux = getattr(out, "aux_loss", None)
+    return y.detach(), None if aux is None else aux.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def check_family(family: Family, seed: int = 0, virtual_ep: int = 2, **overrides) -> FamilyCheck:
+    """Build, replace, run and compare one family (see the module docstring);
+    ``overrides``: config fields (e.g. ``hidden_act``)."""
+    model = tiny_model(family, seed, **overrides)
+    original = copy.deepcopy(model)
+    try:
+        replaced = replace_moe_blocks(model, virtual_ep=virtual_ep, tiles=CHECK_TILES)
+    except ValueError as err:
+        return FamilyCheck(family.name, family.block, refused=str(err))
+    ids = torch.arange(24).view(2, 12) % 61 + 2
+    want, got = run_model(original, ids), run_model(model, ids)
+    if list(want[2]) != list(got[2]):
+        raise AssertionError(f"{family.name}: parameter names changed")
+    aux = None if want[1] is None else _err(got[1], want[1])
+    grads = max(_err(got[2][n], g) for n, g in want[2].items())
+    return FamilyCheck(family.name, family.block, "", len(replaced.names), _err(got[0], want[0]), aux, grads)
+
+
+def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None or b is None:
+        if a is not b:
+            raise AssertionError("a gradient is None on one side only")
+        return 0.0
+    return float((a.float() - b.float()).abs().max())
+
+
+def table(rows: list[FamilyCheck]) -> str:
+    """The families table in markdown."""
+    lines = ["| family | block | status | blocks | logits max err | aux loss err | grad max err |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.refused:
+            lines.append(f"| {r.family} | {r.block} | refused: {r.refused.split(': ', 1)[-1]} | | | | |")
+            continue
+        aux = "no aux loss" if r.aux_err is None else f"{r.aux_err:.1e}"
+        lines.append(f"| {r.family} | {r.block} | supported | {r.blocks} | {r.logits_err:.1e} | {aux} | "
+                     f"{r.grad_err:.1e} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table([check_family(f) for f in FAMILIES]))

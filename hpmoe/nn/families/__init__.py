@@ -1,0 +1,135 @@
+"""The registry of transformers MoE block families hpmoe replaces (one module each).
+
+``family_of(block)`` finds a block's ``Family`` by its class (no transformers import);
+``read_block(block, family)`` checks that the block's maths is what the region computes
+and returns its ``BlockLayout``, or raises ``ValueError`` naming the family and the
+missing feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...spec import Activation, MoESpec
+from . import (
+    deepseek_v2,
+    deepseek_v3,
+    dots1,
+    ernie4_5_moe,
+    glm4_moe,
+    gpt_oss,
+    granitemoe,
+    granitemoeshared,
+    hunyuan_v1_moe,
+    llama4,
+    mixtral,
+    olmoe,
+    phimoe,
+    qwen2_moe,
+    qwen3_moe,
+    qwen3_next,
+    qwen3_vl_moe,
+)
+from .base import Family, activation_of
+
+FAMILIES: tuple[Family, ...] = tuple(
+    m.FAMILY
+    for m in (
+        mixtral,
+        qwen2_moe,
+        qwen3_moe,
+        deepseek_v2,
+        deepseek_v3,
+        olmoe,
+        granitemoe,
+        granitemoeshared,
+        phimoe,
+        glm4_moe,
+        ernie4_5_moe,
+        hunyuan_v1_moe,
+        dots1,
+        qwen3_next,
+        qwen3_vl_moe,
+        gpt_oss,
+        llama4,
+    )
+)
+
+
+def family_of(module: nn.Module) -> Family | None:
+    """The family whose block class ``module`` is an instance of, else None."""
+    for cls in type(module).__mro__:
+        for fam in FAMILIES:
+            if cls.__module__ == fam.module and cls.__name__ == fam.block:
+                return fam
+    return None
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How hpmoe runs one block: ``spec`` (dtype that of the experts' weights; routing
+    fields unused: the block's router routes); ``fused_shared``: the shared MLP's attribute
+    when it runs inside the region (``spec.shared_experts`` > 0), else None."""
+
+    spec: MoESpec
+    fused_shared: str | None
+
+
+def read_block(block: nn.Module, family: Family) -> BlockLayout:
+    """Check ``block`` and read its layout; ``ValueError`` names what does not fit."""
+    if family.refused:
+        raise ValueError(f"{family.name} ({family.block}) is not supported: {family.refused}")
+    experts = _check_experts(block, family)
+    e, f2, h = experts.gate_up_proj.shape
+    act = activation_of(experts.act_fn)
+    router = getattr(block, family.router, None)
+    top_k = getattr(router, "top_k", None)
+    if not isinstance(top_k, int):
+        raise ValueError(f"{family.name}: block.{family.router} has no int top_k, got {top_k!r}")
+    shared = getattr(block, family.shared, None) if family.shared else None
+    fused = family.shared if _fusable(shared, family, act, f2 // 2) else None
+    width = shared.gate_proj.out_features if fused else 0
+    spec = MoESpec(
+        hidden=h,
+        ffn=f2 // 2,
+        experts=e,
+        top_k=top_k,
+        shared_experts=width // (f2 // 2),
+        activation=act,
+        dtype=experts.gate_up_proj.dtype,
+    )
+    return BlockLayout(spec=spec, fused_shared=fused)
+
+
+def _check_experts(block: nn.Module, family: Family) -> nn.Module:
+    experts = getattr(block, "experts", None)
+    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dim() != 3:
+        raise ValueError(
+            f"{family.name}: block.experts must hold gate_up_proj [E, 2F, H] and down_proj [E, H, F]"
+        )
+    e, f2, h = w13.shape
+    if tuple(w2.shape) != (e, h, f2 // 2) or f2 % 2:
+        raise ValueError(f"{family.name}: experts.down_proj is {tuple(w2.shape)}, expected {(e, h, f2 // 2)}")
+    for flag, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False)):
+        if getattr(experts, flag, not bad) is bad:
+            raise ValueError(f"{family.name}: experts.{flag}={bad} is not supported")
+    return experts
+
+
+def _fusable(shared: nn.Module | None, family: Family, act: Activation, ffn: int) -> bool:
+    """A shared MLP runs inside the region when it is ungated, bias-free, of the experts'
+    activation and a multiple of their width; otherwise it runs beside the region."""
+    if shared is None or family.shared_gate is not None:
+        return False
+    parts = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
+        return False
+    try:
+        same = activation_of(shared.act_fn) is act
+    except (ValueError, AttributeError):
+        return False
+    return same and parts[0].out_features % ffn == 0 and parts[0].out_features == parts[1].out_features
