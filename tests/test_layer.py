@@ -103,7 +103,8 @@ def test_any_token_count_at_any_virtual_ep(tokens, ep):
     layer.zero_grad()
     out, dx, grads = _reference(layer, x, dy)
     zero = {n: torch.zeros_like(p) for n, p in layer.named_parameters()}  # autograd: None for no rows
-    _assert_close_runs(got, (out, dx, {n: zero[n] if g is None else g for n, g in grads.items()}), torch.float32)
+    want = (out, dx, {n: zero[n] if g is None else g for n, g in grads.items()})
+    _assert_close_runs(got, want, torch.float32)
 
 
 def _saved_bytes(out: torch.Tensor) -> int:
