@@ -3,6 +3,8 @@ group, uneven token counts, one rank at 0 tokens) give the single-process full-b
 gradients; non-reentrant checkpointing frees the region's activations."""
 
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +121,13 @@ def test_non_reentrant_checkpointing_frees_the_region_activations():
     rows = 256 * layer.spec.top_k  # every routed row once: xe, h, a, comb; shared sh, sa
     region = 4 * (rows * (H + 2 * 16 + 16 + H) + 256 * (2 * 16 + 16))
     assert kept["plain"] - kept["checkpoint"] >= region
+
+
+
+def test_training_steps_with_the_aux_loss_follow_the_original_model():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_aux_loss
+
+    curves = train_aux_loss.compare(steps=6)
+    assert curves.max_diff() < 1e-5  # 50 steps: see docs/training.md
+    assert curves.original[-1][0] < curves.original[0][0]
