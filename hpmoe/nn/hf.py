@@ -1,8 +1,9 @@
 """Interop with transformers: specs from configs, weights from MoE modules, tiny configs.
 
 transformers is optional: it is imported inside the functions that need it.
-Supported: DeepSeek-V3 (``DeepseekV3Config`` / ``DeepseekV3MoE``) and Qwen3-MoE
-(``Qwen3MoeConfig`` / ``Qwen3MoeSparseMoeBlock``).
+Specs and ``ExpertWeights`` are read here for DeepSeek-V3 (``DeepseekV3Config`` /
+``DeepseekV3MoE``) and Qwen3-MoE (``Qwen3MoeConfig`` / ``Qwen3MoeSparseMoeBlock``), for the
+simulator and benchmarks; the drop-in layers of every family are ``hpmoe.nn.families``.
 
 Numerics: the DeepSeek-V3 router computes its logits in fp32 as :func:`hpmoe.routing.route`
 does.  The Qwen3-MoE router computes logits in the module dtype and casts the top-k weights

@@ -55,6 +55,7 @@ from ..schedule.base import Schedule, SchedulePolicy
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import GateKind, MoESpec, TileSpec
 from ..weights import ExpertWeights
+from .compiled import run_region
 from .families import FAMILIES, family_of, read_block
 from .families.base import Family
 
@@ -353,9 +354,12 @@ class MoE(nn.Module):
         padded = _padded_tokens(x.shape[0], self.options, session)
         xp, idp, wp = _pad(x.to(dtype), ids.to(torch.int64), topk_weights.float(), padded, w.spec,
                           self.options, session)
-        call = RegionCall(spec=w.spec, ids=idp, options=self.options, session=session)
         with torch.autocast(x.device.type, enabled=False):
-            out = MoEFunction.apply(xp, wp, w.w13, w.w2, w.shared_w13, w.shared_w2, call)
+            if torch.compiler.is_compiling() and session is None and self.options.backend is Backend.EXACT:
+                out = run_region(xp, idp, wp, w, self.options.virtual_ep, self.options.tiles)
+            else:
+                call = RegionCall(spec=w.spec, ids=idp, options=self.options, session=session)
+                out = MoEFunction.apply(xp, wp, w.w13, w.w2, w.shared_w13, w.shared_w2, call)
         return out[:x.shape[0]].to(x.dtype)
 
     def extra_repr(self) -> str:

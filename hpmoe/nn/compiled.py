@@ -1,0 +1,97 @@
+"""The region as ``torch.library`` custom ops, for ``torch.compile``.
+
+``hpmoe::region`` (forward) and ``hpmoe::region_backward`` carry only tensors and plain
+numbers, have fake (meta) implementations giving their output shapes, and are tied by
+``register_autograd``: a model whose hpmoe layers run in one process (virtual EP, exact
+backend) compiles with ``fullgraph=True`` and no graph break from hpmoe.  The layer takes
+this path while ``torch.compiler.is_compiling()``; eager runs keep ``MoEFunction``.
+
+The backward op reruns the forward taskflow to rebuild the saved activations (a custom
+op passes no state from forward to backward but its outputs), then runs the backward
+taskflow: the cost of ``recompute`` plus one forward region per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..exec.exact import execute_forward
+from ..exec.exact_backward import execute_backward
+from ..regions.backward_kernels import SavedActivations
+from ..routing import Routing
+from ..spec import Activation, MoESpec, TileSpec
+from ..weights import ExpertWeights
+
+
+def _weights(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor,
+             sw2: torch.Tensor, activation: str) -> ExpertWeights:
+    """ExpertWeights of the op's inputs; ``sw13``/``sw2`` of width 0 mean no shared expert."""
+    e, f2, h = w13.shape
+    fs = sw2.shape[1]
+    spec = MoESpec(hidden=h, ffn=f2 // 2, experts=e, top_k=ids.shape[1], shared_experts=fs // (f2 // 2),
+                   activation=Activation(activation), dtype=x.dtype)
+    router = torch.zeros((), dtype=torch.float32).expand(e, h)  # routing is done
+    bias = torch.zeros(e, dtype=torch.float32)
+    return ExpertWeights(spec, router, bias, w13, w2, sw13 if fs else None, sw2 if fs else None)
+
+
+def _forward(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation):
+    w = _weights(x, ids, w13, w2, sw13, sw2, activation)
+    return execute_forward(x, w, Routing(ids, weights), ep, TileSpec(*tiles)), w
+
+
+@torch.library.custom_op("hpmoe::region", mutates_args=())
+def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+           sw13: torch.Tensor, sw2: torch.Tensor, ep: int, tiles: list[int], activation: str) -> torch.Tensor:
+    """x [N, H], ids [N, k] int64, weights [N, k] fp32, w13 [E, 2F, H], w2 [E, H, F],
+    sw13 [2Fs, H], sw2 [H, Fs] (Fs 0: none); ep virtual ranks dividing N; tiles: the
+    TileSpec fields.  Returns [N, H] in x's dtype."""
+    return _forward(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation)[0].out
+
+
+@region.register_fake
+def _(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hpmoe::region_backward", mutates_args=())
+def region_backward(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor, ep: int,
+                    tiles: list[int], activation: str) -> list[torch.Tensor]:
+    """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2] of ``region`` given dy [N, H]."""
+    fwd, w = _forward(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation)
+    saved = [SavedActivations.from_forward(b, recompute=False) for b in fwd.buffers]
+    plan = fwd.graph.meta["layout"].plan
+    g = execute_backward(saved, plan, dy.to(x.dtype).contiguous(), w, weights, TileSpec(*tiles)).grads
+    if not w.has_shared:
+        return [g.dx, g.dweights, g.dw13, g.dw2, torch.zeros_like(sw13), torch.zeros_like(sw2)]
+    return [g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2]
+
+
+@region_backward.register_fake
+def _(dy, x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation):
+    return [torch.empty_like(t) for t in (x, weights, w13, w2, sw13, sw2)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation = inputs
+    ctx.save_for_backward(x, ids, weights, w13, w2, sw13, sw2)
+    ctx.config = (ep, tiles, activation)
+
+
+def _backward(ctx, dy):
+    dx, dweights, dw13, dw2, dsw13, dsw2 = region_backward(dy, *ctx.saved_tensors, *ctx.config)
+    return dx, None, dweights, dw13, dw2, dsw13, dsw2, None, None, None
+
+
+region.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights, ep: int,
+               tiles: TileSpec) -> torch.Tensor:
+    """The region through the custom op (tensors already padded to a multiple of ``ep``)."""
+    spec = w.spec
+    none = w.w13.new_zeros(0, spec.hidden), w.w13.new_zeros(spec.hidden, 0)
+    sw13, sw2 = (w.shared_w13, w.shared_w2) if w.has_shared else none
+    fields = [tiles.rows, tiles.gemm_rows, tiles.gemm_cols, tiles.gemm_splits]
+    return region(x, ids, weights, w.w13, w.w2, sw13, sw2, ep, fields, spec.activation.value)

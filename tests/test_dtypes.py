@@ -1,0 +1,62 @@
+"""Dtypes of hpmoe layers in training setups: .to() after replacement, autocast, fp16,
+and a bf16 default dtype (as ``from_pretrained(dtype=torch.bfloat16)`` sets)."""
+
+import copy
+
+import pytest
+import torch
+
+from hpmoe.nn.conformance import CHECK_TILES, tiny_model
+from hpmoe.nn.families import FAMILIES
+from hpmoe.nn.layer import MoE
+from hpmoe.nn.replace import replace_moe_blocks
+from hpmoe.spec import preset
+
+pytest.importorskip("transformers")
+QWEN3 = next(f for f in FAMILIES if f.name == "qwen3_moe")
+IDS = torch.arange(24).view(2, 12) % 61 + 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _pair():
+    original = tiny_model(QWEN3)
+    model = copy.deepcopy(original)
+    replace_moe_blocks(model, virtual_ep=2, tiles=CHECK_TILES)
+    return original, model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_layer_follows_its_parameters_after_to(dtype):
+    original, model = _pair()
+    original.to(dtype), model.to(dtype)
+    want, got = original(input_ids=IDS).logits, model(input_ids=IDS).logits
+    assert got.dtype == dtype
+    assert _rel(got, want) < 2e-2
+
+
+def test_autocast_runs_the_region_in_the_autocast_dtype():
+    original, model = _pair()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = original(input_ids=IDS, labels=IDS), model(input_ids=IDS, labels=IDS)
+    got.loss.backward()
+    assert _rel(got.logits, want.logits) < 2e-2
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)  # fp32 master weights
+
+
+def test_a_bf16_default_dtype_builds_and_runs_layers():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = MoE(preset("tiny", torch.bfloat16), virtual_ep=2, tiles=CHECK_TILES)
+        out = layer(torch.randn(5, 32))
+        model = QWEN3.tiny_model()
+        replace_moe_blocks(model, tiles=CHECK_TILES)
+        logits = model(input_ids=IDS).logits
+    finally:
+        torch.set_default_dtype(old)
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    assert logits.dtype == torch.bfloat16
