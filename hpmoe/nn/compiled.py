@@ -61,8 +61,7 @@ def region_backward(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weight
     """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2] of ``region`` given dy [N, H]."""
     fwd, w = _forward(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation)
     saved = [SavedActivations.from_forward(b, recompute=False) for b in fwd.buffers]
-    plan = fwd.graph.meta["layout"].plan
-    g = execute_backward(saved, plan, dy.to(x.dtype).contiguous(), w, weights, TileSpec(*tiles)).grads
+    g = execute_backward(saved, fwd.plan, dy.to(x.dtype).contiguous(), w, weights, TileSpec(*tiles)).grads
     if not w.has_shared:
         return [g.dx, g.dweights, g.dw13, g.dw2, torch.zeros_like(sw13), torch.zeros_like(sw2)]
     return [g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2]
