@@ -194,6 +194,7 @@ class RoutingKind(enum.Enum):
     HOT = "hot"  # every token sends its first slot to one expert
     EMPTY_EXPERTS = "empty-experts"  # only even-numbered experts are ever chosen
     EMPTY_RANK = "empty-rank"  # no token chooses an expert of the last rank
+    GROUPED = "grouped"  # DeepSeek-V3 group-limited top-k over random scores (MoESpec groups)
 
 
 def synthetic_routing(kind: RoutingKind, moe: MoESpec, par: ParallelSpec, seed: int = 0) -> Routing:
@@ -203,11 +204,29 @@ def synthetic_routing(kind: RoutingKind, moe: MoESpec, par: ParallelSpec, seed: 
     if kind is RoutingKind.BALANCED:
         start = torch.randint(0, e, (1,), generator=g)
         ids = (start + torch.arange(n * k).view(n, k)) % e
+    elif kind is RoutingKind.GROUPED:
+        ids = _grouped_top_k(moe, n, g)
     else:
         ids = _sample_distinct(_log_popularity(kind, moe, par, g), n, k, g)
     w = torch.rand(n, k, generator=g) + 0.1
     w = w / w.sum(dim=1, keepdim=True) * moe.routed_scaling
     return Routing(ids=ids.to(torch.int64), weights=w)
+
+
+def _grouped_top_k(moe: MoESpec, n: int, g: torch.Generator) -> torch.Tensor:
+    """[n, k] ids chosen as DeepSeek-V3's router chooses (``_mask_groups``, then top-k),
+    from i.i.d. uniform scores: each token keeps the experts of its ``top_groups`` best
+    groups out of ``groups`` (group score: sum of its top-2 scores under a sigmoid gate,
+    its best score under softmax)."""
+    scores = torch.rand(n, moe.experts, generator=g)
+    return torch.topk(_mask_groups(scores, moe), moe.top_k, dim=-1).indices
+
+
+def ranks_per_token(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec) -> float:
+    """Mean number of distinct EP ranks each token's top-k experts live on (ids [N, k])."""
+    owner = ids // par.local_experts(moe)
+    distinct = (owner.sort(dim=1).values.diff(dim=1) != 0).sum(dim=1) + 1
+    return float(distinct.double().mean()) if ids.shape[0] else 0.0
 
 
 def _log_popularity(kind: RoutingKind, moe: MoESpec, par: ParallelSpec,

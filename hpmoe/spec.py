@@ -103,13 +103,22 @@ class MoESpec:
 @dataclass(frozen=True)
 class ParallelSpec:
     """Expert-parallel layout: ``ep`` ranks, each holding ``experts / ep`` experts
-    and ``tokens_per_rank`` tokens of the batch."""
+    and ``tokens_per_rank`` tokens of the batch, spread over ``nodes`` nodes of
+    ``ranks_per_node`` consecutive ranks (two link tiers: within and between nodes)."""
 
     ep: int
     tokens_per_rank: int
+    nodes: int = 1
 
     def __post_init__(self) -> None:
-        _check_positive("ParallelSpec", ep=self.ep, tokens_per_rank=self.tokens_per_rank)
+        _check_positive("ParallelSpec", ep=self.ep, tokens_per_rank=self.tokens_per_rank,
+                        nodes=self.nodes)
+        if self.ep % self.nodes:
+            raise ValueError(f"ParallelSpec.nodes={self.nodes} does not divide ep={self.ep}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.ep // self.nodes
 
     def local_experts(self, moe: MoESpec) -> int:
         """Experts per rank; raises when ``ep`` does not divide the expert count."""

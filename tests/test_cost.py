@@ -54,7 +54,9 @@ def test_put_bandwidth_follows_the_ep_size():
     hw = hardware_preset("ascend-a3")
     for ep, bw in ((8, 146e9), (64, 81e9)):
         g = build(ep, [put(0, 1, 1)], {})
-        assert task_costs(g, hw).transfer[0] == pytest.approx(1000 / bw)
+        c = task_costs(g, hw)  # one lane of a port of ``lanes`` streams
+        assert c.transfer[0] / c.lanes[0] == pytest.approx(1000 / bw)
+        assert c.lanes[0] == round(bw / hw.stream_bw)
         assert hw.link_bandwidth(ep, LinkDirection.DISPATCH) == bw
 
 

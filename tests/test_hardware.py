@@ -23,6 +23,7 @@ from hpmoe.sim.hardware import (
     hardware_preset,
     load_profile,
     save_profile,
+    with_overrides,
 )
 
 DIRECTIONS = (LinkDirection.DISPATCH, LinkDirection.COMBINE)
@@ -83,6 +84,7 @@ def test_link_bandwidth_rejects_bad_arguments(a3: HardwareModel) -> None:
 
 
 def test_matrix_time_pads_to_the_cube_block(a3: HardwareModel) -> None:
+    a3 = dataclasses.replace(a3, matrix_efficiency=1.0, matrix_full_edge=1)  # padding alone
     block = 2 * 16**3 / a3.matrix_flops_bf16
     assert a3.matrix_time(1, 1, 1, torch.bfloat16) == block
     assert a3.matrix_time(16, 16, 16, torch.bfloat16) == block
@@ -91,6 +93,7 @@ def test_matrix_time_pads_to_the_cube_block(a3: HardwareModel) -> None:
 
 
 def test_matrix_time_vectorised_and_per_dtype(a3: HardwareModel) -> None:
+    a3 = dataclasses.replace(a3, matrix_efficiency=1.0, matrix_full_edge=1)
     m = np.array([128, 64, 0])
     t = a3.matrix_time(m, 512, 7168, torch.float32)
     assert t.shape == (3,)
@@ -182,3 +185,25 @@ def test_a_garbage_profile_names_its_file(tmp_path) -> None:
         bad.write_text(text)
         with pytest.raises(ValueError, match=f"profile {bad}.*{why}"):
             load_profile(bad)
+
+
+def test_overrides_set_fields_in_their_units_and_reject_unknown_ones(a3: HardwareModel) -> None:
+    hw = with_overrides(a3, ["l2_mb=0", "hbm_gbs=800", "matrix_workers=12", "link_latency_us=5"])
+    assert (hw.l2_mb, hw.mem_bw, hw.matrix_workers) == (0.0, 800e9, 12)
+    assert hw.link_latency == pytest.approx(5e-6)
+    with pytest.raises(ValueError, match="valid fields: .*hbm_gbs.*l2_mb"):
+        with_overrides(a3, ["l2=1"])
+    with pytest.raises(ValueError, match="matrix_workers must be an integer"):
+        with_overrides(a3, ["matrix_workers=1.5"])
+    with pytest.raises(ValueError, match="mem_bw"):
+        with_overrides(a3, ["hbm_gbs=-1"])
+
+
+def test_gemm_efficiency_by_tile_shape(a3: HardwareModel) -> None:
+    hw = dataclasses.replace(a3, matrix_efficiency=0.5, matrix_full_edge=128, matrix_block=1)
+    peak = 2 * 128 * 128 * 64 / a3.matrix_flops_bf16
+    assert hw.matrix_time(128, 128, 64, torch.bfloat16) == pytest.approx(peak / 0.5)
+    narrow = 2 * 64 * 512 * 64 / a3.matrix_flops_bf16
+    assert hw.matrix_time(64, 512, 64, torch.bfloat16) == pytest.approx(narrow / 0.25)
+    with pytest.raises(ValueError, match="matrix_efficiency"):
+        dataclasses.replace(a3, matrix_efficiency=1.5)

@@ -15,10 +15,11 @@ from hpmoe.routing import (
     RoutingKind,
     check_routing,
     plan_routing,
+    ranks_per_token,
     route,
     synthetic_routing,
 )
-from hpmoe.spec import MoESpec, ParallelSpec, preset
+from hpmoe.spec import GateKind, MoESpec, ParallelSpec, preset
 from hpmoe.weights import ExpertWeights
 
 # ---------------------------------------------------------------------------- gates vs transformers
@@ -240,3 +241,32 @@ def test_top_k_above_experts_is_rejected() -> None:
         MoESpec(hidden=8, ffn=4, experts=8, top_k=9)
     with pytest.raises(ValueError, match="top_k=5"):
         synthetic_routing(RoutingKind.EMPTY_EXPERTS, MoESpec(hidden=8, ffn=4, experts=8, top_k=5), PAR)
+
+
+# ---------------------------------------------------------------------------- grouped synthetic
+
+def test_grouped_routing_keeps_each_token_in_its_top_groups():
+    """8 experts in 4 groups of 2, top-2 groups, top-4: a token takes both experts of each of
+    its two groups; with one group per rank (EP 4) it reaches exactly 2 ranks."""
+    moe = MoESpec(hidden=8, ffn=4, experts=8, top_k=4, groups=4, top_groups=2, gate=GateKind.SIGMOID)
+    par = ParallelSpec(ep=4, tokens_per_rank=64)
+    ids = synthetic_routing(RoutingKind.GROUPED, moe, par, seed=3).ids
+    groups = (ids // 2).sort(dim=1).values
+    assert torch.equal(groups[:, 0::2], groups[:, 1::2]) and bool((groups[:, 0] != groups[:, 2]).all())
+    assert ranks_per_token(ids, moe, par) == 2.0
+    assert len(ids.unique(dim=1)[0]) == 4  # distinct experts per token
+
+
+def test_ranks_per_token_counts_distinct_owners():
+    moe = MoESpec(hidden=8, ffn=4, experts=8, top_k=2)
+    par = ParallelSpec(ep=4, tokens_per_rank=1)
+    ids = torch.tensor([[0, 1], [0, 2], [7, 6], [3, 4]])  # owners (0,0) (0,1) (3,3) (1,2)
+    assert ranks_per_token(ids, moe, par) == 1.5
+
+
+def test_grouped_routing_matches_deepseek_v3_spread():
+    """DeepSeek-V3's 8 groups / top-4 over random scores: ~3.95 ranks per token at EP 8."""
+    moe = preset("deepseek-v3")
+    par = ParallelSpec(ep=8, tokens_per_rank=256)
+    assert ranks_per_token(synthetic_routing(RoutingKind.GROUPED, moe, par).ids, moe, par) == \
+        pytest.approx(3.95, abs=0.05)

@@ -138,9 +138,10 @@ def test_cli_simulate_prints_one_json_object(capsys):
     assert main(["simulate", "--preset", "tiny", "--ep", "2", "--tokens", "16", "--dtype", "fp32",
                  "--routing", "zipf", "--schedule", "critical-path", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("makespan_us", "lower_bound_us", "critical_path_us", "work_bound_us", "link_bound_us",
+    for key in ("makespan_us", "lower_bound_us", "bounds", "hbm_bytes", "l2_hit_rate", "ranks_per_token",
                 "tasks", "schedule", "hardware"):
         assert key in out
+    assert set(out["bounds"]) >= {"matrix_work_us", "link_us", "critical_path_us", "memory_us", "max_us"}
     assert out["makespan_us"] >= out["lower_bound_us"] * (1 - 1e-9)
     assert out["schedule"] == "critical-path" and out["hardware"] == "ascend-a3"
 
@@ -148,10 +149,16 @@ def test_cli_simulate_prints_one_json_object(capsys):
 def test_cli_reproduce_table(capsys):
     assert main(["reproduce", "--preset", "tiny", "--tokens", "32", "--ep", "2", "4", "--json"]) == 0
     captured = capsys.readouterr()
-    rows = json.loads(captured.out)["rows"]
-    assert [(r["direction"], r["ep"], r["routing"]) for r in rows] == [
-        (d, ep, routing) for d in ("forward", "backward") for routing in ("balanced", "zipf")
-        for ep in (2, 4)]
-    assert all(r["critical_path_us"] <= r["serial_us"] for r in rows)
-    assert all(r["critical_path_us"] >= r["lower_bound_us"] * (1 - 1e-6) for r in rows)
-    assert "[8/8]" in captured.err
+    out = json.loads(captured.out)
+    rows = out["rows"]
+    assert [(r["direction"], r["ep"], r["routing"], r["region"]) for r in rows] == [
+        ("forward", ep, "grouped", region) for ep in (2, 4) for region in ("full", "paper")]
+    assert out["paper_speedup"] == [1.49, 1.58]
+    for r in rows:
+        assert r["baseline"] == "serial-dedup" and r["critical_path_us"] <= r["serial_us"]
+        assert r["critical_path_us"] >= r["lower_bound_us"] * (1 - 1e-6) >= r["memory_bound_us"] * (1 - 1e-6)
+        assert r["paper_speedup"] == ([1.49, 1.58] if r["region"] == "paper" else None)
+        assert r["critical_path_speedup"] == pytest.approx(r["baseline_us"] / r["critical_path_us"], rel=0.02)
+    full, paper = rows[0], rows[1]
+    assert paper["critical_path_us"] < full["critical_path_us"]  # less work in the paper's region
+    assert "[2/2]" in captured.err

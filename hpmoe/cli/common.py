@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
+from ..routing import RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
 from ..spec import PRESETS, MoESpec, ParallelSpec, TileSpec, preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -18,6 +18,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) -> None:
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS), help="MoE shape")
     p.add_argument("--ep", type=int, default=ep, help="expert-parallel ranks")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="nodes the EP ranks span (ep / nodes ranks each; two link tiers)")
     p.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
     p.add_argument("--routing", default=RoutingKind.BALANCED.value,
                    choices=[k.value for k in RoutingKind], help="synthetic routing pattern")
@@ -38,16 +40,18 @@ class Layer:
     tiles: TileSpec
     routing: RoutingKind
     plan: RoutingPlan
+    ranks_per_token: float  # mean distinct ranks a token's top-k experts live on
 
 
 def layer_from_args(args: argparse.Namespace) -> Layer:
     moe = preset(args.preset, DTYPES[args.dtype])
-    par = ParallelSpec(ep=args.ep, tokens_per_rank=args.tokens)
+    par = ParallelSpec(ep=args.ep, tokens_per_rank=args.tokens, nodes=args.nodes)
     par.local_experts(moe)
     kind = RoutingKind(args.routing)
     routing = synthetic_routing(kind, moe, par, seed=args.seed)
     tiles = TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols)
-    return Layer(moe=moe, par=par, tiles=tiles, routing=kind, plan=plan_routing(routing.ids, moe, par))
+    return Layer(moe=moe, par=par, tiles=tiles, routing=kind, plan=plan_routing(routing.ids, moe, par),
+                 ranks_per_token=ranks_per_token(routing.ids, moe, par))
 
 
 def require_plotting(what: str) -> None:

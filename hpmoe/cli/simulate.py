@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from ..ir.graph import TaskGraph
 from ..regions import RegionKind, region
 from ..schedule import Schedule, SchedulePolicy, paper_tiles, schedule
-from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset
-from ..sim.simulate import SimResult, simulate
+from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset, override_fields, with_overrides
+from ..sim.simulate import Bounds, SimResult, simulate
 from .common import Layer, add_layer_args, emit, layer_from_args
 
 _US = 1e6
@@ -25,9 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
-    """--hardware, --schedule, --backward, --recompute and --paper-tiles."""
+    """--hardware, --set, --schedule, --backward, --recompute and --paper-tiles."""
     p.add_argument("--hardware", default="ascend-a3", choices=list(HARDWARE_PRESETS),
                    help="hardware model (cpu: the profile written by `hpmoe calibrate`)")
+    add_set_arg(p)
     p.add_argument("--schedule", default=SchedulePolicy.CRITICAL_PATH.value,
                    choices=[s.value for s in SchedulePolicy], help="scheduling policy")
     p.add_argument("--backward", action="store_true", help="the backward region instead of the forward")
@@ -36,6 +37,37 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paper-tiles", action="store_true",
                    help="the paper's tiling (one GEMM row block per expert, columns split over the "
                         "matrix workers) instead of --tile-rows/--gemm-rows/--gemm-cols")
+
+
+def add_set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a hardware figure, repeatable (e.g. --set l2_mb=0 --set hbm_gbs=800); "
+                        f"fields: {', '.join(override_fields())}")
+
+
+def hardware_from_args(args: argparse.Namespace) -> HardwareModel:
+    """The preset named by --hardware with every --set applied."""
+    return with_overrides(hardware_preset(args.hardware), args.overrides)
+
+
+def bounds_json(b: Bounds) -> dict:
+    """Every lower bound in µs, and their maximum."""
+    return {"matrix_work_us": round(b.matrix_work * _US, 3), "vector_work_us": round(b.vector_work * _US, 3),
+            "link_us": round(b.link * _US, 3), "critical_path_us": round(b.critical_path * _US, 3),
+            "memory_us": round(b.memory * _US, 3), "max_us": round(b.lower_bound * _US, 3)}
+
+
+def memory_json(result: SimResult) -> dict:
+    """HBM and L2 figures of a replay: the busiest rank's bytes, the lowest hit rate, the
+    mean HBM bandwidth of the busiest rank over the makespan and its busy fraction."""
+    mem = result.memory
+    r = int(mem.hbm_bytes.argmax())
+    span = max(result.makespan, 1e-30)
+    return {"hbm_bytes": float(mem.hbm_bytes[r]), "hbm_bytes_per_rank": [float(x) for x in mem.hbm_bytes],
+            "l2_hit_rate": round(float(mem.l2_hit_rate.min()), 4),
+            "l2_hit_rate_per_rank": [round(float(x), 4) for x in mem.l2_hit_rate],
+            "hbm_mean_gbs": round(float(mem.hbm_bytes[r]) / span / 1e9, 2),
+            "hbm_busy_fraction": round(float(mem.busy[r]) / span, 4)}
 
 
 @dataclass(frozen=True)
@@ -54,7 +86,7 @@ class SimRun:
 
 def run_simulation(args: argparse.Namespace) -> SimRun:
     """Lower, schedule and simulate what the layer and simulation arguments describe."""
-    hardware = hardware_preset(args.hardware)
+    hardware = hardware_from_args(args)
     layer = layer_from_args(args)
     if args.paper_tiles:
         layer = replace(layer, tiles=paper_tiles(hardware))
@@ -88,14 +120,13 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
         "routing": sim.layer.routing.value, "hardware": sim.hardware.name, "schedule": args.schedule,
         "candidate": sim.schedule.candidate or args.schedule,
         "tiles": {"rows": tiles.rows, "gemm_rows": tiles.gemm_rows, "gemm_cols": tiles.gemm_cols},
+        "nodes": sim.layer.par.nodes,
+        "ranks_per_token": round(sim.layer.ranks_per_token, 4),
         "tasks": int(sim.graph.num_tasks),
         "makespan_us": round(sim.result.makespan * _US, 3),
         "lower_bound_us": round(b.lower_bound * _US, 3),
-        "critical_path_us": round(b.critical_path * _US, 3),
-        "work_bound_us": round(b.work * _US, 3),
-        "matrix_work_us": round(b.matrix_work * _US, 3),
-        "vector_work_us": round(b.vector_work * _US, 3),
-        "link_bound_us": round(b.link * _US, 3),
+        "bounds": bounds_json(b),
+        **memory_json(sim.result),
         "makespan_over_bound": round(sim.result.makespan / b.lower_bound, 4) if b.lower_bound else None,
         "lower_s": round(sim.lower_s, 3), "schedule_s": round(sim.schedule_s, 3),
         "simulate_s": round(sim.simulate_s, 3),

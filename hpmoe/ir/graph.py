@@ -121,7 +121,9 @@ class TaskGraph:
     Events, per rank r in ``ranks``: local ids ``0 .. event_count[r]-1``, thresholds
     ``threshold[event_ptr[r] + local]``.  ``ep`` is the size of the EP group.
     dtype: the layer's dtype (what the GEMM tiles compute in).  events: the region's
-    named event layout (None for hand-built graphs), for messages and traces.
+    named event layout (None for hand-built graphs), for messages and traces.  nodes:
+    nodes the EP group spans (``ParallelSpec.nodes``; puts between them use the
+    inter-node link tier).
     """
 
     ep: int
@@ -147,6 +149,7 @@ class TaskGraph:
     threshold: np.ndarray
     dtype: torch.dtype = torch.bfloat16
     events: EventLayout | None = field(default=None, compare=False)
+    nodes: int = 1  # nodes the EP group spans (ParallelSpec.nodes): the link tier of a put
 
     @property
     def num_tasks(self) -> int:
@@ -199,7 +202,8 @@ class GraphBuilder:
     def set_events(self, rank: int, thresholds: np.ndarray) -> None:
         self.thresholds[rank] = np.asarray(thresholds, dtype=np.int64)
 
-    def freeze(self, dtype: torch.dtype = torch.bfloat16, events: EventLayout | None = None) -> TaskGraph:
+    def freeze(self, dtype: torch.dtype = torch.bfloat16, events: EventLayout | None = None,
+               nodes: int = 1) -> TaskGraph:
         cols = {name: _concat([getattr(b, name) for b in self.blocks], dt)
                 for name, dt in _TASK_DTYPES.items()}
         kind = _concat([np.full(len(b), int(b.kind), np.int16) for b in self.blocks], np.int16)
@@ -214,7 +218,7 @@ class GraphBuilder:
             ep=self.ep, ranks=self.ranks, kind=kind, unit=UNIT_OF_KIND[kind], sig_ptr=sig_ptr,
             sig_rank=_concat([b.sig_rank for b in self.blocks], np.int32),
             sig_event=_concat([b.sig_event for b in self.blocks], np.int64),
-            event_ptr=event_ptr, threshold=threshold, dtype=dtype, events=events, **cols)
+            event_ptr=event_ptr, threshold=threshold, dtype=dtype, events=events, nodes=nodes, **cols)
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -227,7 +231,7 @@ def task_columns() -> tuple[str, ...]:
     """Names of the per-task arrays of a ``TaskGraph``."""
     return tuple(f.name for f in fields(TaskGraph)
                  if f.name not in {"ep", "ranks", "sig_ptr", "sig_rank", "sig_event", "event_ptr",
-                                   "threshold", "dtype", "events"})
+                                   "threshold", "dtype", "events", "nodes"})
 
 
 class Tile(NamedTuple):

@@ -112,7 +112,7 @@ def lower_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | 
     shared_out = signals_per_token_tile(_shared_dgrad_up(low.only(0)), low, E.GOUT)
     for r in ranks:
         builder.set_events(r, backward_thresholds(layout, r, shared_out, recompute))
-    return builder.freeze(dtype=plan.moe.dtype, events=low.events)
+    return builder.freeze(dtype=plan.moe.dtype, events=low.events, nodes=plan.par.nodes)
 
 
 def backward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray, recompute: bool = False

@@ -84,7 +84,7 @@ def lower_forward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | N
     shared_out = signals_per_token_tile(_shared_down(low.only(0)), low, ForwardEvent.OUT)
     for r in ranks:
         builder.set_events(r, forward_thresholds(layout, r, shared_out))
-    return builder.freeze(dtype=plan.moe.dtype, events=low.events)
+    return builder.freeze(dtype=plan.moe.dtype, events=low.events, nodes=plan.par.nodes)
 
 
 def forward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray) -> np.ndarray:

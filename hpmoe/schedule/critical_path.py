@@ -13,10 +13,12 @@ Plan of ``critical_path_schedule``:
      is ever parked behind a busy link.  Puts reach their real peers, so skew shows.
      The policy is greedy (no worker idles while a task it may run is ready), so the
      replay of its queues reproduces its timeline;
-  3. two such list schedules (``PutOrder``): puts in a fixed all-to-all order (what
+  3. three such list schedules (``PutOrder``): puts in a fixed all-to-all order (what
      balanced routing wants: every stage pairs the ranks as a permutation), or by
      priority with each rank's remaining work counted (what skewed routing wants:
-     the overloaded rank's data first); with the serial and hyperparallel orders of
+     the overloaded rank's data first), or reuse-aware (``reuse_rank``: expert by
+     expert, each weight column tile over all of its expert's row blocks back to back,
+     so that overlap does not cost L2 reuse); with the serial and hyperparallel orders of
      the same graph they are replayed by the simulator and the fastest is kept, so the
      result is never slower than the serial baseline (list scheduling has anomalies).
 """
@@ -33,7 +35,7 @@ from ..ir.analysis import GraphError, initially_ready
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
 from ..sim.hardware import HardwareModel, LinkDirection
-from ..sim.simulate import END, ISSUE, LINK_DONE, LinkPorts, bottom_levels, makespan
+from ..sim.simulate import CODES, END, ISSUE, LINK_DONE, LinkPorts, MemorySystem, bottom_levels, makespan
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
@@ -47,6 +49,7 @@ class PutOrder(enum.Enum):
 
     STAGES = "stages"  # port_order: dispatch, then combine, peer by peer in stage order
     PRIORITY = "priority"  # bottom level with port and unit backlog: overloaded ranks first
+    EXPERT = "expert"  # reuse-aware: expert by expert, a weight tile's row blocks back to back
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ def critical_path_candidates(graph: TaskGraph, hardware: HardwareModel) -> tuple
     made = (*((f"list-{o.value}", list_schedule(graph, costs, workers, o)) for o in PutOrder),
             ("hyperparallel", hyperparallel_schedule(graph, workers)),
             ("serial", serial_schedule(graph, workers)))
-    return tuple(Candidate(name=name, schedule=s, makespan=makespan(s, costs)) for name, s in made)
+    memory = MemorySystem.of(graph, hardware)
+    return tuple(Candidate(name=name, schedule=s, makespan=makespan(s, costs, memory)) for name, s in made)
 
 
 # ---------------------------------------------------------------------------- priorities
@@ -165,6 +169,8 @@ def priority_rank(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     """[n] position of each task in priority order: bottom level descending (with port
     backlog; with ``PutOrder.PRIORITY`` also with unit backlog), then put stage, then
     task id.  Lower runs first."""
+    if order is PutOrder.EXPERT:
+        return reuse_rank(graph)
     port = port_backlog(graph, costs, port_order(graph, rounds=order is PutOrder.PRIORITY))
     b = bottom_levels(graph, costs.duration, port)
     if order is PutOrder.PRIORITY:
@@ -176,6 +182,20 @@ def priority_rank(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     return position
 
 
+def reuse_rank(graph: TaskGraph) -> np.ndarray:
+    """[n] priority positions that keep an expert's weights hot in L2: tasks without an
+    expert (shared experts, permute) first, then expert by expert (so dispatch sends
+    every source's rows of local expert 0 first, as the paper's RATR order does); within
+    an expert by kind, then column tile, then row block, so the matrix workers run a
+    weight column tile over all of the expert's row blocks back to back; puts staggered."""
+    n = graph.num_tasks
+    expert = graph.expert.astype(np.int64)
+    ranked = np.lexsort((np.arange(n), put_stage(graph), graph.row0, graph.col0, graph.kind, expert))
+    position = np.empty(n, np.int64)
+    position[ranked] = np.arange(n)
+    return position
+
+
 # ---------------------------------------------------------------------------- list schedule
 
 def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
@@ -183,7 +203,7 @@ def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     """Time-ordered list schedule of every rank (see module plan, step 2), remote puts
     taken in ``order``."""
     prio = priority_rank(graph, costs, workers, order)
-    port = prio if order is PutOrder.PRIORITY else port_order(graph, rounds=False)
+    port = prio if order in (PutOrder.PRIORITY, PutOrder.EXPERT) else port_order(graph, rounds=False)
     state = _ListState(graph, costs, workers, prio, port)
     state.run()
     if state.assigned != graph.num_tasks:
@@ -195,15 +215,17 @@ def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
 
 def link_workers(workers: WorkerCounts, costs: TaskCosts) -> int:
     """Vector workers per rank reserved for remote puts, 0 for none (every worker does
-    everything).  Enough that the link never waits for an issuing worker: a worker
-    spends issue + transfer + latency per put while the link is busy only for the
-    transfer, so k = ceil(1 + (issue + latency) / transfer) for the median put.  Only
-    when that leaves at least half of the vector workers to the other tasks."""
+    everything).  Enough that the link never waits for an issuing worker: a port serves
+    ``lanes`` puts at once, and a worker spends issue + transfer + latency per put while
+    a lane is busy only for the transfer, so k = ceil(lanes * (1 + (issue + latency) /
+    transfer)) for the median put.  Only when that leaves at least half of the vector
+    workers to the other tasks."""
     remote = costs.transfer > 0
     if not remote.any():
         return 0
     side = float(np.median(costs.work[remote] + costs.latency[remote]))
-    k = int(np.ceil(1 + side / float(np.median(costs.transfer[remote]))))
+    lanes = max(costs.lanes)
+    k = int(np.ceil(lanes * (1 + side / float(np.median(costs.transfer[remote])))))
     return k if 2 * k <= workers.vector else 0
 
 
@@ -257,7 +279,7 @@ class _ListState:
         now = self.events[0][0]
         touched: set[int] = set()
         while self.events and self.events[0][0] == now:
-            i, kind = divmod(heapq.heappop(self.events)[1], 3)
+            i, kind = divmod(heapq.heappop(self.events)[1], CODES)
             if kind == ISSUE:
                 self.ports.issue(i, now)
             elif kind == LINK_DONE:
@@ -300,7 +322,7 @@ class _ListState:
     def start(self, i: int, w: int, now: float) -> None:
         self.worker[i], self.seq[i] = w, self.assigned
         self.assigned += 1
-        heapq.heappush(self.events, (now + self.work[i], 3 * i + (ISSUE if self.remote[i] else END)))
+        heapq.heappush(self.events, (now + self.work[i], CODES * i + (ISSUE if self.remote[i] else END)))
 
 
 def _waiters(graph: TaskGraph) -> list[list[int]]:

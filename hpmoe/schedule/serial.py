@@ -33,15 +33,20 @@ SHARED_KINDS = frozenset({TaskKind.SHARED_UP, TaskKind.SHARED_SWIGLU, TaskKind.S
                           TaskKind.SHARED_DGRAD_DOWN, TaskKind.SHARED_WGRAD_DOWN,
                           TaskKind.SHARED_SWIGLU_BWD, TaskKind.SHARED_DGRAD_UP,
                           TaskKind.SHARED_WGRAD_UP})
+OFF_CHAIN = SHARED_KINDS | {TaskKind.UNPERMUTE, TaskKind.GRAD_UNPERMUTE}  # overlap_shared
 
 
-def serial_schedule(graph: TaskGraph, workers: WorkerCounts) -> Schedule:
-    """The baseline schedule; its ``graph`` is ``graph`` plus the phase barriers."""
+def serial_schedule(graph: TaskGraph, workers: WorkerCounts, overlap_shared: bool = False) -> Schedule:
+    """The baseline schedule; its ``graph`` is ``graph`` plus the phase barriers.  With
+    ``overlap_shared`` the shared-expert kernels stay off the barrier chain (they run
+    beside permute and dispatch, as Megatron overlaps them) and each unpermute tile
+    starts when its own rows are in."""
     kinds = phase_order(graph)
     table = np.full(len(TaskKind), -1, np.int64)
     table[list(kinds)] = np.arange(len(kinds))
     phase = table[graph.kind]
-    barred = add_barriers(graph, phase, len(kinds))
+    chained = ~np.isin(graph.kind, list(OFF_CHAIN)) if overlap_shared else None
+    barred = add_barriers(graph, phase, len(kinds), chained)
     worker, priority = deal_round_robin(barred, workers, (phase, stagger(barred)), restart=phase)
     return schedule_from_assignment(barred, SchedulePolicy.SERIAL, workers, worker, priority)
 
@@ -84,9 +89,12 @@ def phase_order(graph: TaskGraph) -> tuple[TaskKind, ...]:
     return tuple(order)
 
 
-def add_barriers(graph: TaskGraph, phase: np.ndarray, phases: int) -> TaskGraph:
-    """``graph`` with one barrier event per non-empty (rank, phase) (see module plan)."""
-    task, rank, ph = _barrier_signals(graph, phase, phases)
+def add_barriers(graph: TaskGraph, phase: np.ndarray, phases: int,
+                 chained: np.ndarray | None = None) -> TaskGraph:
+    """``graph`` with one barrier event per non-empty (rank, phase) (see module plan);
+    tasks outside ``chained`` (default: none) neither signal nor wait on barriers."""
+    chained = np.ones(graph.num_tasks, bool) if chained is None else chained
+    task, rank, ph = _barrier_signals(graph, phase, phases, chained)
     thr = np.bincount(rank * phases + ph, minlength=graph.ep * phases).reshape(graph.ep, phases)
     has = thr > 0
     old_count = np.diff(graph.event_ptr)
@@ -96,7 +104,7 @@ def add_barriers(graph: TaskGraph, phase: np.ndarray, phases: int) -> TaskGraph:
     threshold = np.concatenate([np.concatenate([graph.threshold[graph.event_ptr[r]:graph.event_ptr[r + 1]],
                                                 thr[r][has[r]]]) for r in range(graph.ep)])
     prev = _previous_barrier(has)[graph.rank, phase]
-    wait = np.where(prev >= 0, local[graph.rank, np.maximum(prev, 0)], graph.wait)
+    wait = np.where((prev >= 0) & chained, local[graph.rank, np.maximum(prev, 0)], graph.wait)
     all_task = np.concatenate([graph.signaller(), task])
     order = np.argsort(all_task, kind="stable")
     sig_ptr = np.zeros(graph.num_tasks + 1, np.int64)
@@ -107,14 +115,16 @@ def add_barriers(graph: TaskGraph, phase: np.ndarray, phases: int) -> TaskGraph:
                    event_ptr=event_ptr, threshold=threshold.astype(np.int64))
 
 
-def _barrier_signals(graph: TaskGraph, phase: np.ndarray,
-                     phases: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(task, barrier rank, barrier phase) of every barrier signal: each task signals
-    its own rank's barrier; each put also the barrier of its peer."""
-    puts = np.flatnonzero(IS_PUT[graph.kind])
-    task = np.concatenate([np.arange(graph.num_tasks), puts])
-    rank = np.concatenate([graph.rank, graph.peer[puts]]).astype(np.int64)
-    own = np.bincount(graph.rank * phases + phase, minlength=graph.ep * phases).reshape(graph.ep, phases)
+def _barrier_signals(graph: TaskGraph, phase: np.ndarray, phases: int,
+                     chained: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(task, barrier rank, barrier phase) of every barrier signal: each ``chained`` task
+    signals its own rank's barrier; each chained put also the barrier of its peer."""
+    mine = np.flatnonzero(chained)
+    puts = np.flatnonzero(IS_PUT[graph.kind] & chained)
+    task = np.concatenate([mine, puts])
+    rank = np.concatenate([graph.rank[mine], graph.peer[puts]]).astype(np.int64)
+    own = np.bincount(graph.rank[mine] * phases + phase[mine],
+                      minlength=graph.ep * phases).reshape(graph.ep, phases)
     arrive = np.bincount(graph.peer[puts] * phases + phase[puts],
                          minlength=graph.ep * phases).reshape(graph.ep, phases)
     return _chain_empty_phases(task, rank, phase[task], own, arrive)

@@ -19,6 +19,15 @@ Model, per task (seconds):
   bandwidth is the measured all-to-all figure for the graph's EP size and the put's
   direction (dispatch kinds vs combine kinds), per rank and direction.  Ports and
   their contention are the simulator's business; this module gives uncontended costs.
+- link tiers: a put between ranks of different nodes (``ParallelSpec.nodes``) uses the
+  inter-node tier (``inter_link_bw``, ``inter_latency``); within a node, the measured
+  table at the node's size.  A port of either tier serves ``lanes`` puts at once, each
+  at the port's bandwidth / lanes (``HardwareModel.stream_lanes``: one put stream
+  moves at most ``stream_bw``), so ``transfer`` is one lane's time.
+- ``floor``: what the worker needs whatever memory does (overhead + compute; remote
+  puts: overhead).  The simulator charges memory separately on the rank's shared HBM;
+  ``work`` (roofline with a per-worker share of ``mem_bw`` over the lowering's
+  ``bytes``) is the estimate schedulers rank tasks by.
 """
 
 from __future__ import annotations
@@ -41,15 +50,21 @@ PUT_DIRECTION = {TaskKind.DISPATCH: LinkDirection.DISPATCH,
 class TaskCosts:
     """Uncontended costs of every task, seconds, arrays of shape [n] float64.
 
-    work: time on the worker before any link transfer (every task).
-    transfer: time a remote put occupies its source's egress and its peer's ingress
-      port (0 for every other task).
+    work: time on the worker before any link transfer (every task), memory estimated.
+    transfer: time a remote put occupies one lane of its source's egress and its peer's
+      ingress port (0 for every other task).
     latency: time after the transfer until the put's signal lands (0 when no transfer).
+    floor: time on the worker before any transfer with memory free (overhead + compute).
+    tier: [n] int8, 1 where a put crosses nodes, else 0.
+    lanes: puts each port serves at once, per tier (intra, inter).
     """
 
     work: np.ndarray
     transfer: np.ndarray
     latency: np.ndarray
+    floor: np.ndarray
+    tier: np.ndarray
+    lanes: tuple[int, int] = (1, 1)
 
     @property
     def duration(self) -> np.ndarray:
@@ -61,13 +76,52 @@ def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | N
     """Costs of every task of ``graph`` on ``hardware``; GEMMs in ``dtype`` (default:
     the graph's dtype)."""
     dtype = graph.dtype if dtype is None else dtype
-    work = hardware.task_overhead + np.maximum(compute_time(graph, hardware, dtype),
-                                               memory_time(graph, hardware))
+    compute = compute_time(graph, hardware, dtype)
+    work = hardware.task_overhead + np.maximum(compute, memory_time(graph, hardware))
     remote = IS_PUT[graph.kind] & (graph.link_bytes > 0)
-    transfer = np.where(remote, link_transfer_time(graph, hardware), 0.0)
+    tier = (remote & (put_tier(graph) > 0)).astype(np.int8)
+    lanes = link_lanes(graph, hardware)
+    transfer = np.where(remote, link_transfer_time(graph, hardware) * np.take(lanes, tier), 0.0)
     work = np.where(remote, hardware.task_overhead, work)
-    latency = np.where(remote, hardware.link_latency, 0.0)
-    return TaskCosts(work=work, transfer=transfer, latency=latency)
+    floor = np.where(remote, hardware.task_overhead, hardware.task_overhead + compute)
+    free = free_tasks(graph)
+    work, floor = np.where(free, 0.0, work), np.where(free, 0.0, floor)
+    latency = np.where(remote, np.where(tier > 0, hardware.inter_latency, hardware.link_latency), 0.0)
+    return TaskCosts(work=work, transfer=transfer, latency=latency, floor=floor, tier=tier, lanes=lanes)
+
+
+def free_tasks(graph: TaskGraph) -> np.ndarray:
+    """[n] bool: tasks with no flops, no bytes and no link bytes, which cost nothing (as
+    the paper's runtime turns empty tasks into no-ops; ``hpmoe.sim.baseline`` empties
+    the tasks a region leaves out or fuses elsewhere)."""
+    return (graph.flops == 0) & (graph.bytes == 0) & (graph.link_bytes == 0)
+
+
+def graph_nodes(graph: TaskGraph) -> int:
+    """Nodes the graph's EP group spans (``ParallelSpec.nodes``, recorded by the lowering)."""
+    return graph.nodes
+
+
+def put_tier(graph: TaskGraph) -> np.ndarray:
+    """[n] 1 where a task's rank and peer are in different nodes, else 0."""
+    per = graph.ep // graph_nodes(graph)
+    return (graph.rank // per != graph.peer // per).astype(np.int8)
+
+
+def tier_bandwidth(graph: TaskGraph, hardware: HardwareModel,
+                   direction: LinkDirection) -> tuple[float, float]:
+    """(intra-node, inter-node) port bandwidth, bytes/s, of ``graph``'s EP group."""
+    nodes = graph_nodes(graph)
+    if nodes > 1 and hardware.inter_link_bw <= 0:
+        raise ValueError(f"the EP group spans {nodes} nodes but hardware {hardware.name!r} has "
+                         "inter_link_bw=0 (no inter-node tier)")
+    return hardware.link_bandwidth(graph.ep // nodes, direction), hardware.inter_link_bw
+
+
+def link_lanes(graph: TaskGraph, hardware: HardwareModel) -> tuple[int, int]:
+    """Puts a port serves at once per tier (see ``HardwareModel.stream_lanes``)."""
+    intra, inter = tier_bandwidth(graph, hardware, LinkDirection.DISPATCH)
+    return hardware.stream_lanes(intra), hardware.stream_lanes(inter) if inter > 0 else 1
 
 
 def gemm_dims(graph: TaskGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -94,15 +148,15 @@ def memory_time(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
     return hardware.memory_time(graph.bytes, sharers)
 
 
-def link_bandwidths(hardware: HardwareModel, ep: int) -> np.ndarray:
-    """[len(TaskKind)] bytes/s of the link each put kind uses at ``ep`` ranks (0: not a put)."""
-    bw = np.zeros(len(TaskKind))
+def link_bandwidths(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
+    """[2, len(TaskKind)] bytes/s of the port each put kind uses, per tier (0: not a put)."""
+    bw = np.zeros((2, len(TaskKind)))
     for kind, direction in PUT_DIRECTION.items():
-        bw[kind] = hardware.link_bandwidth(ep, direction)
+        bw[:, kind] = tier_bandwidth(graph, hardware, direction)
     return bw
 
 
 def link_transfer_time(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
-    """[n] seconds each task's ``link_bytes`` occupy the link (0 for non-puts)."""
-    bw = link_bandwidths(hardware, graph.ep)[graph.kind]
+    """[n] seconds each task's ``link_bytes`` occupy a whole port (0 for non-puts)."""
+    bw = link_bandwidths(graph, hardware)[put_tier(graph), graph.kind]
     return np.divide(graph.link_bytes, bw, out=np.zeros(graph.num_tasks), where=bw > 0)

@@ -20,7 +20,7 @@ import enum
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ import numpy.typing as npt
 import torch
 
 PROFILE_ENV = "HPMOE_PROFILE"
+MAX_LANES = 1 << 16  # streams a port serves at once, at most (an infinitely fast port)
 PROFILE_VERSION = 1
 SWIGLU_FLOPS_PER_ELEMENT = 5.0  # silu(g) * u: exp, add, divide, two multiplies (as lower/ counts)
 
@@ -93,8 +94,18 @@ class HardwareModel:
     vector_flops: elementwise FLOP/s of ONE vector worker.
     mem_bw: device-memory bytes/s (read + write), shared by every worker.
     link: measured (ep, dispatch, combine) bytes/s per rank, sorted by ep, ep unique.
-    link_latency: seconds, the fixed alpha of one put (+ its signal).
+    link_latency: seconds, the fixed cost of one message: after its transfer, before its
+      signal lands (the per-message alpha).
     task_overhead: seconds, the fixed cost of running any task.
+    l2_mb: MiB of last-level cache (L2) per rank holding GEMM operands; 0: none.
+    matrix_efficiency: fraction of the peak matrix rate a GEMM tile reaches when both its
+      rows and columns are at least ``matrix_full_edge``; narrower tiles lose in proportion.
+    matrix_full_edge: tile edge (rows, columns) from which ``matrix_efficiency`` holds.
+    stream_bw: bytes/s one put stream (one issuing worker) moves at most; 0: one stream
+      can fill a port.  A port then serves ``round(port bandwidth / stream_bw)`` puts at once.
+    inter_link_bw: bytes/s per rank and direction between nodes (the second link tier);
+      0: every rank is in one node (the ``link`` table covers the whole EP group).
+    inter_latency: seconds, the per-message fixed cost between nodes.
     notes: provenance (free text).
     """
 
@@ -109,6 +120,12 @@ class HardwareModel:
     link: tuple[LinkEntry, ...]
     link_latency: float
     task_overhead: float
+    l2_mb: float = 0.0
+    matrix_efficiency: float = 1.0
+    matrix_full_edge: int = 1
+    stream_bw: float = 0.0
+    inter_link_bw: float = 0.0
+    inter_latency: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -118,8 +135,13 @@ class HardwareModel:
             _check_int("HardwareModel", name, getattr(self, name))
         for name in ("matrix_flops_bf16", "matrix_flops_fp32", "vector_flops", "mem_bw"):
             _check_rate("HardwareModel", name, getattr(self, name))
-        for name in ("link_latency", "task_overhead"):
+        for name in ("link_latency", "task_overhead", "l2_mb", "stream_bw", "inter_link_bw",
+                     "inter_latency"):
             _check_rate("HardwareModel", name, getattr(self, name), allow_zero=True)
+        _check_int("HardwareModel", "matrix_full_edge", self.matrix_full_edge)
+        if not (isinstance(self.matrix_efficiency, int | float) and 0 < self.matrix_efficiency <= 1):
+            raise ValueError("HardwareModel.matrix_efficiency must be in (0, 1], "
+                             f"got {self.matrix_efficiency!r}")
         object.__setattr__(self, "link", tuple(self.link))
         self._check_link()
 
@@ -157,12 +179,33 @@ class HardwareModel:
                     dtype: torch.dtype) -> np.ndarray:
         """Seconds of compute for GEMM tiles (m x k) @ (k x n) on one matrix worker.
 
-        Each of m, n, k is padded up to a multiple of ``matrix_block``; 2 FLOP per MAC.
-        Compute roofline only: memory traffic is ``memory_time``'s business.
+        Each of m, n, k is padded up to a multiple of ``matrix_block``; 2 FLOP per MAC, at
+        ``matrix_efficiency(m, n)`` of the peak.  Compute only: memory traffic is the
+        simulator's business.
         """
         b = self.matrix_block
         pm, pn, pk = (np.ceil(_nonneg(s, x) / b) * b for s, x in (("m", m), ("n", n), ("k", k)))
-        return _as_seconds(2.0 * pm * pn * pk / self.matrix_flops(dtype))
+        eff = self.tile_efficiency(pm, pn)
+        return _as_seconds(2.0 * pm * pn * pk / (self.matrix_flops(dtype) * eff))
+
+    def tile_efficiency(self, m: npt.ArrayLike, n: npt.ArrayLike) -> np.ndarray:
+        """Fraction of the peak rate an m x n GEMM tile reaches: ``matrix_efficiency`` times
+        min(1, m / matrix_full_edge) times min(1, n / matrix_full_edge) (at least one row)."""
+        edge = float(self.matrix_full_edge)
+        fm = np.minimum(1.0, np.maximum(np.asarray(m, np.float64), 1.0) / edge)
+        fn = np.minimum(1.0, np.maximum(np.asarray(n, np.float64), 1.0) / edge)
+        return self.matrix_efficiency * fm * fn
+
+    @property
+    def l2_bytes(self) -> float:
+        """L2 capacity in bytes."""
+        return self.l2_mb * 2**20
+
+    def stream_lanes(self, port_bw: float) -> int:
+        """Puts a port of ``port_bw`` bytes/s serves at once (each at port_bw / lanes)."""
+        if self.stream_bw <= 0 or self.stream_bw >= port_bw:
+            return 1
+        return int(min(MAX_LANES, max(1, round(port_bw / self.stream_bw))))
 
     def vector_time(self, elements: npt.ArrayLike, flops_per_element: float = 1.0) -> np.ndarray:
         """Seconds for one vector worker to do ``elements * flops_per_element`` elementwise FLOP.
@@ -211,9 +254,51 @@ class HardwareModel:
                  f"  vector  {self.vector_flops / 1e9:.4g} GFLOP/s per worker",
                  f"  memory  {self.mem_bw / 1e9:.4g} GB/s shared",
                  f"  latency put {self.link_latency * 1e6:.3g} us, task {self.task_overhead * 1e6:.3g} us"]
+        lines.append(f"  L2 {self.l2_mb:.4g} MiB, GEMM efficiency {self.matrix_efficiency:.3g} "
+                     f"(full from edge {self.matrix_full_edge}), stream {self.stream_bw / 1e9:.4g} GB/s, "
+                     f"inter-node {self.inter_link_bw / 1e9:.4g} GB/s + {self.inter_latency * 1e6:.3g} us")
         lines += [f"  link EP{e.ep}: dispatch {e.dispatch / 1e9:.4g} GB/s, combine {e.combine / 1e9:.4g} GB/s"
                   for e in self.link]
         return "\n".join(lines + ([f"  notes: {self.notes}"] if self.notes else []))
+
+
+# --- what-if overrides ----------------------------------------------------------------
+# ``--set NAME=VALUE`` names in convenient units: NAME -> (field, factor to the field's unit)
+OVERRIDE_ALIASES = {"hbm_gbs": ("mem_bw", 1e9), "stream_gbs": ("stream_bw", 1e9),
+                    "inter_link_gbs": ("inter_link_bw", 1e9), "link_latency_us": ("link_latency", 1e-6),
+                    "inter_latency_us": ("inter_latency", 1e-6), "task_overhead_us": ("task_overhead", 1e-6)}
+
+
+def override_fields() -> tuple[str, ...]:
+    """Every name ``with_overrides`` accepts: numeric fields and ``OVERRIDE_ALIASES``."""
+    numeric = [f.name for f in fields(HardwareModel) if f.type in ("int", "float")]
+    return tuple(sorted([*numeric, *OVERRIDE_ALIASES]))
+
+
+def with_overrides(model: HardwareModel, assignments: list[str] | tuple[str, ...]) -> HardwareModel:
+    """``model`` with each ``"FIELD=VALUE"`` of ``assignments`` applied, in order, e.g.
+    ``["l2_mb=0", "hbm_gbs=800"]``.  ValueError naming the valid fields for an unknown one,
+    and the field's own check for a bad value."""
+    changes: dict[str, float | int] = {}
+    for item in assignments:
+        name, sep, text = str(item).partition("=")
+        name = name.strip()
+        if not sep or name not in override_fields():
+            raise ValueError(f"--set {item!r}: unknown hardware field {name!r}; valid fields: "
+                             f"{', '.join(override_fields())}")
+        try:
+            value = float(text)
+        except ValueError as err:
+            raise ValueError(f"--set {item!r}: {text!r} is not a number") from err
+        field_name, factor = OVERRIDE_ALIASES.get(name, (name, 1.0))
+        kind = next(f.type for f in fields(HardwareModel) if f.name == field_name)
+        if kind == "int":
+            if value != int(value):
+                raise ValueError(f"--set {item!r}: {field_name} must be an integer")
+            changes[field_name] = int(value)
+        else:
+            changes[field_name] = value * factor
+    return replace(model, **changes)
 
 
 # --- profile files ---------------------------------------------------------------------
@@ -284,9 +369,19 @@ def _ascend_a3() -> HardwareModel:
         link=(LinkEntry(8, 146 * _GB, 125 * _GB), LinkEntry(16, 107 * _GB, 103 * _GB),
               LinkEntry(32, 102 * _GB, 95 * _GB), LinkEntry(64, 81 * _GB, 91 * _GB),
               LinkEntry(128, 57 * _GB, 81 * _GB)),
-        link_latency=2 * _US,  # ASSUMPTION: one cross-die put + remote counter bump, ~2 us
+        # per-message fixed cost: issue (task_overhead) + 0.18 us = 1.18 us per put, FITTED to
+        # DeepEP-Ascend's low-latency dispatch, EP8, 128 tokens: 132 us (docs/hardware.md)
+        link_latency=0.18 * _US,
         task_overhead=1 * _US,  # per-task fixed cost "~us" (paper; DESIGN.md §4)
-        notes="one A3 die; fp32 cube rate, AIV rate and put latency are assumptions",
+        l2_mb=192.0,  # L2 192 MB (DESIGN.md §4)
+        # ASSUMPTION (no published A3 GEMM efficiency): 0.7 of peak, between DeepGEMM's grouped
+        # GEMM on H800 (0.55-0.65 of peak) and dense bf16 8192^3 on H100 (0.81); tiles narrower
+        # than the 128 x 256 base block the paper's GMM deals (128) lose in proportion.
+        matrix_efficiency=0.7, matrix_full_edge=128,
+        # ASSUMPTION: the EP8 all-to-all rate needs all 24 vector workers: 146 / 24 GB/s per put stream
+        stream_bw=146 * _GB / 24,
+        notes="one A3 die; fp32 cube rate, AIV rate, GEMM efficiency and the per-stream put rate are "
+              "assumptions; the per-message cost is fitted",
     )
 
 
@@ -312,6 +407,14 @@ def _h100() -> HardwareModel:
               LinkEntry(32, 58 * _GB, 57 * _GB), LinkEntry(64, 51 * _GB, 50 * _GB)),
         link_latency=2 * _US,  # ASSUMPTION: one NVSHMEM-style put + signal, ~2 us
         task_overhead=1 * _US,  # ASSUMPTION: same order as the paper's per-task cost
+        l2_mb=50.0,  # 50 MB L2 (NVIDIA H100 SXM; DESIGN.md §6)
+        # DeepGEMM grouped GEMM, H800: 1288 TFLOPS on 8 x 4096 x 4096 x 7168 = 0.65 of the 1979
+        # FP8 peak (DESIGN.md §6), applied to bf16; DeepGEMM's BLOCK_M is 128
+        matrix_efficiency=0.65, matrix_full_edge=128,
+        # DeepEP normal kernels reach 153 GB/s NVLink with 24 SMs: 153 / 24 GB/s per SM stream
+        stream_bw=153 * _GB / 24,
+        # 400 Gb/s CX7 per GPU, DeepEP measured 43-58 GB/s RDMA (DESIGN.md §4): 50 GB/s
+        inter_link_bw=50 * _GB, inter_latency=2 * _US,  # ASSUMPTION: RDMA put + signal ~2 us
         notes="H100 SXM, 112 GEMM + 20 comm SMs; link figures measured on H800 by DeepEP",
     )
 

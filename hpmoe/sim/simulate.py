@@ -3,23 +3,30 @@
 Semantics of the replay:
   1. every worker runs its queue in order; the task at the head of a queue starts as
      soon as the worker is free and the event it waits on reached its threshold;
-  2. a task occupies its worker for its cost (``hpmoe.sim.cost``); it signals its events
-     when it ends;
-  3. every rank has one egress and one ingress link port, each serving one transfer
-     at a time: a remote put, after its issue overhead, joins its rank's egress queue;
-     a free egress port starts the earliest-issued of its puts whose peer's ingress
-     port is free (puts to different peers are independent streams, as AIV-driven
-     puts are: no head-of-line blocking), an ingress port that frees serves the
-     egress ports waiting for it first come, first served; a transfer holds both ports
-     for ``link_bytes / bandwidth`` and the put ends ``link_latency`` later.  The
-     issuing vector worker is busy until the put ends.  O(issued puts of the rank) per
-     port event besides the heap.
+  2. a task occupies its worker until both its ``floor`` (overhead + compute,
+     ``hpmoe.sim.cost``) has passed and its HBM bytes have been served; it signals its
+     events when it ends.  A remote put goes to the link after its floor (step 4); the
+     read of its payload loads its rank's HBM meanwhile but delays nothing;
+  3. memory, per rank: a GEMM tile looks its operands up in the rank's L2 (an LRU in
+     the order tasks start, ``hpmoe.sim.memory``); its HBM bytes are its misses plus
+     its output.  The rank's HBM serves every task with bytes left at once, in equal
+     shares of ``mem_bw`` recomputed at each start and finish (processor sharing), so
+     two tasks with B1 and B2 bytes both end by (B1 + B2) / mem_bw;
+  4. links: every rank has one egress and one ingress port per tier (within a node,
+     between nodes), each serving ``lanes`` transfers at once: a remote put joins
+     its rank's egress queue of its tier; a free egress lane starts the earliest-issued
+     of its puts whose peer has a free ingress lane (puts to different peers are
+     independent streams: no head-of-line blocking); an ingress port that frees serves
+     the egress ports waiting for it first come, first served; a transfer holds one
+     lane of both ports for its ``transfer`` time and the put ends ``latency`` later.
+     The issuing vector worker is busy until the put ends.
 
-The loop keeps one heap of task ends and link events: O((tasks + signals) log tasks),
+The loop keeps one heap of task, memory and link events: O((tasks + signals) log tasks),
 plain Python over lists.  ``Bounds`` hold for every replay of the graph on the
 hardware, whatever the schedule: per-unit work over the unit's workers, link-port
-occupancy (each with the shortest chain that must come before and after it), and the
-critical path with uncontended durations.
+occupancy (each with the shortest chain that must come before and after it), the
+critical path with uncontended durations, and the compulsory HBM bytes of the
+busiest rank over its bandwidth.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
 from ..schedule.verify import require_all_ranks, verify_schedule
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel
+from .memory import LruCache, MemoryTraffic, memory_traffic
 
 
 @dataclass(frozen=True)
@@ -71,21 +79,50 @@ class Timeline:
 
 
 @dataclass(frozen=True)
+class MemoryStats:
+    """What each rank's memory did in a replay, arrays [ep].
+
+    hbm_bytes: bytes served by HBM (misses, outputs, vector and put traffic).
+    l2_hit_bytes / l2_miss_bytes: cached-operand bytes found / not found in L2.
+    busy: seconds during which some task had HBM bytes left (HBM at its full rate).
+    task_bytes: [n] HBM bytes charged to each task.
+    """
+
+    hbm_bytes: np.ndarray
+    l2_hit_bytes: np.ndarray
+    l2_miss_bytes: np.ndarray
+    busy: np.ndarray
+    task_bytes: np.ndarray
+
+    @property
+    def l2_hit_rate(self) -> np.ndarray:
+        """[ep] hit fraction of cached-operand bytes (1.0 where a rank has none)."""
+        total = self.l2_hit_bytes + self.l2_miss_bytes
+        return np.divide(self.l2_hit_bytes, total, out=np.ones_like(total), where=total > 0)
+
+
+@dataclass(frozen=True)
 class Bounds:
     """Lower bounds (seconds) of any replay of a graph on a hardware model.
 
     matrix_work / vector_work: max over ranks of the unit's total uncontended task
     time over its worker count, plus the earliest any of those tasks can start (head)
-    and the shortest chain that must follow any of them (tail).  link: max over ranks
-    and over egress / ingress of the port's total transfer time, plus head (earliest
-    issue of any of its puts) and tail (latency and shortest chain after any of them).
-    critical_path: longest dependency chain with uncontended durations.
+    and the shortest chain that must follow any of them (tail).  link: max over ranks,
+    tiers and over egress / ingress of the port's total transfer time over its lanes,
+    plus head (earliest issue of any of its puts) and tail (latency and shortest chain
+    after any of them).  critical_path: longest dependency chain with uncontended
+    durations.  memory: max over ranks of the compulsory HBM bytes (every distinct
+    operand once, every access to one larger than the L2, plus the bytes no cache can
+    save) over ``mem_bw``.  Task durations
+    here are the least a task can take: its floor, or its uncacheable bytes at the
+    whole ``mem_bw``.
     """
 
     matrix_work: float
     vector_work: float
     link: float
     critical_path: float
+    memory: float = 0.0
 
     @property
     def work(self) -> float:
@@ -93,24 +130,39 @@ class Bounds:
 
     @property
     def lower_bound(self) -> float:
-        return max(self.work, self.link, self.critical_path)
+        return max(self.work, self.link, self.critical_path, self.memory)
 
 
 @dataclass(frozen=True)
 class SimResult:
-    """A replay: its timeline, the bounds of its graph and the policy that made it."""
+    """A replay: its timeline, the bounds of its graph, the policy that made it and what
+    its memory did."""
 
     timeline: Timeline
     bounds: Bounds
     policy: SchedulePolicy
+    memory: MemoryStats | None = None
 
     @property
     def makespan(self) -> float:
         return self.timeline.makespan
 
 
+@dataclass(frozen=True)
+class MemorySystem:
+    """The memory a replay charges: per-task traffic, L2 bytes and HBM bytes/s per rank."""
+
+    traffic: MemoryTraffic
+    l2_bytes: float
+    bandwidth: float
+
+    @classmethod
+    def of(cls, graph: TaskGraph, hardware: HardwareModel) -> MemorySystem:
+        return cls(traffic=memory_traffic(graph), l2_bytes=hardware.l2_bytes, bandwidth=hardware.mem_bw)
+
+
 def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | None = None) -> SimResult:
-    """Replay ``schedule`` (all ranks together) on ``hardware``.
+    """Replay ``schedule`` (all ranks together) on ``hardware``, memory included.
 
     ``costs`` defaults to ``task_costs(schedule.graph, hardware)``.  Raises ``GraphError``
     naming the blocked queues when the schedule cannot complete.
@@ -120,54 +172,61 @@ def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | Non
     costs = task_costs(graph, hardware) if costs is None else costs
     if len(costs.work) != graph.num_tasks:
         raise ValueError(f"costs cover {len(costs.work)} tasks, the graph has {graph.num_tasks}")
-    start, end, link_start, link_end = replay(schedule, costs)
+    memory = MemorySystem.of(graph, hardware)
+    state = run_replay(schedule, costs, memory)
+    start, end, link_start, link_end = state.arrays(costs)
     timeline = Timeline(ep=graph.ep, workers=schedule.workers, kind=graph.kind, rank=graph.rank,
                         peer=graph.peer, unit=graph.unit, worker=schedule.worker, start=start,
                         end=end, link_start=link_start, link_end=link_end)
-    return SimResult(timeline=timeline, bounds=bounds(graph, costs, schedule.workers),
-                     policy=schedule.policy)
+    return SimResult(timeline=timeline, bounds=bounds(graph, costs, schedule.workers, memory),
+                     policy=schedule.policy, memory=state.memory_stats())
 
 
-def makespan(schedule: Schedule, costs: TaskCosts) -> float:
-    """Simulated makespan (seconds) of ``schedule`` with precomputed ``costs``."""
-    return float(replay(schedule, costs)[1].max(initial=0.0))
+def makespan(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None = None) -> float:
+    """Simulated makespan (seconds) of ``schedule`` with precomputed ``costs`` (and
+    ``memory``: without, every task takes its ``work`` and memory is not shared)."""
+    return float(replay(schedule, costs, memory)[1].max(initial=0.0))
 
 
 # ---------------------------------------------------------------------------- replay
 
-def replay(schedule: Schedule, costs: TaskCosts) -> tuple[np.ndarray, ...]:
-    """(start, end, link_start, link_end), each [n] float64 seconds, of a replay."""
-    graph = schedule.graph
-    state = _ReplayState(schedule, costs)
+def replay(schedule: Schedule, costs: TaskCosts,
+           memory: MemorySystem | None = None) -> tuple[np.ndarray, ...]:
+    """(start, end, link_start, link_end), each [n] float64 seconds, of a replay; with
+    ``memory`` None every task occupies its worker for ``costs.work``, HBM unshared."""
+    return run_replay(schedule, costs, memory).arrays(costs)
+
+
+def run_replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None) -> _ReplayState:
+    state = _ReplayState(schedule, costs, memory)
     state.run()
-    if state.done != graph.num_tasks:
+    if state.done != schedule.graph.num_tasks:
         raise GraphError(_stall_message(schedule, state))
-    nan = np.full(graph.num_tasks, np.nan)
-    has_link = costs.transfer > 0
-    return (np.asarray(state.start), np.asarray(state.end),
-            np.where(has_link, np.asarray(state.ports.link_start), nan),
-            np.where(has_link, np.asarray(state.ports.link_end), nan))
+    return state
 
 
-END, ISSUE, LINK_DONE = 0, 1, 2  # heap entry codes: (time, 3 * task + code)
+END, ISSUE, LINK_DONE, WORK = 0, 1, 2, 3  # heap entry codes: (time, CODES * task + code)
+CODES = 4
 
 
 class LinkPorts:
-    """Egress and ingress port of every rank (see the module docstring).
+    """Egress and ingress ports of every rank and tier (see the module docstring).
 
-    Shares the caller's heap: ``issue`` and ``done`` push ``(time, 3 * i + LINK_DONE)``
-    when a transfer starts and ``(time, 3 * i + END)`` when it ends, and record each
-    transfer in ``link_start`` / ``link_end``.
+    Port ``rank + ep * tier``.  Shares the caller's heap: ``issue`` and ``done`` push
+    ``(time, CODES * i + LINK_DONE)`` when a transfer starts and ``(time, CODES * i + END)``
+    when it ends, and record each transfer in ``link_start`` / ``link_end``.
     """
 
     def __init__(self, graph: TaskGraph, costs: TaskCosts, heap: list[tuple[float, int]]):
-        self.src, self.dst = graph.rank.tolist(), graph.peer.tolist()
+        ep, tier = graph.ep, costs.tier.astype(np.int64)
+        self.src, self.dst = (graph.rank + ep * tier).tolist(), (graph.peer + ep * tier).tolist()
         self.transfer, self.latency = costs.transfer.tolist(), costs.latency.tolist()
         self.heap = heap
-        self.egress_busy, self.ingress_busy = [False] * graph.ep, [False] * graph.ep
-        self.egress_queue: list[list[int]] = [[] for _ in range(graph.ep)]
-        self.ingress_waiting: list[deque[int]] = [deque() for _ in range(graph.ep)]
-        self.waits_for: list[set[int]] = [set() for _ in range(graph.ep)]
+        lanes = [costs.lanes[0]] * ep + [costs.lanes[1]] * ep
+        self.egress_free, self.ingress_free = list(lanes), list(lanes)
+        self.egress_queue: list[list[int]] = [[] for _ in range(2 * ep)]
+        self.ingress_waiting: list[deque[int]] = [deque() for _ in range(2 * ep)]
+        self.waits_for: list[set[int]] = [set() for _ in range(2 * ep)]
         self.link_start, self.link_end = [0.0] * graph.num_tasks, [0.0] * graph.num_tasks
 
     def issue(self, i: int, now: float) -> None:
@@ -176,32 +235,37 @@ class LinkPorts:
         self.serve(self.src[i], now)
 
     def done(self, i: int, now: float) -> None:
-        """Put ``i``'s transfer ended: free both ports, serve who waits for them."""
+        """Put ``i``'s transfer ended: free a lane of both ports, serve who waits for them."""
         self.link_end[i] = now
-        heapq.heappush(self.heap, (now + self.latency[i], 3 * i + END))
+        heapq.heappush(self.heap, (now + self.latency[i], CODES * i + END))
         s, d = self.src[i], self.dst[i]
-        self.egress_busy[s] = self.ingress_busy[d] = False
+        self.egress_free[s] += 1
+        self.ingress_free[d] += 1
         waiting = self.ingress_waiting[d]
-        while waiting and not self.ingress_busy[d]:
+        while waiting and self.ingress_free[d]:
             r = waiting.popleft()
             self.waits_for[r].discard(d)
             self.serve(r, now)
         self.serve(s, now)
 
     def serve(self, r: int, now: float) -> None:
-        """If rank ``r``'s egress is free, start its earliest-issued put whose peer's
-        ingress is free; else queue ``r`` at the ingress ports its puts wait for."""
+        """While port ``r`` has a free egress lane, start its earliest-issued put whose
+        peer has a free ingress lane; queue ``r`` at the ingress ports the rest wait for."""
         queue = self.egress_queue[r]
-        if self.egress_busy[r] or not queue:
-            return
-        for j, i in enumerate(queue):
+        j = 0
+        while self.egress_free[r] and j < len(queue):
+            i = queue[j]
             d = self.dst[i]
-            if not self.ingress_busy[d]:
-                del queue[j]
-                self.egress_busy[r] = self.ingress_busy[d] = True
-                self.link_start[i] = now
-                heapq.heappush(self.heap, (now + self.transfer[i], 3 * i + LINK_DONE))
-                return
+            if not self.ingress_free[d]:
+                j += 1
+                continue
+            del queue[j]
+            self.egress_free[r] -= 1
+            self.ingress_free[d] -= 1
+            self.link_start[i] = now
+            heapq.heappush(self.heap, (now + self.transfer[i], CODES * i + LINK_DONE))
+        if not self.egress_free[r]:
+            return
         for i in queue:
             d = self.dst[i]
             if d not in self.waits_for[r]:
@@ -209,17 +273,67 @@ class LinkPorts:
                 self.ingress_waiting[d].append(r)
 
 
+class _HbmShare:
+    """Processor sharing of each rank's HBM: every task with bytes left gets an equal
+    share of ``bandwidth``.  Per rank a virtual clock ``served`` counts the bytes each
+    active task has received; a task of B bytes that joined at ``served = s`` is done
+    at ``served = s + B``.  Finish events go on the caller's heap with code
+    ``-1 - (rank + ep * version)``; a newer version makes older events stale."""
+
+    def __init__(self, ep: int, bandwidth: float, heap: list[tuple[float, int]]):
+        self.ep, self.bw, self.heap = ep, bandwidth, heap
+        self.served, self.since = [0.0] * ep, [0.0] * ep
+        self.active: list[list[tuple[float, int]]] = [[] for _ in range(ep)]
+        self.version, self.busy = [0] * ep, [0.0] * ep
+
+    def advance(self, r: int, now: float) -> None:
+        n = len(self.active[r])
+        if n:
+            self.served[r] += (now - self.since[r]) * self.bw / n
+            self.busy[r] += now - self.since[r]
+        self.since[r] = now
+
+    def add(self, r: int, i: int, nbytes: float, now: float) -> None:
+        self.advance(r, now)
+        heapq.heappush(self.active[r], (self.served[r] + nbytes, i))
+        self.notify(r, now)
+
+    def notify(self, r: int, now: float) -> None:
+        self.version[r] += 1
+        active = self.active[r]
+        if active:
+            t = now + (active[0][0] - self.served[r]) * len(active) / self.bw
+            heapq.heappush(self.heap, (max(t, now), -1 - (r + self.ep * self.version[r])))
+
+    def finished(self, code: int, now: float) -> list[int]:
+        """Tasks whose bytes are all served at ``now`` (none for a stale event)."""
+        version, r = divmod(-1 - code, self.ep)
+        if version != self.version[r]:
+            return []
+        self.advance(r, now)
+        active = self.active[r]
+        # bytes left that the clock can no longer resolve count as served
+        limit = self.served[r] + max(1e-6, self.bw * max(now, 1e-9) * 1e-12 / max(len(active), 1))
+        done = []
+        while active and active[0][0] <= limit:
+            done.append(heapq.heappop(active)[1])
+        self.notify(r, now)
+        return done
+
+
 class _ReplayState:
     """Lists (not numpy scalars) for the hot loop; see the module docstring.
 
-    The heap holds ``(time, 3 * task + code)``: a task's end, a put's issue to its
-    egress queue, or the end of a put's transfer.
+    The heap holds ``(time, CODES * task + code)``: a task's end, a put's issue to its
+    egress queue, the end of a put's transfer, or the end of a task's floor; and the
+    HBM's finish events (negative codes, ``_HbmShare``).
     """
 
-    def __init__(self, schedule: Schedule, costs: TaskCosts):
+    def __init__(self, schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None):
         g = schedule.graph
         n = g.num_tasks
-        self.work, self.remote = costs.work.tolist(), (costs.transfer > 0).tolist()
+        self.graph = g
+        self.remote = (costs.transfer > 0).tolist()
         self.wait = g.wait_global().tolist()
         self.threshold = g.threshold.tolist()
         self.sig_ptr, self.signals = g.sig_ptr.tolist(), g.signals_global().tolist()
@@ -233,6 +347,19 @@ class _ReplayState:
         self.heap: list[tuple[float, int]] = []
         self.ports = LinkPorts(g, costs, self.heap)
         self.done = 0
+        self.memory = memory
+        self.left = [0] * n
+        if memory is None:
+            self.floor = costs.work.tolist()
+            return
+        self.floor = costs.floor.tolist()
+        self.rank = g.rank.tolist()
+        self.fixed = memory.traffic.fixed.tolist()
+        self.ops = memory.traffic.operand.tolist()
+        self.size = memory.traffic.size.tolist()
+        self.caches = [LruCache(memory.l2_bytes) for _ in range(g.ep)]
+        self.hbm = _HbmShare(g.ep, memory.bandwidth, self.heap)
+        self.task_bytes = [0.0] * n
 
     def begin(self, q: int, now: float) -> None:
         """Start the head task of queue ``q`` at ``now`` if its event has fired."""
@@ -245,35 +372,84 @@ class _ReplayState:
             self.blocked.setdefault(e, []).append(q)
             return
         self.start[i] = now
-        heapq.heappush(self.heap, (now + self.work[i], 3 * i + (ISSUE if self.remote[i] else END)))
+        if self.memory is None:
+            heapq.heappush(self.heap, (now + self.floor[i], CODES * i + (ISSUE if self.remote[i] else END)))
+            return
+        nbytes = self.fixed[i]
+        a, b = self.ops[i]
+        if a >= 0:
+            cache = self.caches[self.rank[i]]
+            nbytes += cache.access(a, self.size[a]) + cache.access(b, self.size[b])
+        self.task_bytes[i] = nbytes
+        # a remote put's read streams while it is on the link: it loads HBM, gates nothing
+        self.left[i] = 2 if nbytes > 0 and not self.remote[i] else 1
+        heapq.heappush(self.heap, (now + self.floor[i], CODES * i + WORK))
+        if nbytes > 0:
+            self.hbm.add(self.rank[i], i, nbytes, now)
+
+    def part_done(self, i: int, now: float) -> None:
+        """One of task ``i``'s floor and memory is done; at the second, it ends (or a
+        remote put goes to the link)."""
+        self.left[i] -= 1
+        if self.left[i] == 0:
+            if self.remote[i]:
+                self.ports.issue(i, now)
+            else:
+                self.finish(i, now)
+
+    def finish(self, i: int, now: float) -> None:
+        self.end[i] = now
+        self.done += 1
+        count, threshold, fire, blocked = self.count, self.threshold, self.fire, self.blocked
+        for s in range(self.sig_ptr[i], self.sig_ptr[i + 1]):
+            e = self.signals[s]
+            c = count[e] = count[e] + 1
+            if c == threshold[e]:
+                fire[e] = now
+                for q in blocked.pop(e, ()):
+                    self.begin(q, now)
+        q = self.queue_of[i]
+        self.head[q] += 1
+        self.begin(q, now)
 
     def run(self) -> None:
+        self.count = [0] * len(self.threshold)
         for q in range(len(self.head)):
             self.begin(q, 0.0)
-        heap, pop, begin, ports = self.heap, heapq.heappop, self.begin, self.ports
-        count, threshold, fire = [0] * len(self.threshold), self.threshold, self.fire
-        sig_ptr, signals, blocked, end = self.sig_ptr, self.signals, self.blocked, self.end
+        heap, pop, ports = self.heap, heapq.heappop, self.ports
         while heap:
             now, code = pop(heap)
-            i, kind = divmod(code, 3)
-            if kind == ISSUE:
+            if code < 0:
+                for i in self.hbm.finished(code, now):
+                    if not self.remote[i]:
+                        self.part_done(i, now)
+                continue
+            i, kind = divmod(code, CODES)
+            if kind == END:
+                self.finish(i, now)
+            elif kind == WORK:
+                self.part_done(i, now)
+            elif kind == ISSUE:
                 ports.issue(i, now)
-                continue
-            if kind == LINK_DONE:
+            else:
                 ports.done(i, now)
-                continue
-            end[i] = now
-            self.done += 1
-            for s in range(sig_ptr[i], sig_ptr[i + 1]):
-                e = signals[s]
-                c = count[e] = count[e] + 1
-                if c == threshold[e]:
-                    fire[e] = now
-                    for q in blocked.pop(e, ()):
-                        begin(q, now)
-            q = self.queue_of[i]
-            self.head[q] += 1
-            begin(q, now)
+
+    def arrays(self, costs: TaskCosts) -> tuple[np.ndarray, ...]:
+        nan = np.full(len(self.start), np.nan)
+        has_link = costs.transfer > 0
+        return (np.asarray(self.start), np.asarray(self.end),
+                np.where(has_link, np.asarray(self.ports.link_start), nan),
+                np.where(has_link, np.asarray(self.ports.link_end), nan))
+
+    def memory_stats(self) -> MemoryStats | None:
+        if self.memory is None:
+            return None
+        ep = self.graph.ep
+        task_bytes = np.asarray(self.task_bytes)
+        return MemoryStats(hbm_bytes=np.bincount(self.graph.rank, weights=task_bytes, minlength=ep),
+                           l2_hit_bytes=np.array([c.hits for c in self.caches]),
+                           l2_miss_bytes=np.array([c.misses for c in self.caches]),
+                           busy=np.asarray(self.hbm.busy), task_bytes=task_bytes)
 
 
 def _stall_message(schedule: Schedule, state: _ReplayState) -> str:
@@ -285,21 +461,28 @@ def _stall_message(schedule: Schedule, state: _ReplayState) -> str:
 
 # ---------------------------------------------------------------------------- bounds
 
-def bounds(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts) -> Bounds:
-    """Lower bounds of ``graph`` on ``workers`` with ``costs`` (see ``Bounds``).
+def bounds(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
+           memory: MemorySystem | None = None) -> Bounds:
+    """Lower bounds of ``graph`` on ``workers`` with ``costs`` and ``memory`` (see ``Bounds``;
+    without ``memory``, tasks take their ``work`` and there is no memory term).
 
     Each resource bound is head + busy time + tail: a unit's worker with at least the
     average load cannot start before the earliest top level of the rank's tasks of
     that unit, and after its last task at least the shortest remaining chain of any of
     them follows; likewise for a link port, its puts and their transfers.
     """
-    duration = costs.duration
+    work, mem = costs.work, 0.0
+    if memory is not None:
+        work = np.maximum(costs.floor, memory.traffic.fixed / memory.bandwidth)
+        need = memory.traffic.compulsory(graph.ep, graph.rank, memory.l2_bytes)
+        mem = float(need.max(initial=0.0)) / memory.bandwidth
+    duration = work + costs.transfer + costs.latency
     top = top_levels(graph, duration)
     after = bottom_levels(graph, duration) - duration
     return Bounds(matrix_work=_work_bound(graph, Unit.MATRIX, duration, top, after, workers.matrix),
                   vector_work=_work_bound(graph, Unit.VECTOR, duration, top, after, workers.vector),
-                  link=_link_bound(graph, costs, top, after),
-                  critical_path=float((top + duration).max(initial=0.0)))
+                  link=_link_bound(graph, costs, work, top, after),
+                  critical_path=float((top + duration).max(initial=0.0)), memory=mem)
 
 
 def _work_bound(graph: TaskGraph, unit: Unit, duration: np.ndarray, top: np.ndarray, after: np.ndarray,
@@ -308,12 +491,15 @@ def _work_bound(graph: TaskGraph, unit: Unit, duration: np.ndarray, top: np.ndar
     return _resource_bound(graph.rank[m], duration[m] / workers, top[m], after[m], graph.ep)
 
 
-def _link_bound(graph: TaskGraph, costs: TaskCosts, top: np.ndarray, after: np.ndarray) -> float:
+def _link_bound(graph: TaskGraph, costs: TaskCosts, work: np.ndarray, top: np.ndarray,
+                after: np.ndarray) -> float:
     m = costs.transfer > 0
     if not m.any():
         return 0.0
-    head, tail = top[m] + costs.work[m], costs.latency[m] + after[m]
-    return max(_resource_bound(port[m], costs.transfer[m], head, tail, graph.ep)
+    head, tail = top[m] + work[m], costs.latency[m] + after[m]
+    tier = costs.tier[m].astype(np.int64)
+    busy = costs.transfer[m] / np.take(costs.lanes, tier)
+    return max(_resource_bound(port[m] + graph.ep * tier, busy, head, tail, 2 * graph.ep)
                for port in (graph.rank, graph.peer))
 
 
@@ -379,6 +565,6 @@ def bottom_levels(graph: TaskGraph, duration: np.ndarray, extra: np.ndarray | No
 
 
 def graph_bounds(graph: TaskGraph, hardware: HardwareModel) -> Bounds:
-    """Bounds of ``graph`` on ``hardware`` (all its workers), without a schedule."""
+    """Bounds of ``graph`` on ``hardware`` (all its workers, its memory), without a schedule."""
     workers = WorkerCounts(matrix=hardware.matrix_workers, vector=hardware.vector_workers)
-    return bounds(graph, task_costs(graph, hardware), workers)
+    return bounds(graph, task_costs(graph, hardware), workers, MemorySystem.of(graph, hardware))
