@@ -17,7 +17,8 @@ from hpmoe.spec import TileSpec
 from .helpers import chain_graph, tiny_plan
 
 KNOWN = dataclasses.replace(hardware_preset("h100"), matrix_workers=2, vector_workers=3,
-                            matrix_flops_fp32=1e11, mem_bw=6e12, vector_flops=1e16, task_overhead=2e-6)
+                            matrix_flops_fp32=1e11, mem_bw=6e12, vector_flops=1e16, task_overhead=2e-6,
+                            shared_hbm=False, matrix_efficiency=1.0, matrix_full_edge=1, stream_bw=0.0)
 
 
 @pytest.mark.parametrize("policy", [SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH])

@@ -100,6 +100,9 @@ def calibrated_hardware(base: HardwareModel, cal: GpuCalibration, schedule: Sche
                                vector_workers=w.vector, mem_bw=mem, task_overhead=cal.task_overhead,
                                link_latency=cal.signal_latency, link=link, matrix_block=16,
                                vector_flops=max(base.vector_flops, 1e15),
+                               # the fit is per worker: the simulator's per-worker roofline
+                               shared_hbm=False, matrix_efficiency=1.0, matrix_full_edge=1,
+                               stream_bw=0.0, l2_mb=0.0,
                                notes=f"fitted to {cal.tasks} measured tasks (rms residual "
                                      f"{cal.residual:.1%})",
                                **rates)

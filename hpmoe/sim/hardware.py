@@ -106,6 +106,9 @@ class HardwareModel:
     inter_link_bw: bytes/s per rank and direction between nodes (the second link tier);
       0: every rank is in one node (the ``link`` table covers the whole EP group).
     inter_latency: seconds, the per-message fixed cost between nodes.
+    shared_hbm: the simulator's memory model: True, an L2 per rank and HBM shared by every
+      running task; False, the per-worker roofline (each worker its unit's share of
+      ``mem_bw``, no cache), for models fitted per worker.
     notes: provenance (free text).
     """
 
@@ -126,6 +129,7 @@ class HardwareModel:
     stream_bw: float = 0.0
     inter_link_bw: float = 0.0
     inter_latency: float = 0.0
+    shared_hbm: bool = True
     notes: str = ""
 
     def __post_init__(self) -> None:

@@ -157,7 +157,11 @@ class MemorySystem:
     bandwidth: float
 
     @classmethod
-    def of(cls, graph: TaskGraph, hardware: HardwareModel) -> MemorySystem:
+    def of(cls, graph: TaskGraph, hardware: HardwareModel) -> MemorySystem | None:
+        """The memory of ``hardware``; None when it is a per-worker roofline model
+        (``HardwareModel.shared_hbm`` False)."""
+        if not hardware.shared_hbm:
+            return None
         return cls(traffic=memory_traffic(graph), l2_bytes=hardware.l2_bytes, bandwidth=hardware.mem_bw)
 
 
