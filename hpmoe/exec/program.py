@@ -186,7 +186,7 @@ def rank_subgraph(graph: TaskGraph, rank: int) -> tuple[TaskGraph, np.ndarray]:
     return TaskGraph(ep=graph.ep, ranks=(rank,), sig_ptr=sig_ptr, sig_rank=graph.sig_rank[sig],
                      sig_event=graph.sig_event[sig], event_ptr=event_ptr,
                      threshold=graph.threshold[lo:hi], dtype=graph.dtype,
-                     events=graph.events, **cols), ids
+                     events=graph.events, nodes=graph.nodes, **cols), ids
 
 
 def _check_kinds(g: TaskGraph, region: Region) -> None:

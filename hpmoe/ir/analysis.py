@@ -110,3 +110,50 @@ def random_order(graph: TaskGraph, seed: int) -> np.ndarray:
 
         verify_graph(graph)  # raises GraphError naming the cause
     return np.asarray(order, np.int64)
+
+
+def level_groups(graph: TaskGraph) -> list[np.ndarray]:
+    """Task ids per completion level, first level first."""
+    level = task_levels(graph)
+    order = np.argsort(level, kind="stable")
+    cuts = np.searchsorted(level[order], np.arange(1, int(level.max(initial=-1)) + 1))
+    return np.split(order, cuts) if len(order) else []
+
+
+def exact_events(graph: TaskGraph) -> np.ndarray:
+    """[events + 1] bool: the event needs every one of its signals (threshold == signal
+    count); chains are only followed through these, so the levels stay lower bounds.
+    The last entry (False) stands for "no event" (wait id -1)."""
+    total = np.bincount(graph.signals_global(), minlength=graph.num_events)
+    return np.append(graph.threshold == total, False)
+
+
+def top_levels(graph: TaskGraph, duration: np.ndarray) -> np.ndarray:
+    """[n] seconds: earliest start of each task with unlimited workers and no ports."""
+    wait, signals, exact = graph.wait_global(), graph.signals_global(), exact_events(graph)
+    fire = np.zeros(graph.num_events + 1)  # the last entry: "no event", stays 0
+    top = np.zeros(graph.num_tasks)
+    for t in level_groups(graph):
+        top[t] = fire[wait[t]]
+        ev = gather_csr(graph.sig_ptr, signals, t)
+        finish = np.repeat(top[t] + duration[t], graph.sig_ptr[t + 1] - graph.sig_ptr[t])
+        np.maximum.at(fire, ev[exact[ev]], finish[exact[ev]])
+    return top
+
+
+def bottom_levels(graph: TaskGraph, duration: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
+    """[n] seconds: duration + max(longest chain of any successor, ``extra``), i.e. the
+    longest chain from each task's start to the end of the graph."""
+    wait, signals, exact = graph.wait_global(), graph.signals_global(), exact_events(graph)
+    extra = np.zeros(graph.num_tasks) if extra is None else extra
+    best = np.zeros(graph.num_events + 1)  # longest chain among each event's waiters
+    b = np.zeros(graph.num_tasks)
+    for t in reversed(level_groups(graph)):
+        counts = graph.sig_ptr[t + 1] - graph.sig_ptr[t]
+        succ = np.zeros(len(t))
+        np.maximum.at(succ, np.repeat(np.arange(len(t)), counts), best[gather_csr(graph.sig_ptr, signals, t)])
+        b[t] = duration[t] + np.maximum(succ, extra[t])
+        w = wait[t]
+        keep = exact[w]
+        np.maximum.at(best, w[keep], b[t][keep])
+    return b

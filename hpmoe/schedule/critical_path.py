@@ -31,11 +31,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..ir.analysis import GraphError, initially_ready
+from ..ir.analysis import GraphError, bottom_levels, initially_ready
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
 from ..sim.hardware import HardwareModel, LinkDirection
-from ..sim.simulate import CODES, END, ISSUE, LINK_DONE, LinkPorts, MemorySystem, bottom_levels, makespan
+from ..sim.resources import CODES, END, ISSUE, LINK_DONE, LinkPorts, MemorySystem
+from ..sim.simulate import makespan
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule

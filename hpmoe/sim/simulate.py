@@ -32,18 +32,18 @@ busiest rank over its bandwidth.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.analysis import GraphError, gather_csr, task_levels
+from ..ir.analysis import GraphError, bottom_levels, top_levels
 from ..ir.graph import TaskGraph, Unit
 from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
 from ..schedule.verify import require_all_ranks, verify_schedule
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel
-from .memory import LruCache, MemoryTraffic, memory_traffic
+from .memory import LruCache
+from .resources import CODES, END, ISSUE, WORK, HbmShare, LinkPorts, MemorySystem
 
 
 @dataclass(frozen=True)
@@ -148,23 +148,6 @@ class SimResult:
         return self.timeline.makespan
 
 
-@dataclass(frozen=True)
-class MemorySystem:
-    """The memory a replay charges: per-task traffic, L2 bytes and HBM bytes/s per rank."""
-
-    traffic: MemoryTraffic
-    l2_bytes: float
-    bandwidth: float
-
-    @classmethod
-    def of(cls, graph: TaskGraph, hardware: HardwareModel) -> MemorySystem | None:
-        """The memory of ``hardware``; None when it is a per-worker roofline model
-        (``HardwareModel.shared_hbm`` False)."""
-        if not hardware.shared_hbm:
-            return None
-        return cls(traffic=memory_traffic(graph), l2_bytes=hardware.l2_bytes, bandwidth=hardware.mem_bw)
-
-
 def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | None = None) -> SimResult:
     """Replay ``schedule`` (all ranks together) on ``hardware``, memory included.
 
@@ -209,128 +192,12 @@ def run_replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None
     return state
 
 
-END, ISSUE, LINK_DONE, WORK = 0, 1, 2, 3  # heap entry codes: (time, CODES * task + code)
-CODES = 4
-
-
-class LinkPorts:
-    """Egress and ingress ports of every rank and tier (see the module docstring).
-
-    Port ``rank + ep * tier``.  Shares the caller's heap: ``issue`` and ``done`` push
-    ``(time, CODES * i + LINK_DONE)`` when a transfer starts and ``(time, CODES * i + END)``
-    when it ends, and record each transfer in ``link_start`` / ``link_end``.
-    """
-
-    def __init__(self, graph: TaskGraph, costs: TaskCosts, heap: list[tuple[float, int]]):
-        ep, tier = graph.ep, costs.tier.astype(np.int64)
-        self.src, self.dst = (graph.rank + ep * tier).tolist(), (graph.peer + ep * tier).tolist()
-        self.transfer, self.latency = costs.transfer.tolist(), costs.latency.tolist()
-        self.heap = heap
-        lanes = [costs.lanes[0]] * ep + [costs.lanes[1]] * ep
-        self.egress_free, self.ingress_free = list(lanes), list(lanes)
-        self.egress_queue: list[list[int]] = [[] for _ in range(2 * ep)]
-        self.ingress_waiting: list[deque[int]] = [deque() for _ in range(2 * ep)]
-        self.waits_for: list[set[int]] = [set() for _ in range(2 * ep)]
-        self.link_start, self.link_end = [0.0] * graph.num_tasks, [0.0] * graph.num_tasks
-
-    def issue(self, i: int, now: float) -> None:
-        """Put ``i`` joins its rank's egress queue."""
-        self.egress_queue[self.src[i]].append(i)
-        self.serve(self.src[i], now)
-
-    def done(self, i: int, now: float) -> None:
-        """Put ``i``'s transfer ended: free a lane of both ports, serve who waits for them."""
-        self.link_end[i] = now
-        heapq.heappush(self.heap, (now + self.latency[i], CODES * i + END))
-        s, d = self.src[i], self.dst[i]
-        self.egress_free[s] += 1
-        self.ingress_free[d] += 1
-        waiting = self.ingress_waiting[d]
-        while waiting and self.ingress_free[d]:
-            r = waiting.popleft()
-            self.waits_for[r].discard(d)
-            self.serve(r, now)
-        self.serve(s, now)
-
-    def serve(self, r: int, now: float) -> None:
-        """While port ``r`` has a free egress lane, start its earliest-issued put whose
-        peer has a free ingress lane; queue ``r`` at the ingress ports the rest wait for."""
-        queue = self.egress_queue[r]
-        j = 0
-        while self.egress_free[r] and j < len(queue):
-            i = queue[j]
-            d = self.dst[i]
-            if not self.ingress_free[d]:
-                j += 1
-                continue
-            del queue[j]
-            self.egress_free[r] -= 1
-            self.ingress_free[d] -= 1
-            self.link_start[i] = now
-            heapq.heappush(self.heap, (now + self.transfer[i], CODES * i + LINK_DONE))
-        if not self.egress_free[r]:
-            return
-        for i in queue:
-            d = self.dst[i]
-            if d not in self.waits_for[r]:
-                self.waits_for[r].add(d)
-                self.ingress_waiting[d].append(r)
-
-
-class _HbmShare:
-    """Processor sharing of each rank's HBM: every task with bytes left gets an equal
-    share of ``bandwidth``.  Per rank a virtual clock ``served`` counts the bytes each
-    active task has received; a task of B bytes that joined at ``served = s`` is done
-    at ``served = s + B``.  Finish events go on the caller's heap with code
-    ``-1 - (rank + ep * version)``; a newer version makes older events stale."""
-
-    def __init__(self, ep: int, bandwidth: float, heap: list[tuple[float, int]]):
-        self.ep, self.bw, self.heap = ep, bandwidth, heap
-        self.served, self.since = [0.0] * ep, [0.0] * ep
-        self.active: list[list[tuple[float, int]]] = [[] for _ in range(ep)]
-        self.version, self.busy = [0] * ep, [0.0] * ep
-
-    def advance(self, r: int, now: float) -> None:
-        n = len(self.active[r])
-        if n:
-            self.served[r] += (now - self.since[r]) * self.bw / n
-            self.busy[r] += now - self.since[r]
-        self.since[r] = now
-
-    def add(self, r: int, i: int, nbytes: float, now: float) -> None:
-        self.advance(r, now)
-        heapq.heappush(self.active[r], (self.served[r] + nbytes, i))
-        self.notify(r, now)
-
-    def notify(self, r: int, now: float) -> None:
-        self.version[r] += 1
-        active = self.active[r]
-        if active:
-            t = now + (active[0][0] - self.served[r]) * len(active) / self.bw
-            heapq.heappush(self.heap, (max(t, now), -1 - (r + self.ep * self.version[r])))
-
-    def finished(self, code: int, now: float) -> list[int]:
-        """Tasks whose bytes are all served at ``now`` (none for a stale event)."""
-        version, r = divmod(-1 - code, self.ep)
-        if version != self.version[r]:
-            return []
-        self.advance(r, now)
-        active = self.active[r]
-        # bytes left that the clock can no longer resolve count as served
-        limit = self.served[r] + max(1e-6, self.bw * max(now, 1e-9) * 1e-12 / max(len(active), 1))
-        done = []
-        while active and active[0][0] <= limit:
-            done.append(heapq.heappop(active)[1])
-        self.notify(r, now)
-        return done
-
-
 class _ReplayState:
     """Lists (not numpy scalars) for the hot loop; see the module docstring.
 
     The heap holds ``(time, CODES * task + code)``: a task's end, a put's issue to its
     egress queue, the end of a put's transfer, or the end of a task's floor; and the
-    HBM's finish events (negative codes, ``_HbmShare``).
+    HBM's finish events (negative codes, ``HbmShare``).
     """
 
     def __init__(self, schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None):
@@ -362,7 +229,7 @@ class _ReplayState:
         self.ops = memory.traffic.operand.tolist()
         self.size = memory.traffic.size.tolist()
         self.caches = [LruCache(memory.l2_bytes) for _ in range(g.ep)]
-        self.hbm = _HbmShare(g.ep, memory.bandwidth, self.heap)
+        self.hbm = HbmShare(g.ep, memory.bandwidth, self.heap)
         self.task_bytes = [0.0] * n
 
     def begin(self, q: int, now: float) -> None:
@@ -519,53 +386,6 @@ def _resource_bound(owner: np.ndarray, busy: np.ndarray, head: np.ndarray, tail:
     np.minimum.at(last, owner, tail)
     used = np.isfinite(first)
     return float((first + total + last)[used].max())
-
-
-def _level_groups(graph: TaskGraph) -> list[np.ndarray]:
-    """Task ids per completion level, first level first."""
-    level = task_levels(graph)
-    order = np.argsort(level, kind="stable")
-    cuts = np.searchsorted(level[order], np.arange(1, int(level.max(initial=-1)) + 1))
-    return np.split(order, cuts) if len(order) else []
-
-
-def _exact_events(graph: TaskGraph) -> np.ndarray:
-    """[events + 1] bool: the event needs every one of its signals (threshold == signal
-    count); chains are only followed through these, so the levels stay lower bounds.
-    The last entry (False) stands for "no event" (wait id -1)."""
-    total = np.bincount(graph.signals_global(), minlength=graph.num_events)
-    return np.append(graph.threshold == total, False)
-
-
-def top_levels(graph: TaskGraph, duration: np.ndarray) -> np.ndarray:
-    """[n] seconds: earliest start of each task with unlimited workers and no ports."""
-    wait, signals, exact = graph.wait_global(), graph.signals_global(), _exact_events(graph)
-    fire = np.zeros(graph.num_events + 1)  # the last entry: "no event", stays 0
-    top = np.zeros(graph.num_tasks)
-    for t in _level_groups(graph):
-        top[t] = fire[wait[t]]
-        ev = gather_csr(graph.sig_ptr, signals, t)
-        finish = np.repeat(top[t] + duration[t], graph.sig_ptr[t + 1] - graph.sig_ptr[t])
-        np.maximum.at(fire, ev[exact[ev]], finish[exact[ev]])
-    return top
-
-
-def bottom_levels(graph: TaskGraph, duration: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
-    """[n] seconds: duration + max(longest chain of any successor, ``extra``), i.e. the
-    longest chain from each task's start to the end of the graph."""
-    wait, signals, exact = graph.wait_global(), graph.signals_global(), _exact_events(graph)
-    extra = np.zeros(graph.num_tasks) if extra is None else extra
-    best = np.zeros(graph.num_events + 1)  # longest chain among each event's waiters
-    b = np.zeros(graph.num_tasks)
-    for t in reversed(_level_groups(graph)):
-        counts = graph.sig_ptr[t + 1] - graph.sig_ptr[t]
-        succ = np.zeros(len(t))
-        np.maximum.at(succ, np.repeat(np.arange(len(t)), counts), best[gather_csr(graph.sig_ptr, signals, t)])
-        b[t] = duration[t] + np.maximum(succ, extra[t])
-        w = wait[t]
-        keep = exact[w]
-        np.maximum.at(best, w[keep], b[t][keep])
-    return b
 
 
 def graph_bounds(graph: TaskGraph, hardware: HardwareModel) -> Bounds:
