@@ -77,6 +77,35 @@ def topk_sum(o: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
     return acc.to(dtype)
 
 
+def add_present(acc: torch.Tensor, term: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """acc [N, H] fp32 plus ``term`` [N, H] on the rows where ``present`` [N] bool;
+    other rows gain +0.0, which leaves every fp32 value (never -0.0 here) unchanged."""
+    return acc + torch.where(present[:, None], term, 0.0)
+
+
+def rank_partials_sum(o: torch.Tensor, w: torch.Tensor, rank_of_slot: torch.Tensor, ep: int,
+                      shared: torch.Tensor | None, dtype: torch.dtype,
+                      partial_dtype: torch.dtype) -> torch.Tensor:
+    """The combine of rank-deduplicated dispatch (``DispatchMode.PER_RANK``).
+
+    o: [N, k, H] expert outputs in slot order; w: [N, k] float32; rank_of_slot: [N, k]
+    int64 rank holding each slot's expert.  Each rank's partial is the fp32 sum of its
+    slots' ``w_j * o_j`` in slot order, cast to ``partial_dtype`` (the wire dtype); the
+    token's output is the fp32 sum of its partials in rank order, shared expert last,
+    cast to ``dtype``.  Returns [N, H].
+    """
+    acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32)
+    for r in range(ep):
+        mine = rank_of_slot == r
+        part = torch.zeros_like(acc)
+        for j in range(o.shape[1]):
+            part = add_present(part, w[:, j:j + 1] * o[:, j].float(), mine[:, j])
+        acc = add_present(acc, part.to(partial_dtype).float(), mine.any(dim=1))
+    if shared is not None:
+        acc = acc + shared.float()
+    return acc.to(dtype)
+
+
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """pos with ``pos[order[i]] == i``; order: [M] int64 permutation of range(M)."""
     pos = torch.empty_like(order)
@@ -110,6 +139,25 @@ def dense_moe(x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torc
     ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2, spec.activation)
     o = ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
     return topk_sum(o, routing.weights, shared_ffn(x, weights), spec.dtype)
+
+
+def dense_moe_rank_partials(x: torch.Tensor, routing: Routing, weights: ExpertWeights, ep: int,
+                            partial_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`dense_moe` with the combine of rank-deduplicated dispatch over ``ep``
+    ranks (:func:`rank_partials_sum`): what ``DispatchMode.PER_RANK`` must reproduce.
+    With one rank and fp32 partials it equals :func:`dense_moe` bit for bit."""
+    spec = weights.spec
+    check_hidden(x, spec)
+    check_routing(routing, spec, x.shape[0])
+    local = _local_experts(spec, ep)
+    n, k = routing.ids.shape
+    flat = routing.ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=spec.experts)
+    ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2)
+    o = ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
+    return rank_partials_sum(o, routing.weights, routing.ids // local, ep, shared_ffn(x, weights),
+                             spec.dtype, partial_dtype)
 
 
 # ---------------------------------------------------------------------------- serialized EP

@@ -127,6 +127,19 @@ class ParallelSpec:
         return moe.experts // self.ep
 
 
+class DispatchMode(enum.Enum):
+    """What one dispatch row is.
+
+    PER_EXPERT: one row per (token, expert): a token with k experts travels k times.
+    PER_RANK: one row per (token, destination rank holding any of its experts); the
+      receiver copies it to its local experts and sums their weighted outputs into one
+      partial row per (token, rank), which is what the combine sends back.
+    """
+
+    PER_EXPERT = "per-expert"
+    PER_RANK = "per-rank"
+
+
 @dataclass(frozen=True)
 class TileSpec:
     """Tile sizes of the task graph.
@@ -137,12 +150,17 @@ class TileSpec:
     gemm_cols: output columns per GEMM tile.
     gemm_splits: when > 0, split every GEMM's output width into this many column
       tiles instead (the paper: one tile per matrix core), overriding gemm_cols.
+    dispatch: what a dispatch row is (``DispatchMode``).
+    partial_dtype: wire dtype of the per-rank partial sums under ``PER_RANK`` (fp32:
+      exact; bf16: half the combine bytes).
     """
 
     rows: int = 128
     gemm_rows: int = 128
     gemm_cols: int = 512
     gemm_splits: int = 0
+    dispatch: DispatchMode = DispatchMode.PER_EXPERT
+    partial_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         _check_positive("TileSpec", rows=self.rows, gemm_cols=self.gemm_cols)
@@ -150,6 +168,11 @@ class TileSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"TileSpec.{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.dispatch, DispatchMode):
+            raise TypeError(f"TileSpec.dispatch must be a DispatchMode, got {self.dispatch!r}")
+        if self.partial_dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"TileSpec.partial_dtype must be torch.float32 or torch.bfloat16, "
+                            f"got {self.partial_dtype}")
 
     def column_tile(self, width: int) -> int:
         """Columns per GEMM tile of a GEMM whose output is ``width`` wide."""

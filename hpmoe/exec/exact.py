@@ -21,9 +21,11 @@ import torch
 from ..ir.analysis import GraphError, random_order
 from ..ir.graph import TaskGraph
 from ..regions.base import Region
+from ..regions.dedup import make_dedup_layout
+from ..regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
-from ..spec import ParallelSpec, TileSpec
+from ..spec import DispatchMode, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .backend import Backend, as_backend
 from .program import PeerView, rank_program, task_calls
@@ -39,7 +41,7 @@ class ForwardResult:
     plan: the routing plan the region ran; graph: its task graph."""
 
     out: torch.Tensor
-    buffers: list[ForwardBuffers]
+    buffers: list[ForwardBuffers] | list[DedupBuffers]
     plan: RoutingPlan
     graph: TaskGraph
 
@@ -99,13 +101,19 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
     plan = plan_routing(routing.ids, spec, par)
-    graph = FORWARD.lower(plan, tiles, None)
+    region = FORWARD_DEDUP if tiles.dispatch is DispatchMode.PER_RANK else FORWARD
+    graph = region.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)
     xs = x.chunk(ep) if x.shape[0] else [x] * ep
-    buffers = [ForwardBuffers.allocate(xs[r], plan, r) for r in range(ep)]
-    contexts = [RankContext.build(weights, plan, routing, r) for r in range(ep)]
-    run_graph(graph, FORWARD, buffers, contexts, order)
+    if region is FORWARD_DEDUP:
+        d = make_dedup_layout(plan, tiles)
+        buffers = [DedupBuffers.allocate(xs[r], d, tiles, r) for r in range(ep)]
+        contexts = [DedupContext.build(weights, d, routing, r) for r in range(ep)]
+    else:
+        buffers = [ForwardBuffers.allocate(xs[r], plan, r) for r in range(ep)]
+        contexts = [RankContext.build(weights, plan, routing, r) for r in range(ep)]
+    run_graph(graph, region, buffers, contexts, order)
     return ForwardResult(out=torch.cat([b.out for b in buffers]), buffers=buffers, plan=plan, graph=graph)
 
 
@@ -119,6 +127,10 @@ def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: i
     if as_backend(backend) is Backend.TRITON:
         if order is not None:
             raise ValueError(f"order={order!r}: the triton backend runs a schedule, not a task order")
+        if tiles.dispatch is not DispatchMode.PER_EXPERT:
+            raise ValueError(f"tiles.dispatch={tiles.dispatch.value!r}: the triton backend has no device "
+                             "operations for EXPAND, PARTIAL_REDUCE and PARTIAL_SUM; use "
+                             "DispatchMode.PER_EXPERT or backend='exact'")
         from ..gpu.backend import triton_forward
         return triton_forward(x, weights, routing, ep, tiles).out
     return execute_forward(x, weights, routing, ep, tiles, order).out

@@ -59,6 +59,9 @@ class TaskKind(enum.IntEnum):
     SHARED_DGRAD_UP = 23
     SHARED_WGRAD_UP = 24
     SWIGLU_RECOMPUTE = 25  # backward: a[rows] recomputed from saved h[rows]
+    EXPAND = 26  # copy rows received once per (token, rank) to each local expert's rows
+    PARTIAL_REDUCE = 27  # part[row] = sum over the rank's experts of w_j * y_j, fp32, slot order
+    PARTIAL_SUM = 28  # out[tokens] = sum of the per-rank partials, rank order (+ shared)
 
 
 _MATRIX_KINDS = {TaskKind.GEMM_UP, TaskKind.GEMM_DOWN, TaskKind.SHARED_UP, TaskKind.SHARED_DOWN,

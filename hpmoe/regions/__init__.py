@@ -9,11 +9,13 @@ from .base import PutSpec, Region, RegionKind
 def region(kind: RegionKind) -> Region:
     """The ``Region`` of ``kind``."""
     from .backward_kernels import BACKWARD, BACKWARD_RECOMPUTE
+    from .dedup_kernels import FORWARD_DEDUP
     from .kernels import FORWARD
 
     if not isinstance(kind, RegionKind):
         raise TypeError(f"kind must be a RegionKind, got {kind!r}")
-    return {RegionKind.FORWARD: FORWARD, RegionKind.BACKWARD: BACKWARD,
+    return {RegionKind.FORWARD: FORWARD, RegionKind.FORWARD_DEDUP: FORWARD_DEDUP,
+            RegionKind.BACKWARD: BACKWARD,
             RegionKind.BACKWARD_RECOMPUTE: BACKWARD_RECOMPUTE}[kind]
 
 

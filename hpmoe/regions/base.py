@@ -28,6 +28,7 @@ class RegionKind(enum.Enum):
     """The regions of the MoE-FFN."""
 
     FORWARD = "forward"
+    FORWARD_DEDUP = "forward-dedup"  # one dispatch row per (token, rank), partials combined
     BACKWARD = "backward"  # reads the saved SwiGLU activations
     BACKWARD_RECOMPUTE = "backward-recompute"  # recomputes them from the saved pre-activations
 

@@ -1,0 +1,154 @@
+"""Kernels, buffers and the ``Region`` of the rank-deduplicated forward
+(``DispatchMode.PER_RANK``).  PERMUTE, the expert GEMMs, SwiGLU and the shared expert
+are the per-expert forward's kernels on same-named fields; EXPAND, PARTIAL_REDUCE and
+PARTIAL_SUM are new."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ..ir.graph import TaskKind, Tile
+from ..refs import add_present
+from ..routing import Routing, RoutingPlan
+from ..spec import TileSpec
+from ..weights import ExpertWeights
+from .base import PutSpec, Region, RegionKind, ShapeMap
+from .dedup import DedupLayout, lower_dedup, make_dedup_layout
+from .kernels import KERNELS
+
+
+@dataclass
+class DedupBuffers:
+    """One rank's buffers.  Symmetric: ``drecv`` [Rd, H] (one row per (source token,
+    this rank)) and ``pcomb`` [Sd, partial dtype] (one partial per (own token,
+    destination rank), in ``send``'s row order).  x, out, so [T, H]; send [Sd, H];
+    recv, y [R, H] per-expert rows; h [R, 2F]; a [R, F]; part [Rd, H] partial dtype;
+    sh [T, 2Fs]; sa [T, Fs]."""
+
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("drecv", "pcomb")
+
+    x: torch.Tensor
+    send: torch.Tensor
+    drecv: torch.Tensor
+    recv: torch.Tensor
+    h: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor
+    part: torch.Tensor
+    pcomb: torch.Tensor
+    out: torch.Tensor
+    sh: torch.Tensor
+    sa: torch.Tensor
+    so: torch.Tensor
+
+    @staticmethod
+    def allocate(x: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int) -> DedupBuffers:
+        plan = d.base.plan
+        moe = plan.moe
+        t, r, h, f, fs = x.shape[0], plan.recv_rows(rank), moe.hidden, moe.ffn, moe.shared_ffn
+        sd, rd = int(d.pairs.per_src[rank]), int(d.pairs.per_dst[rank])
+
+        def new(*shape: int, dtype: torch.dtype = moe.dtype) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype)
+
+        return DedupBuffers(x=x, send=new(sd, h), drecv=new(rd, h), recv=new(r, h), h=new(r, 2 * f),
+                            a=new(r, f), y=new(r, h), part=new(rd, h, dtype=tiles.partial_dtype),
+                            pcomb=new(sd, h, dtype=tiles.partial_dtype), out=new(t, h),
+                            sh=new(t, 2 * fs), sa=new(t, fs), so=new(t, h))
+
+
+@dataclass
+class DedupContext:
+    """Read-only data of one rank.  w13 [L, 2F, H], w2 [L, H, F]: its experts.
+    token_of_row [Sd]: token of each send row.  expand_ptr [Rd + 1], expand_src,
+    expand_dst: drecv row -> per-expert receive rows (CSR by drecv row).  slot_row
+    [Rd, k]: receive row of each top-k slot of each drecv row (-1: not on this rank),
+    slot_weight [Rd, k] float32 (0 there).  partial_row [T, k]: send/pcomb row of each
+    of a token's destination ranks, ascending rank (-1 past the last)."""
+
+    weights: ExpertWeights
+    w13: torch.Tensor
+    w2: torch.Tensor
+    token_of_row: torch.Tensor
+    expand_ptr: list[int]
+    expand_src: torch.Tensor
+    expand_dst: torch.Tensor
+    slot_row: torch.Tensor
+    slot_weight: torch.Tensor
+    partial_row: torch.Tensor
+
+    @staticmethod
+    def build(weights: ExpertWeights, d: DedupLayout, routing: Routing, rank: int) -> DedupContext:
+        plan, pairs = d.base.plan, d.pairs
+        local, tpr, k = plan.local_experts, plan.par.tokens_per_rank, plan.moe.top_k
+        experts = slice(rank * local, (rank + 1) * local)
+        sent = np.flatnonzero(pairs.src == rank)  # by (dst, token)
+        got = np.flatnonzero(pairs.dst == rank)
+        got = got[np.argsort(pairs.recv_row[got], kind="stable")]
+        slot_row = pairs.slot_row[got]
+        w = routing.weights.numpy()[pairs.src[got] * tpr + pairs.token[got]]
+        row, j = np.nonzero(slot_row >= 0)  # by drecv row, then slot
+        partial_row = np.full((tpr, k), -1, np.int64)
+        by_token = sent[np.lexsort((pairs.dst[sent], pairs.token[sent]))]
+        t = pairs.token[by_token]
+        col = np.arange(len(t)) - np.searchsorted(t, t, side="left")
+        partial_row[t, col] = pairs.send_row[by_token]
+        return DedupContext(
+            weights=weights, w13=weights.w13[experts], w2=weights.w2[experts],
+            token_of_row=torch.from_numpy(pairs.token[sent].copy()),
+            expand_ptr=np.searchsorted(row, np.arange(len(got) + 1)).tolist(),
+            expand_src=torch.from_numpy(row.copy()), expand_dst=torch.from_numpy(slot_row[row, j].copy()),
+            slot_row=torch.from_numpy(slot_row.copy()),
+            slot_weight=torch.from_numpy(np.where(slot_row >= 0, w, 0.0).astype(np.float32)),
+            partial_row=torch.from_numpy(partial_row))
+
+
+def _expand(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
+    lo, hi = ctx.expand_ptr[t.row0], ctx.expand_ptr[t.row1]
+    me.recv.index_copy_(0, ctx.expand_dst[lo:hi], me.drecv.index_select(0, ctx.expand_src[lo:hi]))
+
+
+def _partial_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
+    rows, w = ctx.slot_row[t.row0:t.row1], ctx.slot_weight[t.row0:t.row1]
+    acc = torch.zeros(t.row1 - t.row0, me.y.shape[1], dtype=torch.float32)
+    for j in range(rows.shape[1]):
+        present = rows[:, j] >= 0
+        acc = add_present(acc, w[:, j:j + 1] * me.y[rows[:, j].clamp(min=0)].float(), present)
+    me.part[t.row0:t.row1] = acc.to(me.part.dtype)
+
+
+def _partial_sum(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
+    rows = ctx.partial_row[t.row0:t.row1]
+    acc = torch.zeros(t.row1 - t.row0, me.out.shape[1], dtype=torch.float32)
+    if me.pcomb.shape[0]:
+        for j in range(rows.shape[1]):
+            acc = add_present(acc, me.pcomb[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
+    if ctx.weights.has_shared:
+        acc = acc + me.so[t.row0:t.row1].float()
+    me.out[t.row0:t.row1] = acc.to(me.out.dtype)
+
+
+DEDUP_KERNELS = {
+    **{k: KERNELS[k] for k in (TaskKind.PERMUTE, TaskKind.GEMM_UP, TaskKind.SWIGLU, TaskKind.GEMM_DOWN,
+                               TaskKind.SHARED_UP, TaskKind.SHARED_SWIGLU, TaskKind.SHARED_DOWN)},
+    TaskKind.EXPAND: _expand, TaskKind.PARTIAL_REDUCE: _partial_reduce, TaskKind.PARTIAL_SUM: _partial_sum,
+}
+
+
+def dedup_symmetric_shapes(plan: RoutingPlan, rank: int, tiles: TileSpec | None = None) -> ShapeMap:
+    """drecv [Rd, H] in the layer's dtype, pcomb [Sd, H] in the partial dtype."""
+    tiles = tiles or TileSpec()
+    d = make_dedup_layout(plan, tiles)
+    h = plan.moe.hidden
+    return {"drecv": ((int(d.pairs.per_dst[rank]), h), plan.moe.dtype),
+            "pcomb": ((int(d.pairs.per_src[rank]), h), tiles.partial_dtype)}
+
+
+FORWARD_DEDUP = Region(
+    kind=RegionKind.FORWARD_DEDUP, lower=lower_dedup, kernels=DEDUP_KERNELS,
+    puts={TaskKind.DISPATCH: PutSpec(src="send", dst="drecv"), TaskKind.COMBINE: PutSpec(src="part", dst="pcomb")},
+    buffers=DedupBuffers, symmetric_shapes=dedup_symmetric_shapes)

@@ -1,0 +1,144 @@
+"""Rank-deduplicated dispatch and reduced combine (DispatchMode.PER_RANK) against
+the reference that sums in the same order and wire dtype."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import hpmoe
+from hpmoe import refs
+from hpmoe.exec.exact import execute_forward, run_graph
+from hpmoe.ir.graph import TaskKind
+from hpmoe.ir.verify import verify_graph
+from hpmoe.regions import RegionKind, region
+from hpmoe.regions.dedup import make_dedup_layout
+from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
+from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
+from hpmoe.schedule import SchedulePolicy, schedule, verify_schedule
+from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.simulate import simulate
+from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
+from hpmoe.weights import ExpertWeights
+
+from .helpers import TINY_TILES
+
+DEDUP = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
+BF16_WIRE = dataclasses.replace(DEDUP, partial_dtype=torch.bfloat16)
+
+
+def _inputs(dtype, ep, tokens, kind, seed=0):
+    spec = preset("tiny", dtype)
+    w = ExpertWeights.random(spec, seed)
+    x = torch.randn(ep * tokens, spec.hidden, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return x, w, synthetic_routing(kind, spec, ParallelSpec(ep, tokens), seed)
+
+
+@pytest.mark.parametrize("tiles", [DEDUP, BF16_WIRE], ids=["fp32-wire", "bf16-wire"])
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", [RoutingKind.ZIPF, RoutingKind.HOT, RoutingKind.EMPTY_RANK])
+def test_bitwise_equal_to_the_rank_partials_reference(tiles, ep, kind):
+    if kind is RoutingKind.EMPTY_RANK and ep == 1:
+        pytest.skip("one rank cannot be left empty")
+    x, w, r = _inputs(torch.bfloat16, ep, 5, kind)
+    res = execute_forward(x, w, r, ep, tiles)
+    verify_graph(res.graph)
+    assert torch.equal(res.out, refs.dense_moe_rank_partials(x, r, w, ep, tiles.partial_dtype))
+    torch.testing.assert_close(res.out, refs.dense_moe(x, r, w), atol=3e-2, rtol=3e-2)
+
+
+def test_one_rank_with_fp32_partials_is_the_dense_reference():
+    x, w, r = _inputs(torch.bfloat16, 1, 9, RoutingKind.ZIPF)
+    assert torch.equal(hpmoe.moe_forward(x, w, r, ep=1, tiles=DEDUP), refs.dense_moe(x, r, w))
+
+
+def test_fp32_layer_close_to_the_reference():
+    x, w, r = _inputs(torch.float32, 4, 6, RoutingKind.ZIPF, seed=2)
+    torch.testing.assert_close(hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP),
+                               refs.dense_moe_rank_partials(x, r, w, 4), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitwise_identical_across_random_valid_orders(dtype):
+    x, w, r = _inputs(dtype, 4, 7, RoutingKind.ZIPF, seed=5)
+    base = hpmoe.moe_forward(x, w, r, ep=4, tiles=BF16_WIRE)
+    for seed in range(12):
+        assert torch.equal(hpmoe.moe_forward(x, w, r, ep=4, tiles=BF16_WIRE, order=seed), base), seed
+
+
+@pytest.mark.parametrize("policy", list(SchedulePolicy))
+def test_every_policy_runs_in_its_simulated_order(policy):
+    """Each policy's schedule is deadlock-free, and its simulated start order, run by
+    the exact executor, gives the reference bits."""
+    ep = 4
+    x, w, r = _inputs(torch.bfloat16, ep, 6, RoutingKind.ZIPF, seed=3)
+    plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, 6))
+    sched = schedule(FORWARD_DEDUP.lower(plan, DEDUP, None), policy, hardware_preset("ascend-a3"))
+    verify_schedule(sched)
+    tl = simulate(sched, hardware_preset("ascend-a3")).timeline
+    order = np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
+    d = make_dedup_layout(plan, DEDUP)
+    xs = x.chunk(ep)
+    buffers = [DedupBuffers.allocate(xs[i], d, DEDUP, i) for i in range(ep)]
+    run_graph(sched.graph, FORWARD_DEDUP, buffers, [DedupContext.build(w, d, r, i) for i in range(ep)], order)
+    out = torch.cat([b.out for b in buffers])
+    assert torch.equal(out, refs.dense_moe_rank_partials(x, r, w, ep))
+
+
+def _link_bytes(graph, kind):
+    """[ep] bytes each rank's puts of ``kind`` send across ranks."""
+    mine = graph.kind == kind
+    return np.bincount(graph.rank[mine], weights=graph.link_bytes[mine], minlength=graph.ep)
+
+
+def test_hand_made_routing_link_bytes():
+    """tiny: 8 experts, top-2; at EP 4 rank r holds experts 2r, 2r+1."""
+    spec = preset("tiny", torch.bfloat16)
+    ids = torch.tensor([[2, 3],   # rank 0, token 0: both experts on rank 1 -> travels once
+                        [0, 7],   # rank 0, token 1: rank 0 itself (no link) and rank 3
+                        [0, 1],   # rank 1, token 0: both on rank 0 -> once
+                        [3, 2],   # rank 1, token 1: its own rank -> never on the link
+                        [4, 6], [5, 7], [6, 7], [1, 4]])
+    r = Routing(ids=ids, weights=torch.full((8, 2), 0.5))
+    plan = plan_routing(ids, spec, ParallelSpec(4, 2))
+    row = spec.hidden * 2
+    for tiles, wire in [(DEDUP, 4), (BF16_WIRE, 2)]:
+        g = FORWARD_DEDUP.lower(plan, tiles, None)
+        # rank 2: (4, 6) -> ranks 2, 3; (5, 7) -> 2, 3: two rows to rank 3.  rank 3: (6, 7) -> own;
+        # (1, 4) -> ranks 0, 2.
+        np.testing.assert_array_equal(_link_bytes(g, TaskKind.DISPATCH), np.array([2, 1, 2, 2]) * row)
+        np.testing.assert_array_equal(_link_bytes(g, TaskKind.COMBINE),
+                                      np.bincount([1, 3, 0, 3, 3, 0, 2], minlength=4) * spec.hidden * wire)
+    per_expert = region(RegionKind.FORWARD).lower(plan, TINY_TILES, None)
+    np.testing.assert_array_equal(_link_bytes(per_expert, TaskKind.DISPATCH), np.array([3, 2, 2, 2]) * row)
+    x = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(0)).to(spec.dtype)
+    w = ExpertWeights.random(spec, 0)
+    assert torch.equal(hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP), refs.dense_moe_rank_partials(x, r, w, 4))
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_link_bytes_are_the_distinct_remote_ranks_of_each_token(ep):
+    spec = preset("small", torch.bfloat16)
+    par = ParallelSpec(ep, 32)
+    ids = synthetic_routing(RoutingKind.ZIPF, spec, par, 7).ids
+    g = FORWARD_DEDUP.lower(plan_routing(ids, spec, par), TileSpec(dispatch=DispatchMode.PER_RANK), None)
+    dst = ids // (spec.experts // ep)
+    src = torch.arange(ep * 32)[:, None] // 32
+    remote = [len({int(d) for d in row if int(d) != int(s)}) for row, s in zip(dst, src[:, 0], strict=True)]
+    rows = np.bincount(src[:, 0].numpy(), weights=remote, minlength=ep)
+    np.testing.assert_array_equal(_link_bytes(g, TaskKind.DISPATCH), rows * spec.hidden * 2)
+    np.testing.assert_array_equal(g.link_bytes[g.kind == TaskKind.COMBINE].sum(), rows.sum() * spec.hidden * 4)
+
+
+def test_triton_backend_refuses_per_rank_dispatch():
+    x, w, r = _inputs(torch.bfloat16, 2, 4, RoutingKind.ZIPF)
+    with pytest.raises(ValueError, match="tiles.dispatch='per-rank'"):
+        hpmoe.moe_forward(x, w, r, ep=2, tiles=DEDUP, backend="triton")
+
+
+def test_bad_partial_dtype_is_named():
+    with pytest.raises(TypeError, match="TileSpec.partial_dtype"):
+        TileSpec(partial_dtype=torch.float16)
+    with pytest.raises(TypeError, match="TileSpec.dispatch"):
+        TileSpec(dispatch="per-rank")
