@@ -2,6 +2,7 @@
 the reference that sums in the same order and wire dtype."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import hpmoe
 from hpmoe import refs
+from hpmoe.cli import main
 from hpmoe.exec.exact import execute_forward, run_graph
 from hpmoe.ir.graph import TaskKind
 from hpmoe.ir.verify import verify_graph
@@ -114,7 +116,8 @@ def test_hand_made_routing_link_bytes():
     np.testing.assert_array_equal(_link_bytes(per_expert, TaskKind.DISPATCH), np.array([3, 2, 2, 2]) * row)
     x = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(0)).to(spec.dtype)
     w = ExpertWeights.random(spec, 0)
-    assert torch.equal(hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP), refs.dense_moe_rank_partials(x, r, w, 4))
+    out = hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP)
+    assert torch.equal(out, refs.dense_moe_rank_partials(x, r, w, 4))
 
 
 @pytest.mark.parametrize("ep", [2, 4, 8])
@@ -128,7 +131,8 @@ def test_link_bytes_are_the_distinct_remote_ranks_of_each_token(ep):
     remote = [len({int(d) for d in row if int(d) != int(s)}) for row, s in zip(dst, src[:, 0], strict=True)]
     rows = np.bincount(src[:, 0].numpy(), weights=remote, minlength=ep)
     np.testing.assert_array_equal(_link_bytes(g, TaskKind.DISPATCH), rows * spec.hidden * 2)
-    np.testing.assert_array_equal(g.link_bytes[g.kind == TaskKind.COMBINE].sum(), rows.sum() * spec.hidden * 4)
+    combine = g.link_bytes[g.kind == TaskKind.COMBINE].sum()
+    np.testing.assert_array_equal(combine, rows.sum() * spec.hidden * 4)
 
 
 def test_triton_backend_refuses_per_rank_dispatch():
@@ -142,3 +146,23 @@ def test_bad_partial_dtype_is_named():
         TileSpec(partial_dtype=torch.float16)
     with pytest.raises(TypeError, match="TileSpec.dispatch"):
         TileSpec(dispatch="per-rank")
+
+
+
+def test_cli_simulate_reports_link_bytes_per_rank_and_the_dedup_factor(capsys):
+    args = ["simulate", "--preset", "tiny", "--ep", "4", "--tokens", "16", "--routing", "zipf", "--json",
+            "--partial-dtype", "bf16"]
+    out = {}
+    for mode in DispatchMode:
+        assert main([*args, "--dispatch", mode.value]) == 0
+        out[mode] = json.loads(capsys.readouterr().out)
+    spec, par = preset("tiny", torch.bfloat16), ParallelSpec(4, 16)
+    plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, spec, par, 0).ids, spec, par)
+    tiles = TileSpec(dispatch=DispatchMode.PER_RANK, partial_dtype=torch.bfloat16)
+    g = FORWARD_DEDUP.lower(plan, tiles, None)
+    by_rank = _link_bytes(g, TaskKind.DISPATCH) + _link_bytes(g, TaskKind.COMBINE)
+    assert out[DispatchMode.PER_RANK]["link_bytes"] == by_rank.astype(int).tolist()
+    # bf16 partials: a deduplicated row costs what a per-expert row does, both ways.
+    ratio = sum(out[DispatchMode.PER_EXPERT]["link_bytes"]) / sum(out[DispatchMode.PER_RANK]["link_bytes"])
+    assert ratio > 1
+    assert out[DispatchMode.PER_RANK]["dedup_factor"] == pytest.approx(ratio, abs=1e-4)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..routing import RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
-from ..spec import PRESETS, MoESpec, ParallelSpec, TileSpec, preset
+from ..spec import PRESETS, DispatchMode, MoESpec, ParallelSpec, TileSpec, preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -28,6 +28,11 @@ def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) 
     p.add_argument("--tile-rows", type=int, default=128, help="rows per vector tile")
     p.add_argument("--gemm-rows", type=int, default=128, help="rows per GEMM tile (0: whole expert)")
     p.add_argument("--gemm-cols", type=int, default=512, help="columns per GEMM tile")
+    p.add_argument("--dispatch", default=DispatchMode.PER_EXPERT.value,
+                   choices=[m.value for m in DispatchMode],
+                   help="one dispatch row per (token, expert) or per (token, destination rank)")
+    p.add_argument("--partial-dtype", default="fp32", choices=sorted(DTYPES),
+                   help="wire dtype of the per-rank partial sums (--dispatch per-rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -49,7 +54,9 @@ def layer_from_args(args: argparse.Namespace) -> Layer:
     par.local_experts(moe)
     kind = RoutingKind(args.routing)
     routing = synthetic_routing(kind, moe, par, seed=args.seed)
-    tiles = TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols)
+    tiles = TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols,
+                     dispatch=DispatchMode(getattr(args, "dispatch", DispatchMode.PER_EXPERT.value)),
+                     partial_dtype=DTYPES[getattr(args, "partial_dtype", "fp32")])
     return Layer(moe=moe, par=par, tiles=tiles, routing=kind, plan=plan_routing(routing.ids, moe, par),
                  ranks_per_token=ranks_per_token(routing.ids, moe, par))
 

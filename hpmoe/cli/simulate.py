@@ -7,11 +7,15 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..ir.graph import TaskGraph
 from ..regions import RegionKind, region
+from ..regions.dedup import dedup_factor
 from ..schedule import Schedule, SchedulePolicy, paper_tiles, schedule
 from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset, override_fields, with_overrides
 from ..sim.simulate import Bounds, SimResult, simulate
+from ..spec import DispatchMode
 from .common import Layer, add_layer_args, emit, layer_from_args
 
 _US = 1e6
@@ -91,8 +95,10 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
     if args.paper_tiles:
         layer = replace(layer, tiles=paper_tiles(hardware))
     t0 = time.perf_counter()
-    kind = RegionKind.FORWARD
+    kind = RegionKind.FORWARD_DEDUP if layer.tiles.dispatch is DispatchMode.PER_RANK else RegionKind.FORWARD
     if args.backward:
+        if layer.tiles.dispatch is DispatchMode.PER_RANK:
+            raise ValueError("--dispatch per-rank: the backward region has per-expert dispatch only")
         kind = RegionKind.BACKWARD_RECOMPUTE if args.recompute else RegionKind.BACKWARD
     graph = region(kind).lower(layer.plan, layer.tiles, None)
     t1 = time.perf_counter()
@@ -122,6 +128,9 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
         "tiles": {"rows": tiles.rows, "gemm_rows": tiles.gemm_rows, "gemm_cols": tiles.gemm_cols},
         "nodes": sim.layer.par.nodes,
         "ranks_per_token": round(sim.layer.ranks_per_token, 4),
+        "dispatch": tiles.dispatch.value,
+        "link_bytes": link_bytes_per_rank(sim.graph),
+        "dedup_factor": round(dedup_factor(sim.layer.plan), 4),
         "tasks": int(sim.graph.num_tasks),
         "makespan_us": round(sim.result.makespan * _US, 3),
         "lower_bound_us": round(b.lower_bound * _US, 3),
@@ -131,6 +140,11 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
         "lower_s": round(sim.lower_s, 3), "schedule_s": round(sim.schedule_s, 3),
         "simulate_s": round(sim.simulate_s, 3),
     }
+
+
+def link_bytes_per_rank(graph: TaskGraph) -> list[int]:
+    """Bytes each rank's puts send to other ranks."""
+    return [int(b) for b in np.bincount(graph.rank, weights=graph.link_bytes, minlength=graph.ep)]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -141,6 +141,16 @@ def make_pairs(plan: RoutingPlan) -> Pairs:
                  recv_row=recv_row, slot_row=slot_row, per_src=per_src, per_dst=per_dst)
 
 
+def dedup_factor(plan: RoutingPlan) -> float:
+    """Rows crossing ranks with one row per (token, expert) over rows crossing with
+    one row per (token, destination rank); 1.0 when nothing crosses."""
+    src, _, dst, _ = slot_rows(plan)
+    pairs = make_pairs(plan)
+    remote = int((src != dst).sum())
+    dedup = int((pairs.src != pairs.dst).sum())
+    return remote / dedup if dedup else 1.0
+
+
 def make_pieces(pairs: Pairs, ep: int, rows: int) -> DedupPieces:
     cnt = np.bincount(pairs.src * ep + pairs.dst, minlength=ep * ep).reshape(ep, ep)
     seg, j = expand(ceil_div(cnt, rows).ravel())

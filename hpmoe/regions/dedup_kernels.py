@@ -150,5 +150,6 @@ def dedup_symmetric_shapes(plan: RoutingPlan, rank: int, tiles: TileSpec | None 
 
 FORWARD_DEDUP = Region(
     kind=RegionKind.FORWARD_DEDUP, lower=lower_dedup, kernels=DEDUP_KERNELS,
-    puts={TaskKind.DISPATCH: PutSpec(src="send", dst="drecv"), TaskKind.COMBINE: PutSpec(src="part", dst="pcomb")},
+    puts={TaskKind.DISPATCH: PutSpec(src="send", dst="drecv"),
+          TaskKind.COMBINE: PutSpec(src="part", dst="pcomb")},
     buffers=DedupBuffers, symmetric_shapes=dedup_symmetric_shapes)
