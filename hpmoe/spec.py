@@ -179,6 +179,13 @@ class TileSpec:
         return -(-width // self.gemm_splits) if self.gemm_splits else self.gemm_cols
 
 
+def require_per_expert(tiles: TileSpec, what: str) -> None:
+    """ValueError unless ``tiles`` dispatch one row per (token, expert), the only mode ``what`` runs."""
+    if tiles.dispatch is not DispatchMode.PER_EXPERT:
+        raise ValueError(f"TileSpec.dispatch={tiles.dispatch.value!r}: {what} runs "
+                         f"DispatchMode.PER_EXPERT only")
+
+
 _DEEPSEEK_V3 = MoESpec(hidden=7168, ffn=2048, experts=256, top_k=8, shared_experts=1,
                        gate=GateKind.SIGMOID, groups=8, top_groups=4, routed_scaling=2.5,
                        norm_topk=True)

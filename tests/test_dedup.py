@@ -12,6 +12,7 @@ import hpmoe
 from hpmoe import refs
 from hpmoe.cli import main
 from hpmoe.exec.exact import execute_forward, run_graph
+from hpmoe.exec.exact_backward import moe_forward_backward
 from hpmoe.ir.graph import TaskKind
 from hpmoe.ir.verify import verify_graph
 from hpmoe.regions import RegionKind, region
@@ -137,7 +138,7 @@ def test_link_bytes_are_the_distinct_remote_ranks_of_each_token(ep):
 
 def test_triton_backend_refuses_per_rank_dispatch():
     x, w, r = _inputs(torch.bfloat16, 2, 4, RoutingKind.ZIPF)
-    with pytest.raises(ValueError, match="tiles.dispatch='per-rank'"):
+    with pytest.raises(ValueError, match="TileSpec.dispatch=.per-rank.: the triton backend"):
         hpmoe.moe_forward(x, w, r, ep=2, tiles=DEDUP, backend="triton")
 
 
@@ -166,3 +167,9 @@ def test_cli_simulate_reports_link_bytes_per_rank_and_the_dedup_factor(capsys):
     ratio = sum(out[DispatchMode.PER_EXPERT]["link_bytes"]) / sum(out[DispatchMode.PER_RANK]["link_bytes"])
     assert ratio > 1
     assert out[DispatchMode.PER_RANK]["dedup_factor"] == pytest.approx(ratio, abs=1e-4)
+
+
+def test_backward_refuses_per_rank_dispatch():
+    x, w, r = _inputs(torch.bfloat16, 2, 4, RoutingKind.ZIPF)
+    with pytest.raises(ValueError, match="the backward region runs DispatchMode.PER_EXPERT only"):
+        moe_forward_backward(x, w, r, torch.ones_like(x), ep=2, tiles=DEDUP)

@@ -25,12 +25,13 @@ from ..regions.dedup import make_dedup_layout
 from ..regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
-from ..spec import DispatchMode, ParallelSpec, TileSpec
+from ..spec import DispatchMode, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .backend import Backend, as_backend
 from .program import PeerView, rank_program, task_calls
 
 DEFAULT_TILES = TileSpec()
+_TRITON = "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, PARTIAL_SUM)"
 Order = Sequence[int] | np.ndarray | int | None
 
 
@@ -127,10 +128,7 @@ def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: i
     if as_backend(backend) is Backend.TRITON:
         if order is not None:
             raise ValueError(f"order={order!r}: the triton backend runs a schedule, not a task order")
-        if tiles.dispatch is not DispatchMode.PER_EXPERT:
-            raise ValueError(f"tiles.dispatch={tiles.dispatch.value!r}: the triton backend has no device "
-                             "operations for EXPAND, PARTIAL_REDUCE and PARTIAL_SUM; use "
-                             "DispatchMode.PER_EXPERT or backend='exact'")
+        require_per_expert(tiles, _TRITON)
         from ..gpu.backend import triton_forward
         return triton_forward(x, weights, routing, ep, tiles).out
     return execute_forward(x, weights, routing, ep, tiles, order).out

@@ -23,7 +23,7 @@ from ..regions.backward_kernels import (
     SavedActivations,
 )
 from ..routing import Routing, RoutingPlan
-from ..spec import TileSpec
+from ..spec import TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .exact import DEFAULT_TILES, Order, execute_forward, run_graph
 
@@ -65,6 +65,7 @@ def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan, dy: t
     dy: [N, H] spec.dtype output gradient; topk_weights: [N, k] float32.
     ``order``: task ids, an int seed for a random valid order, or None (task-id order)."""
     ep = plan.par.ep
+    require_per_expert(tiles, "the backward region")
     if len(saved) != ep:
         raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
     _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
@@ -137,6 +138,7 @@ def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routi
     """Forward then backward of the MoE region over ``ep`` virtual ranks.
 
     x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]."""
+    require_per_expert(tiles, "the backward region")
     fwd = execute_forward(x, weights, routing, ep, tiles, forward_order)
     saved = [SavedActivations.from_forward(b, recompute) for b in fwd.buffers]
     bwd = execute_backward(saved, fwd.plan, dy, weights, routing.weights, tiles, recompute, backward_order)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..spec import require_per_expert
 from .buffers import Arena, BufferSpace, buffer_space
 from .core import (
     DEFAULT_TILES,
@@ -163,6 +164,8 @@ def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep
     check_routing(routing, spec, x.shape[0])
     if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
+    require_per_expert(tiles, "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, "
+                              "PARTIAL_SUM)")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
     plan = plan_routing(routing.ids.cpu(), spec, par)
     arena = forward_arena(x, weights, routing, plan, buffer_space(plan))

@@ -25,7 +25,7 @@ from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing
 from ..schedule.base import Schedule, SchedulePolicy
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import MoESpec, ParallelSpec, TileSpec
+from ..spec import MoESpec, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .faults import Fault
 from .plan import exchange_tile_counts, plan_from_tile_counts
@@ -82,6 +82,7 @@ class ForwardRunner:
     def __init__(self, session: Session, weights: ExpertWeights, options: ForwardOptions | None = None):
         self.session, self.weights = session, weights
         self.options = options or ForwardOptions()
+        require_per_expert(self.options.tiles, "the multi-rank runtime")
         self._cache: dict[bytes, Schedule] = {}
 
     def __call__(self, x: torch.Tensor, routing: Routing, fault: Fault | None = None) -> ForwardOutput:
