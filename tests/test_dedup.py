@@ -13,10 +13,11 @@ from hpmoe import refs
 from hpmoe.cli import main
 from hpmoe.exec.exact import execute_forward, run_graph
 from hpmoe.exec.exact_backward import moe_forward_backward
-from hpmoe.ir.graph import TaskKind
+from hpmoe.exec.program import rank_subgraph
+from hpmoe.ir.graph import TaskKind, task_columns
 from hpmoe.ir.verify import verify_graph
 from hpmoe.regions import RegionKind, region
-from hpmoe.regions.dedup import make_dedup_layout
+from hpmoe.regions.dedup import dedup_factor, make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, schedule, verify_schedule
@@ -115,6 +116,7 @@ def test_hand_made_routing_link_bytes():
                                       np.bincount([1, 3, 0, 3, 3, 0, 2], minlength=4) * spec.hidden * wire)
     per_expert = region(RegionKind.FORWARD).lower(plan, TINY_TILES, None)
     np.testing.assert_array_equal(_link_bytes(per_expert, TaskKind.DISPATCH), np.array([3, 2, 2, 2]) * row)
+    assert dedup_factor(plan) == 9 / 7
     x = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(0)).to(spec.dtype)
     w = ExpertWeights.random(spec, 0)
     out = hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP)
@@ -173,3 +175,14 @@ def test_backward_refuses_per_rank_dispatch():
     x, w, r = _inputs(torch.bfloat16, 2, 4, RoutingKind.ZIPF)
     with pytest.raises(ValueError, match="the backward region runs DispatchMode.PER_EXPERT only"):
         moe_forward_backward(x, w, r, torch.ones_like(x), ep=2, tiles=DEDUP)
+
+
+def test_one_rank_lowering_is_that_rank_of_the_full_graph():
+    """What a rank lowers alone (as the runtime does) is its part of every rank's graph."""
+    moe, par = preset("tiny"), ParallelSpec(4, 9)
+    plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, moe, par, 3).ids, moe, par)
+    full = FORWARD_DEDUP.lower(plan, DEDUP, None)
+    for r in range(4):
+        (a, _), (b, _) = rank_subgraph(full, r), rank_subgraph(FORWARD_DEDUP.lower(plan, DEDUP, (r,)), r)
+        for col in [*task_columns(), "threshold", "sig_ptr", "sig_rank", "sig_event"]:
+            np.testing.assert_array_equal(getattr(a, col), getattr(b, col), err_msg=f"rank {r} {col}")
