@@ -45,6 +45,9 @@ from .tiles import (
     task_block,
 )
 
+PER_RANK_KINDS = frozenset({TaskKind.EXPAND, TaskKind.PARTIAL_REDUCE, TaskKind.PARTIAL_SUM})
+"""Task kinds only the per-rank forward has."""
+
 
 class DedupEvent(enum.IntEnum):
     """Event categories of a rank: ROWS, H, A one per GEMM block; LANDED, RED, PART
