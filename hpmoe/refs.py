@@ -128,6 +128,13 @@ def dense_moe(x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torc
     2. run each expert once on its segment (:func:`grouped_ffn`);
     3. unsort to [N, k, H] and combine with :func:`topk_sum`.
     """
+    o = expert_outputs(x, weights, routing)
+    return topk_sum(o, routing.weights, shared_ffn(x, weights), weights.spec.dtype)
+
+
+def expert_outputs(x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torch.Tensor:
+    """[N, k, H] spec.dtype: each token's expert outputs in top-k slot order (steps 1-3
+    of :func:`dense_moe`, before the combine)."""
     _check_order(weights, routing)
     spec = weights.spec
     check_hidden(x, spec)
@@ -137,27 +144,18 @@ def dense_moe(x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torc
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=spec.experts)
     ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2, spec.activation)
-    o = ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
-    return topk_sum(o, routing.weights, shared_ffn(x, weights), spec.dtype)
+    return ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
 
 
-def dense_moe_rank_partials(x: torch.Tensor, routing: Routing, weights: ExpertWeights, ep: int,
+def dense_moe_rank_partials(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
                             partial_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:func:`dense_moe` with the combine of rank-deduplicated dispatch over ``ep``
     ranks (:func:`rank_partials_sum`): what ``DispatchMode.PER_RANK`` must reproduce.
     With one rank and fp32 partials it equals :func:`dense_moe` bit for bit."""
-    spec = weights.spec
-    check_hidden(x, spec)
-    check_routing(routing, spec, x.shape[0])
-    local = _local_experts(spec, ep)
-    n, k = routing.ids.shape
-    flat = routing.ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=spec.experts)
-    ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2)
-    o = ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
+    o = expert_outputs(x, weights, routing)
+    local = _local_experts(weights.spec, ep)
     return rank_partials_sum(o, routing.weights, routing.ids // local, ep, shared_ffn(x, weights),
-                             spec.dtype, partial_dtype)
+                             weights.spec.dtype, partial_dtype)
 
 
 # ---------------------------------------------------------------------------- serialized EP

@@ -48,19 +48,19 @@ def test_bitwise_equal_to_the_rank_partials_reference(tiles, ep, kind):
     x, w, r = _inputs(torch.bfloat16, ep, 5, kind)
     res = execute_forward(x, w, r, ep, tiles)
     verify_graph(res.graph)
-    assert torch.equal(res.out, refs.dense_moe_rank_partials(x, r, w, ep, tiles.partial_dtype))
-    torch.testing.assert_close(res.out, refs.dense_moe(x, r, w), atol=3e-2, rtol=3e-2)
+    assert torch.equal(res.out, refs.dense_moe_rank_partials(x, w, r, ep, tiles.partial_dtype))
+    torch.testing.assert_close(res.out, refs.dense_moe(x, w, r), atol=3e-2, rtol=3e-2)
 
 
 def test_one_rank_with_fp32_partials_is_the_dense_reference():
     x, w, r = _inputs(torch.bfloat16, 1, 9, RoutingKind.ZIPF)
-    assert torch.equal(hpmoe.moe_forward(x, w, r, ep=1, tiles=DEDUP), refs.dense_moe(x, r, w))
+    assert torch.equal(hpmoe.moe_forward(x, w, r, ep=1, tiles=DEDUP), refs.dense_moe(x, w, r))
 
 
 def test_fp32_layer_close_to_the_reference():
     x, w, r = _inputs(torch.float32, 4, 6, RoutingKind.ZIPF, seed=2)
     torch.testing.assert_close(hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP),
-                               refs.dense_moe_rank_partials(x, r, w, 4), atol=1e-5, rtol=1e-5)
+                               refs.dense_moe_rank_partials(x, w, r, 4), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,7 +87,7 @@ def test_every_policy_runs_in_its_simulated_order(policy):
     buffers = [DedupBuffers.allocate(xs[i], d, DEDUP, i) for i in range(ep)]
     run_graph(sched.graph, FORWARD_DEDUP, buffers, [DedupContext.build(w, d, r, i) for i in range(ep)], order)
     out = torch.cat([b.out for b in buffers])
-    assert torch.equal(out, refs.dense_moe_rank_partials(x, r, w, ep))
+    assert torch.equal(out, refs.dense_moe_rank_partials(x, w, r, ep))
 
 
 def _link_bytes(graph, kind):
@@ -120,7 +120,7 @@ def test_hand_made_routing_link_bytes():
     x = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(0)).to(spec.dtype)
     w = ExpertWeights.random(spec, 0)
     out = hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP)
-    assert torch.equal(out, refs.dense_moe_rank_partials(x, r, w, 4))
+    assert torch.equal(out, refs.dense_moe_rank_partials(x, w, r, 4))
 
 
 @pytest.mark.parametrize("ep", [2, 4, 8])
