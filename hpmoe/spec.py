@@ -170,7 +170,7 @@ class TileSpec:
                 raise ValueError(f"TileSpec.{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.dispatch, DispatchMode):
             raise TypeError(f"TileSpec.dispatch must be a DispatchMode, got {self.dispatch!r}")
-        if self.partial_dtype not in SUPPORTED_DTYPES:
+        if self.partial_dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"TileSpec.partial_dtype must be torch.float32 or torch.bfloat16, "
                             f"got {self.partial_dtype}")
 
