@@ -13,7 +13,7 @@ import time
 
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
-from hpmoe.schedule import SchedulePolicy, schedule
+from hpmoe.schedule import QUEUE_POLICIES, schedule
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import ParallelSpec, TileSpec, preset
@@ -34,7 +34,7 @@ def main() -> None:
         for ep in args.eps:
             par = ParallelSpec(ep=ep, tokens_per_rank=args.tokens)
             plan = plan_routing(synthetic_routing(routing, moe, par, seed=0).ids, moe, par)
-            for policy in SchedulePolicy:
+            for policy in QUEUE_POLICIES:
                 t0 = time.perf_counter()
                 graph = lower_forward(plan, TileSpec())
                 t1 = time.perf_counter()

@@ -16,7 +16,7 @@ from hpmoe.ir.verify import verify_graph
 from hpmoe.regions.backward import BackwardEvent, lower_backward
 from hpmoe.regions.backward_kernels import BACKWARD, SavedActivations
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
-from hpmoe.schedule import SchedulePolicy, schedule, verify_schedule
+from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import GateKind, MoESpec, ParallelSpec, preset
@@ -154,7 +154,7 @@ def test_bad_lowering_arguments_are_refused():
         lower_backward(plan, TINY_TILES, recompute=1)
 
 
-@pytest.mark.parametrize("policy", list(SchedulePolicy))
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
 def test_every_scheduler_and_the_simulator_accept_the_backward_graph(policy):
     g = lower_backward(tiny_plan(RoutingKind.ZIPF, ep=2, tokens=16), TINY_TILES, recompute=True)
     hw = hardware_preset("ascend-a3")

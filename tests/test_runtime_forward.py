@@ -16,7 +16,7 @@ from hpmoe.refs import serialized_ep_forward
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.runtime import ForwardOptions, ForwardRunner, RuntimeConfig, Session, TransportKind
 from hpmoe.runtime.transport.segment import SHM_DIR
-from hpmoe.schedule import SchedulePolicy
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
 from hpmoe.sim.hardware import cpu_nominal
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 from hpmoe.testing import spawn_gloo
@@ -96,7 +96,7 @@ def _no_segments() -> list[str]:
 
 
 ALL_KINDS = [k.value for k in RoutingKind]
-ALL_POLICIES = [p.value for p in SchedulePolicy]
+ALL_POLICIES = [p.value for p in QUEUE_POLICIES]
 
 
 def test_two_ranks_every_transport_policy_and_routing_are_exact() -> None:

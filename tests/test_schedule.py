@@ -16,6 +16,7 @@ from hpmoe.ir.graph import IS_PUT, TaskKind
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.schedule import (
+    QUEUE_POLICIES,
     SchedulePolicy,
     WorkerCounts,
     critical_path_candidates,
@@ -34,7 +35,7 @@ from hpmoe.spec import MoESpec, TileSpec, preset
 from .handmade import UNIT_HW, US, build, by_hand, gemm, put, vec
 from .helpers import tiny_plan
 
-POLICIES = list(SchedulePolicy)
+POLICIES = list(QUEUE_POLICIES)
 
 
 def run(graph, policy, hw=UNIT_HW):

@@ -12,7 +12,7 @@ from hpmoe.ir.analysis import GraphError
 from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
-from hpmoe.schedule import SchedulePolicy, schedule
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy, schedule
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import Timeline, graph_bounds, simulate
 
@@ -112,7 +112,7 @@ def test_simulation_needs_every_rank():
         simulate(s.__class__(**{**s.__dict__, "graph": g}), UNIT_HW)
 
 
-@pytest.mark.parametrize("policy", list(SchedulePolicy))
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
 def test_lowered_graph_timeline_is_consistent(policy):
     g = lower_forward(tiny_plan(RoutingKind.ZIPF, ep=4, tokens=16), TINY_TILES)
     hw = hardware_preset("ascend-a3")

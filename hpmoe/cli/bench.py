@@ -27,7 +27,7 @@ from ..runtime.forensics import RegionError
 from ..runtime.session import JOB_ENV, RuntimeConfig
 from ..runtime.transport.base import TransportKind
 from ..runtime.transport.segment import SegmentError
-from ..schedule.base import SchedulePolicy, WorkerCounts
+from ..schedule.base import QUEUE_POLICIES, SchedulePolicy, WorkerCounts
 from ..sim.trace import write_gantt, write_trace
 from ..spec import TileSpec, preset
 from .common import DTYPES, add_layer_args, emit, require_plotting
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             action.help = "expert-parallel ranks (default: 2 launched here; WORLD_SIZE under torchrun)"
     p.add_argument("--transport", choices=[TransportKind.SHM.value, TransportKind.DIST.value], default=None,
                    help="shm (one host) or dist (torch.distributed p2p); default shm, dist with --link")
-    p.add_argument("--schedule", choices=["auto", *(s.value for s in SchedulePolicy)], default="auto",
+    p.add_argument("--schedule", choices=["auto", *(s.value for s in QUEUE_POLICIES)], default="auto",
                    help="taskflow schedule; auto: the cost model picks critical-path or hyperparallel "
                         "(their per-step scheduling time included)")
     p.add_argument("--link", default=None, metavar="RATE",

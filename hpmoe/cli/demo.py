@@ -12,7 +12,7 @@ from .. import refs
 from ..exec.exact import execute_forward
 from ..regions.forward import lower_forward
 from ..routing import RoutingKind, plan_routing, route, synthetic_routing
-from ..schedule import SchedulePolicy, paper_tiles, schedule
+from ..schedule import QUEUE_POLICIES, SchedulePolicy, paper_tiles, schedule
 from ..sim.hardware import hardware_preset
 from ..sim.simulate import simulate
 from ..sim.trace import write_gantt, write_trace
@@ -64,7 +64,7 @@ def simulated_a3(out: Path) -> None:
     graphs = {SchedulePolicy.HYPERPARALLEL: lower_forward(plan, paper_tiles(hw))}
     default = lower_forward(plan, TileSpec())
     spans = {}
-    for policy in SchedulePolicy:
+    for policy in QUEUE_POLICIES:
         result = simulate(schedule(graphs.get(policy, default), policy, hw), hw)
         spans[policy] = result.makespan
         if policy is SchedulePolicy.CRITICAL_PATH:

@@ -12,7 +12,7 @@ import numpy as np
 from ..ir.graph import TaskGraph
 from ..regions import RegionKind, region
 from ..regions.dedup import dedup_factor
-from ..schedule import Schedule, SchedulePolicy, paper_tiles, schedule
+from ..schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, paper_tiles, schedule
 from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset, override_fields, with_overrides
 from ..sim.simulate import Bounds, SimResult, simulate
 from ..spec import DispatchMode
@@ -34,7 +34,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="hardware model (cpu: the profile written by `hpmoe calibrate`)")
     add_set_arg(p)
     p.add_argument("--schedule", default=SchedulePolicy.CRITICAL_PATH.value,
-                   choices=[s.value for s in SchedulePolicy], help="scheduling policy")
+                   choices=[s.value for s in QUEUE_POLICIES], help="scheduling policy")
     p.add_argument("--backward", action="store_true", help="the backward region instead of the forward")
     p.add_argument("--recompute", action="store_true",
                    help="backward: recompute the SwiGLU activation instead of saving it")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..ir.graph import TaskGraph
 from ..sim.hardware import HardwareModel
-from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
+from .base import QUEUE_POLICIES, Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .critical_path import Candidate, critical_path_candidates, critical_path_schedule
 from .hyperparallel import hyperparallel_schedule, paper_tiles
 from .serial import serial_schedule
@@ -22,6 +22,9 @@ def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) 
     model and simulates its candidates."""
     if not isinstance(policy, SchedulePolicy):
         raise TypeError(f"policy must be a SchedulePolicy, got {policy!r}")
+    if policy is SchedulePolicy.AUTO:
+        raise ValueError("policy=AUTO chooses how a region runs (schedule.auto), not a queue order: "
+                         f"pass one of {[p.value for p in QUEUE_POLICIES]}")
     workers = WorkerCounts.from_hardware(hardware)
     if policy is SchedulePolicy.SERIAL:
         return serial_schedule(graph, workers)
@@ -30,6 +33,7 @@ def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) 
     return critical_path_schedule(graph, hardware)
 
 
-__all__ = ["Candidate", "Schedule", "SchedulePolicy", "WorkerCounts", "critical_path_candidates",
+__all__ = ["QUEUE_POLICIES", "Candidate", "Schedule", "SchedulePolicy", "WorkerCounts",
+           "critical_path_candidates",
            "critical_path_schedule", "hyperparallel_schedule", "paper_tiles",
            "schedule", "schedule_from_assignment", "serial_schedule", "verify_schedule"]

@@ -25,6 +25,10 @@ class SchedulePolicy(enum.Enum):
     SERIAL = "serial"  # kernel-by-kernel phases with barriers (the baseline)
     HYPERPARALLEL = "hyperparallel"  # the paper: round-robin in topological order
     CRITICAL_PATH = "critical-path"  # cost-model list scheduling (ours)
+    AUTO = "auto"  # not a queue order: schedule.auto forecasts every way to run and picks one
+
+
+QUEUE_POLICIES = (SchedulePolicy.SERIAL, SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH)
 
 
 @dataclass(frozen=True)

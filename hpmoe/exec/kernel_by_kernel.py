@@ -1,0 +1,411 @@
+"""The MoE region kernel by kernel, on the fastest kernels this CPU offers.
+
+No tiles and no overlap: each phase is one pass over all its rows, as the serialized
+baseline (``refs.serialized_ep_forward``) runs, but with grouped GEMMs per phase,
+buffers reused across steps (``Arena``), a SwiGLU backward that writes both halves of
+its gradient in place, and no zero-filling of weight gradients that the GEMMs write
+whole.  It is the path ``SchedulePolicy.AUTO`` falls back to when no taskflow pays.
+
+Forward, per rank (one process runs the whole batch as one rank, whatever virtual_ep):
+  1. permute: stable sort of the T*k (token, slot) rows by global expert, one gather;
+  2. dispatch (ep > 1): counts and rows over ``all_to_all_single``, then one gather
+     into expert-major order (expert, then source rank: global token order per expert);
+  3. experts: GEMM up per expert into one [M, 2F] buffer, SwiGLU, GEMM down;
+  4. combine (ep > 1): rows back over ``all_to_all_single``; then the fixed-order
+     weighted sum of ``refs.topk_sum`` (fp32, slot 0 first) plus the shared experts.
+Backward mirrors it: the routing-weight gradient and the scattered output gradient,
+dispatch, GEMMs (input and weight gradients), fused SwiGLU backward, combine, sum over
+slots in fp32 in slot order.
+
+The grouped GEMM is ``grouped_mm_into``: one whole-expert ``torch.mm`` per group into
+a slice of an arena buffer; it gives ``F.grouped_mm``'s bits (tested) and lets outputs
+live in the arena.  With the same GEMM shapes as ``refs.dense_moe`` the forward output
+is bitwise that of the reference in bf16.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..refs import inverse_permutation
+from ..routing import Routing, check_hidden, check_routing
+from ..spec import MoESpec
+from ..weights import ExpertWeights
+from .arena import Arena, ArenaPool
+from .exact_backward import Gradients
+
+Segments = list[tuple[int, int, int]]  # (local expert, first row, end row) of non-empty experts
+
+
+def segments(counts: list[int]) -> Segments:
+    """Non-empty row ranges of experts whose rows are contiguous, in expert order."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, start, start + n))
+        start += n
+    return out
+
+
+def grouped_mm_into(a: torch.Tensor, b: torch.Tensor, segs: Segments, out: torch.Tensor) -> torch.Tensor:
+    """out[s:t] = a[s:t] @ b[e] for each segment (e, s, t): the grouped GEMM
+    ``F.grouped_mm(a, b, offs=...)``, written into ``out``.  a: [M, K]; b: [G, K, N]
+    (any strides); out: [M, N].  Rows outside every segment are left as they are."""
+    for e, s, t in segs:
+        torch.mm(a[s:t], b[e], out=out[s:t])
+    return out
+
+
+# ---------------------------------------------------------------------------- experts
+
+
+def experts_forward(xs: torch.Tensor, segs: Segments, w13: torch.Tensor, w2: torch.Tensor,
+                    arena: Arena, tag: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H]:
+    h = xs @ w13[e]^T, a = silu(gate) * up, y = a @ w2[e]^T (as ``refs.expert_ffn``)."""
+    m, f, dtype = xs.shape[0], w2.shape[2], xs.dtype
+    h = grouped_mm_into(xs, w13.transpose(1, 2), segs, arena.take(tag + "h", (m, 2 * f), dtype))
+    a = arena.take(tag + "a", (m, f), dtype)
+    torch.ops.aten.silu.out(h[:, :f], out=a)
+    a.mul_(h[:, f:])
+    y = grouped_mm_into(a, w2.transpose(1, 2), segs, arena.take(tag + "y", (m, w2.shape[1]), dtype))
+    return h, a, y
+
+
+def swiglu_backward(da: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, arena: Arena, tag: str) -> None:
+    """dh [M, 2F] = d(silu(gate) * up) / d(gate, up) given da [M, F]: four passes, both
+    halves written in place (autograd's ops, without the concatenation)."""
+    f = da.shape[1]
+    gate, up = h[:, :f], h[:, f:]
+    tmp = arena.take(tag + "swiglu", tuple(da.shape), da.dtype)
+    torch.mul(da, up, out=tmp)
+    torch.ops.aten.silu_backward.grad_input(tmp, gate, grad_input=dh[:, :f])
+    torch.ops.aten.silu.out(gate, out=tmp)
+    torch.mul(da, tmp, out=dh[:, f:])
+
+
+@dataclass
+class ExpertGrads:
+    """Where ``experts_backward`` writes weight gradients: dw13 [E, 2F, H], dw2 [E, H, F],
+    local expert e at index ``first + e``."""
+
+    dw13: torch.Tensor
+    dw2: torch.Tensor
+    first: int = 0
+
+
+def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor, segs: Segments,
+                     w13: torch.Tensor, w2: torch.Tensor, grads: ExpertGrads, arena: Arena,
+                     tag: str) -> torch.Tensor:
+    """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the
+    weight gradients of every local expert into ``grads``."""
+    m, f = a.shape
+    da = grouped_mm_into(dy, w2, segs, arena.take(tag + "da", (m, f), dy.dtype))
+    _weight_grads(dy, a, segs, grads.dw2, grads.first, w2.shape[0])
+    dh = arena.take(tag + "dh", (m, 2 * f), dy.dtype)
+    swiglu_backward(da, h, dh, arena, tag)
+    _weight_grads(dh, xs, segs, grads.dw13, grads.first, w13.shape[0])
+    return grouped_mm_into(dh, w13, segs, arena.take(tag + "dxs", tuple(xs.shape), dy.dtype))
+
+
+def _weight_grads(dy: torch.Tensor, x: torch.Tensor, segs: Segments, out: torch.Tensor, first: int,
+                  local: int) -> None:
+    """out[first + e] = dy_e^T @ x_e for the ``local`` experts (zeros when e has no rows)."""
+    done = set()
+    for e, s, t in segs:
+        torch.mm(dy[s:t].t(), x[s:t], out=out[first + e])
+        done.add(e)
+    for e in range(local):
+        if e not in done:
+            out[first + e].zero_()
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """This rank's rows sorted by global expert (stable: token order within an expert).
+
+    order: [T*k] int64 flat index ``t*k + j`` of each sorted row; pos: [T, k] int64
+    sorted position of (t, j); send: [ep, L] int64 rows for local expert e of rank d."""
+
+    order: torch.Tensor
+    pos: torch.Tensor
+    send: torch.Tensor
+
+    @staticmethod
+    def of(ids: torch.Tensor, experts: int, ep: int) -> Permutation:
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        pos = inverse_permutation(order).view(ids.shape)
+        return Permutation(order, pos, torch.bincount(flat, minlength=experts).view(ep, experts // ep))
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The all-to-all of an EP group: send / recv [ep, L] int64 rows per (peer, local
+    expert); regroup: [R] int64, the dispatch-order row of each expert-major row;
+    unregroup: its inverse."""
+
+    group: Any
+    send: torch.Tensor
+    recv: torch.Tensor
+    regroup: torch.Tensor
+    unregroup: torch.Tensor
+
+    @staticmethod
+    def of(send: torch.Tensor, group: Any) -> Exchange:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=group)
+        ep, local = recv.shape
+        key = (torch.arange(local) * ep + torch.arange(ep)[:, None]).reshape(-1)  # [s, e] -> e*ep + s
+        regroup = torch.argsort(torch.repeat_interleave(key, recv.reshape(-1)), stable=True)
+        return Exchange(group, send, recv, regroup, inverse_permutation(regroup))
+
+    def dispatch(self, rows: torch.Tensor, arena: Arena, tag: str) -> torch.Tensor:
+        """rows [T*k, H] in sorted order -> [R, H] received rows, expert-major."""
+        got = arena.take(tag + "recv", (int(self.recv.sum()), rows.shape[1]), rows.dtype)
+        dist.all_to_all_single(got, rows, self.recv.sum(1).tolist(), self.send.sum(1).tolist(),
+                               group=self.group)
+        xs = arena.take(tag + "xs", tuple(got.shape), got.dtype)
+        return torch.index_select(got, 0, self.regroup, out=xs)
+
+    def combine(self, rows: torch.Tensor, arena: Arena, tag: str) -> torch.Tensor:
+        """rows [R, H] expert-major -> [T*k, H] this rank's rows back, in sorted order."""
+        out = torch.index_select(rows, 0, self.unregroup, out=arena.take(tag + "send", tuple(rows.shape),
+                                                                           rows.dtype))
+        back = arena.take(tag + "back", (int(self.send.sum()), rows.shape[1]), rows.dtype)
+        dist.all_to_all_single(back, out, self.send.sum(1).tolist(), self.recv.sum(1).tolist(),
+                               group=self.group)
+        return back
+
+    def local_rows(self) -> list[int]:
+        return self.recv.sum(0).tolist()
+
+
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+# ---------------------------------------------------------------------------- combine
+
+
+def weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
+                 arena: Arena) -> torch.Tensor:
+    """``refs.topk_sum`` of sorted rows [T*k, H]: out[t] = sum_j w[t, j] * rows[pos[t, j]]
+    in fp32, slot 0 first, shared [T, H] last; [T, H] in rows.dtype (a fresh tensor)."""
+    t, k = pos.shape
+    acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
+    tmp = arena.take("tmp", tuple(acc.shape), torch.float32)
+    picked = arena.take("picked", tuple(acc.shape), rows.dtype)
+    for j in range(k):
+        torch.index_select(rows, 0, pos[:, j], out=picked)
+        torch.mul(picked, w[:, j:j + 1], out=acc if j == 0 else tmp)
+        if j:
+            acc.add_(tmp)
+    if k == 0:
+        acc.zero_()
+    if shared is not None:
+        acc.add_(shared)
+    return acc.to(rows.dtype)
+
+
+def _accumulator(arena: Arena, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 sum buffer of a result in ``dtype``: from the arena unless the result
+    is fp32 itself (``Tensor.to`` would then return the arena's buffer to the caller)."""
+    if dtype == torch.float32:
+        return torch.empty(shape, dtype=torch.float32)
+    return arena.take("acc", shape, torch.float32)
+
+
+def weighted_sum_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
+                          arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``weighted_sum`` given g [T, H] fp32: (dw [T, k] fp32, drows
+    [T*k, H] rows.dtype in sorted order, arena)."""
+    t, k = pos.shape
+    dw = torch.empty(t, k, dtype=torch.float32)
+    tmp = arena.take("tmp", tuple(g.shape), torch.float32)
+    picked = arena.take("picked", tuple(g.shape), rows.dtype)
+    drows = arena.take("drows", tuple(rows.shape), rows.dtype)
+    for j in range(k):
+        torch.index_select(rows, 0, pos[:, j], out=picked)
+        torch.mul(picked, g, out=tmp)
+        torch.sum(tmp, 1, out=dw[:, j])
+        torch.mul(g, w[:, j:j + 1], out=tmp)
+        picked.copy_(tmp)
+        drows.index_copy_(0, pos[:, j], picked)
+    return dw, drows
+
+
+def slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None, arena: Arena) -> torch.Tensor:
+    """out[t] = sum_j rows[pos[t, j]] (+ extra[t]) in fp32, slot order; [T, H] rows.dtype."""
+    t, k = pos.shape
+    acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
+    picked = arena.take("picked", tuple(acc.shape), rows.dtype)
+    acc.zero_()
+    for j in range(k):
+        acc.add_(torch.index_select(rows, 0, pos[:, j], out=picked))
+    if extra is not None:
+        acc.add_(extra)
+    return acc.to(rows.dtype)
+
+
+# ---------------------------------------------------------------------------- region
+
+
+@dataclass
+class KernelByKernelState:
+    """What the backward needs from the forward: the permutation and exchange (None in
+    one process), the local experts' rows xs [M, H], h [M, 2F] and a [M, F], this
+    rank's expert outputs in sorted order y [T*k, H], the shared expert's h and a, the
+    inputs, and the arena that holds them (returned to ``pool`` after backward)."""
+
+    perm: Permutation
+    exchange: Exchange | None
+    segs: Segments
+    xs: torch.Tensor
+    h: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor
+    shared: tuple[torch.Tensor, torch.Tensor] | None
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    weights: ExpertWeights
+    arena: Arena
+    pool: ArenaPool | None
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.release(self.arena)
+            self.pool = None
+
+
+def _local_slice(weights: ExpertWeights, group: Any) -> slice:
+    ep = _group_size(group)
+    if weights.spec.experts % ep:
+        raise ValueError(f"EP group size {ep} does not divide MoESpec.experts={weights.spec.experts}")
+    local = weights.spec.experts // ep
+    rank = dist.get_rank(group) if group is not None else 0
+    return slice(rank * local, (rank + 1) * local)
+
+
+def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, group: Any = None,
+                pool: ArenaPool | None = None, save: bool = False
+                ) -> tuple[torch.Tensor, KernelByKernelState | None]:
+    """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
+    tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
+
+    group: the EP process group (None: one process, every expert here); every rank
+    calls collectively.  pool: where buffers come from (None: fresh ones)."""
+    spec = weights.spec
+    check_hidden(x, spec)
+    check_routing(routing, spec, x.shape[0])
+    arena = pool.acquire() if pool is not None else Arena()
+    mine, k = _local_slice(weights, group), spec.top_k
+    perm = Permutation.of(routing.ids, spec.experts, _group_size(group))
+    rows = torch.index_select(x, 0, perm.order // k, out=arena.take("rows", (perm.order.numel(), spec.hidden),
+                                                                     x.dtype))
+    exchange = Exchange.of(perm.send, group) if _group_size(group) > 1 else None
+    xs = exchange.dispatch(rows, arena, "d.") if exchange is not None else rows
+    segs = segments(exchange.local_rows() if exchange is not None else perm.send.reshape(-1).tolist())
+    h, a, y = experts_forward(xs, segs, weights.w13[mine], weights.w2[mine], arena, "e.")
+    y = exchange.combine(y, arena, "c.") if exchange is not None else y
+    shared = None
+    if weights.has_shared:
+        sseg = segments([x.shape[0]])
+        shared = experts_forward(x, sseg, weights.shared_w13[None], weights.shared_w2[None], arena, "s.")
+    out = weighted_sum(y, perm.pos, routing.weights, None if shared is None else shared[2], arena)
+    if not save:
+        if pool is not None:
+            pool.release(arena)
+        return out, None
+    state = KernelByKernelState(perm, exchange, segs, xs, h, a, y, None if shared is None else shared[:2], x,
+                                routing.weights, weights, arena, pool)
+    if pool is not None:
+        weakref.finalize(state, pool.release, arena)
+    return out, state
+
+
+def kbk_backward(state: KernelByKernelState, dout: torch.Tensor) -> Gradients:
+    """Gradients of ``kbk_forward`` given dout [T, H]: dx [T, H], dweights [T, k] fp32,
+    full-size dw13 [E, 2F, H] / dw2 [E, H, F] (this rank's experts; zeros for other
+    ranks' experts), this rank's shared-expert gradients.  Collective with a group."""
+    s, w, arena = state, state.weights, state.arena
+    group = s.exchange.group if s.exchange is not None else None
+    mine, dtype = _local_slice(w, group), w.spec.dtype
+    g = dout.to(torch.float32)
+    dweights, drows = weighted_sum_backward(g, s.y, s.perm.pos, s.topk_weights, arena)
+    dys = s.exchange.dispatch(drows, arena, "gd.") if s.exchange is not None else drows
+    grads = ExpertGrads(_weight_buffer(w.w13, mine), _weight_buffer(w.w2, mine), mine.start)
+    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, w.w13[mine], w.w2[mine], grads, arena, "e.")
+    dxs = s.exchange.combine(dxs, arena, "gc.") if s.exchange is not None else dxs
+    dsw13 = dsw2 = dx_shared = None
+    if s.shared is not None:
+        sg = ExpertGrads(torch.empty_like(w.shared_w13)[None], torch.empty_like(w.shared_w2)[None])
+        ds = dout.to(dtype).contiguous()
+        dx_shared = experts_backward(ds, s.x, *s.shared, segments([s.x.shape[0]]), w.shared_w13[None],
+                                     w.shared_w2[None], sg, arena, "s.")
+        dsw13, dsw2 = sg.dw13[0], sg.dw2[0]
+    dx = slot_sum(dxs, s.perm.pos, dx_shared, arena)
+    state.release()
+    return Gradients(dx=dx, dweights=dweights, dw13=grads.dw13, dw2=grads.dw2, dshared_w13=dsw13,
+                     dshared_w2=dsw2)
+
+
+def _weight_buffer(w: torch.Tensor, mine: slice) -> torch.Tensor:
+    """A full-size gradient of ``w`` [E, ...] whose rows outside ``mine`` are zero
+    (the local rows are written by the GEMMs)."""
+    out = torch.empty_like(w)
+    out[:mine.start].zero_()
+    out[mine.stop:].zero_()
+    return out
+
+
+# ---------------------------------------------------------------------------- autograd
+
+
+@dataclass(frozen=True)
+class KernelByKernelCall:
+    """Non-tensor inputs of one call: the layer's spec, ids [T, k] int64 global expert ids, router [E, H]
+    and router_bias [E] float32 (carried into ``ExpertWeights``), the EP group (None:
+    one process) and the layer's arena pool."""
+
+    spec: MoESpec
+    ids: torch.Tensor
+    router: torch.Tensor
+    router_bias: torch.Tensor
+    group: Any = None
+    pool: ArenaPool | None = None
+
+
+class KernelByKernelFunction(torch.autograd.Function):
+    """The kernel-by-kernel region as one autograd node; inputs as ``nn.layer.MoEFunction``:
+    x [T, H], topk weights [T, k] fp32, w13, w2, shared_w13 | None, shared_w2 | None, call."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
+                call: KernelByKernelCall) -> torch.Tensor:
+        spec_weights = ExpertWeights(call.spec, call.router, call.router_bias,
+                                     w13.detach(), w2.detach(), _detach(shared_w13), _detach(shared_w2))
+        save = any(ctx.needs_input_grad[:6])
+        out, ctx.state = kbk_forward(x.detach(), Routing(call.ids, topk_weights.detach()), spec_weights,
+                                     call.group, call.pool, save)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        state: KernelByKernelState = ctx.state
+        ctx.state = None
+        g = kbk_backward(state, dout.contiguous())
+        return g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2, None
+
+
+def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()

@@ -1,0 +1,74 @@
+"""Forecasts of a whole region on a ``HardwareModel``, for ``SchedulePolicy.AUTO``.
+
+- ``forecast_region``: a schedule's replay, but no less than its busiest rank's work
+  over the cores that rank owns (a CPU rank's matrix and vector workers share cores).
+- ``sequential_seconds``: a graph run task after task by one thread (the exact
+  executor in one process): the sum of every task's work.
+- ``kernel_by_kernel_tiles``: the tiling under which the task graph is the
+  kernel-by-kernel path itself (whole-expert GEMMs, one vector tile per phase), so
+  that path is forecast by the same cost model and simulator as every schedule.
+- ``runtime_hardware``: the calibrated profile adapted to the multi-rank runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from ..ir.graph import TaskGraph
+from ..routing import RoutingPlan
+from ..schedule.base import Schedule, WorkerCounts
+from ..spec import TileSpec
+from .cost import task_costs
+from .hardware import HardwareModel, LinkEntry
+from .simulate import SimResult, simulate
+
+
+def cores_per_rank(ep: int) -> float:
+    """Cores of this host each of ``ep`` local ranks gets (may be < 1)."""
+    return len(os.sched_getaffinity(0)) / ep
+
+
+def forecast_region(schedule: Schedule, hardware: HardwareModel) -> tuple[float, SimResult]:
+    """(seconds, replay) of a region: the simulator's makespan, but no less than the
+    busiest rank's total work over the cores it owns — on a CPU a rank's matrix and
+    vector workers share its cores, which the simulator's independent workers do not
+    model.  Rates in ``hardware`` already carry the share when ranks outnumber cores."""
+    sim = simulate(schedule, hardware)
+    g = schedule.graph
+    work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
+    return max(sim.makespan, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep))), sim
+
+
+def sequential_seconds(graph: TaskGraph, hardware: HardwareModel) -> float:
+    """Seconds for one thread to run every task of ``graph`` one after another."""
+    return float(task_costs(graph, hardware).work.sum())
+
+
+def kernel_by_kernel_tiles(plan: RoutingPlan) -> TileSpec:
+    """Tiles as large as the region: one vector tile per phase and rank, one GEMM per
+    expert and weight (the kernel-by-kernel path's kernels, as tasks)."""
+    moe, tpr = plan.moe, plan.par.tokens_per_rank
+    rows = max(1, tpr * moe.top_k, int(plan.recv_offsets[:, -1].max()))
+    return TileSpec(rows=rows, gemm_rows=0, gemm_cols=max(2 * moe.ffn, moe.hidden, 2 * moe.shared_ffn, 1))
+
+
+def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
+                     share: float, executor_overhead: float, ep: int) -> HardwareModel:
+    """The cost model of the runtime: the ``cpu`` profile with the runtime's worker
+    counts; compute rates scaled by ``share`` (the fraction of the calibrated rate a
+    rank gets while every rank computes); ``executor_overhead`` (s, the executor's own
+    cost per task) added to the per-task cost; and, when ``link`` is given as
+    (bytes/s, latency s), that link instead of the profile's."""
+    hw = dataclasses.replace(
+        profile, matrix_workers=workers.matrix, vector_workers=workers.vector,
+        matrix_flops_bf16=profile.matrix_flops_bf16 * share,
+        matrix_flops_fp32=profile.matrix_flops_fp32 * share, vector_flops=profile.vector_flops * share,
+        task_overhead=profile.task_overhead + executor_overhead)
+    if link is None:
+        return hw
+    bw, latency = link
+    return dataclasses.replace(hw, link=(LinkEntry(max(ep, 1), bw, bw),), link_latency=latency,
+                               notes=profile.notes + "; link measured over torch.distributed")

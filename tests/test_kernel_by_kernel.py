@@ -1,0 +1,119 @@
+"""The kernel-by-kernel path against refs.py and autograd, in one process and on ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpmoe.exec.arena import ArenaPool
+from hpmoe.exec.kernel_by_kernel import grouped_mm_into, kbk_backward, kbk_forward, segments
+from hpmoe.refs import dense_moe, serialized_ep_forward
+from hpmoe.routing import Routing, RoutingKind, synthetic_routing
+from hpmoe.spec import ParallelSpec, preset
+from hpmoe.testing import spawn_gloo
+from hpmoe.weights import ExpertWeights
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+
+
+def _inputs(dtype: torch.dtype, kind: RoutingKind, tokens: int, ep: int = 1, name: str = "tiny"):
+    spec = preset(name, dtype)
+    routing = synthetic_routing(kind, spec, ParallelSpec(ep, tokens), seed=3)
+    n = ep * tokens
+    # rows reveal their token: row t is (t + 1) / n plus a little noise
+    noise = torch.randn(n, spec.hidden, generator=torch.Generator().manual_seed(5))
+    x = ((torch.arange(n)[:, None] + 1.0) / n + 0.1 * noise).to(dtype)
+    return x, routing, ExpertWeights.random(spec, seed=4)
+
+
+def _autograd_grads(x, routing, weights, dy):
+    leaves = [x.clone().requires_grad_(), routing.weights.clone().requires_grad_(),
+              *(t.clone().requires_grad_() for t in (weights.w13, weights.w2, weights.shared_w13,
+                                                      weights.shared_w2))]
+    w = ExpertWeights(weights.spec, weights.router, weights.router_bias, *leaves[2:])
+    out = dense_moe(leaves[0], Routing(routing.ids, leaves[1]), w)
+    return torch.autograd.grad(out, leaves, dy)
+
+
+def test_grouped_gemm_into_gives_grouped_mm_bits() -> None:
+    a, b = torch.randn(11, 16).bfloat16(), torch.randn(3, 16, 24).bfloat16()
+    counts = [4, 0, 7]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out = grouped_mm_into(a, b, segments(counts), torch.empty(11, 24, dtype=torch.bfloat16))
+    assert torch.equal(out, F.grouped_mm(a, b, offs=offs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", [RoutingKind.ZIPF, RoutingKind.EMPTY_EXPERTS])
+def test_one_process_matches_the_reference_and_autograd(dtype: torch.dtype, kind: RoutingKind) -> None:
+    x, routing, w = _inputs(dtype, kind, tokens=24)
+    pool = ArenaPool()
+    out, state = kbk_forward(x, routing, w, pool=pool, save=True)
+    assert torch.equal(out, dense_moe(x, routing, w))  # same GEMM shapes, same combine order
+    dy = torch.randn_like(out)
+    g = kbk_backward(state, dy)
+    ref = _autograd_grads(x, routing, w, dy)
+    mine = (g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2)
+    for name, a, b in zip(("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2"), mine, ref,
+                          strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+    if kind is RoutingKind.EMPTY_EXPERTS:  # odd experts get no rows: exact zero gradients
+        assert not g.dw13[1::2].any() and not g.dw2[1::2].any()
+    assert len(pool) == 1  # the backward returned the arena
+
+
+def test_the_arena_is_reused_across_steps_and_not_while_activations_are_held() -> None:
+    x, routing, w = _inputs(torch.float32, RoutingKind.ZIPF, tokens=16)
+    pool = ArenaPool()
+    first, _ = kbk_forward(x, routing, w, pool=pool)
+    arena = pool.acquire()
+    pool.release(arena)
+    again, held = kbk_forward(x, routing, w, pool=pool, save=True)
+    assert held.arena is arena and len(pool) == 0
+    other, _ = kbk_forward(x * 2, routing, w, pool=pool)  # a second step while the first is held
+    assert len(pool) == 1 and pool.acquire() is not arena
+    assert torch.equal(first, again) and torch.equal(held.x, x)
+    kbk_backward(held, torch.ones_like(first))
+    assert len(pool) == 1
+
+
+def _ranks(rank: int, world: int, kind: RoutingKind) -> dict:
+    return {dtype: _rank(rank, world, dtype, kind) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def _rank(rank: int, world: int, dtype: torch.dtype, kind: RoutingKind) -> dict:
+    tokens = 12
+    x, routing, w = _inputs(dtype, kind, tokens, ep=world)
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    local = Routing(routing.ids[mine].contiguous(), routing.weights[mine].contiguous())
+    out, state = kbk_forward(x[mine].contiguous(), local, w, group=dist.group.WORLD, pool=ArenaPool(),
+                             save=True)
+    base = serialized_ep_forward(x[mine].contiguous(), local, w)
+    dy = ((torch.arange(world * tokens)[:, None] % 5 + 1.0) / 5 * torch.ones(1, w.spec.hidden)).to(dtype)
+    g = kbk_backward(state, dy[mine].contiguous())
+    grads = torch.cat([t.float().reshape(-1) for t in (g.dw13, g.dw2)])
+    dist.all_reduce(grads)  # expert gradients are complete on their owner, zero elsewhere
+    shared = torch.cat([g.dshared_w13.float().reshape(-1), g.dshared_w2.float().reshape(-1)])
+    dist.all_reduce(shared)
+    return {"equal_baseline": torch.equal(out, base.out), "out": out, "dx": g.dx, "dweights": g.dweights,
+            "experts": grads, "shared": shared, "x": x, "routing": routing, "w": w, "dy": dy}
+
+
+def test_two_ranks_match_the_serialized_baseline_and_autograd() -> None:
+    both = spawn_gloo(_ranks, 2, RoutingKind.EMPTY_RANK, timeout=120)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_ranks([r[dtype] for r in both], dtype)
+
+
+def _check_ranks(res: list[dict], dtype: torch.dtype) -> None:
+    assert all(r["equal_baseline"] for r in res)
+    r0 = res[0]
+    ref = _autograd_grads(r0["x"], r0["routing"], r0["w"], r0["dy"])
+    torch.testing.assert_close(torch.cat([r["dx"] for r in res]), ref[0], **TOL[dtype])
+    torch.testing.assert_close(torch.cat([r["dweights"] for r in res]), ref[1], **TOL[dtype])
+    experts = torch.cat([t.float().reshape(-1) for t in ref[2:4]])
+    torch.testing.assert_close(r0["experts"], experts, **TOL[dtype])
+    shared = torch.cat([t.float().reshape(-1) for t in ref[4:6]])
+    torch.testing.assert_close(r0["shared"], shared, **TOL[dtype])
