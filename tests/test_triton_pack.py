@@ -12,7 +12,7 @@ from hpmoe.gpu.pack import pack, pack_tasks
 from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.backward import lower_backward
 from hpmoe.regions.forward import lower_forward
-from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy, WorkerCounts, schedule
 from hpmoe.sim.hardware import hardware_preset
 
 from .helpers import TINY_TILES, tiny_plan
@@ -25,7 +25,7 @@ def plan():
     return tiny_plan(ep=2, tokens=8)
 
 
-@pytest.mark.parametrize("policy", list(SchedulePolicy))
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
 def test_pack_is_a_pure_function_of_the_schedule(plan, policy):
     s = schedule(lower_forward(plan, TINY_TILES), policy, HW)
     a, b = pack(s, buffer_space(plan)), pack(s, buffer_space(plan))

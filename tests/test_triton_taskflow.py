@@ -17,7 +17,7 @@ from hpmoe.gpu.runner import DeviceProgram  # noqa: E402
 from hpmoe.ir.analysis import GraphError  # noqa: E402
 from hpmoe.routing import RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.runtime.forensics import WorkerStatus  # noqa: E402
-from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule_from_assignment  # noqa: E402
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy, WorkerCounts, schedule_from_assignment  # noqa: E402
 from hpmoe.sim.trace import chrome_trace  # noqa: E402
 from hpmoe.spec import ParallelSpec, TileSpec, preset  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
@@ -37,7 +37,7 @@ def _inputs(dtype, ep, seed, kind=RoutingKind.ZIPF):
     return x, w, synthetic_routing(kind, spec, ParallelSpec(ep, TOKENS), seed), dy
 
 
-CASES = [(ep, policy, 10 * ep + i) for ep in (1, 2, 4) for i, policy in enumerate(SchedulePolicy)]
+CASES = [(ep, policy, 10 * ep + i) for ep in (1, 2, 4) for i, policy in enumerate(QUEUE_POLICIES)]
 
 
 @pytest.mark.parametrize("ep,policy,seed", CASES, ids=[f"ep{e}-{p.name}-seed{s}" for e, p, s in CASES])
