@@ -52,7 +52,7 @@ from hpmoe.gpu.calibrate import calibrate, calibrated_hardware
 from hpmoe.gpu.pack import pack_tasks
 from hpmoe.gpu.runner import DeviceProgram
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
-from hpmoe.schedule import SchedulePolicy
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.sim.trace import write_gantt, write_trace
@@ -225,7 +225,7 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         print(f"{name:>16} {region:>8} {variant:>32} {ms:9.3f} ms  {error}", flush=True)
 
     fwd_regions = {}
-    for policy in SchedulePolicy:
+    for policy in QUEUE_POLICIES:
         fwd = triton_forward(x, w, routing, ep, TILES, TritonOptions(policy=policy, stamps=True))
         bwd = triton_backward(fwd, dy)
         gf, gb = fwd.region.schedule.graph, bwd.region.schedule.graph

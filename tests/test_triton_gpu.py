@@ -20,7 +20,7 @@ from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # 
 from hpmoe.gpu.runner import DeviceProgram  # noqa: E402
 from hpmoe.routing import RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.runtime.forensics import RegionError, WorkerStatus  # noqa: E402
-from hpmoe.schedule import SchedulePolicy  # noqa: E402
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy  # noqa: E402
 from hpmoe.spec import GateKind, MoESpec, ParallelSpec, TileSpec  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
 
@@ -50,7 +50,7 @@ def _cuda(w: ExpertWeights, x, routing, dy):
 
 
 CASES = [(dtype, ep, policy) for dtype in (torch.float32, torch.bfloat16) for ep in (1, 2, 4, 8)
-         for policy in SchedulePolicy]
+         for policy in QUEUE_POLICIES]
 
 
 @pytest.mark.parametrize("dtype,ep,policy", CASES,
