@@ -33,7 +33,7 @@ def _autograd_grads(x, routing, weights, dy):
               *(t.clone().requires_grad_() for t in (weights.w13, weights.w2, weights.shared_w13,
                                                       weights.shared_w2))]
     w = ExpertWeights(weights.spec, weights.router, weights.router_bias, *leaves[2:])
-    out = dense_moe(leaves[0], Routing(routing.ids, leaves[1]), w)
+    out = dense_moe(leaves[0], w, Routing(routing.ids, leaves[1]))
     return torch.autograd.grad(out, leaves, dy)
 
 
@@ -51,7 +51,7 @@ def test_one_process_matches_the_reference_and_autograd(dtype: torch.dtype, kind
     x, routing, w = _inputs(dtype, kind, tokens=24)
     pool = ArenaPool()
     out, state = kbk_forward(x, routing, w, pool=pool, save=True)
-    assert torch.equal(out, dense_moe(x, routing, w))  # same GEMM shapes, same combine order
+    assert torch.equal(out, dense_moe(x, w, routing))  # same GEMM shapes, same combine order
     dy = torch.randn_like(out)
     g = kbk_backward(state, dy)
     ref = _autograd_grads(x, routing, w, dy)
@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, dtype: torch.dtype, kind: RoutingKind) -> dict:
     local = Routing(routing.ids[mine].contiguous(), routing.weights[mine].contiguous())
     out, state = kbk_forward(x[mine].contiguous(), local, w, group=dist.group.WORLD, pool=ArenaPool(),
                              save=True)
-    base = serialized_ep_forward(x[mine].contiguous(), local, w)
+    base = serialized_ep_forward(x[mine].contiguous(), w, local)
     dy = ((torch.arange(world * tokens)[:, None] % 5 + 1.0) / 5 * torch.ones(1, w.spec.hidden)).to(dtype)
     g = kbk_backward(state, dy[mine].contiguous())
     grads = torch.cat([t.float().reshape(-1) for t in (g.dw13, g.dw2)])
