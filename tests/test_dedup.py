@@ -20,7 +20,7 @@ from hpmoe.regions import RegionKind, region
 from hpmoe.regions.dedup import dedup_factor, make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
-from hpmoe.schedule import SchedulePolicy, schedule, verify_schedule
+from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
@@ -71,7 +71,7 @@ def test_bitwise_identical_across_random_valid_orders(dtype):
         assert torch.equal(hpmoe.moe_forward(x, w, r, ep=4, tiles=BF16_WIRE, order=seed), base), seed
 
 
-@pytest.mark.parametrize("policy", list(SchedulePolicy))
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
 def test_every_policy_runs_in_its_simulated_order(policy):
     """Each policy's schedule is deadlock-free, and its simulated start order, run by
     the exact executor, gives the reference bits."""
