@@ -9,8 +9,6 @@ times); nothing is fitted to the outcome.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +20,8 @@ import torch.distributed as dist
 from ..runtime.session import RuntimeConfig
 from ..runtime.transport.base import TransportKind
 from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
-from ..sim.cost import task_costs
-from ..sim.hardware import HardwareModel, LinkEntry, load_profile
-from ..sim.simulate import SimResult, simulate
+from ..sim.forecast import forecast_region, runtime_hardware
+from ..sim.hardware import HardwareModel, load_profile
 from .overhead import EmptyShape, seconds_per_task
 
 MIN_GAIN = 1.05  # predicted serial / taskflow below this: run the serialized baseline
@@ -120,25 +117,6 @@ def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.Pro
     return min(1.0, 2.0 * 128 * 512 * 512 / per_gemm / profile.matrix_flops(dtype))
 
 
-def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
-                     share: float, executor_overhead: float, ep: int) -> HardwareModel:
-    """The cost model of the runtime: the ``cpu`` profile with ``workers``; compute
-    rates scaled by ``share`` (``concurrent_share``);
-    ``executor_overhead`` (s, the executor's own cost per task) added to the
-    per-task cost; and, when ``link`` is given, the link measured over
-    torch.distributed (the profile's link is the shared-memory put)."""
-    hw = dataclasses.replace(
-        profile, matrix_workers=workers.matrix, vector_workers=workers.vector,
-        matrix_flops_bf16=profile.matrix_flops_bf16 * share,
-        matrix_flops_fp32=profile.matrix_flops_fp32 * share, vector_flops=profile.vector_flops * share,
-        task_overhead=profile.task_overhead + executor_overhead)
-    if link is None:
-        return hw
-    bw, latency = link
-    return dataclasses.replace(hw, link=(LinkEntry(max(ep, 1), bw, bw),), link_latency=latency,
-                               notes=profile.notes + "; link measured over torch.distributed")
-
-
 @dataclass(frozen=True)
 class Models:
     """runtime: the cost model of hpmoe's runtime on its transport.  baseline: the
@@ -210,22 +188,6 @@ class Decision:
     @property
     def fallback(self) -> bool:
         return self.gain < MIN_GAIN or self.vetoed
-
-
-def cores_per_rank(ep: int) -> float:
-    """Cores of this host each of ``ep`` local ranks gets (may be < 1)."""
-    return len(os.sched_getaffinity(0)) / ep
-
-
-def forecast_region(schedule: Schedule, hardware: HardwareModel) -> tuple[float, SimResult]:
-    """(seconds, replay) of a region: the simulator's makespan, but no less than the
-    busiest rank's total work over the cores it owns — on a CPU a rank's matrix and
-    vector workers share its cores, which the simulator's independent workers do not
-    model.  Rates in ``hardware`` already carry the share when ranks outnumber cores."""
-    sim = simulate(schedule, hardware)
-    g = schedule.graph
-    work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
-    return max(sim.makespan, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep))), sim
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from ..runtime.forward import ForwardOutput
 from ..schedule.base import SchedulePolicy
+from ..sim.forecast import forecast_region
 from ..sim.simulate import Timeline
-from .forecast import Decision, Models, forecast_region, slowest_rank
+from .forecast import Decision, Models, slowest_rank
 
 
 @dataclass(frozen=True)
