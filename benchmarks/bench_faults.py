@@ -17,8 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpmoe.launch.launcher import TMP_PREFIX, LaunchSpec, launch, sweep_stale_all
-from hpmoe.launch.netns import list_namespaces
+from hpmoe.launch.launcher import LaunchSpec, launch, left_by, sweep_stale_all
 from hpmoe.runtime.transport.heap import HeapNeed, SymmetricHeap
 from hpmoe.runtime.transport.segment import SHM_DIR, create_segment, new_token, segment_name, sweep
 
@@ -65,11 +64,6 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _left_by(pid: int) -> list[str]:
-    left = [str(x) for x in Path("/tmp").glob(f"{TMP_PREFIX}{pid}-*")]
-    return left + [n for n in (list_namespaces() if ROOT else []) if n.startswith(f"hpm-p{pid}-")]
-
-
 def signalled_launcher(sig: int, link: str | None) -> None:
     argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", *TINY, "--iters", "1000000"]
     p = subprocess.Popen(argv + (["--link", link] if link else []), stderr=subprocess.DEVNULL)
@@ -81,15 +75,15 @@ def signalled_launcher(sig: int, link: str | None) -> None:
     os.kill(p.pid, sig)
     clean = None
     while p.poll() is None or clean is None:
-        if clean is None and not any(os.path.exists(f"/proc/{r}") for r in ranks) and not _left_by(p.pid):
+        if clean is None and not any(os.path.exists(f"/proc/{r}") for r in ranks) and not left_by(p.pid):
             clean = time.monotonic() - t0
         if clean is None and p.poll() is not None:  # killed: what it left stays until the next start
-            clean = float("nan") if _left_by(p.pid) else time.monotonic() - t0
+            clean = float("nan") if left_by(p.pid) else time.monotonic() - t0
         time.sleep(0.005)
     while any(os.path.exists(f"/proc/{r}") for r in ranks):
         time.sleep(0.005)
     gone = time.monotonic() - t0
-    left = _left_by(p.pid)
+    left = left_by(p.pid)
     t1 = time.monotonic()
     swept = sweep_stale_all() if left else ()
     sweep_s = time.monotonic() - t1

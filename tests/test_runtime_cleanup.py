@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hpmoe.launch.launcher import TMP_PREFIX, sweep_stale_all
-from hpmoe.launch.netns import list_namespaces
+from hpmoe.launch.launcher import left_by, sweep_stale_all
 from hpmoe.runtime.transport.segment import SHM_DIR
 
 TINY = ["--preset", "tiny", "--tokens", "32", "--tile-rows", "8", "--gemm-rows", "8", "--gemm-cols", "16",
@@ -31,12 +30,6 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except FileNotFoundError:
         return []
-
-
-def _left_by(pid: int) -> list[str]:
-    """Launch directories and namespaces of launcher ``pid`` that still exist."""
-    dirs = [str(p) for p in Path("/tmp").glob(f"{TMP_PREFIX}{pid}-*")]
-    return dirs + [n for n in (list_namespaces() if ROOT else []) if n.startswith(f"hpm-p{pid}-")]
 
 
 def _running_bench(link: str | None) -> tuple[subprocess.Popen, list[int]]:
@@ -65,7 +58,7 @@ def test_a_signalled_launcher_stops_its_ranks_removes_everything_and_says_so_onc
                                                                                    link: str | None) -> None:
     segments = sorted(SHM_DIR.glob("hpmoe-*"))
     p, ranks = _running_bench(link)
-    assert _left_by(p.pid), "the launch directory exists while the job runs"
+    assert left_by(p.pid), "the launch directory exists while the job runs"
     os.kill(p.pid, sig)
     _, err = p.communicate(timeout=30)
     assert p.returncode == 128 + sig
@@ -74,7 +67,7 @@ def test_a_signalled_launcher_stops_its_ranks_removes_everything_and_says_so_onc
     assert lines[-1] == f"hpmoe bench: interrupted by {name}; ranks stopped, nothing left behind"
     assert all(x.startswith("hpmoe bench: iteration ") or x.startswith("hpmoe bench: warm-up ")
                for x in lines[:-1]), lines
-    assert _gone(ranks, 0.0) and _left_by(p.pid) == []
+    assert _gone(ranks, 0.0) and left_by(p.pid) == []
     assert sorted(SHM_DIR.glob("hpmoe-*")) == segments
 
 
@@ -84,10 +77,10 @@ def test_what_a_killed_launcher_leaves_is_swept_by_the_next_start() -> None:
     os.kill(p.pid, signal.SIGKILL)
     p.communicate(timeout=30)
     assert _gone(ranks), "ranks outlived their launcher (PR_SET_PDEATHSIG)"
-    left = _left_by(p.pid)
+    left = left_by(p.pid)
     assert left and (link is None or any(n.startswith("hpm-") for n in left))
     swept = sweep_stale_all()
-    assert _left_by(p.pid) == []
+    assert left_by(p.pid) == []
     assert all(any(name in s for s in swept) for name in left), (left, swept)
 
 

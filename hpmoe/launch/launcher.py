@@ -36,7 +36,15 @@ import torch.distributed as dist
 from ..runtime.session import JOB_ENV
 from ..runtime.transport.segment import new_token, pid_alive, sweep, sweep_stale
 from ..testing import free_port
-from .netns import IFNAME, LinkSpec, Topology, create_topology, delete_topology, sweep_stale_namespaces
+from .netns import (
+    IFNAME,
+    LinkSpec,
+    Topology,
+    create_topology,
+    delete_topology,
+    list_namespaces,
+    sweep_stale_namespaces,
+)
 
 _PR_SET_PDEATHSIG = 1
 _LINK_PORT = 29500
@@ -187,6 +195,13 @@ def sweep_stale_all() -> tuple[str, ...]:
             shutil.rmtree(path, ignore_errors=True)
             gone.append(str(path))
     return tuple(gone + [f"netns {n}" for n in sweep_stale_namespaces()])
+
+
+def left_by(pid: int) -> list[str]:
+    """Launch directories and network namespaces of launcher ``pid`` that still exist."""
+    dirs = [str(p) for p in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}{pid}-*")]
+    names = list_namespaces() if os.geteuid() == 0 and shutil.which("ip") else []
+    return dirs + [n for n in names if n.startswith(f"hpm-p{pid}-")]
 
 
 def rank_env(rank: int, world: int, job: str, master: tuple[str, int],
