@@ -63,7 +63,7 @@ def test_forward_and_backward_match_the_exact_executors(dtype, ep, policy):
     torch.testing.assert_close(fwd.out.cpu(), want.out, **TOL[dtype])
     grads = triton_backward(fwd, gdy)
     for name in GRADS:
-        torch.testing.assert_close(getattr(grads, name).cpu(), getattr(want.backward.grads, name),
+        torch.testing.assert_close(getattr(grads.grads, name).cpu(), getattr(want.backward.grads, name),
                                    **TOL[dtype], msg=name)
     assert fwd.info.launches == 1 and grads.info.launches == 1
 

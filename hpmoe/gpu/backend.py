@@ -23,6 +23,7 @@ from .buffers import Arena, BufferSpace, buffer_space
 from .core import (
     DEFAULT_TILES,
     ExpertWeights,
+    Gradients,
     HardwareModel,
     ParallelSpec,
     Routing,
@@ -179,14 +180,9 @@ def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep
 
 @dataclass
 class TritonGradients:
-    """The gradients (``exec.exact_backward.Gradients`` fields) and the backward run."""
+    """The gradients and the backward run."""
 
-    dx: torch.Tensor
-    dweights: torch.Tensor
-    dw13: torch.Tensor
-    dw2: torch.Tensor
-    dshared_w13: torch.Tensor | None
-    dshared_w2: torch.Tensor | None
+    grads: Gradients
     region: PreparedRegion
     info: RunInfo
 
@@ -217,9 +213,9 @@ def triton_backward(fwd: TritonForward, dy: torch.Tensor, recompute: bool = Fals
     idle = plan.counts.sum(dim=(0,)).reshape(-1) == 0  # [ep * L] experts without rows
     for name in ("dw13", "dw2"):
         out[name][idle.to(dy.device)] = 0
-    return TritonGradients(dx=out["dx"], dweights=out["dweights"], dw13=out["dw13"], dw2=out["dw2"],
-                           dshared_w13=_rank_sum(arena, "dsw13", w), dshared_w2=_rank_sum(arena, "dsw2", w),
-                           region=region, info=info)
+    grads = Gradients(dx=out["dx"], dweights=out["dweights"], dw13=out["dw13"], dw2=out["dw2"],
+                      dshared_w13=_rank_sum(arena, "dsw13", w), dshared_w2=_rank_sum(arena, "dsw2", w))
+    return TritonGradients(grads=grads, region=region, info=info)
 
 
 def _rank_sum(arena: Arena, name: str, weights: ExpertWeights) -> torch.Tensor | None:

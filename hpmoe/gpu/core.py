@@ -7,6 +7,7 @@ changes."""
 from __future__ import annotations
 
 from ..exec.exact import DEFAULT_TILES
+from ..exec.exact_backward import Gradients
 from ..ir.analysis import GraphError
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..regions.backward import lower_backward
@@ -21,7 +22,8 @@ from ..sim.simulate import Timeline
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 
-__all__ = ["DEFAULT_TILES", "IS_PUT", "ExpertWeights", "GraphError", "HangReport", "HardwareModel",
+__all__ = ["DEFAULT_TILES", "IS_PUT", "ExpertWeights", "Gradients", "GraphError", "HangReport",
+           "HardwareModel",
            "LinkEntry", "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan", "Schedule",
            "SchedulePolicy", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts",
            "WorkerReport", "WorkerStatus", "check_hidden", "check_routing", "gemm_dims", "hardware_preset",

@@ -514,7 +514,7 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
     opt = state.options
     if state.device is not None:
         from ..gpu.backend import triton_backward
-        return triton_backward(state.device, dy, opt.recompute)
+        return triton_backward(state.device, dy, opt.recompute).grads
     return execute_backward(state.saved, state.plan, dy, state.weights, state.topk_weights,
                             opt.tiles, opt.recompute, opt.schedule).grads
 
