@@ -142,15 +142,11 @@ def _rank_main(args: argparse.Namespace, config: BenchConfig) -> int:
     try:
         report = run_bench(config, group)
     except (RegionError, CollectiveError) as err:
-        print(str(err), file=sys.stderr, flush=True)
-        os._exit(1)  # pending gloo work of a failed region must not block the exit
+        _rank_exit(str(err))
     except SegmentError as err:
-        print(f"hpmoe runtime: rank {dist.get_rank()} stopped: {err}", file=sys.stderr, flush=True)
-        os._exit(1)  # pending gloo work of a failed region must not block the exit
+        _rank_exit(f"hpmoe runtime: rank {dist.get_rank()} stopped: {err}")
     except RuntimeError as err:  # a collective that failed because a peer died
-        print(f"hpmoe runtime: rank {dist.get_rank()} stopped: {type(err).__name__}: {err}",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+        _rank_exit(f"hpmoe runtime: rank {dist.get_rank()} stopped: {type(err).__name__}: {err}")
     if dist.get_rank() == 0:
         _print(args, config, report, world)
     dist.barrier()
@@ -214,3 +210,12 @@ def _write_traces(out: Path, report: BenchReport, args: argparse.Namespace) -> d
         files[f"{key}trace"] = str(write_trace(timeline, out / f"{prefix}trace.json"))
         files[f"{key}gantt"] = str(write_gantt(timeline, out / f"{prefix}gantt.png", title=title))
     return files
+
+
+def _rank_exit(message: str) -> None:
+    """Print ``message`` as one line in a single write (ranks share the launcher's
+    stderr, so a print's separate newline could interleave with a peer's line), then
+    exit at once: pending gloo work of a failed region must not block the exit."""
+    sys.stderr.flush()
+    os.write(2, (message + "\n").encode())
+    os._exit(1)
