@@ -17,10 +17,9 @@ from hpmoe.schedule.auto import (
     RoutingShape,
     auto_forecasts,
     decide,
-    no_model,
 )
 from hpmoe.schedule.base import SchedulePolicy
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.hardware import PROFILE_ENV, hardware_preset
 from hpmoe.spec import TileSpec, preset
 
 from .helpers import tiny_plan
@@ -84,12 +83,23 @@ def test_bad_forecasts_and_candidates_are_rejected() -> None:
         decide(_forecasts(0.1, 0.1, 0.1, 0.1), min_gain=0.9)
 
 
-def test_the_cache_keeps_one_decision_per_routing_shape() -> None:
-    cache, moe = DecisionCache(), preset("tiny")
+def test_the_cache_keeps_one_decision_per_shape_tiles_and_model() -> None:
+    cache, moe, hw, tiles = DecisionCache(), preset("tiny"), hardware_preset("h100"), TileSpec()
     a, b = RoutingShape(moe, 2, 8, False), RoutingShape(moe, 2, 8, True)
-    cache.put(a, no_model())
-    assert cache.get(a).reason is Reason.NO_MODEL and cache.get(b) is None
-    assert cache.get(RoutingShape(moe, 2, 8, False)) is cache.get(a) and len(cache) == 1
+    first = cache.decide(a, tiles, hw)
+    assert first.reason is not Reason.NO_MODEL and first.forecasts
+    assert cache.decide(RoutingShape(moe, 2, 8, False), tiles, hw) is first and len(cache) == 1
+    assert cache.decide(b, tiles, hw) is not first and len(cache) == 2
+    assert cache.decide(a, TileSpec(rows=8, gemm_rows=8, gemm_cols=16), hw) is not first
+    assert cache.decide(RoutingShape(moe, 2, 0, False), tiles, hw).reason is Reason.NO_TOKENS
+
+
+def test_without_a_saved_profile_the_fallback_runs_unforecast(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "none.json"))
+    d = DecisionCache().decide(RoutingShape(preset("tiny"), 2, 8, False), TileSpec(), None)
+    assert d.reason is Reason.NO_MODEL and d.chosen == KERNEL_BY_KERNEL and not d.forecasts
+    with pytest.raises(ValueError, match="ep=3"):
+        RoutingShape.one_process(preset("tiny"), 3, 16)
 
 
 def test_one_process_forecasts_favour_kernel_by_kernel_and_grow_with_backward() -> None:

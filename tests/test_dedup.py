@@ -2,6 +2,7 @@
 the reference that sums in the same order and wire dtype."""
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -20,7 +21,7 @@ from hpmoe.regions import RegionKind, region
 from hpmoe.regions.dedup import dedup_factor, make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
-from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy, schedule, verify_schedule
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
@@ -29,6 +30,7 @@ from hpmoe.weights import ExpertWeights
 from .helpers import TINY_TILES
 
 DEDUP = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
+_taskflow = functools.partial(hpmoe.moe_forward, policy=SchedulePolicy.SERIAL)  # the task graph, not AUTO
 BF16_WIRE = dataclasses.replace(DEDUP, partial_dtype=torch.bfloat16)
 
 
@@ -54,19 +56,19 @@ def test_bitwise_equal_to_the_rank_partials_reference(tiles, ep, kind):
 
 def test_one_rank_with_fp32_partials_is_the_dense_reference():
     x, w, r = _inputs(torch.bfloat16, 1, 9, RoutingKind.ZIPF)
-    assert torch.equal(hpmoe.moe_forward(x, w, r, ep=1, tiles=DEDUP), refs.dense_moe(x, w, r))
+    assert torch.equal(_taskflow(x, w, r, ep=1, tiles=DEDUP), refs.dense_moe(x, w, r))
 
 
 def test_fp32_layer_close_to_the_reference():
     x, w, r = _inputs(torch.float32, 4, 6, RoutingKind.ZIPF, seed=2)
-    torch.testing.assert_close(hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP),
+    torch.testing.assert_close(_taskflow(x, w, r, ep=4, tiles=DEDUP),
                                refs.dense_moe_rank_partials(x, w, r, 4), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bitwise_identical_across_random_valid_orders(dtype):
     x, w, r = _inputs(dtype, 4, 7, RoutingKind.ZIPF, seed=5)
-    base = hpmoe.moe_forward(x, w, r, ep=4, tiles=BF16_WIRE)
+    base = _taskflow(x, w, r, ep=4, tiles=BF16_WIRE)
     for seed in range(12):
         assert torch.equal(hpmoe.moe_forward(x, w, r, ep=4, tiles=BF16_WIRE, order=seed), base), seed
 
@@ -119,7 +121,7 @@ def test_hand_made_routing_link_bytes():
     assert dedup_factor(plan) == 9 / 7
     x = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(0)).to(spec.dtype)
     w = ExpertWeights.random(spec, 0)
-    out = hpmoe.moe_forward(x, w, r, ep=4, tiles=DEDUP)
+    out = _taskflow(x, w, r, ep=4, tiles=DEDUP)
     assert torch.equal(out, refs.dense_moe_rank_partials(x, w, r, 4))
 
 

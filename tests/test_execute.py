@@ -1,5 +1,7 @@
 """moe_forward (the tile task graph, run exactly) against the references."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -8,12 +10,14 @@ import hpmoe
 from hpmoe import refs
 from hpmoe.exec.exact import execute_forward
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
+from hpmoe.schedule import SchedulePolicy
 from hpmoe.spec import ParallelSpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
 from .helpers import TINY_TILES
 
+_taskflow = functools.partial(hpmoe.moe_forward, policy=SchedulePolicy.SERIAL)  # the task graph, not AUTO
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -31,7 +35,7 @@ def test_matches_dense_reference(dtype, ep, kind):
     if kind is RoutingKind.EMPTY_RANK and ep == 1:
         pytest.skip("one rank cannot be left empty")
     x, w, r = _inputs(dtype, ep, 5, kind)
-    y = hpmoe.moe_forward(x, w, r, ep=ep, tiles=TINY_TILES)
+    y = _taskflow(x, w, r, ep=ep, tiles=TINY_TILES)
     torch.testing.assert_close(y, refs.dense_moe(x, w, r), **TOL[dtype])
 
 
@@ -39,7 +43,7 @@ def test_single_token_and_one_token_per_rank():
     for ep, n in [(1, 1), (2, 2)]:
         x, w, _ = _inputs(torch.float32, ep, n // ep, RoutingKind.BALANCED)
         r = hpmoe.route(x, w)
-        torch.testing.assert_close(hpmoe.moe_forward(x, w, r, ep=ep, tiles=TINY_TILES),
+        torch.testing.assert_close(_taskflow(x, w, r, ep=ep, tiles=TINY_TILES),
                                    refs.dense_moe(x, w, r), **TOL[torch.float32])
 
 
@@ -48,14 +52,14 @@ def test_default_tiles_with_the_gate():
     w = ExpertWeights.random(spec, 3)
     x = torch.randn(64, spec.hidden, generator=torch.Generator().manual_seed(4))
     r = hpmoe.route(x, w)
-    torch.testing.assert_close(hpmoe.moe_forward(x, w, r, ep=4), refs.dense_moe(x, w, r),
+    torch.testing.assert_close(_taskflow(x, w, r, ep=4), refs.dense_moe(x, w, r),
                                **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bitwise_identical_across_random_valid_orders(dtype):
     x, w, r = _inputs(dtype, 4, 7, RoutingKind.ZIPF, seed=5)
-    base = hpmoe.moe_forward(x, w, r, ep=4, tiles=TINY_TILES)
+    base = _taskflow(x, w, r, ep=4, tiles=TINY_TILES)
     for seed in range(20):
         assert torch.equal(hpmoe.moe_forward(x, w, r, ep=4, tiles=TINY_TILES, order=seed), base), seed
 
@@ -106,7 +110,7 @@ def test_matches_transformers_blocks(make):
     with torch.no_grad():
         expected = block(x).view(8, -1)
         flat = x.view(8, -1)
-        got = hpmoe.moe_forward(flat, w, hpmoe.route(flat, w), ep=2, tiles=TINY_TILES)
+        got = _taskflow(flat, w, hpmoe.route(flat, w), ep=2, tiles=TINY_TILES)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -124,3 +128,13 @@ def test_bad_inputs_name_the_field():
         hpmoe.moe_forward(x[:6], w, Routing(r.ids[:6], r.weights[:6]), ep=3)
     with pytest.raises(ValueError, match="routing.ids has shape"):
         hpmoe.moe_forward(x, w, Routing(r.ids[:, :1], r.weights), ep=2)
+
+
+def test_auto_is_the_default_and_gives_the_reference_bits(monkeypatch, tmp_path):
+    monkeypatch.setenv("HPMOE_PROFILE", str(tmp_path / "none.json"))  # no model: kernel by kernel
+    x, w, r = _inputs(torch.bfloat16, 2, 6, RoutingKind.ZIPF)
+    assert torch.equal(hpmoe.moe_forward(x, w, r, ep=2), refs.dense_moe(x, w, r))
+    with pytest.raises(ValueError, match="AUTO or SERIAL"):
+        hpmoe.moe_forward(x, w, r, policy=SchedulePolicy.HYPERPARALLEL)
+    with pytest.raises(ValueError, match="ep=5 must be a positive int dividing the 12 tokens"):
+        hpmoe.moe_forward(x, w, r, ep=5)

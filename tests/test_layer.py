@@ -10,7 +10,8 @@ from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
-from hpmoe.sim.hardware import cpu_nominal
+from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
+from hpmoe.sim.hardware import cpu_nominal, hardware_preset
 from hpmoe.spec import Activation, GateKind, MoESpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
@@ -119,8 +120,8 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(dtype):
     spec = preset("tiny", dtype)
     w = ExpertWeights.random(spec, 2)
     x, dy = _data(spec, 24, seed=3)
-    base = _run(MoE(spec, w, virtual_ep=2, tiles=TINY_TILES), x, dy)
-    for options in [dict(recompute=True), dict(schedule=7), dict(schedule=8, recompute=True)]:
+    base = _run(MoE(spec, w, virtual_ep=2, tiles=TINY_TILES, schedule=None), x, dy)
+    for options in [dict(recompute=True, schedule=None), dict(schedule=7), dict(schedule=8, recompute=True)]:
         got = _run(MoE(spec, w, virtual_ep=2, tiles=TINY_TILES, **options), x, dy)
         assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), options
         assert all(torch.equal(got[2][n], base[2][n]) for n in base[2]), options
@@ -129,7 +130,7 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(dtype):
 def test_recompute_saves_the_swiglu_activations_memory():
     spec = preset("tiny")
     x, _ = _data(spec, 16)
-    kept, lean = (_saved_bytes(MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES)(x))
+    kept, lean = (_saved_bytes(MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES, schedule=None)(x))
                   for r in (False, True))
     rows = 16 * spec.top_k  # every routed row is held by exactly one rank
     assert kept - lean == (rows * spec.ffn + 16 * spec.shared_ffn) * 4
@@ -168,7 +169,7 @@ def test_bad_configuration_and_input_are_refused():
         MoE(spec, schedule=SchedulePolicy.SERIAL)
     with pytest.raises(ValueError, match="with an ep_group, schedule is a SchedulePolicy"):
         MoE(spec, ep_group=object(), schedule=3)
-    with pytest.raises(ValueError, match="runtime and hardware configure the runtime"):
+    with pytest.raises(ValueError, match="runtime configures the multi-rank runtime"):
         MoE(spec, runtime=RuntimeConfig())
 
 
@@ -191,7 +192,7 @@ def _rank_step(rank, world, groups, tokens, options):
 
 
 RUNS = {
-    "world-hyperparallel-shm": ([[0, 1]], {}),
+    "world-hyperparallel-shm": ([[0, 1]], dict(schedule=SchedulePolicy.HYPERPARALLEL)),
     "subgroups-serial-dist-recompute": ([[0, 2], [1, 3]], dict(
         schedule=SchedulePolicy.SERIAL, recompute=True,
         runtime=RuntimeConfig(transport=TransportKind.DIST), hardware=cpu_nominal(2, 2))),
@@ -205,7 +206,8 @@ def test_distributed_ranks_on_the_runtime_equal_virtual_ranks(run):
     results = spawn_gloo(_rank_step, world, groups, 6, options, timeout=120)
     spec = preset("tiny")
     for group in groups:
-        virtual = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=len(group), tiles=TINY_TILES)
+        virtual = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=len(group), tiles=TINY_TILES,
+                      schedule=None)
         x, dy = _data(spec, 6 * len(group))
         want = _run(virtual, x.reshape(len(group), -1, spec.hidden), dy.reshape(len(group), -1, spec.hidden))
         assert torch.equal(torch.stack([results[r][0] for r in group]), want[0])
@@ -243,3 +245,67 @@ def test_distributed_ranks_may_hold_any_token_count(counts):
     torch.testing.assert_close(torch.cat([results[r][1] for r in (0, 1)]), want[1], **TOL[torch.float32])
     for name, grad in want[2].items():
         torch.testing.assert_close(results[0][2][name] + results[1][2][name], grad, **TOL[torch.float32])
+
+
+# ---------------------------------------------------------------------------- AUTO
+
+
+def test_auto_runs_kernel_by_kernel_without_a_profile_and_caches_per_shape(monkeypatch, tmp_path):
+    monkeypatch.setenv("HPMOE_PROFILE", str(tmp_path / "none.json"))
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2)
+    x, dy = _data(spec, 16)
+    _run(layer, x, dy)
+    with torch.no_grad():
+        layer(x)
+    d = layer.decision(16)
+    assert d.reason is Reason.NO_MODEL and d.chosen.path is Path.KERNEL_BY_KERNEL
+    assert len(layer._decisions) == 2  # forward+backward and forward-only shapes
+
+
+def test_auto_forecasts_on_a_given_model_and_runs_its_choice():
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES,
+                hardware=hardware_preset("h100"))
+    x, dy = _data(spec, 16)
+    got = _run(layer, x, dy)
+    d = layer.decision(16)
+    assert {f.candidate.path for f in d.forecasts} == {Path.TASKFLOW, Path.KERNEL_BY_KERNEL}
+    assert d.chosen == KERNEL_BY_KERNEL  # one thread: tiles cannot overlap, kernels are fewer
+    _assert_close_runs(got, _reference(layer, x, dy), spec.dtype)
+
+
+def _auto_ranks(rank, world):
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)
+    x, dy = _data(spec, 12)
+    shares = (t.reshape(world, -1, spec.hidden)[rank] for t in (x, dy))
+    result = _run(layer, *shares)
+    return result, layer.decision(6).chosen, layer._session
+
+
+def test_auto_on_an_ep_group_matches_one_process():
+    results = spawn_gloo(_auto_ranks, 2, timeout=120)
+    spec = preset("tiny")
+    x, dy = _data(spec, 12)
+    want = _run(MoE(spec, ExpertWeights.random(spec, 1)), x, dy)
+    assert all(r[2] is None for r in results)  # the kernel-by-kernel path opens no runtime session
+    torch.testing.assert_close(torch.stack([r[0][0] for r in results]), want[0])
+    for name, grad in want[2].items():
+        torch.testing.assert_close(sum(r[0][2][name] for r in results), grad, msg=name)
+
+
+def test_auto_runs_the_taskflow_when_it_is_forecast_to_pay(monkeypatch):
+    from hpmoe.schedule import auto
+
+    flow = auto.Candidate(Path.TASKFLOW, SchedulePolicy.SERIAL)
+    decision = auto.AutoDecision(flow, KERNEL_BY_KERNEL, (), Reason.FORECAST_GAIN, 2.0)
+    monkeypatch.setattr(auto, "layer_decision", lambda *args: decision)
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES)
+    x, dy = _data(spec, 16)
+    assert _saved_bytes(layer(x)) > 0  # the taskflow's autograd node
+    assert layer.decision(16) is decision
+    fixed = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES, schedule=None)
+    got, want = _run(layer, x, dy), _run(fixed, x, dy)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(got[2][n], want[2][n]) for n in want[2])

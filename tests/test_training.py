@@ -108,24 +108,44 @@ def test_data_parallel_wrappers_give_the_full_batch_gradients(case, wrapped_runs
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
 
 
-def test_non_reentrant_checkpointing_frees_the_region_activations(monkeypatch):
-    from torch.utils.checkpoint import checkpoint
-
+def _spy_taskflow(monkeypatch, packed: list) -> dict:
     from hpmoe.nn.layer import RegionState
     from hpmoe.regions.backward_kernels import SavedActivations
 
-    packed = []  # weak references to every saved activation but the input x
+    names = [f.name for f in dataclasses.fields(SavedActivations) if f.name != "x"]
     pack = RegionState.pack
 
     def spy(state):
-        packed.extend(weakref.ref(getattr(s, f)) for s in state.saved for f in ACTIVATIONS
+        packed.extend(weakref.ref(getattr(s, f)) for s in state.saved for f in names
                       if getattr(s, f) is not None)
         return pack(state)
 
     monkeypatch.setattr(RegionState, "pack", spy)
-    ACTIVATIONS = [f.name for f in dataclasses.fields(SavedActivations) if f.name != "x"]
+    return dict(schedule=None)
+
+
+def _spy_kernel_by_kernel(monkeypatch, packed: list) -> dict:
+    from hpmoe.exec.kernel_by_kernel import KernelByKernelState
+
+    tensors = KernelByKernelState.tensors
+    activations = [n for n in KernelByKernelState.TENSORS if n not in ("x", "topk_weights")]
+
+    def spy(state):
+        packed.extend(weakref.ref(getattr(state, n)) for n in activations if getattr(state, n) is not None)
+        return tensors(state)
+
+    monkeypatch.setattr(KernelByKernelState, "tensors", spy)
+    return {}  # AUTO without a profile: the kernel-by-kernel path
+
+
+@pytest.mark.parametrize("spy", [_spy_taskflow, _spy_kernel_by_kernel])
+def test_non_reentrant_checkpointing_frees_the_region_activations(monkeypatch, spy):
+    from torch.utils.checkpoint import checkpoint
+
+    packed = []  # weak references to every saved activation but the input x
+    options = spy(monkeypatch, packed)
     net = _net()
-    replace_moe_blocks(net, tiles=CHECK_TILES)
+    replace_moe_blocks(net, tiles=CHECK_TILES, **options)
     x = torch.randn(1, 64, H, requires_grad=True)
     alive = {}
     for mode in ("plain", "checkpoint"):
@@ -134,7 +154,8 @@ def test_non_reentrant_checkpointing_frees_the_region_activations(monkeypatch):
         gc.collect()
         alive[mode] = sum(t().nbytes for t in packed if t() is not None)
         out.sum().backward()
-    rows = 64 * net[1].spec.top_k  # every routed row once: xe, h, a, comb; shared sh, sa
+    # every routed row once: the dispatched rows, h, a, the expert outputs; shared h, a
+    rows = 64 * net[1].spec.top_k
     assert alive["plain"] == 4 * (rows * (H + 2 * 16 + 16 + H) + 64 * (2 * 16 + 16))
     assert alive["checkpoint"] == 0
 

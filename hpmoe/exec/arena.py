@@ -2,10 +2,10 @@
 instead of fresh allocations (a fresh multi-megabyte tensor is a fresh ``mmap``, and
 every first touch of its pages is a page fault).
 
-An arena serves one step at a time: a forward takes one from its ``ArenaPool`` and,
-when activations are saved for backward, keeps it until the backward has run; a
-second forward before that backward gets another arena.  Tensors that leave a step
-(outputs, parameter gradients) never come from an arena.
+An arena serves one region call at a time: a forward or a backward takes one from its
+``ArenaPool`` for its scratch and gives it back when it returns.  Tensors that leave a
+call (outputs, activations saved for backward, parameter gradients) never come from a
+pooled arena.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class Arena:
             buf = torch.empty(n, dtype=dtype)
             self._buffers[name] = buf
         return buf[:n].view(shape)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers behind every name taken so far."""
+        return list(self._buffers.values())
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -25,6 +25,9 @@ from ..regions.dedup import make_dedup_layout
 from ..regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
+from ..schedule.auto import PROCESS_DECISIONS, DecisionCache, Path, RoutingShape
+from ..schedule.base import SchedulePolicy
+from ..sim.hardware import HardwareModel
 from ..spec import DispatchMode, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .backend import Backend, as_backend
@@ -120,9 +123,17 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
 
 def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int = 1,
                 tiles: TileSpec = DEFAULT_TILES, order: Order = None,
-                backend: Backend | str = Backend.EXACT) -> torch.Tensor:
-    """Routed plus shared-expert output [N, H] of the MoE layer, computed by the
-    tile task graph of ``ep`` expert-parallel ranks (see ``execute_forward``).
+                backend: Backend | str = Backend.EXACT, policy: SchedulePolicy = SchedulePolicy.AUTO,
+                hardware: HardwareModel | None = None, decisions: DecisionCache | None = None
+                ) -> torch.Tensor:
+    """Routed plus shared-expert output [N, H] of the MoE layer of ``ep`` expert-parallel
+    ranks in one process.
+
+    policy: AUTO (default, with ``order`` None) runs what ``schedule.auto`` forecasts
+    faster for this routing shape on ``hardware`` (default: the saved cpu profile; none:
+    the kernel-by-kernel path), decided once per routing shape and kept in ``decisions``
+    (default: ``schedule.auto.PROCESS_DECISIONS``);
+    SERIAL (or any ``order``) runs the tile task graph (see ``execute_forward``).
     ``backend="triton"``: one persistent Triton kernel on ``x.device`` (``hpmoe.gpu``);
     ``order`` is then not used and must be None."""
     if as_backend(backend) is Backend.TRITON:
@@ -131,4 +142,14 @@ def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: i
         require_per_expert(tiles, _TRITON)
         from ..gpu.backend import triton_forward
         return triton_forward(x, weights, routing, ep, tiles).out
+    if policy not in (SchedulePolicy.AUTO, SchedulePolicy.SERIAL):
+        raise ValueError(f"policy={policy!r}: in one process, AUTO or SERIAL (the task graph)")
+    if policy is SchedulePolicy.AUTO and order is None:
+        check_hidden(x, weights.spec)
+        shape = RoutingShape.one_process(weights.spec, ep, x.shape[0])
+        cache = decisions if decisions is not None else PROCESS_DECISIONS
+        if cache.decide(shape, tiles, hardware).chosen.path is not Path.TASKFLOW:
+            from .kernel_by_kernel import kbk_forward
+
+            return kbk_forward(x, routing, weights)[0]
     return execute_forward(x, weights, routing, ep, tiles, order).out

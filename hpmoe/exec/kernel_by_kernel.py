@@ -10,12 +10,16 @@ Forward, per rank (one process runs the whole batch as one rank, whatever virtua
   1. permute: stable sort of the T*k (token, slot) rows by global expert, one gather;
   2. dispatch (ep > 1): counts and rows over ``all_to_all_single``, then one gather
      into expert-major order (expert, then source rank: global token order per expert);
-  3. experts: GEMM up per expert into one [M, 2F] buffer, SwiGLU, GEMM down;
+  3. experts: GEMM up per expert into one [M, 2F] buffer, the gated activation
+     (``spec.activation``), GEMM down;
   4. combine (ep > 1): rows back over ``all_to_all_single``; then the fixed-order
      weighted sum of ``refs.topk_sum`` (fp32, slot 0 first) plus the shared experts.
 Backward mirrors it: the routing-weight gradient and the scattered output gradient,
-dispatch, GEMMs (input and weight gradients), fused SwiGLU backward, combine, sum over
-slots in fp32 in slot order.
+dispatch, GEMMs (input and weight gradients), the gated activation's backward in place
+(recomputing its output first with ``recompute``), combine, sum over slots in fp32 in
+slot order.  Scratch buffers come from the layer's ``ArenaPool``; what backward needs
+is allocated apart and handed to ``ctx.save_for_backward``, so saved-tensor hooks
+(non-reentrant activation checkpointing) free it.
 
 The grouped GEMM is ``grouped_mm_into``: one whole-expert ``torch.mm`` per group into
 a slice of an arena buffer; it gives ``F.grouped_mm``'s bits (tested) and lets outputs
@@ -25,16 +29,18 @@ is bitwise that of the reference in bf16.
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..refs import inverse_permutation
+from ..regions.backward_kernels import glu_backward
+from ..regions.kernels import glu
 from ..routing import Routing, check_hidden, check_routing
-from ..spec import MoESpec
+from ..spec import Activation, MoESpec
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
 from .exact_backward import Gradients
@@ -65,28 +71,16 @@ def grouped_mm_into(a: torch.Tensor, b: torch.Tensor, segs: Segments, out: torch
 
 
 def experts_forward(xs: torch.Tensor, segs: Segments, w13: torch.Tensor, w2: torch.Tensor,
-                    arena: Arena, tag: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H]:
-    h = xs @ w13[e]^T, a = silu(gate) * up, y = a @ w2[e]^T (as ``refs.expert_ffn``)."""
+                    activation: Activation, keep: Arena, tag: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H], in
+    ``keep``: h = xs @ w13[e]^T, a = act(gate) * up, y = a @ w2[e]^T (``refs.expert_ffn``)."""
     m, f, dtype = xs.shape[0], w2.shape[2], xs.dtype
-    h = grouped_mm_into(xs, w13.transpose(1, 2), segs, arena.take(tag + "h", (m, 2 * f), dtype))
-    a = arena.take(tag + "a", (m, f), dtype)
-    torch.ops.aten.silu.out(h[:, :f], out=a)
-    a.mul_(h[:, f:])
-    y = grouped_mm_into(a, w2.transpose(1, 2), segs, arena.take(tag + "y", (m, w2.shape[1]), dtype))
+    h = grouped_mm_into(xs, w13.transpose(1, 2), segs, keep.take(tag + "h", (m, 2 * f), dtype))
+    a = keep.take(tag + "a", (m, f), dtype)
+    glu(h, a, activation)
+    y = grouped_mm_into(a, w2.transpose(1, 2), segs, keep.take(tag + "y", (m, w2.shape[1]), dtype))
     return h, a, y
-
-
-def swiglu_backward(da: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, arena: Arena, tag: str) -> None:
-    """dh [M, 2F] = d(silu(gate) * up) / d(gate, up) given da [M, F]: four passes, both
-    halves written in place (autograd's ops, without the concatenation)."""
-    f = da.shape[1]
-    gate, up = h[:, :f], h[:, f:]
-    tmp = arena.take(tag + "swiglu", tuple(da.shape), da.dtype)
-    torch.mul(da, up, out=tmp)
-    torch.ops.aten.silu_backward.grad_input(tmp, gate, grad_input=dh[:, :f])
-    torch.ops.aten.silu.out(gate, out=tmp)
-    torch.mul(da, tmp, out=dh[:, f:])
 
 
 @dataclass
@@ -99,16 +93,20 @@ class ExpertGrads:
     first: int = 0
 
 
-def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor, segs: Segments,
-                     w13: torch.Tensor, w2: torch.Tensor, grads: ExpertGrads, arena: Arena,
-                     tag: str) -> torch.Tensor:
+def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor | None,
+                     segs: Segments, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
+                     grads: ExpertGrads, arena: Arena, tag: str) -> torch.Tensor:
     """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the
-    weight gradients of every local expert into ``grads``."""
-    m, f = a.shape
+    weight gradients of every local expert into ``grads``.  a: the gated activation's
+    output, or None to recompute it from h."""
+    m, f = h.shape[0], h.shape[1] // 2
+    if a is None:
+        a = arena.take(tag + "a", (m, f), h.dtype)
+        glu(h, a, activation)
     da = grouped_mm_into(dy, w2, segs, arena.take(tag + "da", (m, f), dy.dtype))
     _weight_grads(dy, a, segs, grads.dw2, grads.first, w2.shape[0])
     dh = arena.take(tag + "dh", (m, 2 * f), dy.dtype)
-    swiglu_backward(da, h, dh, arena, tag)
+    glu_backward(h, da, dh, activation, arena.take(tag + "glu", (m, f), dy.dtype))
     _weight_grads(dh, xs, segs, grads.dw13, grads.first, w13.shape[0])
     return grouped_mm_into(dh, w13, segs, arena.take(tag + "dxs", tuple(xs.shape), dy.dtype))
 
@@ -168,19 +166,20 @@ class Exchange:
         regroup = torch.argsort(torch.repeat_interleave(key, recv.reshape(-1)), stable=True)
         return Exchange(group, send, recv, regroup, inverse_permutation(regroup))
 
-    def dispatch(self, rows: torch.Tensor, arena: Arena, tag: str) -> torch.Tensor:
-        """rows [T*k, H] in sorted order -> [R, H] received rows, expert-major."""
+    def dispatch(self, rows: torch.Tensor, arena: Arena, keep: Arena, tag: str) -> torch.Tensor:
+        """rows [T*k, H] in sorted order -> [R, H] received rows, expert-major (in ``keep``)."""
         got = arena.take(tag + "recv", (int(self.recv.sum()), rows.shape[1]), rows.dtype)
         dist.all_to_all_single(got, rows, self.recv.sum(1).tolist(), self.send.sum(1).tolist(),
                                group=self.group)
-        xs = arena.take(tag + "xs", tuple(got.shape), got.dtype)
+        xs = keep.take(tag + "xs", tuple(got.shape), got.dtype)
         return torch.index_select(got, 0, self.regroup, out=xs)
 
-    def combine(self, rows: torch.Tensor, arena: Arena, tag: str) -> torch.Tensor:
-        """rows [R, H] expert-major -> [T*k, H] this rank's rows back, in sorted order."""
+    def combine(self, rows: torch.Tensor, arena: Arena, keep: Arena, tag: str) -> torch.Tensor:
+        """rows [R, H] expert-major -> [T*k, H] this rank's rows back, in sorted order
+        (in ``keep``)."""
         out = torch.index_select(rows, 0, self.unregroup, out=arena.take(tag + "send", tuple(rows.shape),
                                                                            rows.dtype))
-        back = arena.take(tag + "back", (int(self.send.sum()), rows.shape[1]), rows.dtype)
+        back = keep.take(tag + "back", (int(self.send.sum()), rows.shape[1]), rows.dtype)
         dist.all_to_all_single(back, out, self.send.sum(1).tolist(), self.recv.sum(1).tolist(),
                                group=self.group)
         return back
@@ -261,29 +260,48 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None, 
 
 @dataclass
 class KernelByKernelState:
-    """What the backward needs from the forward: the permutation and exchange (None in
-    one process), the local experts' rows xs [M, H], h [M, 2F] and a [M, F], this
-    rank's expert outputs in sorted order y [T*k, H], the shared expert's h and a, the
-    inputs, and the arena that holds them (returned to ``pool`` after backward)."""
+    """What the backward needs from the forward: the permutation, the exchange (None in
+    one process) and the segments (routing metadata, kept as they are), and the tensors
+    ``tensors()`` lists for ``save_for_backward``: the local experts' rows xs [M, H],
+    h [M, 2F], a [M, F] (None when recomputed), this rank's expert outputs in sorted
+    order y [T*k, H], the shared expert's sh [T, 2Fs] and sa [T, Fs] (None without
+    one, sa also when recomputed), the input x, the top-k weights and the weights."""
 
     perm: Permutation
     exchange: Exchange | None
     segs: Segments
-    xs: torch.Tensor
-    h: torch.Tensor
-    a: torch.Tensor
-    y: torch.Tensor
-    shared: tuple[torch.Tensor, torch.Tensor] | None
-    x: torch.Tensor
-    topk_weights: torch.Tensor
-    weights: ExpertWeights
-    arena: Arena
-    pool: ArenaPool | None
+    xs: torch.Tensor | None
+    h: torch.Tensor | None
+    a: torch.Tensor | None
+    y: torch.Tensor | None
+    sh: torch.Tensor | None
+    sa: torch.Tensor | None
+    x: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    weights: ExpertWeights | None
 
-    def release(self) -> None:
-        if self.pool is not None:
-            self.pool.release(self.arena)
-            self.pool = None
+    TENSORS = ("xs", "h", "a", "y", "sh", "sa", "x", "topk_weights")
+    WEIGHTS = ("w13", "w2", "shared_w13", "shared_w2")
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        w = self.weights
+        return [getattr(self, n) for n in self.TENSORS] + [getattr(w, n) for n in self.WEIGHTS]
+
+    def bare(self) -> KernelByKernelState:
+        """This state without its tensors (those go to ``save_for_backward``)."""
+        return replace(self, **dict.fromkeys(self.TENSORS), weights=None)
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor | None], spec: MoESpec) -> KernelByKernelState:
+        """The inverse of ``bare``: this state with ``tensors()`` put back."""
+        n = len(self.TENSORS)
+        weights = ExpertWeights(spec, *_no_router(spec), *tensors[n:])
+        return replace(self, **dict(zip(self.TENSORS, tensors[:n], strict=True)), weights=weights)
+
+
+def _no_router(spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholder router weight and bias: routing is done before the region."""
+    return (torch.zeros((), dtype=torch.float32).expand(spec.experts, spec.hidden),
+            torch.zeros(spec.experts, dtype=torch.float32))
 
 
 def _local_slice(weights: ExpertWeights, group: Any) -> slice:
@@ -296,64 +314,67 @@ def _local_slice(weights: ExpertWeights, group: Any) -> slice:
 
 
 def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, group: Any = None,
-                pool: ArenaPool | None = None, save: bool = False
+                pool: ArenaPool | None = None, save: bool = False, recompute: bool = False
                 ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
     tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
 
     group: the EP process group (None: one process, every expert here); every rank
-    calls collectively.  pool: where buffers come from (None: fresh ones)."""
+    calls collectively.  pool: where scratch buffers come from (None: fresh ones); saved
+    tensors are always fresh ones.  recompute: save no gated-activation outputs."""
     spec = weights.spec
     check_hidden(x, spec)
     check_routing(routing, spec, x.shape[0])
     arena = pool.acquire() if pool is not None else Arena()
-    mine, k = _local_slice(weights, group), spec.top_k
+    keep = Arena() if save else arena
+    mine, k, act = _local_slice(weights, group), spec.top_k, spec.activation
     perm = Permutation.of(routing.ids, spec.experts, _group_size(group))
-    rows = torch.index_select(x, 0, perm.order // k, out=arena.take("rows", (perm.order.numel(), spec.hidden),
-                                                                     x.dtype))
     exchange = Exchange.of(perm.send, group) if _group_size(group) > 1 else None
-    xs = exchange.dispatch(rows, arena, "d.") if exchange is not None else rows
+    rows_from = arena if exchange is not None else keep  # in one process the rows are xs
+    rows = torch.index_select(x, 0, perm.order // k,
+                              out=rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype))
+    xs = exchange.dispatch(rows, arena, keep, "d.") if exchange is not None else rows
     segs = segments(exchange.local_rows() if exchange is not None else perm.send.reshape(-1).tolist())
-    h, a, y = experts_forward(xs, segs, weights.w13[mine], weights.w2[mine], arena, "e.")
-    y = exchange.combine(y, arena, "c.") if exchange is not None else y
-    shared = None
+    h, a, y = experts_forward(xs, segs, weights.w13[mine], weights.w2[mine], act, keep, "e.")
+    y = exchange.combine(y, arena, keep, "c.") if exchange is not None else y
+    sh = sa = sy = None
     if weights.has_shared:
-        sseg = segments([x.shape[0]])
-        shared = experts_forward(x, sseg, weights.shared_w13[None], weights.shared_w2[None], arena, "s.")
-    out = weighted_sum(y, perm.pos, routing.weights, None if shared is None else shared[2], arena)
-    if not save:
-        if pool is not None:
-            pool.release(arena)
-        return out, None
-    state = KernelByKernelState(perm, exchange, segs, xs, h, a, y, None if shared is None else shared[:2], x,
-                                routing.weights, weights, arena, pool)
+        shared = (weights.shared_w13[None], weights.shared_w2[None])
+        sh, sa, sy = experts_forward(x, segments([x.shape[0]]), *shared, act, keep, "s.")
+    out = weighted_sum(y, perm.pos, routing.weights, sy, arena)
     if pool is not None:
-        weakref.finalize(state, pool.release, arena)
-    return out, state
+        pool.release(arena)
+    if not save:
+        return out, None
+    drop = recompute
+    return out, KernelByKernelState(perm, exchange, segs, xs, h, None if drop else a, y, sh,
+                                    None if drop else sa, x, routing.weights, weights)
 
 
-def kbk_backward(state: KernelByKernelState, dout: torch.Tensor) -> Gradients:
+def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool | None = None) -> Gradients:
     """Gradients of ``kbk_forward`` given dout [T, H]: dx [T, H], dweights [T, k] fp32,
     full-size dw13 [E, 2F, H] / dw2 [E, H, F] (this rank's experts; zeros for other
     ranks' experts), this rank's shared-expert gradients.  Collective with a group."""
-    s, w, arena = state, state.weights, state.arena
+    s, w = state, state.weights
+    arena = pool.acquire() if pool is not None else Arena()
     group = s.exchange.group if s.exchange is not None else None
-    mine, dtype = _local_slice(w, group), w.spec.dtype
+    mine, dtype, act = _local_slice(w, group), w.spec.dtype, w.spec.activation
     g = dout.to(torch.float32)
     dweights, drows = weighted_sum_backward(g, s.y, s.perm.pos, s.topk_weights, arena)
-    dys = s.exchange.dispatch(drows, arena, "gd.") if s.exchange is not None else drows
+    dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
     grads = ExpertGrads(_weight_buffer(w.w13, mine), _weight_buffer(w.w2, mine), mine.start)
-    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, w.w13[mine], w.w2[mine], grads, arena, "e.")
-    dxs = s.exchange.combine(dxs, arena, "gc.") if s.exchange is not None else dxs
+    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, w.w13[mine], w.w2[mine], act, grads, arena, "e.")
+    dxs = s.exchange.combine(dxs, arena, arena, "gc.") if s.exchange is not None else dxs
     dsw13 = dsw2 = dx_shared = None
-    if s.shared is not None:
+    if s.sh is not None:
         sg = ExpertGrads(torch.empty_like(w.shared_w13)[None], torch.empty_like(w.shared_w2)[None])
         ds = dout.to(dtype).contiguous()
-        dx_shared = experts_backward(ds, s.x, *s.shared, segments([s.x.shape[0]]), w.shared_w13[None],
-                                     w.shared_w2[None], sg, arena, "s.")
+        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, segments([s.x.shape[0]]), w.shared_w13[None],
+                                     w.shared_w2[None], act, sg, arena, "s.")
         dsw13, dsw2 = sg.dw13[0], sg.dw2[0]
     dx = slot_sum(dxs, s.perm.pos, dx_shared, arena)
-    state.release()
+    if pool is not None:
+        pool.release(arena)
     return Gradients(dx=dx, dweights=dweights, dw13=grads.dw13, dw2=grads.dw2, dshared_w13=dsw13,
                      dshared_w2=dsw2)
 
@@ -372,16 +393,15 @@ def _weight_buffer(w: torch.Tensor, mine: slice) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KernelByKernelCall:
-    """Non-tensor inputs of one call: the layer's spec, ids [T, k] int64 global expert ids, router [E, H]
-    and router_bias [E] float32 (carried into ``ExpertWeights``), the EP group (None:
-    one process) and the layer's arena pool."""
+    """Non-tensor inputs of one call: the spec (dtype: the compute dtype), ids [T, k]
+    int64 global expert ids, the EP group (None: one process), the layer's arena pool
+    and whether backward recomputes the gated activations."""
 
     spec: MoESpec
     ids: torch.Tensor
-    router: torch.Tensor
-    router_bias: torch.Tensor
     group: Any = None
     pool: ArenaPool | None = None
+    recompute: bool = False
 
 
 class KernelByKernelFunction(torch.autograd.Function):
@@ -392,20 +412,21 @@ class KernelByKernelFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
                 call: KernelByKernelCall) -> torch.Tensor:
-        spec_weights = ExpertWeights(call.spec, call.router, call.router_bias,
-                                     w13.detach(), w2.detach(), _detach(shared_w13), _detach(shared_w2))
+        x, topk_weights, w13, w2, shared_w13, shared_w2 = (
+            None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
+        weights = ExpertWeights(call.spec, *_no_router(call.spec), w13, w2, shared_w13, shared_w2)
         save = any(ctx.needs_input_grad[:6])
-        out, ctx.state = kbk_forward(x.detach(), Routing(call.ids, topk_weights.detach()), spec_weights,
-                                     call.group, call.pool, save)
+        out, state = kbk_forward(x, Routing(call.ids, topk_weights), weights, call.group, call.pool, save,
+                                 call.recompute)
+        if state is not None:
+            ctx.save_for_backward(*state.tensors())
+            ctx.state, ctx.call = state.bare(), call
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        state: KernelByKernelState = ctx.state
+        call: KernelByKernelCall = ctx.call
+        state = ctx.state.with_tensors(ctx.saved_tensors, call.spec)
         ctx.state = None
-        g = kbk_backward(state, dout.contiguous())
+        g = kbk_backward(state, dout.contiguous(), call.pool)
         return g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2, None
-
-
-def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()

@@ -6,9 +6,12 @@ numbers, have fake (meta) implementations giving their output shapes, and are ti
 backend) compiles with ``fullgraph=True`` and no graph break from hpmoe.  The layer takes
 this path while ``torch.compiler.is_compiling()``; eager runs keep ``MoEFunction``.
 
-The backward op reruns the forward taskflow to rebuild the saved activations (a custom
-op passes no state from forward to backward but its outputs), then runs the backward
-taskflow: the cost of ``recompute`` plus one forward region per step.
+With ``auto`` (the layer's ``SchedulePolicy.AUTO``) each op runs the path AUTO decides
+for its shape on the saved cpu profile (``schedule.auto.PROCESS_DECISIONS``): the
+kernel-by-kernel path or the taskflow, the same in forward and backward.  The backward
+op reruns the forward to rebuild the saved activations (a custom op passes no state
+from forward to backward but its outputs), then runs the backward: the cost of
+``recompute`` plus one forward region per step.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import torch
 
 from ..exec.exact import execute_forward
-from ..exec.exact_backward import execute_backward
+from ..exec.exact_backward import Gradients, execute_backward
+from ..exec.kernel_by_kernel import kbk_backward, kbk_forward
 from ..regions.backward_kernels import SavedActivations
 from ..routing import Routing
+from ..schedule.auto import PROCESS_DECISIONS, Path, RoutingShape
 from ..spec import Activation, MoESpec, TileSpec
 from ..weights import ExpertWeights
 
@@ -35,62 +40,82 @@ def _weights(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     return ExpertWeights(spec, router, bias, w13, w2, sw13 if fs else None, sw2 if fs else None)
 
 
-def _forward(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation):
-    w = _weights(x, ids, w13, w2, sw13, sw2, activation)
-    return execute_forward(x, w, Routing(ids, weights), ep, TileSpec(*tiles)), w
+def _kernel_by_kernel(w: ExpertWeights, tokens: int, ep: int, tiles: TileSpec, auto: bool) -> bool:
+    """Whether AUTO runs the kernel-by-kernel path for this shape (never without ``auto``)."""
+    if not auto:
+        return False
+    shape = RoutingShape.one_process(w.spec, ep, tokens)
+    return PROCESS_DECISIONS.decide(shape, tiles, None).chosen.path is not Path.TASKFLOW
 
 
 @torch.library.custom_op("hpmoe::region", mutates_args=())
 def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-           sw13: torch.Tensor, sw2: torch.Tensor, ep: int, tiles: list[int], activation: str) -> torch.Tensor:
+           sw13: torch.Tensor, sw2: torch.Tensor, ep: int, tiles: list[int], activation: str,
+           auto: bool) -> torch.Tensor:
     """x [N, H], ids [N, k] int64, weights [N, k] fp32, w13 [E, 2F, H], w2 [E, H, F],
     sw13 [2Fs, H], sw2 [H, Fs] (Fs 0: none); ep virtual ranks dividing N; tiles: the
-    TileSpec fields.  Returns [N, H] in x's dtype."""
-    return _forward(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation)[0].out
+    TileSpec fields; auto: AUTO picks the path.  Returns [N, H] in x's dtype."""
+    w, routing = _weights(x, ids, w13, w2, sw13, sw2, activation), Routing(ids, weights)
+    spec = TileSpec(*tiles)
+    if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
+        return kbk_forward(x, routing, w)[0]
+    return execute_forward(x, w, routing, ep, spec).out
 
 
 @region.register_fake
-def _(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation):
+def _(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation, auto):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("hpmoe::region_backward", mutates_args=())
 def region_backward(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor, ep: int,
-                    tiles: list[int], activation: str) -> list[torch.Tensor]:
+                    tiles: list[int], activation: str, auto: bool) -> list[torch.Tensor]:
     """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2] of ``region`` given dy [N, H]."""
-    fwd, w = _forward(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation)
-    saved = [SavedActivations.from_forward(b, recompute=False) for b in fwd.buffers]
-    g = execute_backward(saved, fwd.plan, dy.to(x.dtype).contiguous(), w, weights, TileSpec(*tiles)).grads
+    w, routing = _weights(x, ids, w13, w2, sw13, sw2, activation), Routing(ids, weights)
+    spec = TileSpec(*tiles)
+    dy = dy.to(x.dtype).contiguous()
+    if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
+        g = kbk_backward(kbk_forward(x, routing, w, save=True)[1], dy)
+    else:
+        g = _taskflow_grads(x, routing, w, dy, ep, spec)
     if not w.has_shared:
         return [g.dx, g.dweights, g.dw13, g.dw2, torch.zeros_like(sw13), torch.zeros_like(sw2)]
     return [g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2]
 
 
+def _taskflow_grads(x: torch.Tensor, routing: Routing, w: ExpertWeights, dy: torch.Tensor, ep: int,
+                    tiles: TileSpec) -> Gradients:
+    fwd = execute_forward(x, w, routing, ep, tiles)
+    saved = [SavedActivations.from_forward(b, recompute=False) for b in fwd.buffers]
+    return execute_backward(saved, fwd.plan, dy, w, routing.weights, tiles).grads
+
+
 @region_backward.register_fake
-def _(dy, x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation):
+def _(dy, x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation, auto):
     return [torch.empty_like(t) for t in (x, weights, w13, w2, sw13, sw2)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation = inputs
+    x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation, auto = inputs
     ctx.save_for_backward(x, ids, weights, w13, w2, sw13, sw2)
-    ctx.config = (ep, tiles, activation)
+    ctx.config = (ep, tiles, activation, auto)
 
 
 def _backward(ctx, dy):
     dx, dweights, dw13, dw2, dsw13, dsw2 = region_backward(dy, *ctx.saved_tensors, *ctx.config)
-    return dx, None, dweights, dw13, dw2, dsw13, dsw2, None, None, None
+    return dx, None, dweights, dw13, dw2, dsw13, dsw2, None, None, None, None
 
 
 region.register_autograd(_backward, setup_context=_setup_context)
 
 
 def run_region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights, ep: int,
-               tiles: TileSpec) -> torch.Tensor:
-    """The region through the custom op (tensors already padded to a multiple of ``ep``)."""
+               tiles: TileSpec, auto: bool) -> torch.Tensor:
+    """The region through the custom op (tensors already padded to a multiple of ``ep``);
+    ``auto``: the path AUTO decides, else the taskflow."""
     spec = w.spec
     none = w.w13.new_zeros(0, spec.hidden), w.w13.new_zeros(spec.hidden, 0)
     sw13, sw2 = (w.shared_w13, w.shared_w2) if w.has_shared else none
     fields = [tiles.rows, tiles.gemm_rows, tiles.gemm_cols, tiles.gemm_splits]
-    return region(x, ids, weights, w.w13, w.w2, sw13, sw2, ep, fields, spec.activation.value)
+    return region(x, ids, weights, w.w13, w.w2, sw13, sw2, ep, fields, spec.activation.value, auto)

@@ -38,9 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..exec.arena import ArenaPool
 from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, execute_forward
 from ..exec.exact_backward import Gradients, execute_backward
+from ..exec.kernel_by_kernel import KernelByKernelCall, KernelByKernelFunction
 from ..exec.program import RankProgram, compile_program, compile_region
 from ..regions.backward_kernels import (
     BACKWARD,
@@ -51,7 +53,8 @@ from ..regions.backward_kernels import (
 )
 from ..regions.base import Region
 from ..routing import Routing, RoutingPlan, route
-from ..schedule.base import Schedule, SchedulePolicy
+from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape
+from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import GateKind, MoESpec, TileSpec
 from ..weights import ExpertWeights
@@ -116,20 +119,26 @@ class RegionOptions:
       (the layer opens a runtime ``Session`` on it at its first forward, configured by
       ``runtime``); or a runtime ``Session`` shared between layers.
     virtual_ep: EP ranks simulated in one process (must be 1 with an ep_group).
-    schedule: with an ep_group, the runtime's ``SchedulePolicy`` (None: HYPERPARALLEL);
-      in one process, the exact executors' task order: None (task-id order) or an int
-      seeding a random valid order — every order gives the same bits.
-    recompute: recompute the SwiGLU activations in backward instead of saving them.
+    schedule: ``SchedulePolicy.AUTO`` (default): per routing shape, whichever of the
+      taskflow and the kernel-by-kernel path (``exec.kernel_by_kernel``: grouped GEMMs per
+      phase, all-to-all over the ep_group) is forecast faster on ``hardware`` (else the
+      calibrated profile of ``hpmoe calibrate``; with neither, the kernel-by-kernel path);
+      see ``MoE.decision``.  Otherwise the taskflow: with an ep_group, the runtime's
+      ``SchedulePolicy`` (None: HYPERPARALLEL); in one process, the exact executors' task
+      order: None (task-id order) or an int seeding a random valid order — every order
+      gives the same bits.  Under ``torch.compile`` (one process) AUTO decides on the saved
+      profile alone (``nn.compiled``).
+    recompute: recompute the gated activations in backward instead of saving them.
     tiles: the tiling.  runtime: ``RuntimeConfig`` of the session the layer opens.
-    hardware: the cost model of the CRITICAL_PATH scheduler.
+    hardware: the cost model of AUTO and of the CRITICAL_PATH scheduler.
     backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
       persistent Triton kernel on the input's device; ``schedule`` is then a
-      ``SchedulePolicy`` or None for HYPERPARALLEL).
+      ``SchedulePolicy``, AUTO and None meaning HYPERPARALLEL).
     """
 
     ep_group: Any = None
     virtual_ep: int = 1
-    schedule: SchedulePolicy | int | None = None
+    schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO
     recompute: bool = False
     tiles: TileSpec = DEFAULT_TILES
     runtime: RuntimeConfig | None = None
@@ -174,11 +183,15 @@ class RegionOptions:
                 raise ValueError("runtime configures the multi-rank runtime, not the triton backend")
             return
         seed = isinstance(self.schedule, int) and not isinstance(self.schedule, bool)
-        if self.schedule is not None and not seed:
-            raise ValueError(f"schedule={self.schedule!r}: in one process, schedule is None or an int "
-                             "seed (scheduling policies need an ep_group)")
-        if self.runtime is not None or self.hardware is not None:
-            raise ValueError("runtime and hardware configure the runtime: they need an ep_group")
+        auto = self.schedule is SchedulePolicy.AUTO
+        if self.schedule is not None and not seed and not auto:
+            raise ValueError(f"schedule={self.schedule!r}: in one process, schedule is AUTO, None or an "
+                             "int seed (other scheduling policies need an ep_group)")
+        if self.runtime is not None:
+            raise ValueError("runtime configures the multi-rank runtime: it needs an ep_group")
+        if self.hardware is not None and not auto:
+            raise ValueError(f"hardware is AUTO's cost model in one process: schedule={self.schedule!r} "
+                             "runs the taskflow without one")
 
     @property
     def distributed(self) -> bool:
@@ -199,9 +212,17 @@ class RegionOptions:
         return self.hardware if self.hardware is not None else cpu_nominal()
 
     @property
+    def group(self) -> Any:
+        """The torch.distributed group of the EP ranks (None in one process)."""
+        session = self.session
+        return session.group if session is not None else self.ep_group
+
+    @property
     def policy(self) -> SchedulePolicy:
-        """The runtime's scheduling policy (distributed runs)."""
-        return self.schedule if isinstance(self.schedule, SchedulePolicy) else SchedulePolicy.HYPERPARALLEL
+        """The runtime's scheduling policy (distributed runs; AUTO's taskflow and None
+        mean HYPERPARALLEL)."""
+        fixed = isinstance(self.schedule, SchedulePolicy) and self.schedule is not SchedulePolicy.AUTO
+        return self.schedule if fixed else SchedulePolicy.HYPERPARALLEL
 
 
 # ---------------------------------------------------------------------------- module
@@ -223,7 +244,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, spec: MoESpec, weights: ExpertWeights | None = None, *, ep_group: Any = None,
-                 schedule: SchedulePolicy | int | None = None, recompute: bool = False,
+                 schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO, recompute: bool = False,
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
                  hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact"):
         super().__init__()
@@ -250,6 +271,8 @@ class MoE(nn.Module):
         self.options = options
         self._session = options.session
         self._owns_session = False
+        self._decisions = DecisionCache()
+        self._arenas = ArenaPool()
 
     @classmethod
     def from_hf(cls, module: nn.Module, **options: Any) -> MoE:
@@ -350,17 +373,54 @@ class MoE(nn.Module):
         dtype = _compute_dtype(x, w.spec.dtype)
         if dtype != w.spec.dtype:
             w = _cast(w, dtype)
-        session = self.session()
-        padded = _padded_tokens(x.shape[0], self.options, session)
+        group = self.options.group
+        padded = _padded_tokens(x.shape[0], self.options.virtual_ep, group)
         xp, idp, wp = _pad(x.to(dtype), ids.to(torch.int64), topk_weights.float(), padded, w.spec,
-                          self.options, session)
+                          self.options.virtual_ep, group)
         with torch.autocast(x.device.type, enabled=False):
-            if torch.compiler.is_compiling() and session is None and self.options.backend is Backend.EXACT:
-                out = run_region(xp, idp, wp, w, self.options.virtual_ep, self.options.tiles)
-            else:
-                call = RegionCall(spec=w.spec, ids=idp, options=self.options, session=session)
-                out = MoEFunction.apply(xp, wp, w.w13, w.w2, w.shared_w13, w.shared_w2, call)
+            out = self._run(xp, idp, wp, w)
         return out[:x.shape[0]].to(x.dtype)
+
+    def _run(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
+             w: ExpertWeights) -> torch.Tensor:
+        """The region on padded inputs, on the path AUTO chose or the options fix."""
+        o = self.options
+        tensors = (x, topk_weights, w.w13, w.w2, w.shared_w13, w.shared_w2)
+        if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
+            auto = o.schedule is SchedulePolicy.AUTO
+            return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto)
+        options = self._taskflow_options(w.spec, x.shape[0])
+        if options is None:
+            call = KernelByKernelCall(w.spec, ids, o.group, self._arenas, o.recompute)
+            return KernelByKernelFunction.apply(*tensors, call)
+        call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session())
+        return MoEFunction.apply(*tensors, call)
+
+    def decision(self, tokens: int, backward: bool | None = None) -> AutoDecision:
+        """AUTO's decision for ``tokens`` tokens per call after padding (this rank's, with
+        an ep_group; the whole batch in one process), with the backward when ``backward``
+        (default: grad mode is on).  Made at the first call of each shape (collective
+        over the ep_group: group rank 0 forecasts and broadcasts), then cached."""
+        o, spec = self.options, self.spec
+        backward = torch.is_grad_enabled() if backward is None else backward
+        if not o.distributed:
+            shape = RoutingShape.one_process(spec, o.virtual_ep, tokens, backward)
+            return self._decisions.decide(shape, o.tiles, o.hardware)
+        shape = RoutingShape(spec, dist.get_world_size(o.group), tokens, backward)
+        workers = WorkerCounts.from_hardware(o.rank_hardware)
+        return self._decisions.decide(shape, o.tiles, o.hardware, workers, o.group)
+
+    def _taskflow_options(self, spec: MoESpec, tokens: int) -> RegionOptions | None:
+        """The taskflow's options for this call, or None for the kernel-by-kernel path."""
+        o = self.options
+        if o.schedule is not SchedulePolicy.AUTO or o.backend is Backend.TRITON:
+            return o
+        chosen = self.decision(tokens).chosen
+        if chosen.path is not Path.TASKFLOW:
+            return None
+        if o.distributed:
+            return replace(o, schedule=chosen.policy)
+        return replace(o, schedule=None, hardware=None)  # task-id order; AUTO's model has served
 
     def extra_repr(self) -> str:
         o = self.options
@@ -386,26 +446,26 @@ def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
                          cast(w.shared_w13), cast(w.shared_w2))
 
 
-def _padded_tokens(tokens: int, options: RegionOptions, session: Session | None) -> int:
+def _padded_tokens(tokens: int, virtual_ep: int, group: Any) -> int:
     """Tokens per call after padding: a multiple of virtual_ep in one process, the largest
     count of the EP group on every rank of it; at least one token per rank."""
-    if session is None:
-        return max(-(-tokens // options.virtual_ep), 1) * options.virtual_ep
-    return max(max(token_counts(tokens, session.group)), 1)
+    if group is None:
+        return max(-(-tokens // virtual_ep), 1) * virtual_ep
+    return max(max(token_counts(tokens, group)), 1)
 
 
 def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, spec: MoESpec,
-         options: RegionOptions, session: Session | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         virtual_ep: int, group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Append ``total - N`` zero tokens of routing weight 0, each routed to the first local
     expert of the rank that holds it: no communication, an expert output of exactly 0, and
     nothing added to any gradient."""
     n, k = ids.shape
     if total == n:
         return x, ids, weights
-    ranks = options.virtual_ep if session is None else dist.get_world_size(session.group)
+    ranks = virtual_ep if group is None else dist.get_world_size(group)
     local = max(spec.experts // ranks, 1)
     pos = torch.arange(n, total)
-    owner = pos // (total // ranks) if session is None else torch.full_like(pos, session.rank)
+    owner = pos // (total // ranks) if group is None else torch.full_like(pos, dist.get_rank(group))
     pad_ids = (owner * local).clamp(max=spec.experts - 1).unsqueeze(1).expand(total - n, k)
     return (torch.cat([x, x.new_zeros(total - n, x.shape[1])]), torch.cat([ids, pad_ids]),
             torch.cat([weights, weights.new_zeros(total - n, k)]))

@@ -26,7 +26,7 @@ from ..spec import Activation
 from ..weights import ExpertWeights
 from .backward import lower_backward
 from .base import PutSpec, Region, RegionKind, ShapeMap
-from .kernels import ACTIVATIONS, ForwardBuffers, glu
+from .kernels import ACTIVATIONS_INTO, ForwardBuffers, glu
 
 
 @dataclass
@@ -172,21 +172,27 @@ class BackwardContext:
 BackwardKernel = Callable[[Tile, BackwardBuffers, BackwardBuffers, BackwardContext], None]
 
 
-ACTIVATION_GRADS: dict[Activation, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    Activation.SILU: torch.ops.aten.silu_backward,
-    Activation.GELU: torch.ops.aten.gelu_backward,
-    Activation.GELU_TANH: lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
-    Activation.RELU: lambda g, x: torch.ops.aten.threshold_backward(g, x, 0),
-}
+ACTIVATION_GRADS_INTO: dict[Activation, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]] = {
+    Activation.SILU: lambda g, x, out: torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out),
+    Activation.GELU: lambda g, x, out: torch.ops.aten.gelu_backward.grad_input(g, x, grad_input=out),
+    Activation.GELU_TANH: lambda g, x, out: torch.ops.aten.gelu_backward.grad_input(
+        g, x, approximate="tanh", grad_input=out),
+    Activation.RELU: lambda g, x, out: torch.ops.aten.threshold_backward.grad_input(g, x, 0, grad_input=out),
+}  # the activations' backward ops, writing into ``out``
 
 
-def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: Activation) -> None:
+def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: Activation,
+                 tmp: torch.Tensor | None = None) -> None:
     """dh [m, 2F] = gradient of act(h[:, :F]) * h[:, F:] given da [m, F], as autograd
-    computes it (``da * up`` rounded to the dtype, then the activation's backward op)."""
+    computes it (``da * up`` rounded to the dtype, then the activation's backward op);
+    tmp: [m, F] scratch of da's dtype (None: a fresh one)."""
     f = da.shape[1]
     gate, up = h[:, :f], h[:, f:]
-    dh[:, :f].copy_(ACTIVATION_GRADS[activation](da * up, gate))
-    torch.mul(da, ACTIVATIONS[activation](gate), out=dh[:, f:])
+    tmp = torch.empty_like(da) if tmp is None else tmp
+    torch.mul(da, up, out=tmp)
+    ACTIVATION_GRADS_INTO[activation](tmp, gate, dh[:, :f])
+    ACTIVATIONS_INTO[activation](gate, tmp)
+    torch.mul(da, tmp, out=dh[:, f:])
 
 
 def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:

@@ -7,13 +7,11 @@ same functions.  ``KERNELS`` maps every non-put forward ``TaskKind`` to its func
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from ..ir.graph import TaskKind, Tile
 from ..refs import topk_sum
@@ -99,16 +97,19 @@ def _gemm_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext
     torch.mm(me.recv[t.row0:t.row1], w.t(), out=me.h[t.row0:t.row1, t.col0:t.col1])
 
 
-ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
-    Activation.SILU: F.silu, Activation.GELU: F.gelu,
-    Activation.GELU_TANH: functools.partial(F.gelu, approximate="tanh"), Activation.RELU: F.relu,
-}
+ACTIVATIONS_INTO: dict[Activation, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    Activation.SILU: lambda x, out: torch.ops.aten.silu.out(x, out=out),
+    Activation.GELU: lambda x, out: torch.ops.aten.gelu.out(x, out=out),
+    Activation.GELU_TANH: lambda x, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out),
+    Activation.RELU: lambda x, out: torch.clamp_min(x, 0, out=out),
+}  # act(x) written into ``out`` (the functional ops' bits, no temporary)
 
 
 def glu(h: torch.Tensor, out: torch.Tensor, activation: Activation) -> None:
     """out [m, F] = act(h[:, :F]) * h[:, F:] for h [m, 2F] (SwiGLU for SILU)."""
     f = out.shape[1]
-    torch.mul(ACTIVATIONS[activation](h[:, :f]), h[:, f:], out=out)
+    ACTIVATIONS_INTO[activation](h[:, :f], out)
+    out.mul_(h[:, f:])
 
 
 def _swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:

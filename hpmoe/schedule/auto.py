@@ -9,25 +9,33 @@ taskflow runs only when it is forecast at least ``MIN_GAIN`` faster than the fal
 and, when warm-up times are given, was measured faster than it too.
 
 ``decide`` is a pure function of the forecasts (tested on hand-made ones); building
-the forecasts is the caller's part (``auto_forecasts`` for one process, the bench's
-runner for several ranks).  ``DecisionCache`` keeps one decision per routing shape.
+the forecasts is the caller's part (``auto_forecasts`` for one process,
+``runtime_forecasts`` for the multi-rank runtime; ``layer_decision`` picks and makes
+them).  ``DecisionCache`` keeps one decision per routing shape: what ``hpmoe.MoE``,
+``moe_forward`` and ``hpmoe bench`` consult.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
 
 from ..regions.backward import lower_backward
 from ..regions.forward import lower_forward
-from ..routing import RoutingPlan
-from ..sim.forecast import kernel_by_kernel_tiles, sequential_seconds
-from ..sim.hardware import HardwareModel
-from ..spec import MoESpec, TileSpec
-from .base import SchedulePolicy
+from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
+from ..sim.forecast import forecast_region, kernel_by_kernel_tiles, sequential_seconds
+from ..sim.hardware import HardwareModel, load_profile
+from ..spec import MoESpec, ParallelSpec, TileSpec
+from .base import SchedulePolicy, WorkerCounts
+from .hyperparallel import hyperparallel_schedule
+from .serial import serial_schedule
 
 MIN_GAIN = 1.05  # a taskflow must be forecast this much faster than the fallback
 
@@ -96,6 +104,7 @@ class Reason(enum.Enum):
     VETOED = "vetoed-by-warm-up"  # forecast to pay, measured no faster than the fallback
     FORECAST_GAIN = "forecast-gain"  # a taskflow forecast >= MIN_GAIN faster, not vetoed
     NO_MODEL = "no-model"  # no calibrated hardware model: the fallback, unforecast
+    NO_TOKENS = "no-tokens"  # nothing to run: the fallback, unforecast
 
 
 @dataclass(frozen=True)
@@ -182,22 +191,45 @@ class RoutingShape:
     tokens_per_rank: int
     backward: bool
 
+    @staticmethod
+    def one_process(moe: MoESpec, ep: int, tokens: int, backward: bool = False) -> RoutingShape:
+        """The shape of ``tokens`` split over ``ep`` virtual ranks in one process; raises
+        ``ValueError`` naming ``ep`` when it does not divide the tokens or the experts."""
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep <= 0 or tokens % ep:
+            raise ValueError(f"ep={ep!r} must be a positive int dividing the {tokens} tokens")
+        ParallelSpec(ep=ep, tokens_per_rank=max(1, tokens // ep)).local_experts(moe)
+        return RoutingShape(moe, ep, tokens // ep, backward)
+
 
 class DecisionCache:
-    """One ``AutoDecision`` per ``RoutingShape``."""
+    """AUTO's decisions, one per (routing shape, tiles, hardware, workers)."""
 
     def __init__(self) -> None:
-        self._decisions: dict[RoutingShape, AutoDecision] = {}
+        self._decisions: dict[tuple, AutoDecision] = {}
 
-    def get(self, shape: RoutingShape) -> AutoDecision | None:
-        return self._decisions.get(shape)
-
-    def put(self, shape: RoutingShape, decision: AutoDecision) -> AutoDecision:
-        self._decisions[shape] = decision
-        return decision
+    def decide(self, shape: RoutingShape, tiles: TileSpec, hardware: HardwareModel | None,
+               workers: WorkerCounts | None = None, group: Any = None) -> AutoDecision:
+        """The cached decision, or ``layer_decision``'s (collective over ``group``: every
+        rank must ask for the same shape); ``hardware`` None: the saved cpu profile."""
+        key = (shape, tiles, hardware, workers)
+        if key not in self._decisions:
+            model = hardware if hardware is not None else saved_profile()
+            self._decisions[key] = layer_decision(shape, tiles, model, workers, group)
+        return self._decisions[key]
 
     def __len__(self) -> int:
         return len(self._decisions)
+
+
+PROCESS_DECISIONS = DecisionCache()  # the decisions of callers that keep none (moe_forward, compiled layers)
+
+
+def saved_profile() -> HardwareModel | None:
+    """The calibrated cpu profile (``hpmoe calibrate``), or None when none is saved."""
+    try:
+        return load_profile()
+    except FileNotFoundError:
+        return None
 
 
 # ---------------------------------------------------------------------------- one process
@@ -218,5 +250,60 @@ def auto_forecasts(plan: RoutingPlan, tiles: TileSpec, hardware: HardwareModel,
 
 def _timed_graphs(plan: RoutingPlan, tiles: TileSpec, backward: bool) -> tuple[list, float]:
     t0 = time.perf_counter()
-    graphs = [lower_forward(plan, tiles)] + ([lower_backward(plan, tiles)] if backward else [])
+    graphs = _graphs(plan, tiles, backward)
     return graphs, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- ranks
+
+
+def runtime_forecasts(plan: RoutingPlan, tiles: TileSpec, hardware: HardwareModel, workers: WorkerCounts,
+                      backward: bool) -> tuple[Forecast, ...]:
+    """Forecasts of the multi-rank candidates of ``plan``: the taskflow under
+    HYPERPARALLEL on the runtime's workers (plus its lowering and scheduling, measured
+    here) and the kernel-by-kernel path as the serial schedule of its whole-phase tasks
+    on one worker per unit; both replayed by ``forecast_region`` on ``hardware``."""
+    t0 = time.perf_counter()
+    flow = [hyperparallel_schedule(g, workers) for g in _graphs(plan, tiles, backward)]
+    setup = time.perf_counter() - t0
+    one = WorkerCounts(1, 1)
+    kbk = [serial_schedule(g, one) for g in _graphs(plan, kernel_by_kernel_tiles(plan), backward)]
+    hw = dataclasses.replace(hardware, matrix_workers=workers.matrix, vector_workers=workers.vector)
+    hw1 = dataclasses.replace(hardware, matrix_workers=1, vector_workers=1)
+    return (Forecast(Candidate(Path.TASKFLOW, SchedulePolicy.HYPERPARALLEL),
+                     sum(forecast_region(s, hw)[0] for s in flow), setup),
+            Forecast(KERNEL_BY_KERNEL, sum(forecast_region(s, hw1)[0] for s in kbk)))
+
+
+def _graphs(plan: RoutingPlan, tiles: TileSpec, backward: bool) -> list:
+    return [lower_forward(plan, tiles)] + ([lower_backward(plan, tiles)] if backward else [])
+
+
+def shape_plan(shape: RoutingShape) -> RoutingPlan:
+    """A balanced routing of ``shape``: what a layer's decision is forecast on (the
+    decision is made once per shape, before any routing of it is known)."""
+    par = ParallelSpec(shape.ep, shape.tokens_per_rank)
+    return plan_routing(synthetic_routing(RoutingKind.BALANCED, shape.moe, par).ids, shape.moe, par)
+
+
+def layer_decision(shape: RoutingShape, tiles: TileSpec, hardware: HardwareModel | None,
+                   workers: WorkerCounts | None = None, group: Any = None) -> AutoDecision:
+    """AUTO's decision for a layer: one process (``workers`` None) or the multi-rank
+    runtime with ``workers`` per rank; group rank 0 decides and every rank of
+    ``group`` gets its decision (collective when ``group`` is given)."""
+    decision = None
+    if group is None or dist.get_rank(group) == 0:
+        if hardware is None:
+            decision = no_model()
+        elif shape.tokens_per_rank == 0:
+            decision = AutoDecision(KERNEL_BY_KERNEL, KERNEL_BY_KERNEL, (), Reason.NO_TOKENS)
+        else:
+            plan = shape_plan(shape)
+            forecasts = (auto_forecasts(plan, tiles, hardware, shape.backward) if workers is None else
+                         runtime_forecasts(plan, tiles, hardware, workers, shape.backward))
+            decision = decide(forecasts)
+    if group is None:
+        return decision
+    box = [decision]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
