@@ -6,17 +6,20 @@ the shapes are described in hpmoe/runtime/overhead.py):
 
     .venv/bin/python benchmarks/bench_runtime.py overhead [--tasks 4000] [--repeats 5]
 
-Speedup over the serialized baseline and the cost model's prediction, one
-`hpmoe bench --predict` run per configuration (a markdown table; JSON with --out):
+Speedup over the serialized baseline and the cost model's prediction, ``--repeat``
+`hpmoe bench --predict` runs per configuration (a markdown table, one row per run and a
+summary row with the median and the range of ``speedup`` over the runs: the run-to-run
+noise; JSON with --out):
 
     .venv/bin/python benchmarks/bench_runtime.py configs [--ep 2] [--iters 10] [--warmup 5]
-        [--only NAME ...] [--out F] [--extra MORE BENCH ARGS]
+        [--repeat 3] [--only NAME ...] [--out F] [--extra MORE BENCH ARGS]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 
@@ -32,6 +35,9 @@ def overhead(args: argparse.Namespace) -> None:
 
 SMALL = ["--preset", "small", "--tokens", "1024"]
 CONFIGS = {
+    # the tiny layer: nothing to overlap, per-step overheads dominate
+    "tiny-shm": ["--preset", "tiny", "--transport", "shm"],
+    "tiny-dist": ["--preset", "tiny", "--transport", "dist"],
     # compute-bound: puts are shared-memory copies / loopback TCP, small next to the GEMMs
     "compute-shm": [*SMALL, "--transport", "shm"],
     "compute-dist": [*SMALL, "--transport", "dist"],
@@ -40,8 +46,9 @@ CONFIGS = {
     "comm-link-1gbit": [*SMALL, "--link", "1gbit"],
     "comm-link-500mbit": [*SMALL, "--link", "500mbit"],
 }
-COLUMNS = ("schedule", "fallback", "serial_ms", "serial_same_transport_ms", "runtime_taskflow_ms",
-           "taskflow_ms", "speedup", "runtime_speedup", "predicted_taskflow_ms",
+COLUMNS = ("auto_chosen", "auto_reason", "schedule", "serial_ms", "kernel_by_kernel_ms",
+           "serial_same_transport_ms", "runtime_taskflow_ms", "taskflow_ms", "speedup",
+           "kernel_by_kernel_speedup", "runtime_speedup", "predicted_taskflow_ms",
            "measured_taskflow_region_ms", "prediction_error_taskflow", "prediction_error_serial_schedule")
 
 
@@ -54,12 +61,19 @@ def configs(args: argparse.Namespace) -> None:
             continue
         argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", str(args.ep), "--json", "--predict",
                 "--iters", str(args.iters), "--warmup", str(args.warmup), *extra, *args.extra]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-        if proc.returncode:
-            print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
-            continue
-        rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"| {name} | " + " | ".join(str(rows[name].get(c)) for c in COLUMNS) + " |", flush=True)
+        runs = []
+        for _ in range(args.repeat):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+            if proc.returncode:
+                print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
+                continue
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"| {name} | " + " | ".join(str(runs[-1].get(c)) for c in COLUMNS) + " |", flush=True)
+        if runs:
+            rows[name] = runs
+            speedups = sorted(r["speedup"] for r in runs)
+            print(f"| {name} (median of {len(runs)}, range) | speedup {statistics.median(speedups):.3f} "
+                  f"[{speedups[0]:.3f}, {speedups[-1]:.3f}] |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -75,6 +89,7 @@ def main() -> None:
     c.add_argument("--ep", type=int, default=2)
     c.add_argument("--iters", type=int, default=10)
     c.add_argument("--warmup", type=int, default=5)
+    c.add_argument("--repeat", type=int, default=3, help="runs per configuration (the noise)")
     c.add_argument("--only", nargs="*", default=[])
     c.add_argument("--out", default=None)
     c.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `hpmoe bench` args")

@@ -1,7 +1,7 @@
-"""The runtime's cost model: the calibrated ``cpu`` profile adapted to how the
-runtime runs (worker counts, cores per rank, the executor's own per-task cost,
-the link measured over the transport in use), agreed by every rank; and the
-decision to fall back to the serialized baseline when it predicts no gain.
+"""Measurements behind the bench's cost models: the calibrated ``cpu`` profile adapted
+to how the runtime runs (worker counts, cores per rank, the executor's own per-task
+cost, the link measured over the transport in use), agreed by every rank.  The
+forecasts are ``sim.forecast``'s, the decision ``schedule.auto``'s.
 
 Every input is measured (calibration, link, executor overhead, per-step setup
 times); nothing is fitted to the outcome.
@@ -19,12 +19,10 @@ import torch.distributed as dist
 
 from ..runtime.session import RuntimeConfig
 from ..runtime.transport.base import TransportKind
-from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
-from ..sim.forecast import forecast_region, runtime_hardware
+from ..schedule.base import WorkerCounts
+from ..sim.forecast import runtime_hardware
 from ..sim.hardware import HardwareModel, load_profile
 from .overhead import EmptyShape, seconds_per_task
-
-MIN_GAIN = 1.05  # predicted serial / taskflow below this: run the serialized baseline
 
 
 def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
@@ -155,65 +153,3 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
                   runtime_hardware(profile, workers, a2a, share, overhead, world).to_dict())
     dist.broadcast_object_list(box, group=group, group_src=0)
     return Models(*(HardwareModel.from_dict(d) for d in box[0]), link=link, a2a=a2a, share=share)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Dispatch-to-Combine seconds of the serialized baseline — ``model_serial_s``
-    forecast, ``serial_s`` measured in the warm-up — and ``taskflow_s``, the forecast
-    of the best runtime schedule ``policy`` among ``forecasts`` (per candidate).
-
-    The baseline is taken as the larger of its forecast and its warm-up time: a
-    shaped TCP link has a fast and a slow regime and either source alone may have
-    caught the fast one.  ``fallback``: run the baseline instead — when the forecast
-    gain is below ``MIN_GAIN``, or when the warm-up measured the chosen schedule no
-    faster than the baseline (``vetoed``: measurement contradicted the forecast)."""
-
-    serial_s: float
-    model_serial_s: float
-    taskflow_s: float
-    policy: SchedulePolicy
-    forecasts: dict[SchedulePolicy, float]
-    measured_s: float  # the chosen schedule's warm-up Dispatch-to-Combine
-    vetoed: bool
-
-    @property
-    def baseline_s(self) -> float:
-        return max(self.model_serial_s, self.serial_s)
-
-    @property
-    def gain(self) -> float:
-        return self.baseline_s / self.taskflow_s
-
-    @property
-    def fallback(self) -> bool:
-        return self.gain < MIN_GAIN or self.vetoed
-
-
-@dataclass(frozen=True)
-class WarmUp:
-    """What the warm-up measured and ran, per candidate runtime policy: its last
-    schedule, its setup seconds (exchange + lower and schedule + prepare, medians),
-    its Dispatch-to-Combine seconds (median of the later warm-up iterations); and the
-    baseline's, the serial schedule and the count exchange's seconds."""
-
-    schedules: dict[SchedulePolicy, Schedule]
-    setup_s: dict[SchedulePolicy, float]
-    measured_s: dict[SchedulePolicy, float]
-    serial_s: float
-    serial_schedule: Schedule
-    exchange_s: float
-
-
-def decide(warm: WarmUp, models: Models) -> Decision:
-    """Forecast every candidate schedule — its region on the runtime's model plus its
-    measured setup — keep the fastest, and compare it with the forecast of the
-    baseline — the serial schedule with the link ``all_to_all_single`` gets, plus the
-    count exchange; the warm-up measurements may veto the taskflow."""
-    forecasts = {p: forecast_region(s, models.runtime)[0] + warm.setup_s[p]
-                 for p, s in warm.schedules.items()}
-    best = min(forecasts, key=forecasts.__getitem__)
-    model_serial = forecast_region(warm.serial_schedule, models.baseline)[0] + warm.exchange_s
-    return Decision(serial_s=warm.serial_s, model_serial_s=model_serial, taskflow_s=forecasts[best],
-                    policy=best, forecasts=forecasts, measured_s=warm.measured_s[best],
-                    vetoed=warm.measured_s[best] >= max(model_serial, warm.serial_s))

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.forward import ForwardOutput
+from ..schedule.auto import AutoDecision
 from ..schedule.base import SchedulePolicy
 from ..sim.forecast import forecast_region
 from ..sim.simulate import Timeline
-from .forecast import Decision, Models, slowest_rank
+from .forecast import Models, slowest_rank
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class BenchReport:
     link: tuple[float, float] | None
     a2a: tuple[float, float] | None
     share: float | None
-    decision: Decision | None
+    decision: AutoDecision | None
     prediction: Prediction | None
     timeline: Timeline
     predicted_timeline: Timeline | None
@@ -131,6 +132,7 @@ class BenchReport:
         for name, s in self.stats.items():
             out |= s.fields(name)
         out |= {"speedup": round(st["serial"] / st["taskflow"], 3),
+                "kernel_by_kernel_speedup": round(st["serial"] / st["kernel_by_kernel"], 3),
                 "runtime_speedup": round(st["serial"] / st["runtime_taskflow"], 3),
                 "runtime_speedup_over_serial_schedule": round(
                     st["serial_same_transport"] / st["runtime_taskflow"], 3),
@@ -143,13 +145,7 @@ class BenchReport:
     def _extras(self) -> dict:
         out: dict = {}
         if self.decision is not None:
-            d = self.decision
-            out |= {"fallback": d.fallback, "vetoed_by_warmup": d.vetoed,
-                    "warmup_serial_ms": round(d.serial_s * 1e3, 3),
-                    "warmup_runtime_ms": round(d.measured_s * 1e3, 3),
-                    "model_serial_ms": round(d.model_serial_s * 1e3, 3),
-                    "model_taskflow_ms": round(d.taskflow_s * 1e3, 3), "model_gain": round(d.gain, 3)}
-            out |= {f"model_{p.value}_ms": round(s * 1e3, 3) for p, s in d.forecasts.items()}
+            out |= self.decision.to_json() | {"auto": self.decision.describe()}
         if self.share is not None:
             out["cpu_share"] = round(self.share, 3)
         if self.link is not None:

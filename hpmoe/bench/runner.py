@@ -1,21 +1,24 @@
 """Dispatch-to-Combine latency on identical inputs: the serialized torch.distributed
-baseline, the serial schedule on hpmoe's runtime, and the taskflow.
+baseline, the kernel-by-kernel path, the serial schedule on hpmoe's runtime, the
+taskflow, and what ``SchedulePolicy.AUTO`` runs (``taskflow`` in the report).
 
 Plan of ``run_bench`` (every rank, collectively):
   1. every rank builds the same global batch from the seed and keeps its slice;
   2. the cost models (``costmodel``): calibrated profile + measured link and
      executor overhead, agreed by all ranks;
-  3. warm-up iterations of the baseline, the serial schedule and each candidate
-     runtime schedule; the cost model then forecasts every path (region plus the
-     measured per-step setup), picks the runtime schedule, and decides whether
-     hpmoe's answer ("taskflow") is that schedule on the runtime or, when it
-     predicts no gain, the serialized baseline;
-  4. timed iterations, variants interleaved, each after a barrier; a variant's
-     time in an iteration is the slowest rank's; medians and quartiles over them.
+  3. warm-up iterations of every variant; ``schedule.auto.decide`` then picks what
+     hpmoe runs ("taskflow") from the forecasts of every candidate (region on the
+     cost model plus measured per-step setup), the warm-up times able to veto a
+     taskflow; without a calibrated profile, the kernel-by-kernel path;
+  4. timed iterations, variants interleaved in an order that rotates every
+     iteration (each variant runs after each other one equally often), each after a
+     barrier; a variant's time in an iteration is the slowest rank's; medians and
+     quartiles over them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
 import time
@@ -26,8 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..exec.arena import ArenaPool
+from ..exec.kernel_by_kernel import kbk_forward
 from ..launch.netns import LinkSpec
 from ..refs import serialized_ep_forward
+from ..regions.forward import lower_forward
 from ..routing import Routing, RoutingKind, synthetic_routing
 from ..runtime.collective import CollectiveError
 from ..runtime.faults import Fault
@@ -35,19 +41,32 @@ from ..runtime.forensics import RegionError
 from ..runtime.forward import ForwardOptions, ForwardOutput, ForwardRunner
 from ..runtime.session import RuntimeConfig, Session
 from ..runtime.transport.segment import SegmentError
+from ..schedule.auto import (
+    BASELINE,
+    KERNEL_BY_KERNEL,
+    AutoDecision,
+    Candidate,
+    Forecast,
+    Path,
+    decide,
+    no_model,
+)
 from ..schedule.base import SchedulePolicy, WorkerCounts
+from ..schedule.serial import serial_schedule
+from ..sim.forecast import forecast_region, kernel_by_kernel_tiles
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
-from .forecast import Decision, Models, WarmUp, agreed_models, agreed_profile, decide, slowest_rank
+from .forecast import Models, agreed_models, agreed_profile, slowest_rank
 from .report import BenchReport, Stats, all_equal, max_abs_diff, measured_timeline, predict
 
 
 class Variant(enum.Enum):
     SERIAL = "serial"  # refs.serialized_ep_forward: all_to_all_single, kernel by kernel
+    KERNEL_BY_KERNEL = "kernel_by_kernel"  # exec.kernel_by_kernel: the same phases on grouped GEMMs
     SERIAL_SAME_TRANSPORT = "serial_same_transport"  # serial schedule, hpmoe runtime + transport
     RUNTIME = "runtime_taskflow"  # the chosen schedule on hpmoe's runtime
-    TASKFLOW = "taskflow"  # what hpmoe runs: RUNTIME, or the baseline when the model predicts no gain
+    TASKFLOW = "taskflow"  # what hpmoe runs by default (AUTO's choice)
 
 
 STEP_NAMES = ("exchange", "schedule", "prepare", "region")
@@ -65,7 +84,7 @@ class BenchConfig:
     tiles: TileSpec
     runtime: RuntimeConfig
     workers: WorkerCounts
-    policy: SchedulePolicy | None  # None: the cost model picks critical-path or hyperparallel
+    policy: SchedulePolicy  # AUTO: the cost model picks among every path
     warmup: int = 5
     iters: int = 10
     link: LinkSpec | None = None
@@ -141,11 +160,11 @@ def candidate_policies(policy: SchedulePolicy | None,
                        profile: HardwareModel | None) -> tuple[list[SchedulePolicy], str]:
     """The runtime schedules to try (None: the cost model picks) and a note."""
     if profile is None:
-        if policy in (None, SchedulePolicy.CRITICAL_PATH):
+        if policy in (SchedulePolicy.AUTO, SchedulePolicy.CRITICAL_PATH):
             return [SchedulePolicy.HYPERPARALLEL], ("no cpu profile (run `hpmoe calibrate`): "
-                                                   "hyperparallel, no cost-model choice")
+                                                   "runtime schedule hyperparallel; AUTO: kernel by kernel")
         return [policy], ""
-    if policy is None:
+    if policy is SchedulePolicy.AUTO:
         return [SchedulePolicy.CRITICAL_PATH, SchedulePolicy.HYPERPARALLEL], ""
     return [policy], ""
 
@@ -164,21 +183,31 @@ def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: Ha
     def runtime(r: ForwardRunner) -> Callable[[], object]:
         return lambda: r(data.x, data.routing, config.fault)
 
-    serial, group = runner(SchedulePolicy.SERIAL), session.group
+    serial, group, pool = runner(SchedulePolicy.SERIAL), session.group, ArenaPool()
     calls: Calls = {Variant.SERIAL.value: lambda: serialized_ep_forward(data.x, data.weights, data.routing,
                                                                         group),
+                    Variant.KERNEL_BY_KERNEL.value: lambda: Output(kbk_forward(
+                        data.x, data.routing, data.weights, group, pool)[0]),
                     Variant.SERIAL_SAME_TRANSPORT.value: lambda: serial(data.x, data.routing)}
     return calls | {runtime_name(p): runtime(runner(p)) for p in policies}
 
 
+@dataclass(frozen=True)
+class Output:
+    out: torch.Tensor
+
+
 def timed_loop(iters: int, calls: Calls, session: Session, phase: str) -> Samples:
     """``iters`` iterations, calls interleaved, each after a barrier (under the
-    session's deadline, announced on its board); rank 0 shows progress on stderr
-    (at most one line a second, and the last)."""
+    session's deadline, announced on its board); iteration i starts at call i (mod
+    the number of calls), so every call follows every other one equally often; rank 0
+    shows progress on stderr (at most one line a second, and the last)."""
     s = Samples.empty(list(calls))
+    names = list(calls)
     start = shown = time.monotonic()
     for i in range(iters):
-        for name, call in calls.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            call = calls[name]
             session.collectives.barrier(f"{phase} {i + 1}/{iters}: barrier before {name}", publish=False)
             session.board.enter(f"{phase} {i + 1}/{iters}: {name}", publish=False)
             t0 = time.perf_counter()
@@ -217,12 +246,13 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     every = make_calls(config, session, data, hardware, policies)
     warm = timed_loop(config.warmup, every, session, "warm-up")
     session.board.enter("bench: decision")
-    decision = _decide(warm, models, policies, group)
-    chosen = decision.policy if decision is not None else policies[0]
+    decision = _decide(warm, models, policies, group) if config.policy is SchedulePolicy.AUTO else None
+    chosen = _runtime_policy(decision, policies)
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
     calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
-    if decision is not None and decision.fallback:
-        calls[Variant.TASKFLOW.value] = calls[Variant.SERIAL.value]
+    default = Variant.RUNTIME if decision is None else _variant(decision.chosen)
+    if default is not Variant.RUNTIME:
+        calls[Variant.TASKFLOW.value] = calls[default.value]
     samples = timed_loop(config.iters, calls, session, "iteration")
     if Variant.TASKFLOW.value not in calls:
         samples.alias(Variant.TASKFLOW.value, Variant.RUNTIME.value)
@@ -242,28 +272,51 @@ def _models(config: BenchConfig, profile: HardwareModel | None,
     return agreed_models(profile, config.runtime, config.workers, moe.dtype, nbytes, group, rate)
 
 
-def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy],
-            group: dist.ProcessGroup | None) -> Decision | None:
-    """The cost model's choice, from the warm-up's schedules and setup times; vetoed
-    when the warm-up measured the chosen schedule no faster than the baseline."""
-    if models is None:
-        return None
-    steps = {p: warm.step_medians(runtime_name(p), group) for p in policies}
+def _runtime_policy(decision: AutoDecision | None, policies: list[SchedulePolicy]) -> SchedulePolicy:
+    """The runtime schedule the report's ``runtime_taskflow`` runs: AUTO's best taskflow."""
+    if decision is None:
+        return policies[0]
+    flows = [f for f in decision.forecasts if f.candidate.path is Path.TASKFLOW]
+    return min(flows, key=lambda f: f.total_s).candidate.policy if flows else policies[0]
 
-    def settled(name: str) -> float:  # median of the later warm-up iterations
+
+def _variant(candidate: Candidate) -> Variant:
+    return {Path.TASKFLOW: Variant.RUNTIME, Path.KERNEL_BY_KERNEL: Variant.KERNEL_BY_KERNEL,
+            Path.BASELINE: Variant.SERIAL}[candidate.path]
+
+
+def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy],
+            group: dist.ProcessGroup | None) -> AutoDecision:
+    """AUTO's choice (``schedule.auto.decide``) from forecasts of every candidate:
+    runtime schedules on the runtime's model plus their measured setup; the baseline
+    (the serial schedule) and the kernel-by-kernel path (its whole-phase tasks, one
+    worker per unit) on the baseline's model plus the measured count exchange; the
+    warm-up times (median of the later iterations) may veto a taskflow."""
+    def settled(name: str) -> float:
         later = warm.seconds[name][len(warm.seconds[name]) // 2:]
         return float(np.median(slowest_rank(np.array(later), group)))
 
-    return decide(WarmUp(
-        schedules={p: warm.last[runtime_name(p)].schedule for p in policies},
-        setup_s={p: st["exchange"] + st["schedule"] + st["prepare"] for p, st in steps.items()},
-        measured_s={p: settled(runtime_name(p)) for p in policies}, serial_s=settled(Variant.SERIAL.value),
-        serial_schedule=warm.last[Variant.SERIAL_SAME_TRANSPORT.value].schedule,
-        exchange_s=min(st["exchange"] for st in steps.values())), models)
+    measured = {Candidate(Path.TASKFLOW, p).name: settled(runtime_name(p)) for p in policies}
+    measured |= {BASELINE.name: settled(Variant.SERIAL.value),
+                 KERNEL_BY_KERNEL.name: settled(Variant.KERNEL_BY_KERNEL.value)}
+    if models is None:
+        return dataclasses.replace(no_model(), measured_s=measured)
+    steps = {p: warm.step_medians(runtime_name(p), group) for p in policies}
+    exchange = min(st["exchange"] for st in steps.values())
+    forecasts = [Forecast(Candidate(Path.TASKFLOW, p), forecast_region(warm.last[runtime_name(p)].schedule,
+                                                                       models.runtime)[0],
+                          st["exchange"] + st["schedule"] + st["prepare"]) for p, st in steps.items()]
+    last = warm.last[Variant.SERIAL_SAME_TRANSPORT.value]
+    serial, plan = last.schedule, last.plan
+    one = dataclasses.replace(models.baseline, matrix_workers=1, vector_workers=1)
+    kbk = serial_schedule(lower_forward(plan, kernel_by_kernel_tiles(plan)), WorkerCounts(1, 1))
+    forecasts += [Forecast(KERNEL_BY_KERNEL, forecast_region(kbk, one)[0], exchange),
+                  Forecast(BASELINE, forecast_region(serial, models.baseline)[0], exchange)]
+    return decide(forecasts, measured)
 
 
 def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models: Models | None,
-                 decision: Decision | None, group: dist.ProcessGroup | None, note: str) -> BenchReport:
+                 decision: AutoDecision | None, group: dist.ProcessGroup | None, note: str) -> BenchReport:
     """Reduce every rank's samples into the report (collective)."""
     names = [v.value for v in Variant]
     sst, rt = Variant.SERIAL_SAME_TRANSPORT.value, Variant.RUNTIME.value
