@@ -84,23 +84,38 @@ def add_present(acc: torch.Tensor, term: torch.Tensor, present: torch.Tensor) ->
 
 
 def rank_partials_sum(o: torch.Tensor, w: torch.Tensor, rank_of_slot: torch.Tensor, ep: int,
-                      shared: torch.Tensor | None, dtype: torch.dtype,
-                      partial_dtype: torch.dtype) -> torch.Tensor:
-    """The combine of rank-deduplicated dispatch (``DispatchMode.PER_RANK``).
+                      shared: torch.Tensor | None, dtype: torch.dtype, partial_dtype: torch.dtype,
+                      nodes: int = 1) -> torch.Tensor:
+    """The combine of rank-deduplicated dispatch (``DispatchMode.PER_RANK``, and
+    ``PER_NODE`` over ``nodes`` nodes of consecutive ranks).
 
     o: [N, k, H] expert outputs in slot order; w: [N, k] float32; rank_of_slot: [N, k]
-    int64 rank holding each slot's expert.  Each rank's partial is the fp32 sum of its
-    slots' ``w_j * o_j`` in slot order, cast to ``partial_dtype`` (the wire dtype); the
-    token's output is the fp32 sum of its partials in rank order, shared expert last,
-    cast to ``dtype``.  Returns [N, H].
+    int64 rank holding each slot's expert; the N tokens are split evenly over the ``ep``
+    ranks.  Each rank's partial is the fp32 sum of its slots' ``w_j * o_j`` in slot
+    order, cast to ``partial_dtype`` (the wire dtype).  With ``nodes`` > 1 the partials
+    of the ranks of a node other than the token's own are first summed in fp32, rank
+    order, and cast to ``partial_dtype`` (what the node's relay sends back).  The
+    token's output is the fp32 sum of its partials in rank order (a node's sum at the
+    node's last rank), shared expert last, cast to ``dtype``.  Returns [N, H].
     """
+    rpn = ep // nodes
+    node_of_token = torch.arange(o.shape[0]) // max(o.shape[0] // ep, 1) // rpn
     acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32)
+    node_acc = torch.zeros_like(acc)
     for r in range(ep):
         mine = rank_of_slot == r
         part = torch.zeros_like(acc)
         for j in range(o.shape[1]):
             part = add_present(part, w[:, j:j + 1] * o[:, j].float(), mine[:, j])
-        acc = add_present(acc, part.to(partial_dtype).float(), mine.any(dim=1))
+        part = part.to(partial_dtype).float()
+        here = mine.any(dim=1)
+        home = node_of_token == r // rpn
+        acc = add_present(acc, part, here & home)
+        node_acc = add_present(node_acc, part, here & ~home)
+        if nodes > 1 and r % rpn == rpn - 1:
+            reached = (rank_of_slot // rpn == r // rpn).any(dim=1) & ~home
+            acc = add_present(acc, node_acc.to(partial_dtype).float(), reached)
+            node_acc = torch.zeros_like(acc)
     if shared is not None:
         acc = acc + shared.float()
     return acc.to(dtype)
@@ -148,14 +163,17 @@ def expert_outputs(x: torch.Tensor, weights: ExpertWeights, routing: Routing) ->
 
 
 def dense_moe_rank_partials(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
-                            partial_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                            partial_dtype: torch.dtype = torch.float32, nodes: int = 1) -> torch.Tensor:
     """:func:`dense_moe` with the combine of rank-deduplicated dispatch over ``ep``
-    ranks (:func:`rank_partials_sum`): what ``DispatchMode.PER_RANK`` must reproduce.
-    With one rank and fp32 partials it equals :func:`dense_moe` bit for bit."""
+    ranks (:func:`rank_partials_sum`): what ``DispatchMode.PER_RANK`` must reproduce,
+    and ``PER_NODE`` over ``nodes`` nodes.  With one rank and fp32 partials it equals
+    :func:`dense_moe` bit for bit."""
     o = expert_outputs(x, weights, routing)
     local = _local_experts(weights.spec, ep)
+    if ep % nodes:
+        raise ValueError(f"nodes={nodes} does not divide ep={ep}")
     return rank_partials_sum(o, routing.weights, routing.ids // local, ep, shared_ffn(x, weights),
-                             weights.spec.dtype, partial_dtype)
+                             weights.spec.dtype, partial_dtype, nodes)
 
 
 # ---------------------------------------------------------------------------- serialized EP

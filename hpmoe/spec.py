@@ -134,10 +134,15 @@ class DispatchMode(enum.Enum):
     PER_RANK: one row per (token, destination rank holding any of its experts); the
       receiver copies it to its local experts and sums their weighted outputs into one
       partial row per (token, rank), which is what the combine sends back.
+    PER_NODE: PER_RANK within a node; between nodes (``ParallelSpec.nodes``) a token
+      travels once per (token, destination node) to a relay rank there, which forwards
+      it to the node's destination ranks and sums their partials before one row goes
+      back.  With one node it is PER_RANK.
     """
 
     PER_EXPERT = "per-expert"
     PER_RANK = "per-rank"
+    PER_NODE = "per-node"
 
 
 @dataclass(frozen=True)
@@ -151,8 +156,8 @@ class TileSpec:
     gemm_splits: when > 0, split every GEMM's output width into this many column
       tiles instead (the paper: one tile per matrix core), overriding gemm_cols.
     dispatch: what a dispatch row is (``DispatchMode``).
-    partial_dtype: wire dtype of the per-rank partial sums under ``PER_RANK`` (fp32:
-      exact; bf16: half the combine bytes).
+    partial_dtype: wire dtype of the per-rank (and per-node) partial sums under
+      ``PER_RANK`` and ``PER_NODE`` (fp32: exact; bf16: half the combine bytes).
     """
 
     rows: int = 128

@@ -13,6 +13,7 @@ from ..ir.graph import TaskGraph
 from ..regions import RegionKind, region
 from ..regions.dedup import dedup_factor
 from ..schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, paper_tiles, schedule
+from ..sim.cost import put_tier
 from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset, override_fields, with_overrides
 from ..sim.simulate import Bounds, SimResult, simulate
 from ..spec import DispatchMode
@@ -95,10 +96,11 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
     if args.paper_tiles:
         layer = replace(layer, tiles=paper_tiles(hardware))
     t0 = time.perf_counter()
-    kind = RegionKind.FORWARD_DEDUP if layer.tiles.dispatch is DispatchMode.PER_RANK else RegionKind.FORWARD
+    kind = RegionKind.FORWARD if layer.tiles.dispatch is DispatchMode.PER_EXPERT else RegionKind.FORWARD_DEDUP
     if args.backward:
-        if layer.tiles.dispatch is DispatchMode.PER_RANK:
-            raise ValueError("--dispatch per-rank: the backward region has per-expert dispatch only")
+        if layer.tiles.dispatch is not DispatchMode.PER_EXPERT:
+            raise ValueError(f"--dispatch {layer.tiles.dispatch.value}: the backward region has per-expert "
+                             "dispatch only")
         kind = RegionKind.BACKWARD_RECOMPUTE if args.recompute else RegionKind.BACKWARD
     graph = region(kind).lower(layer.plan, layer.tiles, None)
     t1 = time.perf_counter()
@@ -130,6 +132,7 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
         "ranks_per_token": round(sim.layer.ranks_per_token, 4),
         "dispatch": tiles.dispatch.value,
         "link_bytes": link_bytes_per_rank(sim.graph),
+        "link_bytes_per_tier": link_bytes_per_tier(sim.graph),
         "dedup_factor": round(dedup_factor(sim.layer.plan), 4),
         "tasks": int(sim.graph.num_tasks),
         "makespan_us": round(sim.result.makespan * _US, 3),
@@ -145,6 +148,14 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
 def link_bytes_per_rank(graph: TaskGraph) -> list[int]:
     """Bytes each rank's puts send to other ranks."""
     return [int(b) for b in np.bincount(graph.rank, weights=graph.link_bytes, minlength=graph.ep)]
+
+
+def link_bytes_per_tier(graph: TaskGraph) -> dict[str, list[int]]:
+    """Bytes each rank's puts send to ranks of its node (``intra``) and of other nodes (``inter``)."""
+    tier = put_tier(graph)
+    return {name: [int(b) for b in np.bincount(graph.rank[tier == t], weights=graph.link_bytes[tier == t],
+                                               minlength=graph.ep)]
+            for t, name in ((0, "intra"), (1, "inter"))}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -93,8 +93,8 @@ def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], conte
 
 
 def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
-                    tiles: TileSpec = DEFAULT_TILES, order: Order = None) -> ForwardResult:
-    """Lower and run the forward region of ``ep`` virtual ranks.
+                    tiles: TileSpec = DEFAULT_TILES, order: Order = None, nodes: int = 1) -> ForwardResult:
+    """Lower and run the forward region of ``ep`` virtual ranks on ``nodes`` nodes.
 
     x: [N, H] spec.dtype, split evenly over ranks.  ``order``: task ids, or an int
     seed for a random valid order, or None (task-id order)."""
@@ -103,9 +103,9 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
     check_routing(routing, spec, x.shape[0])
     if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
-    par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
+    par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep, nodes=nodes)
     plan = plan_routing(routing.ids, spec, par)
-    region = FORWARD_DEDUP if tiles.dispatch is DispatchMode.PER_RANK else FORWARD
+    region = FORWARD if tiles.dispatch is DispatchMode.PER_EXPERT else FORWARD_DEDUP
     graph = region.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)

@@ -62,13 +62,18 @@ class TaskKind(enum.IntEnum):
     EXPAND = 26  # copy rows received once per (token, rank) to each local expert's rows
     PARTIAL_REDUCE = 27  # part[row] = sum over the rank's experts of w_j * y_j, fp32, slot order
     PARTIAL_SUM = 28  # out[tokens] = sum of the per-rank partials, rank order (+ shared)
+    HOP_DISPATCH = 29  # put token rows once per (token, destination node) to the node's relay rank
+    RELAY_PACK = 30  # relay: gather received hop rows into the rows it forwards within its node
+    NODE_REDUCE = 31  # relay: sum a token's partials from its node's ranks, fp32, rank order
+    HOP_COMBINE = 32  # put the node partials back to the token's source rank
 
 
 _MATRIX_KINDS = {TaskKind.GEMM_UP, TaskKind.GEMM_DOWN, TaskKind.SHARED_UP, TaskKind.SHARED_DOWN,
                  TaskKind.DGRAD_DOWN, TaskKind.WGRAD_DOWN, TaskKind.DGRAD_UP, TaskKind.WGRAD_UP,
                  TaskKind.SHARED_DGRAD_DOWN, TaskKind.SHARED_WGRAD_DOWN, TaskKind.SHARED_DGRAD_UP,
                  TaskKind.SHARED_WGRAD_UP}
-PUT_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.GRAD_DISPATCH, TaskKind.GRAD_COMBINE})
+PUT_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.GRAD_DISPATCH, TaskKind.GRAD_COMBINE,
+                       TaskKind.HOP_DISPATCH, TaskKind.HOP_COMBINE})
 UNIT_OF_KIND = np.array([Unit.MATRIX if k in _MATRIX_KINDS else Unit.VECTOR for k in TaskKind],
                         dtype=np.int8)
 IS_PUT = np.array([k in PUT_KINDS for k in TaskKind], dtype=bool)

@@ -1,4 +1,5 @@
-"""Rank-deduplicated forward lowering (``DispatchMode.PER_RANK``).
+"""Rank-deduplicated forward lowering (``DispatchMode.PER_RANK``), and its
+hierarchical form (``DispatchMode.PER_NODE``).
 
 A token travels once to each rank holding any of its experts, and comes back as one
 partial row per such rank.  Per rank, in the order data flows:
@@ -16,19 +17,34 @@ partial row per such rank.  Per rank, in the order data flows:
                   shared expert last (``refs.rank_partials_sum``);
   SHARED_*        shared-expert tiles on the rank's own tokens.
 A piece is at most ``tiles.rows`` consecutive pairs of one (source, destination).
+
+Under ``PER_NODE`` with ``ParallelSpec.nodes`` > 1, a token's rows to ranks of its own
+node go as above; to another node it crosses once (a hop) to that node's relay rank,
+which forwards it over the fast tier and sums the node's partials before one row
+crosses back:
+  PERMUTE         also gathers the hop rows (after the delivered rows of the send buffer);
+  HOP_DISPATCH    one per hop piece: put them into the relay's ``hrecv`` rows;
+  RELAY_PACK      on the relay, one per forwarded piece: gather its ``hrecv`` rows into
+                  send rows, after every hop piece they came in; its DISPATCH follows;
+  COMBINE         of a forwarded piece: the partials go back to the relay;
+  NODE_REDUCE     on the relay, one per hop piece received: fp32 sum of each token's
+                  partials from the node's ranks, rank order, cast to the wire dtype;
+  HOP_COMBINE     one per hop piece: put the node partials back to the source;
+  PARTIAL_SUM     sums same-node rank partials and node partials in rank order of
+                  (rank, first rank of the node) (``refs.rank_partials_sum``).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..ir.events import EventLayout
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
-from ..spec import TileSpec
+from ..spec import DispatchMode, TileSpec
 from .layout import Layout, ceil_div, exclusive_cumsum, expand, make_layout
 from .tiles import (
     Lowering,
@@ -45,15 +61,20 @@ from .tiles import (
     task_block,
 )
 
-PER_RANK_KINDS = frozenset({TaskKind.EXPAND, TaskKind.PARTIAL_REDUCE, TaskKind.PARTIAL_SUM})
-"""Task kinds only the per-rank forward has."""
+PER_RANK_KINDS = frozenset({TaskKind.EXPAND, TaskKind.PARTIAL_REDUCE, TaskKind.PARTIAL_SUM,
+                            TaskKind.HOP_DISPATCH, TaskKind.RELAY_PACK, TaskKind.NODE_REDUCE,
+                            TaskKind.HOP_COMBINE})
+"""Task kinds only the per-rank (and per-node) forward has."""
 
 
 class DedupEvent(enum.IntEnum):
     """Event categories of a rank: ROWS, H, A one per GEMM block; LANDED, RED, PART
     one per piece received (rows arrived; every expert output of its rows ready; its
     partials written); OUT one per token tile; SH, SA one per shared block; PERM one
-    per piece sent."""
+    per piece sent (delivery pieces, then hop pieces).  Under ``PER_NODE``: HOP one
+    per delivery piece sent (every hop piece a forwarded one gathers from arrived);
+    HRED, HDONE one per hop piece received (every partial of its rows is back; its
+    node partials written)."""
 
     ROWS = 0
     H = 1
@@ -65,19 +86,27 @@ class DedupEvent(enum.IntEnum):
     SH = 7
     SA = 8
     PERM = 9
+    HOP = 10
+    HRED = 11
+    HDONE = 12
 
 
 @dataclass(frozen=True)
 class Pairs:
-    """Every (source, destination rank, token) a token travels as, sorted by
-    (src, dst, token).  send_row: row in the source's send buffer (by dst, then
-    token); recv_row: row in the destination's ``drecv`` (by src, then token);
-    slot_row: [P, k] per-expert receive row on dst of each top-k slot (-1: the slot's
-    expert is elsewhere)."""
+    """Every (token, destination rank) row as it is delivered, sorted by (src, dst,
+    fwd, origin, token).  src: the rank that puts the row into dst's ``drecv`` (the
+    token's own rank ``origin``, or under ``PER_NODE`` the relay of dst's node when
+    ``fwd``); hop: the hop that brought a forwarded row to the relay (-1: none).
+    send_row: row in src's send buffer (by dst, fwd, origin, token); recv_row: row in
+    dst's ``drecv`` (by src, fwd, origin, token); slot_row: [P, k] per-expert receive
+    row on dst of each top-k slot (-1: the slot's expert is elsewhere)."""
 
     src: np.ndarray
     dst: np.ndarray
     token: np.ndarray
+    origin: np.ndarray
+    fwd: np.ndarray
+    hop: np.ndarray
     send_row: np.ndarray
     recv_row: np.ndarray
     slot_row: np.ndarray
@@ -86,12 +115,31 @@ class Pairs:
 
 
 @dataclass(frozen=True)
+class Hops:
+    """Under ``PER_NODE``: one hop per (token, destination node other than its own),
+    sorted by (origin, relay, token).  relay: the node's rank the row crosses to (the
+    token's only destination rank there, else the rank with the origin's index in its
+    node).  send_row: row in origin's send buffer (after its delivered rows, by relay,
+    token); recv_row: row in relay's ``hrecv`` (by origin, token)."""
+
+    origin: np.ndarray
+    relay: np.ndarray
+    token: np.ndarray
+    send_row: np.ndarray
+    recv_row: np.ndarray
+    per_src: np.ndarray  # [ep]
+    per_dst: np.ndarray  # [ep]
+
+
+@dataclass(frozen=True)
 class DedupPieces:
-    """Pieces of at most ``tiles.rows`` pairs of one (src, dst); ``local`` is the id
-    among the source's pieces, ``rlocal`` among the destination's."""
+    """Pieces of at most ``tiles.rows`` consecutive rows of one (src, dst, fwd): the
+    unit of one put.  ``local`` is the id among the source's pieces, ``rlocal`` among
+    the destination's."""
 
     src: np.ndarray
     dst: np.ndarray
+    fwd: np.ndarray
     send_row0: np.ndarray
     recv_row0: np.ndarray
     rows: np.ndarray
@@ -104,14 +152,26 @@ class DedupPieces:
 @dataclass(frozen=True)
 class DedupLayout:
     """The per-expert ``Layout`` (GEMM blocks, token tiles, shared blocks) plus the
-    pairs and pieces that travel, and which blocks each received piece feeds
-    (``feed_piece``/``feed_block``: distinct pairs, sorted by piece)."""
+    rows that travel and their pieces, which blocks each received piece feeds
+    (``feed_piece``/``feed_block``: distinct pairs, sorted by piece), and under
+    ``PER_NODE`` the hops, their pieces (``local`` after the source's delivery
+    pieces, ``send_row0`` after its delivered rows) and which forwarded piece each hop
+    piece feeds (``hop_feed``/``fwd_feed``: distinct pairs, sorted by hop piece)."""
 
     base: Layout
     pairs: Pairs
     pieces: DedupPieces
     feed_piece: np.ndarray
     feed_block: np.ndarray
+    hops: Hops
+    hop_pieces: DedupPieces
+    hop_feed: np.ndarray
+    fwd_feed: np.ndarray
+
+    @property
+    def send_rows(self) -> np.ndarray:
+        """[ep] rows of each rank's send buffer (and ``pcomb``): delivered rows, then hops."""
+        return self.pairs.per_src + self.hops.per_src
 
 
 def slot_rows(plan: RoutingPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -128,43 +188,94 @@ def slot_rows(plan: RoutingPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     return src, plan.order.numpy().ravel(), dst, recv
 
 
-def make_pairs(plan: RoutingPlan) -> Pairs:
+def _rank_pairs(plan: RoutingPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(origin, dst, token, slot_row) of every distinct (token, destination rank),
+    sorted by (origin, dst, token)."""
     ep, tpr, k = plan.par.ep, plan.par.tokens_per_rank, plan.moe.top_k
     src, flat, dst, recv = slot_rows(plan)
-    key = (src * ep + dst) * tpr + flat // k
-    uniq, inv = np.unique(key, return_inverse=True)
-    ps, pd, pt = uniq // (ep * tpr), (uniq // tpr) % ep, uniq % tpr
-    per_src, per_dst = np.bincount(ps, minlength=ep), np.bincount(pd, minlength=ep)
-    by_dst = np.argsort(pd, kind="stable")
-    recv_row = np.empty(len(uniq), np.int64)
-    recv_row[by_dst] = np.arange(len(uniq)) - exclusive_cumsum(per_dst)[pd[by_dst]]
+    uniq, inv = np.unique((src * ep + dst) * tpr + flat // k, return_inverse=True)
     slot_row = np.full((len(uniq), k), -1, np.int64)
     slot_row[inv, flat % k] = recv
-    return Pairs(src=ps, dst=pd, token=pt, send_row=np.arange(len(uniq)) - exclusive_cumsum(per_src)[ps],
-                 recv_row=recv_row, slot_row=slot_row, per_src=per_src, per_dst=per_dst)
+    return uniq // (ep * tpr), (uniq // tpr) % ep, uniq % tpr, slot_row
+
+
+def make_hops(plan: RoutingPlan, origin: np.ndarray, dst: np.ndarray, token: np.ndarray,
+              cross: np.ndarray) -> tuple[Hops, np.ndarray]:
+    """(the hops of the rank pairs (origin, dst, token) that ``cross`` nodes, each
+    pair's hop or -1); send rows count from 0 (the caller offsets them)."""
+    ep, tpr, rpn = plan.par.ep, plan.par.tokens_per_rank, plan.par.ranks_per_node
+    nodes = plan.par.nodes
+    cross = np.flatnonzero(cross)
+    key, inv, count = np.unique((origin[cross] * nodes + dst[cross] // rpn) * tpr + token[cross],
+                                return_inverse=True, return_counts=True)
+    h_origin, h_node, h_token = key // (nodes * tpr), (key // tpr) % nodes, key % tpr
+    only = np.zeros(len(key), np.int64)
+    only[inv] = dst[cross]
+    relay = np.where(count == 1, only, h_node * rpn + h_origin % rpn)
+    order = np.lexsort((h_token, relay, h_origin))
+    rank_of = np.empty(len(key), np.int64)
+    rank_of[order] = np.arange(len(key))
+    hop = np.full(len(origin), -1, np.int64)
+    hop[cross] = rank_of[inv]
+    h_origin, relay, h_token = h_origin[order], relay[order], h_token[order]
+    per_src, per_dst = np.bincount(h_origin, minlength=ep), np.bincount(relay, minlength=ep)
+    by_relay = np.lexsort((h_token, h_origin, relay))
+    recv_row = np.empty(len(key), np.int64)
+    recv_row[by_relay] = np.arange(len(key)) - exclusive_cumsum(per_dst)[relay[by_relay]]
+    send_row = np.arange(len(key)) - exclusive_cumsum(per_src)[h_origin]
+    return Hops(origin=h_origin, relay=relay, token=h_token, send_row=send_row, recv_row=recv_row,
+                per_src=per_src, per_dst=per_dst), hop
+
+
+def make_pairs(plan: RoutingPlan, hierarchical: bool = False) -> tuple[Pairs, Hops]:
+    """The delivered rows and, ``hierarchical``, the hops between nodes (``PER_NODE``)."""
+    ep = plan.par.ep
+    origin, dst, token, slot_row = _rank_pairs(plan)
+    if not hierarchical or plan.par.nodes == 1:
+        cross = np.zeros(len(origin), bool)
+    else:
+        cross = origin // plan.par.ranks_per_node != dst // plan.par.ranks_per_node
+    hops, hop = make_hops(plan, origin, dst, token, cross)
+    src = origin.copy()
+    src[cross] = hops.relay[hop[cross]]
+    order = np.lexsort((token, origin, cross, dst, src))
+    src, dst, token, origin, cross, hop, slot_row = (a[order] for a in (src, dst, token, origin, cross,
+                                                                         hop, slot_row))
+    per_src, per_dst = np.bincount(src, minlength=ep), np.bincount(dst, minlength=ep)
+    by_dst = np.lexsort((token, origin, cross, src, dst))
+    recv_row = np.empty(len(src), np.int64)
+    recv_row[by_dst] = np.arange(len(src)) - exclusive_cumsum(per_dst)[dst[by_dst]]
+    hops = replace(hops, send_row=hops.send_row + per_src[hops.origin])
+    pairs = Pairs(src=src, dst=dst, token=token, origin=origin, fwd=cross, hop=hop,
+                  send_row=np.arange(len(src)) - exclusive_cumsum(per_src)[src], recv_row=recv_row,
+                  slot_row=slot_row, per_src=per_src, per_dst=per_dst)
+    return pairs, hops
 
 
 def dedup_factor(plan: RoutingPlan) -> float:
     """Rows crossing ranks with one row per (token, expert) over rows crossing with
     one row per (token, destination rank); 1.0 when nothing crosses."""
     src, _, dst, _ = slot_rows(plan)
-    pairs = make_pairs(plan)
+    origin, pdst, _, _ = _rank_pairs(plan)
     remote = int((src != dst).sum())
-    dedup = int((pairs.src != pairs.dst).sum())
+    dedup = int((origin != pdst).sum())
     return remote / dedup if dedup else 1.0
 
 
-def make_pieces(pairs: Pairs, ep: int, rows: int) -> DedupPieces:
-    cnt = np.bincount(pairs.src * ep + pairs.dst, minlength=ep * ep).reshape(ep, ep)
+def make_pieces(src: np.ndarray, dst: np.ndarray, fwd: np.ndarray, ep: int, rows: int) -> DedupPieces:
+    """Pieces of rows sorted by (src, dst, fwd): sent by (dst, fwd), received by (src, fwd)."""
+    cnt = np.bincount((src * ep + dst) * 2 + fwd, minlength=ep * ep * 2).reshape(ep, ep, 2)
     seg, j = expand(ceil_div(cnt, rows).ravel())
-    s, d = seg // ep, seg % ep
-    n = np.minimum(rows, cnt[s, d] - j * rows)
+    s, d, f = seg // (2 * ep), (seg // 2) % ep, seg % 2
+    n = np.minimum(rows, cnt[s, d, f] - j * rows)
     per_src, per_dst = np.bincount(s, minlength=ep), np.bincount(d, minlength=ep)
     by_dst = np.argsort(d, kind="stable")
     rlocal = np.empty(len(s), np.int64)
     rlocal[by_dst] = np.arange(len(s)) - exclusive_cumsum(per_dst)[d[by_dst]]
-    return DedupPieces(src=s, dst=d, send_row0=exclusive_cumsum(cnt, axis=1)[s, d] + j * rows,
-                       recv_row0=exclusive_cumsum(cnt, axis=0)[s, d] + j * rows, rows=n,
+    sent = exclusive_cumsum(cnt.reshape(ep, 2 * ep), axis=1).reshape(ep, ep, 2)
+    got = exclusive_cumsum(cnt.transpose(1, 0, 2).reshape(ep, 2 * ep), axis=1).reshape(ep, ep, 2)
+    return DedupPieces(src=s, dst=d, fwd=f.astype(bool), send_row0=sent[s, d, f] + j * rows,
+                       recv_row0=got[d, s, f] + j * rows, rows=n,
                        local=np.arange(len(s)) - exclusive_cumsum(per_src)[s], rlocal=rlocal,
                        per_src=per_src, per_dst=per_dst)
 
@@ -173,36 +284,52 @@ def _feeds(base: Layout, pairs: Pairs, pieces: DedupPieces) -> tuple[np.ndarray,
     """Distinct (received piece, GEMM block) pairs: a piece's rows are expanded into
     the block, sorted by piece."""
     pair, j = np.nonzero(pairs.slot_row >= 0)
-    dst, row = pairs.dst[pair], pairs.slot_row[pair, j]
-    span = int(max(base.plan.recv_offsets[:, -1].max(), 1)) + 1
+    row = pairs.slot_row[pair, j]
     b = base.blocks
-    block = np.searchsorted(b.rank * span + b.row0, dst * span + row, side="right") - 1
-    pspan = int(max(pairs.per_dst.max(initial=0), 1)) + 1
-    order = np.argsort(pieces.dst * pspan + pieces.recv_row0, kind="stable")
-    pkeys = (pieces.dst * pspan + pieces.recv_row0)[order]
-    piece = order[np.searchsorted(pkeys, dst * pspan + pairs.recv_row[pair], side="right") - 1]
+    span = int(max(base.plan.recv_offsets[:, -1].max(), 1)) + 1
+    block = np.searchsorted(b.rank * span + b.row0, pairs.dst[pair] * span + row, side="right") - 1
+    piece = pair_pieces(pieces)[pair]
     key = np.unique(piece * max(len(b.rank), 1) + block)
     return key // max(len(b.rank), 1), key % max(len(b.rank), 1)
 
 
+def pair_pieces(pieces: DedupPieces) -> np.ndarray:
+    """[rows] the piece of every row (pieces list their rows in order)."""
+    return np.repeat(np.arange(len(pieces.src)), pieces.rows)
+
+
+def _hop_feeds(pairs: Pairs, pieces: DedupPieces, hop_pieces: DedupPieces) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct (hop piece, forwarded delivery piece) pairs, sorted by hop piece."""
+    fwd = np.flatnonzero(pairs.fwd)
+    n = max(len(pieces.src), 1)
+    key = np.unique(pair_pieces(hop_pieces)[pairs.hop[fwd]] * n + pair_pieces(pieces)[fwd])
+    return key // n, key % n
+
+
 def make_dedup_layout(plan: RoutingPlan, tiles: TileSpec) -> DedupLayout:
-    """Everything the per-rank lowering needs, for every rank (a pure function of the plan)."""
+    """Everything the deduplicated lowering needs, for every rank (a pure function of the plan)."""
+    ep = plan.par.ep
     base = make_layout(plan, tiles)
-    pairs = make_pairs(plan)
-    pieces = make_pieces(pairs, plan.par.ep, tiles.rows)
+    pairs, hops = make_pairs(plan, tiles.dispatch is DispatchMode.PER_NODE)
+    pieces = make_pieces(pairs.src, pairs.dst, pairs.fwd.astype(np.int64), ep, tiles.rows)
+    hp = make_pieces(hops.origin, hops.relay, np.zeros(len(hops.origin), np.int64), ep, tiles.rows)
+    hp = replace(hp, send_row0=hp.send_row0 + pairs.per_src[hp.src], local=hp.local + pieces.per_src[hp.src])
     feed_piece, feed_block = _feeds(base, pairs, pieces)
-    return DedupLayout(base=base, pairs=pairs, pieces=pieces, feed_piece=feed_piece, feed_block=feed_block)
+    hop_feed, fwd_feed = _hop_feeds(pairs, pieces, hp)
+    return DedupLayout(base=base, pairs=pairs, pieces=pieces, feed_piece=feed_piece, feed_block=feed_block,
+                       hops=hops, hop_pieces=hp, hop_feed=hop_feed, fwd_feed=fwd_feed)
 
 
 def dedup_events(d: DedupLayout) -> EventLayout:
     base, ep = d.base, d.base.plan.par.ep
-    nb, recv = base.blocks.count, d.pieces.per_dst
+    nb, recv, hops = base.blocks.count, d.pieces.per_dst, d.hop_pieces.per_dst
 
     def full(n: int) -> np.ndarray:
         return np.full(ep, n, np.int64)
 
     sizes = np.stack([nb, nb, nb, recv, recv, recv, full(base.token_tiles), full(base.shared_blocks),
-                      full(base.shared_blocks), d.pieces.per_src], axis=1)
+                      full(base.shared_blocks), d.pieces.per_src + d.hop_pieces.per_src, d.pieces.per_src,
+                      hops, hops], axis=1)
     return EventLayout.from_sizes(DedupEvent, sizes)
 
 
@@ -225,19 +352,19 @@ def lower_dedup(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | Non
     for make in _PHASES:
         builder.add(make(dl))
     every = DedupLowering(Lowering(d.base, dl.low.events, np.ones(plan.par.ep, bool)), d, dl.partial_size)
-    signals = [_expand(every), _gemm_down(every), _combine(every)]
+    signals = [make(every) for make in (_expand, _gemm_down, _combine, _hop_dispatch, _hop_combine)]
     shared_out = signals_per_token_tile(_shared_down(DedupLowering(dl.low.only(0), d, dl.partial_size)),
                                         dl.low, DedupEvent.OUT)
     for r in ranks:
         builder.set_events(r, dedup_thresholds(dl, r, signals, shared_out))
-    return builder.freeze(dtype=plan.moe.dtype, events=dl.low.events)
+    return builder.freeze(dtype=plan.moe.dtype, events=dl.low.events, nodes=plan.par.nodes)
 
 
 def dedup_thresholds(dl: DedupLowering, rank: int, signals: list[TaskBlock],
                      shared_out: np.ndarray) -> np.ndarray:
     """Thresholds of ``rank``'s events: the number of signals each receives from the
-    EXPAND, GEMM_DOWN and COMBINE tasks of every rank (``signals``), the rest one per
-    producer as in the per-expert forward."""
+    EXPAND, GEMM_DOWN, COMBINE, HOP_DISPATCH and HOP_COMBINE tasks of every rank
+    (``signals``), the rest one per producer as in the per-expert forward."""
     base, d, ev = dl.d.base, dl.d, dl.low.events
     moe, count = base.plan.moe, ev.count(rank)
     got = np.zeros(count, np.int64)
@@ -246,37 +373,69 @@ def dedup_thresholds(dl: DedupLowering, rank: int, signals: list[TaskBlock],
         got += np.bincount(blk.sig_event[mine], minlength=count)
     out = got.copy()
     lo = ev.offset[rank]
+
+    def fill(cat: DedupEvent, n: int, value: np.ndarray | int) -> None:
+        out[lo[cat]:lo[cat] + n] = value
+
     nb, npieces = int(base.blocks.count[rank]), int(d.pieces.per_dst[rank])
+    nhops = int(d.hop_pieces.per_dst[rank])
     mine = base.blocks.rank == rank
-    out[lo[DedupEvent.H]:lo[DedupEvent.H] + nb] = ntiles(2 * moe.ffn, base.tiles)
-    out[lo[DedupEvent.A]:lo[DedupEvent.A] + nb] = ceil_div(base.blocks.row1[mine] - base.blocks.row0[mine],
-                                                           base.tiles.rows)
-    for cat in (DedupEvent.LANDED, DedupEvent.PART):
-        out[lo[cat]:lo[cat] + npieces] = 1
-    tt = base.token_tiles
-    out[lo[DedupEvent.OUT]:lo[DedupEvent.OUT] + tt] += shared_out
-    out[lo[DedupEvent.SH]:lo[DedupEvent.SH] + base.shared_blocks] = ntiles(2 * moe.shared_ffn, base.tiles)
-    out[lo[DedupEvent.SA]:lo[DedupEvent.SA] + base.shared_blocks] = ceil_div(shared_block_rows(base),
-                                                                             base.tiles.rows)
-    out[lo[DedupEvent.PERM]:lo[DedupEvent.PERM] + int(d.pieces.per_src[rank])] = 1
+    fill(DedupEvent.H, nb, ntiles(2 * moe.ffn, base.tiles))
+    fill(DedupEvent.A, nb, ceil_div(base.blocks.row1[mine] - base.blocks.row0[mine], base.tiles.rows))
+    fill(DedupEvent.LANDED, npieces, 1)
+    fill(DedupEvent.PART, npieces, 1)
+    fill(DedupEvent.HDONE, nhops, 1)
+    out[lo[DedupEvent.OUT]:lo[DedupEvent.OUT] + base.token_tiles] += shared_out
+    fill(DedupEvent.SH, base.shared_blocks, ntiles(2 * moe.shared_ffn, base.tiles))
+    fill(DedupEvent.SA, base.shared_blocks, ceil_div(shared_block_rows(base), base.tiles.rows))
+    fill(DedupEvent.PERM, int(d.pieces.per_src[rank] + d.hop_pieces.per_src[rank]), 1)
     return out
 
 
 # ------------------------------------------------------------------ source side
 
-def _row_bytes(dl: DedupLowering, i: np.ndarray, size: int) -> dict:
-    p = dl.d.pieces
-    nbytes = p.rows[i] * dl.d.base.plan.moe.hidden * size
+def _put_bytes(p: DedupPieces, i: np.ndarray, row_bytes: int) -> dict:
+    """Work columns of puts of pieces ``i``: each row read and written once; on the
+    link when source and destination differ."""
+    nbytes = p.rows[i] * row_bytes
     return {"bytes": 2 * nbytes, "link_bytes": np.where(p.src[i] != p.dst[i], nbytes, 0)}
 
 
 def _permute(dl: DedupLowering) -> TaskBlock:
-    p, low = dl.d.pieces, dl.low
-    i = np.flatnonzero(low.sel[p.src])
-    h = dl.d.base.plan.moe.hidden
-    return task_block(TaskKind.PERMUTE, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                      bytes=2 * p.rows[i] * h * low.esize,
-                      sig_event=low.events.base(p.src[i], DedupEvent.PERM) + p.local[i])
+    """Gather x rows of every piece a rank sends of its own tokens (delivered or hops)."""
+    p, hp, low = dl.d.pieces, dl.d.hop_pieces, dl.low
+    i, j = np.flatnonzero(low.sel[p.src] & ~p.fwd), np.flatnonzero(low.sel[hp.src])
+    rank, row0 = np.concatenate([p.src[i], hp.src[j]]), np.concatenate([p.send_row0[i], hp.send_row0[j]])
+    rows, local = np.concatenate([p.rows[i], hp.rows[j]]), np.concatenate([p.local[i], hp.local[j]])
+    return task_block(TaskKind.PERMUTE, rank, row0, row0 + rows,
+                      bytes=2 * rows * dl.d.base.plan.moe.hidden * low.esize,
+                      sig_event=low.events.base(rank, DedupEvent.PERM) + local)
+
+
+def _hop_dispatch(dl: DedupLowering) -> TaskBlock:
+    """Hop pieces to the relay's ``hrecv``; each signals the HOP event of every
+    forwarded piece its rows feed."""
+    d, ev = dl.d, dl.low.events
+    hp, p = d.hop_pieces, d.pieces
+    i = np.flatnonzero(dl.low.sel[hp.src])
+    feed = np.flatnonzero(dl.low.sel[hp.src[d.hop_feed]])
+    fp = d.fwd_feed[feed]
+    return task_block(TaskKind.HOP_DISPATCH, hp.src[i], hp.send_row0[i], hp.send_row0[i] + hp.rows[i],
+                      peer=hp.dst[i], dst_row0=hp.recv_row0[i],
+                      wait=ev.base(hp.src[i], DedupEvent.PERM) + hp.local[i],
+                      sig_count=np.bincount(np.searchsorted(i, d.hop_feed[feed]), minlength=len(i)),
+                      sig_rank=p.src[fp], sig_event=ev.base(p.src[fp], DedupEvent.HOP) + p.local[fp],
+                      **_put_bytes(hp, i, dl.d.base.plan.moe.hidden * dl.low.esize))
+
+
+def _relay_pack(dl: DedupLowering) -> TaskBlock:
+    """On a relay: gather the ``hrecv`` rows of each piece it forwards into its send rows."""
+    p, ev = dl.d.pieces, dl.low.events
+    i = np.flatnonzero(dl.low.sel[p.src] & p.fwd)
+    return task_block(TaskKind.RELAY_PACK, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
+                      bytes=2 * p.rows[i] * dl.d.base.plan.moe.hidden * dl.low.esize,
+                      wait=ev.base(p.src[i], DedupEvent.HOP) + p.local[i],
+                      sig_event=ev.base(p.src[i], DedupEvent.PERM) + p.local[i])
 
 
 def _dispatch(dl: DedupLowering) -> TaskBlock:
@@ -286,17 +445,20 @@ def _dispatch(dl: DedupLowering) -> TaskBlock:
                       peer=p.dst[i], dst_row0=p.recv_row0[i], sig_rank=p.dst[i],
                       wait=ev.base(p.src[i], DedupEvent.PERM) + p.local[i],
                       sig_event=ev.base(p.dst[i], DedupEvent.LANDED) + p.rlocal[i],
-                      **_row_bytes(dl, i, dl.low.esize))
+                      **_put_bytes(p, i, dl.d.base.plan.moe.hidden * dl.low.esize))
 
 
 def _partial_sum(dl: DedupLowering) -> TaskBlock:
-    """One task per token tile; reads one partial per (token, rank) it reached."""
-    low, pairs = dl.low, dl.d.pairs
+    """One task per token tile; reads one partial per (token, same-node rank it
+    reached) and per (token, other node it reached)."""
+    low, pairs, hops = dl.low, dl.d.pairs, dl.d.hops
     base = dl.d.base
     rank, t, r0, r1 = _token_tiles(low)
-    h, rows = base.plan.moe.hidden, base.tiles.rows
-    terms = np.bincount(pairs.src * base.token_tiles + pairs.token // rows,
-                        minlength=base.plan.par.ep * base.token_tiles)[rank * base.token_tiles + t]
+    h, rows, tt = base.plan.moe.hidden, base.tiles.rows, base.token_tiles
+    direct = ~pairs.fwd
+    key = np.concatenate([pairs.origin[direct] * tt + pairs.token[direct] // rows,
+                          hops.origin * tt + hops.token // rows])
+    terms = np.bincount(key, minlength=base.plan.par.ep * tt)[rank * tt + t]
     m = r1 - r0
     shared = m if base.shared_blocks else 0
     return task_block(TaskKind.PARTIAL_SUM, rank, r0, r1, col1=np.full(len(rank), h),
@@ -331,10 +493,9 @@ def _expand(dl: DedupLowering) -> TaskBlock:
 
 def _copies(dl: DedupLowering) -> np.ndarray:
     """[pieces] expert rows each piece's pairs expand to."""
-    pairs, p = dl.d.pairs, dl.d.pieces
-    per_pair = (pairs.slot_row >= 0).sum(axis=1)
-    pair_piece = np.repeat(np.arange(len(p.src)), p.rows)  # pieces list pairs in (src, dst, token) order
-    return np.bincount(pair_piece, weights=per_pair, minlength=len(p.src)).astype(np.int64)
+    per_pair = (dl.d.pairs.slot_row >= 0).sum(axis=1)
+    return np.bincount(pair_pieces(dl.d.pieces), weights=per_pair,
+                       minlength=len(dl.d.pieces.src)).astype(np.int64)
 
 
 def _gemm_up(dl: DedupLowering) -> TaskBlock:
@@ -387,22 +548,60 @@ def _partial_reduce(dl: DedupLowering) -> TaskBlock:
 
 
 def _combine(dl: DedupLowering) -> TaskBlock:
-    """Partial rows back to the source; each signals the source token tiles it carries."""
+    """Partial rows back to the piece's sender: a direct piece signals the source
+    token tiles it carries, a forwarded one the relay's HRED event of every hop piece
+    its rows came in."""
     d, ev = dl.d, dl.low.events
-    p, pairs, rows = d.pieces, d.pairs, d.base.tiles.rows
+    p, pairs, hp, rows, tt = d.pieces, d.pairs, d.hop_pieces, d.base.tiles.rows, d.base.token_tiles
     i = np.flatnonzero(dl.low.sel[p.dst])
-    pair_piece = np.repeat(np.arange(len(p.src)), p.rows)
-    tt = d.base.token_tiles
-    key = np.unique(pair_piece * tt + pairs.token // rows)
-    piece, tile = key // tt, key % tt
+    direct = ~pairs.fwd
+    key = np.unique(pair_pieces(p)[direct] * tt + pairs.token[direct] // rows)
+    piece = np.concatenate([key // tt, d.fwd_feed])
+    event = np.concatenate([ev.base(p.src[key // tt], DedupEvent.OUT) + key % tt,
+                            ev.base(hp.dst[d.hop_feed], DedupEvent.HRED) + hp.rlocal[d.hop_feed]])
+    order = np.argsort(piece, kind="stable")
+    piece, event = piece[order], event[order]
     keep = dl.low.sel[p.dst[piece]]
-    piece, tile = piece[keep], tile[keep]
+    piece, event = piece[keep], event[keep]
     return task_block(TaskKind.COMBINE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
                       peer=p.src[i], dst_row0=p.send_row0[i],
                       wait=ev.base(p.dst[i], DedupEvent.PART) + p.rlocal[i],
                       sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
-                      sig_rank=p.src[piece], sig_event=ev.base(p.src[piece], DedupEvent.OUT) + tile,
-                      **_row_bytes(dl, i, dl.partial_size))
+                      sig_rank=p.src[piece], sig_event=event,
+                      **_put_bytes(p, i, d.base.plan.moe.hidden * dl.partial_size))
+
+
+def _node_reduce(dl: DedupLowering) -> TaskBlock:
+    """On a relay, per hop piece received: each token's node partial, the fp32 sum of
+    the partials of the node's ranks it reached, in rank order."""
+    d, ev = dl.d, dl.low.events
+    hp, pairs = d.hop_pieces, d.pairs
+    i = np.flatnonzero(dl.low.sel[hp.dst])
+    hop_piece = pair_pieces(hp)
+    terms = np.bincount(hop_piece[pairs.hop[pairs.fwd]], minlength=len(hp.src))[i]
+    h = d.base.plan.moe.hidden
+    return task_block(TaskKind.NODE_REDUCE, hp.dst[i], hp.recv_row0[i], hp.recv_row0[i] + hp.rows[i],
+                      col1=np.full(len(i), h), flops=terms * h,
+                      bytes=(terms + hp.rows[i]) * dl.partial_size * h,
+                      wait=ev.base(hp.dst[i], DedupEvent.HRED) + hp.rlocal[i],
+                      sig_event=ev.base(hp.dst[i], DedupEvent.HDONE) + hp.rlocal[i])
+
+
+def _hop_combine(dl: DedupLowering) -> TaskBlock:
+    """Node partials back across nodes to the source; each signals the token tiles it carries."""
+    d, ev = dl.d, dl.low.events
+    hp, rows, tt = d.hop_pieces, d.base.tiles.rows, d.base.token_tiles
+    i = np.flatnonzero(dl.low.sel[hp.dst])
+    key = np.unique(pair_pieces(hp) * tt + d.hops.token // rows)
+    piece, tile = key // tt, key % tt
+    keep = dl.low.sel[hp.dst[piece]]
+    piece, tile = piece[keep], tile[keep]
+    return task_block(TaskKind.HOP_COMBINE, hp.dst[i], hp.recv_row0[i], hp.recv_row0[i] + hp.rows[i],
+                      peer=hp.src[i], dst_row0=hp.send_row0[i],
+                      wait=ev.base(hp.dst[i], DedupEvent.HDONE) + hp.rlocal[i],
+                      sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
+                      sig_rank=hp.src[piece], sig_event=ev.base(hp.src[piece], DedupEvent.OUT) + tile,
+                      **_put_bytes(hp, i, d.base.plan.moe.hidden * dl.partial_size))
 
 
 # ------------------------------------------------------------------ shared expert
@@ -426,5 +625,6 @@ def _shared_down(dl: DedupLowering) -> TaskBlock:
     return signal_token_tiles(blk, dl.low, DedupEvent.OUT)
 
 
-_PHASES = (_permute, _dispatch, _expand, _gemm_up, _swiglu, _gemm_down, _partial_reduce, _combine,
-           _shared_up, _shared_swiglu, _shared_down, _partial_sum)
+_PHASES = (_permute, _hop_dispatch, _relay_pack, _dispatch, _expand, _gemm_up, _swiglu, _gemm_down,
+           _partial_reduce, _combine, _node_reduce, _hop_combine, _shared_up, _shared_swiglu, _shared_down,
+           _partial_sum)

@@ -1,7 +1,7 @@
 """Kernels, buffers and the ``Region`` of the rank-deduplicated forward
 (``DispatchMode.PER_RANK``).  PERMUTE, the expert GEMMs, SwiGLU and the shared expert
 are the per-expert forward's kernels on same-named fields; EXPAND, PARTIAL_REDUCE and
-PARTIAL_SUM are new."""
+PARTIAL_SUM are new, and under ``PER_NODE`` RELAY_PACK and NODE_REDUCE."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ from .kernels import KERNELS
 
 @dataclass
 class DedupBuffers:
-    """One rank's buffers.  Symmetric: ``drecv`` [Rd, H] (one row per (source token,
-    this rank)) and ``pcomb`` [Sd, partial dtype] (one partial per (own token,
-    destination rank), in ``send``'s row order).  x, out, so [T, H]; send [Sd, H];
-    recv, y [R, H] per-expert rows; h [R, 2F]; a [R, F]; part [Rd, H] partial dtype;
-    sh [T, 2Fs]; sa [T, Fs]."""
+    """One rank's buffers.  Symmetric: ``drecv`` [Rd, H] (one row per (token, this
+    rank) delivered here), ``pcomb`` [Sd, H] partial dtype (one partial per send row)
+    and ``hrecv`` [Hr, H] (one row per hop relayed by this rank).  x, out, so [T, H];
+    send [Sd, H] (delivered rows, then hops); recv, y [R, H] per-expert rows; h [R, 2F];
+    a [R, F]; part [Rd, H] and nred [Hr, H] partial dtype; sh [T, 2Fs]; sa [T, Fs]."""
 
-    SYMMETRIC: ClassVar[tuple[str, ...]] = ("drecv", "pcomb")
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("drecv", "pcomb", "hrecv")
 
     x: torch.Tensor
     send: torch.Tensor
@@ -40,6 +40,8 @@ class DedupBuffers:
     y: torch.Tensor
     part: torch.Tensor
     pcomb: torch.Tensor
+    hrecv: torch.Tensor
+    nred: torch.Tensor
     out: torch.Tensor
     sh: torch.Tensor
     sa: torch.Tensor
@@ -50,61 +52,105 @@ class DedupBuffers:
         plan = d.base.plan
         moe = plan.moe
         t, r, h, f, fs = x.shape[0], plan.recv_rows(rank), moe.hidden, moe.ffn, moe.shared_ffn
-        sd, rd = int(d.pairs.per_src[rank]), int(d.pairs.per_dst[rank])
+        sd, rd, hr = int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), int(d.hops.per_dst[rank])
 
         def new(*shape: int, dtype: torch.dtype = moe.dtype) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype)
 
         return DedupBuffers(x=x, send=new(sd, h), drecv=new(rd, h), recv=new(r, h), h=new(r, 2 * f),
                             a=new(r, f), y=new(r, h), part=new(rd, h, dtype=tiles.partial_dtype),
-                            pcomb=new(sd, h, dtype=tiles.partial_dtype), out=new(t, h),
+                            pcomb=new(sd, h, dtype=tiles.partial_dtype), hrecv=new(hr, h),
+                            nred=new(hr, h, dtype=tiles.partial_dtype), out=new(t, h),
                             sh=new(t, 2 * fs), sa=new(t, fs), so=new(t, h))
 
 
 @dataclass
 class DedupContext:
     """Read-only data of one rank.  w13 [L, 2F, H], w2 [L, H, F]: its experts.
-    token_of_row [Sd]: token of each send row.  expand_ptr [Rd + 1], expand_src,
-    expand_dst: drecv row -> per-expert receive rows (CSR by drecv row).  slot_row
-    [Rd, k]: receive row of each top-k slot of each drecv row (-1: not on this rank),
-    slot_weight [Rd, k] float32 (0 there).  partial_row [T, k]: send/pcomb row of each
-    of a token's destination ranks, ascending rank (-1 past the last)."""
+    token_of_row [Sd]: token of each send row it gathers from x (0 for forwarded
+    rows).  relay_src [Sd]: ``hrecv`` row of each forwarded send row (-1 elsewhere).
+    expand_ptr [Rd + 1], expand_src, expand_dst: drecv row -> per-expert receive rows
+    (CSR by drecv row).  slot_row [Rd, k]: receive row of each top-k slot of each
+    drecv row (-1: not on this rank), slot_weight [Rd, k] float32 (0 there).
+    hop_rows [Hr, k]: send/pcomb rows of each relayed hop's forwarded rows, ascending
+    destination rank (-1 past the last).  partial_row [T, k]: send/pcomb row of each
+    of a token's partials, ascending (rank, or first rank of another node) (-1 past
+    the last)."""
 
     weights: ExpertWeights
     w13: torch.Tensor
     w2: torch.Tensor
     token_of_row: torch.Tensor
+    relay_src: torch.Tensor
     expand_ptr: list[int]
     expand_src: torch.Tensor
     expand_dst: torch.Tensor
     slot_row: torch.Tensor
     slot_weight: torch.Tensor
+    hop_rows: torch.Tensor
     partial_row: torch.Tensor
 
     @staticmethod
     def build(weights: ExpertWeights, d: DedupLayout, routing: Routing, rank: int) -> DedupContext:
         plan, pairs = d.base.plan, d.pairs
-        local, tpr, k = plan.local_experts, plan.par.tokens_per_rank, plan.moe.top_k
+        local, tpr = plan.local_experts, plan.par.tokens_per_rank
         experts = slice(rank * local, (rank + 1) * local)
-        sent = np.flatnonzero(pairs.src == rank)  # by (dst, token)
         got = np.flatnonzero(pairs.dst == rank)
         got = got[np.argsort(pairs.recv_row[got], kind="stable")]
         slot_row = pairs.slot_row[got]
-        w = routing.weights.numpy()[pairs.src[got] * tpr + pairs.token[got]]
+        w = routing.weights.numpy()[pairs.origin[got] * tpr + pairs.token[got]]
         row, j = np.nonzero(slot_row >= 0)  # by drecv row, then slot
-        partial_row = np.full((tpr, k), -1, np.int64)
-        by_token = sent[np.lexsort((pairs.dst[sent], pairs.token[sent]))]
-        t = pairs.token[by_token]
-        col = np.arange(len(t)) - np.searchsorted(t, t, side="left")
-        partial_row[t, col] = pairs.send_row[by_token]
+        token_of_row, relay_src = _send_sources(d, rank)
         return DedupContext(
             weights=weights, w13=weights.w13[experts], w2=weights.w2[experts],
-            token_of_row=torch.from_numpy(pairs.token[sent].copy()),
+            token_of_row=torch.from_numpy(token_of_row), relay_src=torch.from_numpy(relay_src),
             expand_ptr=np.searchsorted(row, np.arange(len(got) + 1)).tolist(),
             expand_src=torch.from_numpy(row.copy()), expand_dst=torch.from_numpy(slot_row[row, j].copy()),
             slot_row=torch.from_numpy(slot_row.copy()),
             slot_weight=torch.from_numpy(np.where(slot_row >= 0, w, 0.0).astype(np.float32)),
-            partial_row=torch.from_numpy(partial_row))
+            hop_rows=torch.from_numpy(_hop_rows(d, rank)),
+            partial_row=torch.from_numpy(_partial_rows(d, rank)))
+
+
+def _send_sources(d: DedupLayout, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """([Sd] token of each send row gathered from x, [Sd] hrecv row of each forwarded one)."""
+    pairs, hops = d.pairs, d.hops
+    n = int(d.send_rows[rank])
+    token, relay_src = np.zeros(n, np.int64), np.full(n, -1, np.int64)
+    own = np.flatnonzero((pairs.src == rank) & ~pairs.fwd)
+    token[pairs.send_row[own]] = pairs.token[own]
+    hop = np.flatnonzero(hops.origin == rank)
+    token[hops.send_row[hop]] = hops.token[hop]
+    fwd = np.flatnonzero((pairs.src == rank) & pairs.fwd)
+    relay_src[pairs.send_row[fwd]] = hops.recv_row[pairs.hop[fwd]]
+    return token, relay_src
+
+
+def _by_key(n: int, width: int, item: np.ndarray, key: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """[n, width] values of each item, ascending key, -1 past the last."""
+    out = np.full((n, width), -1, np.int64)
+    order = np.lexsort((key, item))
+    it = item[order]
+    out[it, np.arange(len(it)) - np.searchsorted(it, it, side="left")] = value[order]
+    return out
+
+
+def _hop_rows(d: DedupLayout, rank: int) -> np.ndarray:
+    pairs, hops = d.pairs, d.hops
+    fwd = np.flatnonzero((pairs.src == rank) & pairs.fwd)
+    return _by_key(int(hops.per_dst[rank]), d.base.plan.moe.top_k, hops.recv_row[pairs.hop[fwd]],
+                   pairs.dst[fwd], pairs.send_row[fwd])
+
+
+def _partial_rows(d: DedupLayout, rank: int) -> np.ndarray:
+    pairs, hops, par = d.pairs, d.hops, d.base.plan.par
+    own = np.flatnonzero((pairs.origin == rank) & ~pairs.fwd)
+    hop = np.flatnonzero(hops.origin == rank)
+    first = hops.relay[hop] // par.ranks_per_node * par.ranks_per_node
+    return _by_key(par.tokens_per_rank, d.base.plan.moe.top_k,
+                   np.concatenate([pairs.token[own], hops.token[hop]]),
+                   np.concatenate([pairs.dst[own], first]),
+                   np.concatenate([pairs.send_row[own], hops.send_row[hop]]))
 
 
 def _expand(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
@@ -119,6 +165,18 @@ def _partial_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupCon
         present = rows[:, j] >= 0
         acc = add_present(acc, w[:, j:j + 1] * me.y[rows[:, j].clamp(min=0)].float(), present)
     me.part[t.row0:t.row1] = acc.to(me.part.dtype)
+
+
+def _relay_pack(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
+    torch.index_select(me.hrecv, 0, ctx.relay_src[t.row0:t.row1], out=me.send[t.row0:t.row1])
+
+
+def _node_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
+    rows = ctx.hop_rows[t.row0:t.row1]
+    acc = torch.zeros(t.row1 - t.row0, me.nred.shape[1], dtype=torch.float32)
+    for j in range(rows.shape[1]):
+        acc = add_present(acc, me.pcomb[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
+    me.nred[t.row0:t.row1] = acc.to(me.nred.dtype)
 
 
 def _partial_sum(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
@@ -136,20 +194,24 @@ DEDUP_KERNELS = {
     **{k: KERNELS[k] for k in (TaskKind.PERMUTE, TaskKind.GEMM_UP, TaskKind.SWIGLU, TaskKind.GEMM_DOWN,
                                TaskKind.SHARED_UP, TaskKind.SHARED_SWIGLU, TaskKind.SHARED_DOWN)},
     TaskKind.EXPAND: _expand, TaskKind.PARTIAL_REDUCE: _partial_reduce, TaskKind.PARTIAL_SUM: _partial_sum,
+    TaskKind.RELAY_PACK: _relay_pack, TaskKind.NODE_REDUCE: _node_reduce,
 }
 
 
 def dedup_symmetric_shapes(plan: RoutingPlan, rank: int, tiles: TileSpec | None = None) -> ShapeMap:
-    """drecv [Rd, H] in the layer's dtype, pcomb [Sd, H] in the partial dtype."""
+    """drecv [Rd, H] and hrecv [Hr, H] in the layer's dtype, pcomb [Sd, H] in the partial dtype."""
     tiles = tiles or TileSpec()
     d = make_dedup_layout(plan, tiles)
     h = plan.moe.hidden
     return {"drecv": ((int(d.pairs.per_dst[rank]), h), plan.moe.dtype),
-            "pcomb": ((int(d.pairs.per_src[rank]), h), tiles.partial_dtype)}
+            "pcomb": ((int(d.send_rows[rank]), h), tiles.partial_dtype),
+            "hrecv": ((int(d.hops.per_dst[rank]), h), plan.moe.dtype)}
 
 
 FORWARD_DEDUP = Region(
     kind=RegionKind.FORWARD_DEDUP, lower=lower_dedup, kernels=DEDUP_KERNELS,
     puts={TaskKind.DISPATCH: PutSpec(src="send", dst="drecv"),
-          TaskKind.COMBINE: PutSpec(src="part", dst="pcomb")},
+          TaskKind.COMBINE: PutSpec(src="part", dst="pcomb"),
+          TaskKind.HOP_DISPATCH: PutSpec(src="send", dst="hrecv"),
+          TaskKind.HOP_COMBINE: PutSpec(src="nred", dst="pcomb")},
     buffers=DedupBuffers, symmetric_shapes=dedup_symmetric_shapes)

@@ -33,14 +33,15 @@ SHARED_KINDS = frozenset({TaskKind.SHARED_UP, TaskKind.SHARED_SWIGLU, TaskKind.S
                           TaskKind.SHARED_DGRAD_DOWN, TaskKind.SHARED_WGRAD_DOWN,
                           TaskKind.SHARED_SWIGLU_BWD, TaskKind.SHARED_DGRAD_UP,
                           TaskKind.SHARED_WGRAD_UP})
-OFF_CHAIN = SHARED_KINDS | {TaskKind.UNPERMUTE, TaskKind.GRAD_UNPERMUTE}  # overlap_shared
+# off the barrier chain under overlap_shared
+OFF_CHAIN = SHARED_KINDS | {TaskKind.UNPERMUTE, TaskKind.GRAD_UNPERMUTE, TaskKind.PARTIAL_SUM}
 
 
 def serial_schedule(graph: TaskGraph, workers: WorkerCounts, overlap_shared: bool = False) -> Schedule:
     """The baseline schedule; its ``graph`` is ``graph`` plus the phase barriers.  With
     ``overlap_shared`` the shared-expert kernels stay off the barrier chain (they run
-    beside permute and dispatch, as Megatron overlaps them) and each unpermute tile
-    starts when its own rows are in."""
+    beside permute and dispatch, as Megatron overlaps them) and each unpermute (or
+    partial-sum) tile starts when its own rows are in."""
     kinds = phase_order(graph)
     table = np.full(len(TaskKind), -1, np.int64)
     table[list(kinds)] = np.arange(len(kinds))

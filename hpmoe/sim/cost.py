@@ -43,7 +43,9 @@ from .hardware import HardwareModel, LinkDirection
 PUT_DIRECTION = {TaskKind.DISPATCH: LinkDirection.DISPATCH,
                  TaskKind.GRAD_DISPATCH: LinkDirection.DISPATCH,
                  TaskKind.COMBINE: LinkDirection.COMBINE,
-                 TaskKind.GRAD_COMBINE: LinkDirection.COMBINE}
+                 TaskKind.GRAD_COMBINE: LinkDirection.COMBINE,
+                 TaskKind.HOP_DISPATCH: LinkDirection.DISPATCH,
+                 TaskKind.HOP_COMBINE: LinkDirection.COMBINE}
 
 
 @dataclass(frozen=True)
