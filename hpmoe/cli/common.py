@@ -30,9 +30,10 @@ def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) 
     p.add_argument("--gemm-cols", type=int, default=512, help="columns per GEMM tile")
     p.add_argument("--dispatch", default=DispatchMode.PER_EXPERT.value,
                    choices=[m.value for m in DispatchMode],
-                   help="one dispatch row per (token, expert) or per (token, destination rank)")
+                   help="one dispatch row per (token, expert), per (token, destination rank), or "
+                        "per-node: per (token, node) between nodes through a relay (--nodes)")
     p.add_argument("--partial-dtype", default="fp32", choices=sorted(DTYPES),
-                   help="wire dtype of the per-rank partial sums (--dispatch per-rank)")
+                   help="wire dtype of the per-rank partial sums (--dispatch per-rank, per-node)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
