@@ -13,7 +13,6 @@ import hpmoe
 from hpmoe import refs
 from hpmoe.cli import main
 from hpmoe.exec.exact import execute_forward, run_graph
-from hpmoe.exec.exact_backward import moe_forward_backward
 from hpmoe.exec.program import rank_subgraph
 from hpmoe.ir.graph import TaskKind, task_columns
 from hpmoe.ir.verify import verify_graph
@@ -171,12 +170,6 @@ def test_cli_simulate_reports_link_bytes_per_rank_and_the_dedup_factor(capsys):
     ratio = sum(out[DispatchMode.PER_EXPERT]["link_bytes"]) / sum(out[DispatchMode.PER_RANK]["link_bytes"])
     assert ratio > 1
     assert out[DispatchMode.PER_RANK]["dedup_factor"] == pytest.approx(ratio, abs=1e-4)
-
-
-def test_backward_refuses_per_rank_dispatch():
-    x, w, r = _inputs(torch.bfloat16, 2, 4, RoutingKind.ZIPF)
-    with pytest.raises(ValueError, match="the backward region runs DispatchMode.PER_EXPERT only"):
-        moe_forward_backward(x, w, r, torch.ones_like(x), ep=2, tiles=DEDUP)
 
 
 def test_one_rank_lowering_is_that_rank_of_the_full_graph():

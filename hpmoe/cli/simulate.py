@@ -98,10 +98,10 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
     t0 = time.perf_counter()
     kind = RegionKind.FORWARD if layer.tiles.dispatch is DispatchMode.PER_EXPERT else RegionKind.FORWARD_DEDUP
     if args.backward:
-        if layer.tiles.dispatch is not DispatchMode.PER_EXPERT:
-            raise ValueError(f"--dispatch {layer.tiles.dispatch.value}: the backward region has per-expert "
-                             "dispatch only")
-        kind = RegionKind.BACKWARD_RECOMPUTE if args.recompute else RegionKind.BACKWARD
+        dedup = kind is RegionKind.FORWARD_DEDUP
+        kind = {(False, False): RegionKind.BACKWARD, (False, True): RegionKind.BACKWARD_RECOMPUTE,
+                (True, False): RegionKind.BACKWARD_DEDUP,
+                (True, True): RegionKind.BACKWARD_DEDUP_RECOMPUTE}[dedup, args.recompute]
     graph = region(kind).lower(layer.plan, layer.tiles, None)
     t1 = time.perf_counter()
     _progress(f"lowered {graph.num_tasks} tasks in {t1 - t0:.1f} s; scheduling ({args.schedule})")

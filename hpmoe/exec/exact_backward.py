@@ -22,8 +22,16 @@ from ..regions.backward_kernels import (
     BackwardContext,
     SavedActivations,
 )
+from ..regions.dedup import make_dedup_layout
+from ..regions.dedup_backward_kernels import (
+    BACKWARD_DEDUP,
+    BACKWARD_DEDUP_RECOMPUTE,
+    DedupBackwardBuffers,
+    DedupBackwardContext,
+    DedupSaved,
+)
 from ..routing import Routing, RoutingPlan
-from ..spec import TileSpec, require_per_expert
+from ..spec import DispatchMode, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .exact import DEFAULT_TILES, Order, execute_forward, run_graph
 
@@ -51,7 +59,7 @@ class BackwardResult:
     backward task graph that ran."""
 
     grads: Gradients
-    buffers: list[BackwardBuffers]
+    buffers: list[BackwardBuffers] | list[DedupBackwardBuffers]
     graph: TaskGraph
 
 
@@ -132,14 +140,45 @@ class StepResult:
     backward: BackwardResult
 
 
+def execute_backward_dedup(saved: Sequence[DedupSaved], plan: RoutingPlan, dy: torch.Tensor,
+                           weights: ExpertWeights, routing: Routing, tiles: TileSpec,
+                           recompute: bool = False, order: Order = None) -> BackwardResult:
+    """The backward of the deduplicated forward (``DispatchMode.PER_RANK``) over
+    ``plan.par.ep`` virtual ranks; arguments as ``execute_backward``, with the whole
+    ``routing`` (ids and weights [N, k])."""
+    ep = plan.par.ep
+    if len(saved) != ep:
+        raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
+    _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
+    region = BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP
+    graph = region.lower(plan, tiles, None)
+    if isinstance(order, int):
+        order = random_order(graph, order)
+    d = make_dedup_layout(plan, tiles)
+    out = _full_outputs(dy, weights)
+    views, dys = rank_views(out, plan), dy.chunk(ep)
+    buffers = [DedupBackwardBuffers.allocate(saved[r], dys[r], d, tiles, r, views[r]) for r in range(ep)]
+    contexts = [DedupBackwardContext.build(weights, d, routing, r) for r in range(ep)]
+    run_graph(graph, region, buffers, contexts, order)
+    grads = replace(out, dshared_w13=_rank_sum(buffers, "dsw13", weights),
+                    dshared_w2=_rank_sum(buffers, "dsw2", weights))
+    return BackwardResult(grads=grads, buffers=buffers, graph=graph)
+
+
 def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, dy: torch.Tensor,
                          ep: int = 1, tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
                          forward_order: Order = None, backward_order: Order = None) -> StepResult:
-    """Forward then backward of the MoE region over ``ep`` virtual ranks.
+    """Forward then backward of the MoE region over ``ep`` virtual ranks (one node:
+    ``DispatchMode.PER_NODE`` is then ``PER_RANK``).
 
     x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]."""
-    require_per_expert(tiles, "the backward region")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {recompute!r}")
     fwd = execute_forward(x, weights, routing, ep, tiles, forward_order)
+    if tiles.dispatch is not DispatchMode.PER_EXPERT:
+        saved = [DedupSaved.from_forward(b, recompute) for b in fwd.buffers]
+        bwd = execute_backward_dedup(saved, fwd.plan, dy, weights, routing, tiles, recompute, backward_order)
+        return StepResult(out=fwd.out, backward=bwd)
     saved = [SavedActivations.from_forward(b, recompute) for b in fwd.buffers]
     bwd = execute_backward(saved, fwd.plan, dy, weights, routing.weights, tiles, recompute, backward_order)
     return StepResult(out=fwd.out, backward=bwd)

@@ -9,6 +9,7 @@ from .base import PutSpec, Region, RegionKind
 def region(kind: RegionKind) -> Region:
     """The ``Region`` of ``kind``."""
     from .backward_kernels import BACKWARD, BACKWARD_RECOMPUTE
+    from .dedup_backward_kernels import BACKWARD_DEDUP, BACKWARD_DEDUP_RECOMPUTE
     from .dedup_kernels import FORWARD_DEDUP
     from .kernels import FORWARD
 
@@ -16,7 +17,8 @@ def region(kind: RegionKind) -> Region:
         raise TypeError(f"kind must be a RegionKind, got {kind!r}")
     return {RegionKind.FORWARD: FORWARD, RegionKind.FORWARD_DEDUP: FORWARD_DEDUP,
             RegionKind.BACKWARD: BACKWARD,
-            RegionKind.BACKWARD_RECOMPUTE: BACKWARD_RECOMPUTE}[kind]
+            RegionKind.BACKWARD_RECOMPUTE: BACKWARD_RECOMPUTE, RegionKind.BACKWARD_DEDUP: BACKWARD_DEDUP,
+            RegionKind.BACKWARD_DEDUP_RECOMPUTE: BACKWARD_DEDUP_RECOMPUTE}[kind]
 
 
 __all__ = ["PutSpec", "Region", "RegionKind", "region"]

@@ -31,6 +31,8 @@ class RegionKind(enum.Enum):
     FORWARD_DEDUP = "forward-dedup"  # one dispatch row per (token, rank), partials combined
     BACKWARD = "backward"  # reads the saved SwiGLU activations
     BACKWARD_RECOMPUTE = "backward-recompute"  # recomputes them from the saved pre-activations
+    BACKWARD_DEDUP = "backward-dedup"  # gradient of FORWARD_DEDUP: dy once per (token, rank)
+    BACKWARD_DEDUP_RECOMPUTE = "backward-dedup-recompute"
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from .tiles import (
 
 PER_RANK_KINDS = frozenset({TaskKind.EXPAND, TaskKind.PARTIAL_REDUCE, TaskKind.PARTIAL_SUM,
                             TaskKind.HOP_DISPATCH, TaskKind.RELAY_PACK, TaskKind.NODE_REDUCE,
-                            TaskKind.HOP_COMBINE})
+                            TaskKind.HOP_COMBINE, TaskKind.ROUTER_COMBINE})
 """Task kinds only the per-rank (and per-node) forward has."""
 
 
@@ -517,7 +517,13 @@ def _gemm_down(dl: DedupLowering) -> TaskBlock:
     d, ev = dl.d, dl.low.events
     moe = d.base.plan.moe
     blk = block_gemm(TaskKind.GEMM_DOWN, dl.low, moe.hidden, moe.ffn, DedupEvent.A, DedupEvent.H)
-    block = _block_of(dl, blk)
+    return signal_fed_pieces(d, ev, blk, DedupEvent.RED)
+
+
+def signal_fed_pieces(d: DedupLayout, ev: EventLayout, blk: TaskBlock, category: enum.IntEnum) -> TaskBlock:
+    """``blk`` (tiles over whole GEMM blocks) now signals ``category``'s event of every
+    received piece its block is fed by."""
+    block = _block_of(d, blk)
     by_block = np.argsort(d.feed_block, kind="stable")
     first = np.searchsorted(d.feed_block[by_block], block, side="left")
     n = np.searchsorted(d.feed_block[by_block], block, side="right") - first
@@ -525,14 +531,14 @@ def _gemm_down(dl: DedupLowering) -> TaskBlock:
     piece = d.feed_piece[by_block[first[parent] + j]]
     blk.sig_count = n
     blk.sig_rank = d.pieces.dst[piece]
-    blk.sig_event = ev.base(d.pieces.dst[piece], DedupEvent.RED) + d.pieces.rlocal[piece]
+    blk.sig_event = ev.base(d.pieces.dst[piece], category) + d.pieces.rlocal[piece]
     return blk
 
 
-def _block_of(dl: DedupLowering, blk: TaskBlock) -> np.ndarray:
+def _block_of(d: DedupLayout, blk: TaskBlock) -> np.ndarray:
     """Global block id of each task of ``blk`` (tasks over whole GEMM blocks)."""
-    b = dl.d.base.blocks
-    span = int(max(dl.d.base.plan.recv_offsets[:, -1].max(), 1)) + 1
+    b = d.base.blocks
+    span = int(max(d.base.plan.recv_offsets[:, -1].max(), 1)) + 1
     return np.searchsorted(b.rank * span + b.row0, blk.rank * span + blk.row0, side="right") - 1
 
 

@@ -167,6 +167,18 @@ def _partial_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupCon
     me.part[t.row0:t.row1] = acc.to(me.part.dtype)
 
 
+def send_rows_of_slots(d: DedupLayout, routing: Routing, rank: int) -> np.ndarray:
+    """[T, k] send row of the pair carrying each top-k slot of ``rank``'s tokens
+    (rows it sends itself: one node, or ``DispatchMode.PER_RANK``)."""
+    plan, pairs = d.base.plan, d.pairs
+    tpr, local = plan.par.tokens_per_rank, plan.local_experts
+    mine = np.flatnonzero((pairs.origin == rank) & (pairs.src == rank))
+    table = np.full(plan.par.ep * tpr, -1, np.int64)
+    table[pairs.dst[mine] * tpr + pairs.token[mine]] = pairs.send_row[mine]
+    ids = routing.ids.numpy()[rank * tpr:(rank + 1) * tpr]
+    return table[(ids // local) * tpr + np.arange(tpr)[:, None]]
+
+
 def _relay_pack(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
     torch.index_select(me.hrecv, 0, ctx.relay_src[t.row0:t.row1], out=me.send[t.row0:t.row1])
 

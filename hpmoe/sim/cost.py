@@ -45,7 +45,8 @@ PUT_DIRECTION = {TaskKind.DISPATCH: LinkDirection.DISPATCH,
                  TaskKind.COMBINE: LinkDirection.COMBINE,
                  TaskKind.GRAD_COMBINE: LinkDirection.COMBINE,
                  TaskKind.HOP_DISPATCH: LinkDirection.DISPATCH,
-                 TaskKind.HOP_COMBINE: LinkDirection.COMBINE}
+                 TaskKind.HOP_COMBINE: LinkDirection.COMBINE,
+                 TaskKind.ROUTER_COMBINE: LinkDirection.COMBINE}
 
 
 @dataclass(frozen=True)

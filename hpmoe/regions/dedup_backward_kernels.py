@@ -1,0 +1,220 @@
+"""Kernels, buffers and the ``Region`` of the deduplicated backward
+(``regions/dedup_backward.py``).  The expert and shared-expert kernels are the
+per-expert backward's, on same-named fields; GRAD_PERMUTE, EXPAND, ROUTER_GRAD,
+PARTIAL_REDUCE and PARTIAL_SUM are this region's.
+
+Numerics follow autograd through ``refs.dense_moe`` as the per-expert backward does:
+slot j's output gradient is ``(w_j * dy.float()).to(dtype)`` (formed on the expert's
+rank), router gradients are fp32 dots with the saved expert outputs; input gradients are
+summed per rank in fp32 slot order, cast to the wire dtype, then over ranks in rank
+order, shared expert last (``refs.rank_partials_sum`` with unit weights).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..ir.graph import TaskKind, Tile
+from ..refs import add_present
+from ..routing import Routing, RoutingPlan
+from ..spec import Activation, TileSpec
+from ..weights import ExpertWeights
+from .backward_kernels import BACKWARD_KERNELS
+from .base import PutSpec, Region, RegionKind, ShapeMap
+from .dedup import DedupLayout, make_dedup_layout
+from .dedup_backward import lower_dedup_backward
+from .dedup_kernels import DedupBuffers, DedupContext, send_rows_of_slots
+
+
+@dataclass
+class DedupSaved:
+    """What one rank keeps from the deduplicated forward: x [T, H]; xe [R, H] its
+    experts' input rows; h [R, 2F]; a [R, F] (None when recomputed); y [R, H] its
+    experts' outputs (for the router gradient, computed here); sh [T, 2Fs]; sa [T, Fs]
+    (None when recomputed).  All spec.dtype."""
+
+    x: torch.Tensor
+    xe: torch.Tensor
+    h: torch.Tensor
+    a: torch.Tensor | None
+    y: torch.Tensor
+    sh: torch.Tensor
+    sa: torch.Tensor | None
+
+    @staticmethod
+    def from_forward(buf: DedupBuffers, recompute: bool) -> DedupSaved:
+        return DedupSaved(x=buf.x, xe=buf.recv, h=buf.h, a=None if recompute else buf.a, y=buf.y,
+                          sh=buf.sh, sa=None if recompute else buf.sa)
+
+
+@dataclass
+class DedupBackwardBuffers:
+    """One rank's backward buffers.  Symmetric: ``gdrecv`` [Rd, H] (dy rows delivered
+    here), ``gpcomb`` [Sd, H] partial dtype and ``dwcomb`` [Sd, k] float32 (what comes
+    back per send row).  dy, dx [T, H]; gsend [Sd, H]; grecv, dxe [R, H]; da [R, F];
+    dh [R, 2F]; gpart [Rd, H] partial dtype; dwpart [Rd, k] and dw [T, k] float32;
+    dw13 [L, 2F, H], dw2 [L, H, F]; sda, sdh, sdx, dsw13, dsw2 as in the per-expert
+    backward."""
+
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("gdrecv", "gpcomb", "dwcomb")
+
+    saved: DedupSaved
+    dy: torch.Tensor
+    gsend: torch.Tensor
+    gdrecv: torch.Tensor
+    grecv: torch.Tensor
+    da: torch.Tensor
+    dh: torch.Tensor
+    dxe: torch.Tensor
+    gpart: torch.Tensor
+    dwpart: torch.Tensor
+    gpcomb: torch.Tensor
+    dwcomb: torch.Tensor
+    dx: torch.Tensor
+    dw: torch.Tensor
+    dw13: torch.Tensor
+    dw2: torch.Tensor
+    sda: torch.Tensor
+    sdh: torch.Tensor
+    sdx: torch.Tensor
+    dsw13: torch.Tensor
+    dsw2: torch.Tensor
+
+    @staticmethod
+    def allocate(saved: DedupSaved, dy: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
+                 views: Mapping[str, torch.Tensor] | None = None) -> DedupBackwardBuffers:
+        """Buffers of ``rank`` holding dy [T, H]; ``views`` may supply ``dx``, ``dw``,
+        ``dw13``, ``dw2`` (slices of full-size outputs, the expert ones zero-filled)."""
+        moe = d.base.plan.moe
+        t, r, k, h, f, fs = dy.shape[0], saved.xe.shape[0], moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
+        sd, rd, el, dt, pd = (int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), d.base.plan.local_experts,
+                              moe.dtype, tiles.partial_dtype)
+        views = dict(views or {})
+
+        def new(name: str, *shape: int, dtype: torch.dtype = dt, zero: bool = False) -> torch.Tensor:
+            if name in views:
+                return views[name]
+            return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
+
+        full = DedupSaved(x=saved.x, xe=saved.xe, h=saved.h, y=saved.y, sh=saved.sh,
+                          a=torch.empty(r, f, dtype=dt) if saved.a is None else saved.a,
+                          sa=torch.empty(t, fs, dtype=dt) if saved.sa is None else saved.sa)
+        f32 = torch.float32
+        return DedupBackwardBuffers(
+            saved=full, dy=dy, gsend=new("gsend", sd, h), gdrecv=new("gdrecv", rd, h),
+            grecv=new("grecv", r, h), da=new("da", r, f), dh=new("dh", r, 2 * f), dxe=new("dxe", r, h),
+            gpart=new("gpart", rd, h, dtype=pd), dwpart=new("dwpart", rd, k, dtype=f32),
+            gpcomb=new("gpcomb", sd, h, dtype=pd), dwcomb=new("dwcomb", sd, k, dtype=f32), dx=new("dx", t, h),
+            dw=new("dw", t, k, dtype=f32), dw13=new("dw13", el, 2 * f, h, zero=True),
+            dw2=new("dw2", el, h, f, zero=True), sda=new("sda", t, fs), sdh=new("sdh", t, 2 * fs),
+            sdx=new("sdx", t, h), dsw13=new("dsw13", 2 * fs, h, zero=True),
+            dsw2=new("dsw2", h, fs, zero=True))
+
+
+@dataclass
+class DedupBackwardContext:
+    """Read-only data of one rank: its experts' and the shared weights (as the
+    per-expert ``BackwardContext``); ``fwd``: the forward's context (send-row tokens,
+    expand CSR, slot rows and weights, partial rows); expand_weight: the routing weight
+    of each expand entry; slot_send_row [T, k]: send row of the pair carrying each of
+    a token's slots."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    shared_w13: torch.Tensor | None
+    shared_w2: torch.Tensor | None
+    activation: Activation
+    fwd: DedupContext
+    expand_weight: torch.Tensor
+    slot_send_row: torch.Tensor
+
+    @staticmethod
+    def build(weights: ExpertWeights, d: DedupLayout, routing: Routing, rank: int) -> DedupBackwardContext:
+        fwd = DedupContext.build(weights, d, routing, rank)
+        row = fwd.expand_src
+        slot = fwd.slot_row[row] == fwd.expand_dst[:, None]
+        weight = fwd.slot_weight[row][slot]
+        return DedupBackwardContext(w13=fwd.w13, w2=fwd.w2, shared_w13=weights.shared_w13,
+                                    shared_w2=weights.shared_w2, activation=weights.spec.activation, fwd=fwd,
+                                    expand_weight=weight, slot_send_row=torch.from_numpy(
+                                        send_rows_of_slots(d, routing, rank)))
+
+
+Buffers, Context = DedupBackwardBuffers, DedupBackwardContext
+
+
+def _grad_permute(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    torch.index_select(me.dy, 0, ctx.fwd.token_of_row[t.row0:t.row1], out=me.gsend[t.row0:t.row1])
+
+
+def _expand(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    lo, hi = ctx.fwd.expand_ptr[t.row0], ctx.fwd.expand_ptr[t.row1]
+    g = me.gdrecv.index_select(0, ctx.fwd.expand_src[lo:hi]).float() * ctx.expand_weight[lo:hi, None]
+    me.grecv.index_copy_(0, ctx.fwd.expand_dst[lo:hi], g.to(me.grecv.dtype))
+
+
+def _router_grad(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    """dw[row, j] = <dy, o_j> in fp32 for the slots on this rank, 0 elsewhere."""
+    rows = ctx.fwd.slot_row[t.row0:t.row1]
+    o = me.saved.y[rows.clamp(min=0)].float()  # [m, k, H]
+    dy = me.gdrecv[t.row0:t.row1].float().unsqueeze(1)
+    me.dwpart[t.row0:t.row1] = torch.where(rows >= 0, torch.sum(dy * o, dim=2), 0.0)
+
+
+def _partial_reduce(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    rows = ctx.fwd.slot_row[t.row0:t.row1]
+    acc = torch.zeros(t.row1 - t.row0, me.dxe.shape[1], dtype=torch.float32)
+    for j in range(rows.shape[1]):
+        acc = add_present(acc, me.dxe[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
+    me.gpart[t.row0:t.row1] = acc.to(me.gpart.dtype)
+
+
+def _partial_sum(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    """dx: the token's partials in rank order, then the shared expert's; dw: each slot's
+    value from the rank holding its expert."""
+    rows = ctx.fwd.partial_row[t.row0:t.row1]
+    acc = torch.zeros(t.row1 - t.row0, me.dx.shape[1], dtype=torch.float32)
+    if me.gpcomb.shape[0]:
+        for j in range(rows.shape[1]):
+            acc = add_present(acc, me.gpcomb[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
+        slots = ctx.slot_send_row[t.row0:t.row1]
+        me.dw[t.row0:t.row1] = me.dwcomb[slots, torch.arange(slots.shape[1])]
+    if ctx.shared_w13 is not None:
+        acc = acc + me.sdx[t.row0:t.row1].float()
+    me.dx[t.row0:t.row1] = acc.to(me.dx.dtype)
+
+
+DEDUP_BACKWARD_KERNELS = {
+    **{k: v for k, v in BACKWARD_KERNELS.items()
+       if k not in (TaskKind.GRAD_PERMUTE, TaskKind.GRAD_UNPERMUTE, TaskKind.ROUTER_GRAD)},
+    TaskKind.GRAD_PERMUTE: _grad_permute, TaskKind.EXPAND: _expand, TaskKind.ROUTER_GRAD: _router_grad,
+    TaskKind.PARTIAL_REDUCE: _partial_reduce, TaskKind.PARTIAL_SUM: _partial_sum,
+}
+
+
+def dedup_backward_symmetric_shapes(plan: RoutingPlan, rank: int, tiles: TileSpec | None = None) -> ShapeMap:
+    """gdrecv [Rd, H] in the layer's dtype, gpcomb [Sd, H] in the partial dtype, dwcomb [Sd, k] fp32."""
+    tiles = tiles or TileSpec()
+    d = make_dedup_layout(plan, tiles)
+    h, sd = plan.moe.hidden, int(d.send_rows[rank])
+    return {"gdrecv": ((int(d.pairs.per_dst[rank]), h), plan.moe.dtype),
+            "gpcomb": ((sd, h), tiles.partial_dtype), "dwcomb": ((sd, plan.moe.top_k), torch.float32)}
+
+
+def _region(recompute: bool) -> Region:
+    return Region(
+        kind=RegionKind.BACKWARD_DEDUP_RECOMPUTE if recompute else RegionKind.BACKWARD_DEDUP,
+        lower=functools.partial(lower_dedup_backward, recompute=recompute), kernels=DEDUP_BACKWARD_KERNELS,
+        puts={TaskKind.GRAD_DISPATCH: PutSpec(src="gsend", dst="gdrecv"),
+              TaskKind.GRAD_COMBINE: PutSpec(src="gpart", dst="gpcomb"),
+              TaskKind.ROUTER_COMBINE: PutSpec(src="dwpart", dst="dwcomb")},
+        buffers=DedupBackwardBuffers, symmetric_shapes=dedup_backward_symmetric_shapes)
+
+
+BACKWARD_DEDUP = _region(False)
+BACKWARD_DEDUP_RECOMPUTE = _region(True)

@@ -1,0 +1,181 @@
+"""Backward of rank-deduplicated dispatch: dy travels once per (token, destination
+rank), input gradients come back as one partial per (token, rank), router gradients are
+computed on the expert's rank; checked against autograd and, bit for bit, against the
+per-expert backward and the reference that sums in the same order."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hpmoe import refs
+from hpmoe.cli import main
+from hpmoe.exec.exact import execute_forward, run_graph
+from hpmoe.exec.exact_backward import Gradients, moe_forward_backward
+from hpmoe.ir.graph import TaskKind
+from hpmoe.ir.verify import verify_graph
+from hpmoe.regions.dedup import make_dedup_layout
+from hpmoe.regions.dedup_backward import lower_dedup_backward
+from hpmoe.regions.dedup_backward_kernels import (
+    BACKWARD_DEDUP,
+    DedupBackwardBuffers,
+    DedupBackwardContext,
+    DedupSaved,
+)
+from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
+from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
+from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.simulate import simulate
+from hpmoe.spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, preset
+from hpmoe.weights import ExpertWeights
+
+from .helpers import TINY_TILES
+from .test_backward import TOL, _autograd
+
+DEDUP = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
+BF16_WIRE = dataclasses.replace(DEDUP, partial_dtype=torch.bfloat16)
+TOP4 = MoESpec(hidden=32, ffn=16, experts=16, top_k=4, shared_experts=1, gate=GateKind.SIGMOID,
+               groups=4, top_groups=2, routed_scaling=2.5)
+NO_SHARED = MoESpec(hidden=24, ffn=12, experts=8, top_k=3, gate=GateKind.SOFTMAX)
+SPECS = {"tiny": preset("tiny"), "top4": TOP4, "no-shared": NO_SHARED}
+FIELDS = [f.name for f in dataclasses.fields(Gradients)]
+
+
+def _inputs(spec, dtype, ep, tokens, kind, seed=0):
+    spec = spec.with_dtype(dtype)
+    w = ExpertWeights.random(spec, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(ep * tokens, spec.hidden, generator=g).to(dtype)
+    dy = torch.randn(ep * tokens, spec.hidden, generator=g).to(dtype)
+    return x, w, synthetic_routing(kind, spec, ParallelSpec(ep, tokens), seed), dy
+
+
+def _dx_reference(x, w, r, dy, ep, partial_dtype, recompute=False):
+    """dx of the deduplicated backward from the per-expert backward's per-slot input
+    gradients: refs.rank_partials_sum with unit weights (its summation order)."""
+    n, k = r.ids.shape
+    buffers = moe_forward_backward(x, w, r, dy, ep, TINY_TILES, recompute=recompute).backward.buffers
+    plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, n // ep))
+    slots = torch.cat([b.gcomb[plan.pos[i]] for i, b in enumerate(buffers)]).view(n, k, -1)
+    sdx = torch.cat([b.sdx for b in buffers]) if w.has_shared else None
+    return refs.rank_partials_sum(slots, torch.ones(n, k), r.ids // (w.spec.experts // ep), ep, sdx,
+                                  w.spec.dtype, partial_dtype)
+
+
+@pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [DEDUP, BF16_WIRE], ids=["fp32-wire", "bf16-wire"])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gradients_match_autograd_and_the_per_expert_backward(spec, dtype, tiles, ep, recompute):
+    x, w, r, dy = _inputs(SPECS[spec], dtype, ep, 5, RoutingKind.ZIPF)
+    got = moe_forward_backward(x, w, r, dy, ep, tiles, recompute=recompute).backward
+    verify_graph(got.graph)
+    want = _autograd(x, w, r, dy)
+    for name in FIELDS:
+        a, b = getattr(got.grads, name), getattr(want, name)
+        if a is None:
+            assert b is None
+            continue
+        tol = TOL[dtype] if tiles.partial_dtype == torch.float32 or name != "dx" else TOL[torch.bfloat16]
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    per_expert = moe_forward_backward(x, w, r, dy, ep, TINY_TILES, recompute=recompute).backward
+    for name in FIELDS[1:]:  # dweights and every weight gradient: the same bits
+        a, b = getattr(got.grads, name), getattr(per_expert.grads, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert torch.equal(got.grads.dx, _dx_reference(x, w, r, dy, ep, tiles.partial_dtype, recompute))
+
+
+@pytest.mark.parametrize("kind", [RoutingKind.HOT, RoutingKind.EMPTY_RANK, RoutingKind.GROUPED])
+def test_skewed_routings(kind):
+    x, w, r, dy = _inputs(TOP4, torch.bfloat16, 4, 6, kind, seed=2)
+    got = moe_forward_backward(x, w, r, dy, 4, BF16_WIRE).backward.grads
+    assert torch.equal(got.dx, _dx_reference(x, w, r, dy, 4, torch.bfloat16))
+    assert torch.equal(got.dweights, moe_forward_backward(x, w, r, dy, 4, TINY_TILES).backward.grads.dweights)
+
+
+def test_bitwise_identical_across_random_valid_orders():
+    x, w, r, dy = _inputs(TOP4, torch.bfloat16, 4, 7, RoutingKind.ZIPF, seed=5)
+    base = moe_forward_backward(x, w, r, dy, 4, BF16_WIRE).backward.grads
+    for seed in range(6):
+        got = moe_forward_backward(x, w, r, dy, 4, BF16_WIRE, forward_order=seed, backward_order=seed + 1)
+        for name in FIELDS:
+            a, b = getattr(got.backward.grads, name), getattr(base, name)
+            assert torch.equal(a, b), (name, seed)
+
+
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
+def test_every_policy_runs_in_its_simulated_order(policy):
+    ep, tokens = 4, 6
+    x, w, r, dy = _inputs(TOP4, torch.bfloat16, ep, tokens, RoutingKind.ZIPF, seed=3)
+    step = moe_forward_backward(x, w, r, dy, ep, DEDUP)
+    plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, tokens))
+    hw = hardware_preset("ascend-a3")
+    sched = schedule(BACKWARD_DEDUP.lower(plan, DEDUP, None), policy, hw)
+    verify_schedule(sched)
+    tl = simulate(sched, hw).timeline
+    order = np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
+    d = make_dedup_layout(plan, DEDUP)
+    saved = [DedupSaved.from_forward(b, False) for b in _forward_buffers(x, w, r, ep)]
+    buffers = [DedupBackwardBuffers.allocate(saved[i], dy.chunk(ep)[i], d, DEDUP, i) for i in range(ep)]
+    run_graph(sched.graph, BACKWARD_DEDUP, buffers,
+              [DedupBackwardContext.build(w, d, r, i) for i in range(ep)], order)
+    assert torch.equal(torch.cat([b.dx for b in buffers]), step.backward.grads.dx)
+    assert torch.equal(torch.cat([b.dw for b in buffers]), step.backward.grads.dweights)
+
+
+def _forward_buffers(x, w, r, ep):
+    return execute_forward(x, w, r, ep, DEDUP).buffers
+
+
+def test_thresholds_equal_signal_counts_and_one_rank_is_its_part():
+    moe, par = TOP4, ParallelSpec(4, 9)
+    plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, moe, par, 1).ids, moe, par)
+    g = lower_dedup_backward(plan, DEDUP, recompute=True)
+    verify_graph(g)
+    assert np.bincount(g.signals_global(), minlength=g.num_events).tolist() == g.threshold.tolist()
+    for rank in range(4):
+        part = lower_dedup_backward(plan, DEDUP, (rank,), recompute=True)
+        mine = g.rank == rank
+        for col in ("kind", "row0", "row1", "col0", "col1", "peer", "wait", "link_bytes"):
+            np.testing.assert_array_equal(getattr(part, col), getattr(g, col)[mine], err_msg=col)
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_gradient_link_bytes_are_the_distinct_remote_ranks_of_each_token(ep):
+    spec = preset("small", torch.bfloat16)
+    par = ParallelSpec(ep, 32)
+    ids = synthetic_routing(RoutingKind.ZIPF, spec, par, 7).ids
+    tiles = TileSpec(dispatch=DispatchMode.PER_RANK, partial_dtype=torch.bfloat16)
+    g = lower_dedup_backward(plan_routing(ids, spec, par), tiles)
+    dst = ids // (spec.experts // ep)
+    src = torch.arange(ep * 32) // 32
+    rows = sum(len({int(d) for d in row if int(d) != int(s)}) for row, s in zip(dst, src, strict=True))
+
+    def sent(kind):
+        return g.link_bytes[g.kind == kind].sum()
+
+    assert sent(TaskKind.GRAD_DISPATCH) == rows * spec.hidden * 2
+    assert sent(TaskKind.GRAD_COMBINE) == rows * spec.hidden * 2
+    assert sent(TaskKind.ROUTER_COMBINE) == rows * spec.top_k * 4
+
+
+def test_relayed_backward_is_refused_by_name():
+    moe, par = TOP4, ParallelSpec(4, 4, nodes=2)
+    plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, moe, par, 0).ids, moe, par)
+    with pytest.raises(ValueError, match="the deduplicated backward has no relays"):
+        lower_dedup_backward(plan, dataclasses.replace(DEDUP, dispatch=DispatchMode.PER_NODE))
+
+
+def test_cli_simulates_the_deduplicated_backward(capsys):
+    args = ["simulate", "--preset", "tiny", "--ep", "4", "--tokens", "16", "--routing", "zipf", "--json",
+            "--backward"]
+    assert main([*args, "--dispatch", "per-rank", "--partial-dtype", "bf16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["direction"] == "backward" and out["makespan_us"] > 0
+    spec, par = preset("tiny", torch.bfloat16), ParallelSpec(4, 16)
+    plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, spec, par, 0).ids, spec, par)
+    g = lower_dedup_backward(plan, TileSpec(dispatch=DispatchMode.PER_RANK, partial_dtype=torch.bfloat16))
+    assert out["link_bytes"] == np.bincount(g.rank, weights=g.link_bytes, minlength=4).astype(int).tolist()
