@@ -5,7 +5,8 @@ PARTIAL_SUM are new, and under ``PER_NODE`` RELAY_PACK and NODE_REDUCE."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -48,7 +49,15 @@ class DedupBuffers:
     so: torch.Tensor
 
     @staticmethod
-    def allocate(x: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int) -> DedupBuffers:
+    def allocate(x: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
+                 symmetric: Mapping[str, torch.Tensor] | None = None) -> DedupBuffers:
+        """Buffers of ``rank`` holding its tokens ``x`` [T, H]; ``symmetric`` may supply
+        the symmetric fields (views of a symmetric heap)."""
+        out = DedupBuffers._new(x, d, tiles, rank)
+        return replace(out, **dict(symmetric or {}))
+
+    @staticmethod
+    def _new(x: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int) -> DedupBuffers:
         plan = d.base.plan
         moe = plan.moe
         t, r, h, f, fs = x.shape[0], plan.recv_rows(rank), moe.hidden, moe.ffn, moe.shared_ffn
@@ -227,3 +236,15 @@ FORWARD_DEDUP = Region(
           TaskKind.HOP_DISPATCH: PutSpec(src="send", dst="hrecv"),
           TaskKind.HOP_COMBINE: PutSpec(src="nred", dst="pcomb")},
     buffers=DedupBuffers, symmetric_shapes=dedup_symmetric_shapes)
+
+
+def dedup_region(d: DedupLayout, tiles: TileSpec) -> Region:
+    """``FORWARD_DEDUP`` whose symmetric shapes come from ``d`` (computed once) and ``tiles``."""
+    h, dtype = d.base.plan.moe.hidden, d.base.plan.moe.dtype
+
+    def shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
+        return {"drecv": ((int(d.pairs.per_dst[rank]), h), dtype),
+                "pcomb": ((int(d.send_rows[rank]), h), tiles.partial_dtype),
+                "hrecv": ((int(d.hops.per_dst[rank]), h), dtype)}
+
+    return replace(FORWARD_DEDUP, symmetric_shapes=shapes)

@@ -3,7 +3,8 @@
 Per call, on every rank of the session's group (plan of ``ForwardRunner.__call__``):
   0. agree on the region's fingerprint and every rank's input (``Session.agree``);
   1. snapshot the counters (``Transport.begin``);
-  2. all-gather token counts per (expert, token tile);
+  2. all-gather token counts per (expert, token tile) (deduplicated dispatch: every
+     rank's routing ids and weights, which a receiver needs to expand and weigh rows);
   3. rebuild the plan, lower every rank's graph and schedule it (the schedulers
      need all ranks; every rank computes the same schedule), keep this rank's part;
   4. size symmetric memory and post receives (``Transport.prepare``);
@@ -20,15 +21,17 @@ import numpy as np
 import torch
 
 from ..exec.program import RankProgram, compile_program, compile_region
-from ..regions.base import RegionKind
+from ..regions.base import Region, RegionKind
+from ..regions.dedup import make_dedup_layout
+from ..regions.dedup_kernels import DedupBuffers, DedupContext, dedup_region
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
-from ..routing import Routing, RoutingPlan, check_hidden, check_routing
+from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
 from ..schedule.base import Schedule, SchedulePolicy
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import MoESpec, ParallelSpec, TileSpec, require_per_expert
+from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .faults import Fault
-from .plan import exchange_tile_counts, plan_from_tile_counts
+from .plan import exchange_routing, exchange_tile_counts, plan_from_tile_counts
 from .session import Session
 from .timeline import RunTimeline
 from .transport.base import Step
@@ -40,12 +43,14 @@ class ForwardOptions:
     counts are the runtime's worker threads, its rates the cost model of CRITICAL_PATH
     (default: ``cpu_nominal()``, one matrix and one vector worker).  cache_schedules:
     reuse the schedule when the exchanged token counts repeat (identical counts give an
-    identical graph)."""
+    identical graph).  nodes: nodes the EP group spans (``TileSpec(dispatch=PER_NODE)``
+    relays between them)."""
 
     tiles: TileSpec = TileSpec()
     policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
     hardware: HardwareModel = field(default_factory=cpu_nominal)
     cache_schedules: bool = False
+    nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class ForwardOutput:
     program: this rank's part."""
 
     out: torch.Tensor
-    buffers: ForwardBuffers
+    buffers: ForwardBuffers | DedupBuffers
     plan: RoutingPlan
     schedule: Schedule
     program: RankProgram
@@ -82,7 +87,7 @@ class ForwardRunner:
     def __init__(self, session: Session, weights: ExpertWeights, options: ForwardOptions | None = None):
         self.session, self.weights = session, weights
         self.options = options or ForwardOptions()
-        require_per_expert(self.options.tiles, "the multi-rank runtime")
+        self.dedup = self.options.tiles.dispatch is not DispatchMode.PER_EXPERT
         self._cache: dict[bytes, Schedule] = {}
 
     def __call__(self, x: torch.Tensor, routing: Routing, fault: Fault | None = None) -> ForwardOutput:
@@ -90,22 +95,34 @@ class ForwardRunner:
         spec, s, tiles = self.weights.spec, self.session, self.options.tiles
         marks = [time.perf_counter()]
         tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else -1
-        n = s.agree(RegionKind.FORWARD, self.weights, tokens, tiles, input_error(x, routing, spec))
+        kind = RegionKind.FORWARD_DEDUP if self.dedup else RegionKind.FORWARD
+        n = s.agree(kind, self.weights, tokens, tiles, input_error(x, routing, spec))
         if fault is not None:
             fault.before_exchange(s.rank, n)
-        par = ParallelSpec(ep=s.world, tokens_per_rank=tokens)
+        par = ParallelSpec(ep=s.world, tokens_per_rank=tokens, nodes=self.options.nodes)
         s.transport.begin()
-        counts = exchange_tile_counts(routing.ids, spec.experts, tiles.rows, s.collectives,
-                                      f"forward region {n}: count exchange")
+        if self.dedup:
+            every = exchange_routing(routing, s.collectives, f"forward region {n}: routing exchange")
+            plan, key = plan_routing(every.ids, spec, par), every.ids.numpy().tobytes()
+        else:
+            counts = exchange_tile_counts(routing.ids, spec.experts, tiles.rows, s.collectives,
+                                          f"forward region {n}: count exchange")
+            plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, tiles.rows)
+            key = counts.numpy().tobytes()
         marks.append(time.perf_counter())
-        plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, tiles.rows)
-        schedule = self._schedule(plan, counts)
-        program = compile_program(schedule, FORWARD, s.rank)
-        program, region = fault.apply(program, FORWARD) if fault else (program, FORWARD)
+        layout = make_dedup_layout(plan, tiles) if self.dedup else None
+        region = dedup_region(layout, tiles) if self.dedup else FORWARD
+        schedule = self._schedule(plan, key, region)
+        program = compile_program(schedule, region, s.rank)
+        program, region = fault.apply(program, region) if fault else (program, region)
         marks.append(time.perf_counter())
         sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
-        buffers = ForwardBuffers.allocate(x, plan, s.rank, recv=sym["recv"], comb=sym["comb"])
-        ctx = rank_context(self.weights, plan, routing, s.rank)
+        if self.dedup:
+            buffers = DedupBuffers.allocate(x, layout, tiles, s.rank, sym)
+            ctx = DedupContext.build(self.weights, layout, every, s.rank)
+        else:
+            buffers = ForwardBuffers.allocate(x, plan, s.rank, recv=sym["recv"], comb=sym["comb"])
+            ctx = rank_context(self.weights, plan, routing, s.rank)
         marks.append(time.perf_counter())
         s.board.enter(f"forward region {n}: run", publish=False)
         result = s.executor.run(program, region, buffers, ctx, s.transport)
@@ -115,12 +132,12 @@ class ForwardRunner:
         return ForwardOutput(out=buffers.out, buffers=buffers, plan=plan, schedule=schedule, program=program,
                              timeline=result.timeline, times=times)
 
-    def _schedule(self, plan: RoutingPlan, counts: torch.Tensor) -> Schedule:
+    def _schedule(self, plan: RoutingPlan, key: bytes, region: Region) -> Schedule:
         o = self.options
-        key = counts.numpy().tobytes() + bytes(str(plan.par), "ascii")
+        key = key + bytes(str(plan.par), "ascii")
         if o.cache_schedules and key in self._cache:
             return self._cache[key]
-        schedule = compile_region(plan, FORWARD, o.tiles, o.policy, o.hardware)
+        schedule = compile_region(plan, region, o.tiles, o.policy, o.hardware)
         if o.cache_schedules:
             self._cache = {key: schedule}
         return schedule

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..regions.layout import ceil_div
-from ..routing import RoutingPlan, plan_routing
+from ..routing import Routing, RoutingPlan, plan_routing
 from ..spec import MoESpec, ParallelSpec
 from .collective import Collectives
 
@@ -60,3 +60,15 @@ def plan_from_tile_counts(ids: torch.Tensor, counts: torch.Tensor, moe: MoESpec,
         raise ValueError(f"tile counts have shape {tuple(counts.shape)}, expected {list(shape)}")
     parts = [ids if r == rank else stand_in_ids(counts[r], t, moe.top_k, rows) for r in range(par.ep)]
     return plan_routing(torch.cat(parts), moe, par)
+
+
+def exchange_routing(routing: Routing, coll: Collectives, what: str = "routing exchange") -> Routing:
+    """Every rank's routing, ids [ep*T, k] int64 and weights float32, from this rank's
+    ([T, k]): one all-gather of the ids (int32) beside the weights' bits.  What the
+    deduplicated regions need: a receiver expands a row to the experts its source chose
+    and weighs their outputs."""
+    k = routing.ids.shape[1]
+    packed = torch.cat([routing.ids.to(torch.int32), routing.weights.float().contiguous().view(torch.int32)],
+                       dim=1)
+    every = coll.all_gather(packed, what, publish=False).reshape(-1, 2 * k)
+    return Routing(ids=every[:, :k].long(), weights=every[:, k:].contiguous().view(torch.float32))
