@@ -13,7 +13,8 @@ Plan:
      several processes).
   2. Write a ``conftest.py`` that, when ``HPMOE_SUITE_REPLACE=1``, wraps
      ``PreTrainedModel.post_init`` to call ``hpmoe.replace_moe_blocks`` on every model the
-     tests build (``virtual_ep`` ranks in one process).
+     tests build (``--virtual-ep`` ranks in one process where they divide the model's
+     experts, else 1).
   3. Run pytest twice (plain, hpmoe) offline (``HF_HUB_OFFLINE=1``: tests that need the
      network fail or skip in both runs alike) and read each run's JUnit XML.
   4. Print per-test outcomes, the counts, and every test that passes only without hpmoe.
@@ -97,8 +98,10 @@ if os.environ.get("HPMOE_SUITE_REPLACE") == "1":
 
     def post_init(self):
         _post_init(self)
-        if any(family_of(m) is not None for m in self.modules()):
-            replace_moe_blocks(self, virtual_ep=VIRTUAL_EP)
+        experts = [m.experts.gate_up_proj.shape[0] for m in self.modules() if family_of(m) is not None]
+        if experts:  # an EP size must divide the experts (test_load_balancing_loss has 3)
+            ep = VIRTUAL_EP if all(e % VIRTUAL_EP == 0 for e in experts) else 1
+            replace_moe_blocks(self, virtual_ep=ep)
 
     PreTrainedModel.post_init = post_init
 '''

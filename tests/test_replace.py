@@ -107,6 +107,16 @@ def test_replace_moe_blocks_refuses_models_without_blocks_and_blocks_themselves(
         MoE.from_hf(torch.nn.Linear(3, 3))
 
 
+def test_virtual_ep_not_dividing_the_experts_is_refused_before_any_replacement():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(num_experts=3))
+    block = model.model.layers[0].mlp
+    with pytest.raises(ValueError, match="virtual_ep=2 does not divide the block's 3 experts"):
+        replace_moe_blocks(model, virtual_ep=2)
+    assert model.model.layers[0].mlp is block
+    with pytest.raises(ValueError, match="virtual_ep=2 does not divide"):
+        MoE.from_hf(block, virtual_ep=2)
+
+
 # ---------------------------------------------------------------------------- example
 
 SHORT = train_tiny.TrainConfig(steps=6, batch=4, seq=8, layers=1)

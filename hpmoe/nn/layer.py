@@ -59,6 +59,7 @@ from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import GateKind, MoESpec, TileSpec
 from ..weights import ExpertWeights
 from .compiled import run_region
+from .experts_impl import register, runs_region, select
 from .families import FAMILIES, family_of, read_block
 from .families.base import Family
 
@@ -286,8 +287,10 @@ class MoE(nn.Module):
             names = sorted(f.block for f in FAMILIES)
             raise TypeError(f"module must be a transformers MoE block of {names}, "
                             f"got {type(module).__name__}")
-        layout = read_block(module, family)
         checked = RegionOptions(**options)
+        layout = read_block(module, family, checked.virtual_ep)
+        register()
+        select(module.experts)
         moe = cls.__new__(cls)
         nn.Module.__init__(moe)
         for name, child in module.named_children():
@@ -350,14 +353,16 @@ class MoE(nn.Module):
     def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
         """What the transformers block computes, with its routed experts (and a fusable
         shared MLP) run by the region: jitter, router, region, then a shared expert that
-        runs beside the region."""
+        runs beside the region.  While the experts' config names a transformers experts
+        implementation instead of "hpmoe", the experts module runs (``experts_impl``)."""
         fam = self.family
         amp = getattr(self, fam.jitter) if fam.jitter else 0.0
         if self.training and amp > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - amp, 1.0 + amp)
         _, weights, ids = getattr(self, fam.router)(x)
-        out = self._region(x, ids, weights)
-        shared = getattr(self, fam.shared) if fam.shared and not self.fused_shared else None
+        region = runs_region(self.experts)  # config._experts_implementation == "hpmoe"
+        out = self._region(x, ids, weights) if region else self.experts(x, ids, weights)
+        shared = getattr(self, fam.shared) if fam.shared and not (region and self.fused_shared) else None
         if shared is not None:
             s = shared(x)
             if fam.shared_gate:

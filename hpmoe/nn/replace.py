@@ -55,7 +55,7 @@ def replace_moe_blocks(model: nn.Module, **options: Any) -> Replacement:
         names = sorted(supported_blocks())
         raise ValueError(f"model of type {type(model).__name__} holds no block of type {names}")
     for _, block in targets:
-        read_block(block, family_of(block))  # refuse before replacing anything
+        read_block(block, family_of(block), checked.virtual_ep)  # refuse before replacing anything
     if targets[0][0] == "":
         raise ValueError(f"model is itself a {type(model).__name__}; use hpmoe.MoE.from_hf(model)")
     session = None

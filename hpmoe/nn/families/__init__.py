@@ -33,7 +33,7 @@ from . import (
     qwen3_next,
     qwen3_vl_moe,
 )
-from .base import Family, activation_of
+from .base import Family, activation_of, check_flags
 
 FAMILIES: tuple[Family, ...] = tuple(
     m.FAMILY
@@ -78,12 +78,15 @@ class BlockLayout:
     fused_shared: str | None
 
 
-def read_block(block: nn.Module, family: Family) -> BlockLayout:
-    """Check ``block`` and read its layout; ``ValueError`` names what does not fit."""
+def read_block(block: nn.Module, family: Family, virtual_ep: int = 1) -> BlockLayout:
+    """Check ``block`` (its experts split evenly over ``virtual_ep`` ranks) and read its
+    layout; ``ValueError`` names what does not fit."""
     if family.refused:
         raise ValueError(f"{family.name} ({family.block}) is not supported: {family.refused}")
     experts = _check_experts(block, family)
     e, f2, h = experts.gate_up_proj.shape
+    if e % virtual_ep:
+        raise ValueError(f"{family.name}: virtual_ep={virtual_ep} does not divide the block's {e} experts")
     act = activation_of(experts.act_fn)
     router = getattr(block, family.router, None)
     top_k = getattr(router, "top_k", None)
@@ -114,9 +117,7 @@ def _check_experts(block: nn.Module, family: Family) -> nn.Module:
     e, f2, h = w13.shape
     if tuple(w2.shape) != (e, h, f2 // 2) or f2 % 2:
         raise ValueError(f"{family.name}: experts.down_proj is {tuple(w2.shape)}, expected {(e, h, f2 // 2)}")
-    for flag, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False)):
-        if getattr(experts, flag, not bad) is bad:
-            raise ValueError(f"{family.name}: experts.{flag}={bad} is not supported")
+    check_flags(experts, family.name)
     return experts
 
 

@@ -99,4 +99,12 @@ def activation_of(act: nn.Module) -> Activation:
     )
 
 
+def check_flags(experts: nn.Module, owner: str) -> None:
+    """``ValueError`` (naming ``owner``) for experts with biases, transposed weights or
+    interleaved gate/up columns: the region reads gate_up_proj [E, 2F, H], gate rows first."""
+    for flag, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False)):
+        if getattr(experts, flag, not bad) is bad:
+            raise ValueError(f"{owner}: experts.{flag}={bad} is not supported")
+
+
 Reader = Callable[[nn.Module], Any]
