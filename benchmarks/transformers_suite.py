@@ -14,7 +14,8 @@ Plan:
   2. Write a ``conftest.py`` that, when ``HPMOE_SUITE_REPLACE=1``, wraps
      ``PreTrainedModel.post_init`` to call ``hpmoe.replace_moe_blocks`` on every model the
      tests build (``--virtual-ep`` ranks in one process where they divide the model's
-     experts, else 1).
+     experts, else 1; ``--path taskflow``, the default, makes every region run the tile
+     taskflow, ``--path auto`` keeps the layers' default, AUTO).
   3. Run pytest twice (plain, hpmoe) offline (``HF_HUB_OFFLINE=1``: tests that need the
      network fail or skip in both runs alike) and read each run's JUnit XML.
   4. Print per-test outcomes, the counts, and every test that passes only without hpmoe.
@@ -95,13 +96,15 @@ if os.environ.get("HPMOE_SUITE_REPLACE") == "1":
 
     _post_init = PreTrainedModel.post_init
     VIRTUAL_EP = int(os.environ.get("HPMOE_SUITE_VIRTUAL_EP", "2"))
+    # "taskflow": every region runs the tile taskflow (schedule None); "auto": the default
+    SCHEDULE = {"taskflow": {"schedule": None}, "auto": {}}[os.environ.get("HPMOE_SUITE_PATH", "taskflow")]
 
     def post_init(self):
         _post_init(self)
         experts = [m.experts.gate_up_proj.shape[0] for m in self.modules() if family_of(m) is not None]
         if experts:  # an EP size must divide the experts (test_load_balancing_loss has 3)
             ep = VIRTUAL_EP if all(e % VIRTUAL_EP == 0 for e in experts) else 1
-            replace_moe_blocks(self, virtual_ep=ep)
+            replace_moe_blocks(self, virtual_ep=ep, **SCHEDULE)
 
     PreTrainedModel.post_init = post_init
 '''
@@ -153,11 +156,12 @@ def assemble(sdist: Path, repo: Path, rev: str, work: Path) -> Path:
     return tree
 
 
-def run(tree: Path, replace: bool, virtual_ep: int, extra: list[str]) -> dict[str, str]:
+def run(tree: Path, replace: bool, virtual_ep: int, path: str, extra: list[str]) -> dict[str, str]:
     """One pytest run; {test id: passed | failed | skipped}."""
     xml = tree / f"junit-{'hpmoe' if replace else 'plain'}.xml"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HPMOE_SUITE_REPLACE": "1" if replace else "0", "HPMOE_SUITE_VIRTUAL_EP": str(virtual_ep),
+           "HPMOE_SUITE_PATH": path,
            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     files = [f"tests/models/{m}/test_modeling_{m}.py" for m in MODELS]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tree),
@@ -201,13 +205,15 @@ def main() -> int:
     p.add_argument("--rev", default="HEAD", help="revision of --repo (git only)")
     p.add_argument("--workdir", type=Path, default=None, help="where to build the tree (default: temp)")
     p.add_argument("--virtual-ep", type=int, default=2, help="virtual EP ranks of the hpmoe layers")
+    p.add_argument("--path", choices=("taskflow", "auto"), default="taskflow",
+                   help="hpmoe regions: always the tile taskflow, or the layers' default (AUTO)")
     p.add_argument("--json", type=Path, default=None, help="write {test: [plain, hpmoe]} here")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     a = p.parse_args()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="hpmoe-hfsuite-"))
     tree = assemble(a.sdist, a.repo, a.rev, work)
-    plain = run(tree, False, a.virtual_ep, a.pytest_args)
-    hp = run(tree, True, a.virtual_ep, a.pytest_args)
+    plain = run(tree, False, a.virtual_ep, a.path, a.pytest_args)
+    hp = run(tree, True, a.virtual_ep, a.path, a.pytest_args)
     only_plain = report(plain, hp)
     if a.json:
         a.json.write_text(json.dumps({t: [plain.get(t), hp.get(t)] for t in sorted(plain.keys() | hp.keys())},
