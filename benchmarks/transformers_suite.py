@@ -75,6 +75,7 @@ def __getattr__(name):
 ''',
 }
 CONFTEST = '''"""Written by hpmoe's benchmarks/transformers_suite.py."""
+import json
 import os
 
 MARKERS = ("flash_attn_test", "flash_attn_3_test", "torch_compile_test", "torch_export_test",
@@ -97,6 +98,7 @@ if os.environ.get("HPMOE_SUITE_REPLACE") == "1":
     _post_init = PreTrainedModel.post_init
     VIRTUAL_EP = int(os.environ.get("HPMOE_SUITE_VIRTUAL_EP", "2"))
     # "taskflow": every region runs the tile taskflow (schedule None); "auto": the default
+    COUNTS = {"models": 0, "regions": 0}  # models built with hpmoe blocks, MoE._region calls
     SCHEDULE = {"taskflow": {"schedule": None}, "auto": {}}[os.environ.get("HPMOE_SUITE_PATH", "taskflow")]
 
     def post_init(self):
@@ -105,8 +107,25 @@ if os.environ.get("HPMOE_SUITE_REPLACE") == "1":
         if experts:  # an EP size must divide the experts (test_load_balancing_loss has 3)
             ep = VIRTUAL_EP if all(e % VIRTUAL_EP == 0 for e in experts) else 1
             replace_moe_blocks(self, virtual_ep=ep, **SCHEDULE)
+            COUNTS["models"] += 1
 
     PreTrainedModel.post_init = post_init
+
+    from hpmoe.nn.layer import MoE
+
+    _region = MoE._region
+
+    def counted_region(self, *args, **kwargs):
+        COUNTS["regions"] += 1
+        return _region(self, *args, **kwargs)
+
+    MoE._region = counted_region
+
+    def pytest_sessionfinish(session):
+        path = os.environ.get("HPMOE_SUITE_COUNTS")
+        if path:
+            with open(path, "w") as f:
+                json.dump(COUNTS, f)
 '''
 
 
@@ -161,7 +180,7 @@ def run(tree: Path, replace: bool, virtual_ep: int, path: str, extra: list[str])
     xml = tree / f"junit-{'hpmoe' if replace else 'plain'}.xml"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HPMOE_SUITE_REPLACE": "1" if replace else "0", "HPMOE_SUITE_VIRTUAL_EP": str(virtual_ep),
-           "HPMOE_SUITE_PATH": path,
+           "HPMOE_SUITE_PATH": path, "HPMOE_SUITE_COUNTS": str(tree / "hpmoe-counts.json"),
            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     files = [f"tests/models/{m}/test_modeling_{m}.py" for m in MODELS]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tree),
@@ -215,6 +234,8 @@ def main() -> int:
     plain = run(tree, False, a.virtual_ep, a.path, a.pytest_args)
     hp = run(tree, True, a.virtual_ep, a.path, a.pytest_args)
     only_plain = report(plain, hp)
+    counts = json.loads((tree / "hpmoe-counts.json").read_text())
+    print(f"\nhpmoe run: {counts['models']} models built with hpmoe blocks, {counts['regions']} region calls")
     if a.json:
         a.json.write_text(json.dumps({t: [plain.get(t), hp.get(t)] for t in sorted(plain.keys() | hp.keys())},
                                      indent=1))
