@@ -1,6 +1,9 @@
 """Emulated hosts: one network namespace per rank, joined through a bridge in a
 hub namespace by veth pairs shaped with ``tc tbf`` in both directions, so that
-communication between ranks is a bandwidth-bound resource of its own.
+communication between ranks is a bandwidth-bound resource of its own.  With two tiers
+(``LinkSpec.inter``), ranks are grouped into nodes of ``ranks_per_node`` consecutive
+ranks and each veth end has an ``htb`` class per tier: traffic to (from) ranks of
+other nodes shares the ``inter`` rate, the rest the ``rate``, per direction.
 
 Needs root, ``ip`` and ``tc``.  Namespaces are named ``hpm-p<pid>-<token>-...``
 (the creating process, unique per run) and deleted by ``delete_topology`` — also
@@ -24,27 +27,53 @@ IFNAME = "eth0"  # each rank's interface inside its namespace
 SUBNET = "10.77.0"
 
 
+def _rate_bytes(rate: str) -> float:
+    value, unit = _RATE.match(rate).groups()
+    return float(value) * _SCALE[unit] / 8.0
+
+
+def _check_rate(name: str, rate: object) -> None:
+    if not isinstance(rate, str) or not _RATE.match(rate):
+        raise ValueError(f"{name}={rate!r} must look like 2gbit, 500mbit or 800kbit")
+    if not _rate_bytes(rate) >= 1000:
+        raise ValueError(f"{name}={rate!r} must be at least 8kbit")
+
+
+def _burst(rate: str) -> str:
+    """Bucket: 4 ms at the rate, at least 256 KiB (a GSO packet is <= 64 KiB)."""
+    return f"{max(262144, int(_rate_bytes(rate) * 0.004))}b"
+
+
 @dataclass(frozen=True)
 class LinkSpec:
-    """Per-rank, per-direction link rate in tc syntax (``2gbit``, ``500mbit``)."""
+    """Per-rank, per-direction link rate in tc syntax (``2gbit``, ``500mbit``); with
+    ``inter``, the rate to and from ranks of other nodes of ``ranks_per_node`` ranks."""
 
     rate: str
+    inter: str | None = None
+    ranks_per_node: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rate, str) or not _RATE.match(self.rate):
-            raise ValueError(f"--link={self.rate!r} must look like 2gbit, 500mbit or 800kbit")
-        if not self.bytes_per_s >= 1000:
-            raise ValueError(f"--link={self.rate!r} must be at least 8kbit")
+        _check_rate("--link", self.rate)
+        if self.inter is None:
+            if self.ranks_per_node:
+                raise ValueError(f"LinkSpec.ranks_per_node={self.ranks_per_node} needs an inter-node rate")
+            return
+        _check_rate("LinkSpec.inter", self.inter)
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node <= 0:
+            raise ValueError(f"LinkSpec.ranks_per_node must be a positive int with inter, "
+                             f"got {self.ranks_per_node!r}")
 
     @property
     def bytes_per_s(self) -> float:
-        value, unit = _RATE.match(self.rate).groups()
-        return float(value) * _SCALE[unit] / 8.0
+        return _rate_bytes(self.rate)
 
     @property
     def burst(self) -> str:
-        """tbf bucket: 4 ms at the rate, at least 256 KiB (a GSO packet is <= 64 KiB)."""
-        return f"{max(262144, int(self.bytes_per_s * 0.004))}b"
+        return _burst(self.rate)
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node if self.inter else 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +115,24 @@ def _shape(ns: str, dev: str, link: LinkSpec) -> None:
          link.rate, "burst", link.burst, "latency", "20ms")
 
 
+def tier_commands(link: LinkSpec, rank: int, world: int, match: str) -> list[list[str]]:
+    """tc arguments (after ``tc``) shaping one veth end of ``rank`` in two tiers: an
+    htb class at ``link.rate`` (default) and one at ``link.inter`` that packets whose
+    ``match`` address (``dst`` on the rank's side, ``src`` on the hub's) belongs to a
+    rank of another node go to."""
+    dev = IFNAME if match == "dst" else f"p{rank}"
+    cmds = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
+            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", link.rate,
+             "burst", _burst(link.rate)],
+            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", link.inter,
+             "burst", _burst(link.inter)]]
+    for peer in range(world):
+        if link.node(peer) != link.node(rank):
+            cmds.append(["filter", "add", "dev", dev, "protocol", "ip", "parent", "1:", "prio", "1", "u32",
+                         "match", "ip", match, f"{Topology.address(peer)}/32", "flowid", "1:20"])
+    return cmds
+
+
 def create_topology(world: int, link: LinkSpec, token: str) -> Topology:
     """Namespaces for ``world`` ranks; on failure everything created is deleted."""
     if not isinstance(world, int) or not 1 <= world <= 250:
@@ -114,8 +161,13 @@ def _add_rank(topo: Topology, r: int) -> None:
         _run("ip", "-n", ns, "link", "set", dev, "up")
     _run("ip", "-n", topo.hub, "link", "set", port, "master", "br0")
     _run("ip", "-n", topo.hub, "link", "set", port, "up")
-    _shape(ns, IFNAME, topo.link)
-    _shape(topo.hub, port, topo.link)
+    if topo.link.inter is None:
+        _shape(ns, IFNAME, topo.link)
+        _shape(topo.hub, port, topo.link)
+        return
+    for where, match in ((ns, "dst"), (topo.hub, "src")):
+        for cmd in tier_commands(topo.link, r, len(topo.ranks), match):
+            _run("ip", "netns", "exec", where, "tc", *cmd)
 
 
 def delete_topology(topo: Topology) -> list[str]:
