@@ -56,7 +56,7 @@ from ..routing import Routing, RoutingPlan, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape
 from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import GateKind, MoESpec, TileSpec
+from ..spec import GateKind, MoESpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .compiled import run_region
 from .experts_impl import register, runs_region, select
@@ -154,6 +154,7 @@ class RegionOptions:
             raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
         if not isinstance(self.tiles, TileSpec):
             raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
+        require_per_expert(self.tiles, "hpmoe.MoE (its saved activations and backward region)")
         if self.runtime is not None:
             from ..runtime import RuntimeConfig
 
