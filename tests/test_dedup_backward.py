@@ -34,9 +34,12 @@ from hpmoe.weights import ExpertWeights
 
 from .helpers import TINY_TILES
 from .test_backward import TOL, _autograd
+from .test_dedup_hierarchical import _analytical_rows, _tier_bytes
 
 DEDUP = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
 BF16_WIRE = dataclasses.replace(DEDUP, partial_dtype=torch.bfloat16)
+NODE = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_NODE)
+NODE_BF16 = dataclasses.replace(NODE, partial_dtype=torch.bfloat16)
 TOP4 = MoESpec(hidden=32, ffn=16, experts=16, top_k=4, shared_experts=1, gate=GateKind.SIGMOID,
                groups=4, top_groups=2, routed_scaling=2.5)
 NO_SHARED = MoESpec(hidden=24, ffn=12, experts=8, top_k=3, gate=GateKind.SOFTMAX)
@@ -53,16 +56,17 @@ def _inputs(spec, dtype, ep, tokens, kind, seed=0):
     return x, w, synthetic_routing(kind, spec, ParallelSpec(ep, tokens), seed), dy
 
 
-def _dx_reference(x, w, r, dy, ep, partial_dtype, recompute=False):
+def _dx_reference(x, w, r, dy, ep, partial_dtype, recompute=False, nodes=1):
     """dx of the deduplicated backward from the per-expert backward's per-slot input
-    gradients: refs.rank_partials_sum with unit weights (its summation order)."""
+    gradients: refs.rank_partials_sum with unit weights (its summation order; per node
+    with ``nodes`` > 1, as the relays sum)."""
     n, k = r.ids.shape
     buffers = moe_forward_backward(x, w, r, dy, ep, TINY_TILES, recompute=recompute).backward.buffers
     plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, n // ep))
     slots = torch.cat([b.gcomb[plan.pos[i]] for i, b in enumerate(buffers)]).view(n, k, -1)
     sdx = torch.cat([b.sdx for b in buffers]) if w.has_shared else None
     return refs.rank_partials_sum(slots, torch.ones(n, k), r.ids // (w.spec.experts // ep), ep, sdx,
-                                  w.spec.dtype, partial_dtype)
+                                  w.spec.dtype, partial_dtype, nodes)
 
 
 @pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
@@ -163,11 +167,70 @@ def test_gradient_link_bytes_are_the_distinct_remote_ranks_of_each_token(ep):
     assert sent(TaskKind.ROUTER_COMBINE) == rows * spec.top_k * 4
 
 
-def test_relayed_backward_is_refused_by_name():
-    moe, par = TOP4, ParallelSpec(4, 4, nodes=2)
-    plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, moe, par, 0).ids, moe, par)
-    with pytest.raises(ValueError, match="the deduplicated backward has no relays"):
-        lower_dedup_backward(plan, dataclasses.replace(DEDUP, dispatch=DispatchMode.PER_NODE))
+@pytest.mark.parametrize("tiles", [NODE, NODE_BF16], ids=["fp32-wire", "bf16-wire"])
+@pytest.mark.parametrize(("ep", "nodes"), [(2, 2), (4, 2), (8, 2), (8, 4)])
+@pytest.mark.parametrize("kind", [RoutingKind.ZIPF, RoutingKind.EMPTY_RANK, RoutingKind.GROUPED])
+def test_relayed_gradients_are_the_reference_bits(tiles, ep, nodes, kind):
+    """Through the relays: dx sums per node as the forward's output does; router and
+    weight gradients are the per-expert backward's bits."""
+    x, w, r, dy = _inputs(TOP4, torch.bfloat16, ep, 5, kind)
+    got = moe_forward_backward(x, w, r, dy, ep, tiles, nodes=nodes).backward
+    verify_graph(got.graph)
+    assert (got.graph.kind == TaskKind.HOP_DISPATCH).any()
+    assert torch.equal(got.grads.dx, _dx_reference(x, w, r, dy, ep, tiles.partial_dtype, nodes=nodes))
+    per_expert = moe_forward_backward(x, w, r, dy, ep, TINY_TILES).backward.grads
+    for name in FIELDS[1:]:
+        assert torch.equal(getattr(got.grads, name), getattr(per_expert, name)), name
+    torch.testing.assert_close(got.grads.dx, _autograd(x, w, r, dy).dx, **TOL[torch.bfloat16])
+
+
+def test_relayed_backward_is_bitwise_identical_across_orders():
+    x, w, r, dy = _inputs(TOP4, torch.bfloat16, 8, 4, RoutingKind.GROUPED, seed=6)
+    base = moe_forward_backward(x, w, r, dy, 8, NODE_BF16, nodes=2).backward.grads
+    for seed in range(4):
+        got = moe_forward_backward(x, w, r, dy, 8, NODE_BF16, backward_order=seed, nodes=2).backward.grads
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name), getattr(base, name)), (name, seed)
+
+
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
+def test_every_policy_runs_the_relayed_backward_in_its_simulated_order(policy):
+    ep, tokens, nodes = 8, 4, 2
+    x, w, r, dy = _inputs(TOP4, torch.bfloat16, ep, tokens, RoutingKind.GROUPED, seed=3)
+    step = moe_forward_backward(x, w, r, dy, ep, NODE, nodes=nodes)
+    plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, tokens, nodes))
+    hw = hardware_preset("h100")
+    sched = schedule(BACKWARD_DEDUP.lower(plan, NODE, None), policy, hw)
+    verify_schedule(sched)
+    tl = simulate(sched, hw).timeline
+    order = np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
+    d = make_dedup_layout(plan, NODE)
+    fwd = execute_forward(x, w, r, ep, NODE, nodes=nodes).buffers
+    saved = [DedupSaved.from_forward(b, False) for b in fwd]
+    buffers = [DedupBackwardBuffers.allocate(saved[i], dy.chunk(ep)[i], d, NODE, i) for i in range(ep)]
+    run_graph(sched.graph, BACKWARD_DEDUP, buffers,
+              [DedupBackwardContext.build(w, d, r, i) for i in range(ep)], order)
+    assert torch.equal(torch.cat([b.dx for b in buffers]), step.backward.grads.dx)
+    assert torch.equal(torch.cat([b.dw for b in buffers]), step.backward.grads.dweights)
+
+
+@pytest.mark.parametrize(("ep", "nodes"), [(4, 2), (8, 2), (16, 4)])
+def test_relayed_gradient_bytes_per_tier_are_the_forward_count(ep, nodes):
+    """dy retraces the forward's rows (the analytical count of the hierarchical test);
+    input gradients come back the same way in the wire dtype, router gradients at k
+    fp32 per row."""
+    spec = preset("small", torch.bfloat16)
+    par = ParallelSpec(ep, 32, nodes)
+    ids = synthetic_routing(RoutingKind.GROUPED, spec, par, 7).ids
+    tiles = TileSpec(dispatch=DispatchMode.PER_NODE, partial_dtype=torch.bfloat16)
+    g = lower_dedup_backward(plan_routing(ids, spec, par), tiles)
+    rows = _analytical_rows(ids, spec.experts // ep, ep, nodes, 32)
+    out = _tier_bytes(g, (TaskKind.GRAD_DISPATCH, TaskKind.HOP_DISPATCH))
+    np.testing.assert_array_equal(out, rows * spec.hidden * 2)
+    back = _tier_bytes(g, (TaskKind.GRAD_COMBINE, TaskKind.HOP_COMBINE)).sum(axis=1)
+    np.testing.assert_array_equal(back, rows.sum(axis=1) * spec.hidden * 2)
+    dw = _tier_bytes(g, (TaskKind.ROUTER_COMBINE, TaskKind.HOP_ROUTER_COMBINE)).sum(axis=1)
+    np.testing.assert_array_equal(dw, rows.sum(axis=1) * spec.top_k * 4)
 
 
 def test_cli_simulates_the_deduplicated_backward(capsys):

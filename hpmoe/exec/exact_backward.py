@@ -143,8 +143,8 @@ class StepResult:
 def execute_backward_dedup(saved: Sequence[DedupSaved], plan: RoutingPlan, dy: torch.Tensor,
                            weights: ExpertWeights, routing: Routing, tiles: TileSpec,
                            recompute: bool = False, order: Order = None) -> BackwardResult:
-    """The backward of the deduplicated forward (``DispatchMode.PER_RANK``) over
-    ``plan.par.ep`` virtual ranks; arguments as ``execute_backward``, with the whole
+    """The backward of the deduplicated forward (``DispatchMode.PER_RANK`` or
+    ``PER_NODE``) over ``plan.par.ep`` virtual ranks; arguments as ``execute_backward``, with the whole
     ``routing`` (ids and weights [N, k])."""
     ep = plan.par.ep
     if len(saved) != ep:
@@ -167,14 +167,15 @@ def execute_backward_dedup(saved: Sequence[DedupSaved], plan: RoutingPlan, dy: t
 
 def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, dy: torch.Tensor,
                          ep: int = 1, tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
-                         forward_order: Order = None, backward_order: Order = None) -> StepResult:
-    """Forward then backward of the MoE region over ``ep`` virtual ranks (one node:
-    ``DispatchMode.PER_NODE`` is then ``PER_RANK``).
+                         forward_order: Order = None, backward_order: Order = None,
+                         nodes: int = 1) -> StepResult:
+    """Forward then backward of the MoE region over ``ep`` virtual ranks on ``nodes``
+    nodes (which only ``DispatchMode.PER_NODE`` tiles relay between).
 
     x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]."""
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
-    fwd = execute_forward(x, weights, routing, ep, tiles, forward_order)
+    fwd = execute_forward(x, weights, routing, ep, tiles, forward_order, nodes)
     if tiles.dispatch is not DispatchMode.PER_EXPERT:
         saved = [DedupSaved.from_forward(b, recompute) for b in fwd.buffers]
         bwd = execute_backward_dedup(saved, fwd.plan, dy, weights, routing, tiles, recompute, backward_order)

@@ -67,6 +67,7 @@ class TaskKind(enum.IntEnum):
     NODE_REDUCE = 31  # relay: sum a token's partials from its node's ranks, fp32, rank order
     HOP_COMBINE = 32  # put the node partials back to the token's source rank
     ROUTER_COMBINE = 33  # put routing-weight gradients (k fp32 per row) back to the source rank
+    HOP_ROUTER_COMBINE = 34  # put a node's routing-weight gradients back across nodes
 
 
 _MATRIX_KINDS = {TaskKind.GEMM_UP, TaskKind.GEMM_DOWN, TaskKind.SHARED_UP, TaskKind.SHARED_DOWN,
@@ -74,7 +75,8 @@ _MATRIX_KINDS = {TaskKind.GEMM_UP, TaskKind.GEMM_DOWN, TaskKind.SHARED_UP, TaskK
                  TaskKind.SHARED_DGRAD_DOWN, TaskKind.SHARED_WGRAD_DOWN, TaskKind.SHARED_DGRAD_UP,
                  TaskKind.SHARED_WGRAD_UP}
 PUT_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.GRAD_DISPATCH, TaskKind.GRAD_COMBINE,
-                       TaskKind.HOP_DISPATCH, TaskKind.HOP_COMBINE, TaskKind.ROUTER_COMBINE})
+                       TaskKind.HOP_DISPATCH, TaskKind.HOP_COMBINE, TaskKind.ROUTER_COMBINE,
+                       TaskKind.HOP_ROUTER_COMBINE})
 UNIT_OF_KIND = np.array([Unit.MATRIX if k in _MATRIX_KINDS else Unit.VECTOR for k in TaskKind],
                         dtype=np.int8)
 IS_PUT = np.array([k in PUT_KINDS for k in TaskKind], dtype=bool)

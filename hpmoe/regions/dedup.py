@@ -37,7 +37,8 @@ crosses back:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -63,7 +64,7 @@ from .tiles import (
 
 PER_RANK_KINDS = frozenset({TaskKind.EXPAND, TaskKind.PARTIAL_REDUCE, TaskKind.PARTIAL_SUM,
                             TaskKind.HOP_DISPATCH, TaskKind.RELAY_PACK, TaskKind.NODE_REDUCE,
-                            TaskKind.HOP_COMBINE, TaskKind.ROUTER_COMBINE})
+                            TaskKind.HOP_COMBINE, TaskKind.ROUTER_COMBINE, TaskKind.HOP_ROUTER_COMBINE})
 """Task kinds only the per-rank (and per-node) forward has."""
 
 
@@ -335,11 +336,20 @@ def dedup_events(d: DedupLayout) -> EventLayout:
 
 @dataclass(frozen=True)
 class DedupLowering:
-    """A ``Lowering`` over the per-expert layout plus the deduplicated layout."""
+    """A ``Lowering`` over the per-expert layout plus the deduplicated layout.  The
+    builders that move rows (permute, puts, relays, partial sum) name their events
+    through ``names`` (an event enum with PERM, HOP, LANDED, PART, HRED, HDONE, OUT
+    members) and their kinds through ``kinds`` (forward kind -> this region's), so the
+    backward lowering reuses them."""
 
     low: Lowering
     d: DedupLayout
     partial_size: int  # bytes per element of the partials on the wire
+    names: type[enum.IntEnum] = DedupEvent
+    kinds: Mapping[TaskKind, TaskKind] = field(default_factory=dict)
+
+    def kind(self, k: TaskKind) -> TaskKind:
+        return self.kinds.get(k, k)
 
 
 def lower_dedup(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None) -> TaskGraph:
@@ -407,9 +417,9 @@ def _permute(dl: DedupLowering) -> TaskBlock:
     i, j = np.flatnonzero(low.sel[p.src] & ~p.fwd), np.flatnonzero(low.sel[hp.src])
     rank, row0 = np.concatenate([p.src[i], hp.src[j]]), np.concatenate([p.send_row0[i], hp.send_row0[j]])
     rows, local = np.concatenate([p.rows[i], hp.rows[j]]), np.concatenate([p.local[i], hp.local[j]])
-    return task_block(TaskKind.PERMUTE, rank, row0, row0 + rows,
+    return task_block(dl.kind(TaskKind.PERMUTE), rank, row0, row0 + rows,
                       bytes=2 * rows * dl.d.base.plan.moe.hidden * low.esize,
-                      sig_event=low.events.base(rank, DedupEvent.PERM) + local)
+                      sig_event=low.events.base(rank, dl.names.PERM) + local)
 
 
 def _hop_dispatch(dl: DedupLowering) -> TaskBlock:
@@ -422,9 +432,9 @@ def _hop_dispatch(dl: DedupLowering) -> TaskBlock:
     fp = d.fwd_feed[feed]
     return task_block(TaskKind.HOP_DISPATCH, hp.src[i], hp.send_row0[i], hp.send_row0[i] + hp.rows[i],
                       peer=hp.dst[i], dst_row0=hp.recv_row0[i],
-                      wait=ev.base(hp.src[i], DedupEvent.PERM) + hp.local[i],
+                      wait=ev.base(hp.src[i], dl.names.PERM) + hp.local[i],
                       sig_count=np.bincount(np.searchsorted(i, d.hop_feed[feed]), minlength=len(i)),
-                      sig_rank=p.src[fp], sig_event=ev.base(p.src[fp], DedupEvent.HOP) + p.local[fp],
+                      sig_rank=p.src[fp], sig_event=ev.base(p.src[fp], dl.names.HOP) + p.local[fp],
                       **_put_bytes(hp, i, dl.d.base.plan.moe.hidden * dl.low.esize))
 
 
@@ -434,17 +444,17 @@ def _relay_pack(dl: DedupLowering) -> TaskBlock:
     i = np.flatnonzero(dl.low.sel[p.src] & p.fwd)
     return task_block(TaskKind.RELAY_PACK, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
                       bytes=2 * p.rows[i] * dl.d.base.plan.moe.hidden * dl.low.esize,
-                      wait=ev.base(p.src[i], DedupEvent.HOP) + p.local[i],
-                      sig_event=ev.base(p.src[i], DedupEvent.PERM) + p.local[i])
+                      wait=ev.base(p.src[i], dl.names.HOP) + p.local[i],
+                      sig_event=ev.base(p.src[i], dl.names.PERM) + p.local[i])
 
 
 def _dispatch(dl: DedupLowering) -> TaskBlock:
     p, ev = dl.d.pieces, dl.low.events
     i = np.flatnonzero(dl.low.sel[p.src])
-    return task_block(TaskKind.DISPATCH, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
+    return task_block(dl.kind(TaskKind.DISPATCH), p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
                       peer=p.dst[i], dst_row0=p.recv_row0[i], sig_rank=p.dst[i],
-                      wait=ev.base(p.src[i], DedupEvent.PERM) + p.local[i],
-                      sig_event=ev.base(p.dst[i], DedupEvent.LANDED) + p.rlocal[i],
+                      wait=ev.base(p.src[i], dl.names.PERM) + p.local[i],
+                      sig_event=ev.base(p.dst[i], dl.names.LANDED) + p.rlocal[i],
                       **_put_bytes(p, i, dl.d.base.plan.moe.hidden * dl.low.esize))
 
 
@@ -464,7 +474,7 @@ def _partial_sum(dl: DedupLowering) -> TaskBlock:
     return task_block(TaskKind.PARTIAL_SUM, rank, r0, r1, col1=np.full(len(rank), h),
                       flops=(terms + shared) * h,
                       bytes=(terms * dl.partial_size + (shared + m) * low.esize) * h,
-                      wait=low.events.base(rank, DedupEvent.OUT) + t)
+                      wait=low.events.base(rank, dl.names.OUT) + t)
 
 
 def _token_tiles(low: Lowering) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -553,7 +563,7 @@ def _partial_reduce(dl: DedupLowering) -> TaskBlock:
                       sig_event=ev.base(p.dst[i], DedupEvent.PART) + p.rlocal[i])
 
 
-def _combine(dl: DedupLowering) -> TaskBlock:
+def _combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
     """Partial rows back to the piece's sender: a direct piece signals the source
     token tiles it carries, a forwarded one the relay's HRED event of every hop piece
     its rows came in."""
@@ -563,18 +573,18 @@ def _combine(dl: DedupLowering) -> TaskBlock:
     direct = ~pairs.fwd
     key = np.unique(pair_pieces(p)[direct] * tt + pairs.token[direct] // rows)
     piece = np.concatenate([key // tt, d.fwd_feed])
-    event = np.concatenate([ev.base(p.src[key // tt], DedupEvent.OUT) + key % tt,
-                            ev.base(hp.dst[d.hop_feed], DedupEvent.HRED) + hp.rlocal[d.hop_feed]])
+    event = np.concatenate([ev.base(p.src[key // tt], dl.names.OUT) + key % tt,
+                            ev.base(hp.dst[d.hop_feed], dl.names.HRED) + hp.rlocal[d.hop_feed]])
     order = np.argsort(piece, kind="stable")
     piece, event = piece[order], event[order]
     keep = dl.low.sel[p.dst[piece]]
     piece, event = piece[keep], event[keep]
-    return task_block(TaskKind.COMBINE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
+    return task_block(dl.kind(TaskKind.COMBINE), p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
                       peer=p.src[i], dst_row0=p.send_row0[i],
-                      wait=ev.base(p.dst[i], DedupEvent.PART) + p.rlocal[i],
+                      wait=ev.base(p.dst[i], dl.names.PART) + p.rlocal[i],
                       sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
                       sig_rank=p.src[piece], sig_event=event,
-                      **_put_bytes(p, i, d.base.plan.moe.hidden * dl.partial_size))
+                      **_put_bytes(p, i, row_bytes or d.base.plan.moe.hidden * dl.partial_size))
 
 
 def _node_reduce(dl: DedupLowering) -> TaskBlock:
@@ -589,11 +599,11 @@ def _node_reduce(dl: DedupLowering) -> TaskBlock:
     return task_block(TaskKind.NODE_REDUCE, hp.dst[i], hp.recv_row0[i], hp.recv_row0[i] + hp.rows[i],
                       col1=np.full(len(i), h), flops=terms * h,
                       bytes=(terms + hp.rows[i]) * dl.partial_size * h,
-                      wait=ev.base(hp.dst[i], DedupEvent.HRED) + hp.rlocal[i],
-                      sig_event=ev.base(hp.dst[i], DedupEvent.HDONE) + hp.rlocal[i])
+                      wait=ev.base(hp.dst[i], dl.names.HRED) + hp.rlocal[i],
+                      sig_event=ev.base(hp.dst[i], dl.names.HDONE) + hp.rlocal[i])
 
 
-def _hop_combine(dl: DedupLowering) -> TaskBlock:
+def _hop_combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
     """Node partials back across nodes to the source; each signals the token tiles it carries."""
     d, ev = dl.d, dl.low.events
     hp, rows, tt = d.hop_pieces, d.base.tiles.rows, d.base.token_tiles
@@ -602,12 +612,12 @@ def _hop_combine(dl: DedupLowering) -> TaskBlock:
     piece, tile = key // tt, key % tt
     keep = dl.low.sel[hp.dst[piece]]
     piece, tile = piece[keep], tile[keep]
-    return task_block(TaskKind.HOP_COMBINE, hp.dst[i], hp.recv_row0[i], hp.recv_row0[i] + hp.rows[i],
+    return task_block(dl.kind(TaskKind.HOP_COMBINE), hp.dst[i], hp.recv_row0[i], hp.recv_row0[i] + hp.rows[i],
                       peer=hp.src[i], dst_row0=hp.send_row0[i],
-                      wait=ev.base(hp.dst[i], DedupEvent.HDONE) + hp.rlocal[i],
+                      wait=ev.base(hp.dst[i], dl.names.HDONE) + hp.rlocal[i],
                       sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
-                      sig_rank=hp.src[piece], sig_event=ev.base(hp.src[piece], DedupEvent.OUT) + tile,
-                      **_put_bytes(hp, i, d.base.plan.moe.hidden * dl.partial_size))
+                      sig_rank=hp.src[piece], sig_event=ev.base(hp.src[piece], dl.names.OUT) + tile,
+                      **_put_bytes(hp, i, row_bytes or d.base.plan.moe.hidden * dl.partial_size))
 
 
 # ------------------------------------------------------------------ shared expert

@@ -1,6 +1,8 @@
-"""Backward of the rank-deduplicated forward (``DispatchMode.PER_RANK``): the output
-gradient travels once per (token, destination rank) and the input gradient comes back
-as one partial row per (token, rank), over the forward's pairs and pieces.
+"""Backward of the rank-deduplicated forward (``DispatchMode.PER_RANK``, and
+``PER_NODE`` over nodes): the output gradient travels as the forward's input did, once
+per (token, destination rank), through the same relays between nodes, and the input
+gradient comes back as one partial row per (token, rank), summed per node on the relay,
+over the forward's pairs, hops and pieces.
 
 With y = sum_j w_j o_j + shared(x), per rank, in data-flow order:
   GRAD_PERMUTE    one per piece: gather dy rows of (token, destination rank) pairs;
@@ -19,6 +21,10 @@ With y = sum_j w_j o_j + shared(x), per rank, in data-flow order:
   SHARED_*        the shared experts' backward tiles on the rank's own tokens;
   PARTIAL_SUM     one per token tile: dx = fp32 sum of the token's partials in rank order,
                   shared-expert input gradient last; dw gathered from the ranks' rows.
+Between nodes, as in the forward (the same builders): GRAD_PERMUTE also gathers the hop
+rows, HOP_DISPATCH and RELAY_PACK carry dy to the node's ranks, GRAD_COMBINE and
+ROUTER_COMBINE of a forwarded piece go back to the relay, NODE_REDUCE sums the node's
+partials (and gathers its router gradients), HOP_COMBINE and HOP_ROUTER_COMBINE cross back.
 Every threshold is the number of signals its event receives from the graph of every rank.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -34,15 +41,18 @@ from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import TileSpec
 from . import backward as bw
-from .dedup import DedupLayout, make_dedup_layout, pair_pieces, signal_fed_pieces
-from .tiles import Lowering, block_gemm, select_ranks, task_block, token_tiles
+from . import dedup as dd
+from .dedup import DedupLayout, DedupLowering, make_dedup_layout, pair_pieces, signal_fed_pieces
+from .tiles import Lowering, block_gemm, select_ranks, task_block
 
 
 class DedupBackwardEvent(enum.IntEnum):
     """The per-expert backward's categories (same values, so its builders apply; DX is
-    empty here), then one per received piece: GLANDED (rows arrived), GRED (every
-    expert input gradient of its rows ready), GPART (its partials and router gradients
-    written)."""
+    empty here); one per received piece: GLANDED (rows arrived), GRED (every expert
+    input gradient of its rows ready), GPART (its partials and router gradients
+    written); as in the forward, HOP one per delivery piece sent, HRED and HDONE one
+    per hop piece received.  PERM, LANDED, PART and OUT name GPERM, GLANDED, GPART
+    and GOUT for the forward's builders."""
 
     GROWS = 0
     DA = 1
@@ -59,6 +69,13 @@ class DedupBackwardEvent(enum.IntEnum):
     GLANDED = 12
     GRED = 13
     GPART = 14
+    HOP = 15
+    HRED = 16
+    HDONE = 17
+    PERM = 11
+    LANDED = 12
+    PART = 14
+    OUT = 6
 
 
 E = DedupBackwardEvent
@@ -71,10 +88,11 @@ def dedup_backward_events(d: DedupLayout) -> EventLayout:
     def full(n: int) -> np.ndarray:
         return np.full(ep, n, np.int64)
 
-    shared = 1 if base.shared_blocks else 0
+    shared, hops = 1 if base.shared_blocks else 0, d.hop_pieces.per_dst
     sizes = np.stack([nb, nb, nb, full(0), full(local), full(local), full(base.token_tiles),
                       full(base.shared_blocks), full(base.shared_blocks), full(shared), full(shared),
-                      d.pieces.per_src, recv, recv, recv], axis=1)
+                      d.pieces.per_src + d.hop_pieces.per_src, recv, recv, recv, d.pieces.per_src, hops,
+                      hops], axis=1)
     return EventLayout.from_sizes(DedupBackwardEvent, sizes)
 
 
@@ -85,9 +103,6 @@ def lower_dedup_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, .
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
     ranks, sel = select_ranks(plan.par.ep, ranks)
     d = make_dedup_layout(plan, tiles)
-    if len(d.hops.origin):
-        raise ValueError(f"TileSpec.dispatch={tiles.dispatch.value!r} over {plan.par.nodes} nodes: the "
-                         "deduplicated backward has no relays (one node, or DispatchMode.PER_RANK)")
     events = dedup_backward_events(d)
     every = _Lowering(Lowering(d.base, events, np.ones(plan.par.ep, bool), recompute), d, tiles)
     blocks = [make(every) for make in _PHASES]
@@ -108,6 +123,7 @@ class _Lowering:
 
     def __init__(self, low: Lowering, d: DedupLayout, tiles: TileSpec):
         self.low, self.d, self.partial_size = low, d, tiles.partial_dtype.itemsize
+        self.fwd = DedupLowering(low, d, self.partial_size, DedupBackwardEvent, _GRAD_KINDS)
 
     @property
     def hidden(self) -> int:
@@ -129,28 +145,21 @@ def _only(blk: TaskBlock, sel: np.ndarray) -> TaskBlock:
 
 # ------------------------------------------------------------------ dy out, gradients back
 
-def _put_bytes(dl: _Lowering, i: np.ndarray, row_bytes: int) -> dict:
-    p = dl.d.pieces
-    nbytes = p.rows[i] * row_bytes
-    return {"bytes": 2 * nbytes, "link_bytes": np.where(p.src[i] != p.dst[i], nbytes, 0)}
+_GRAD_KINDS = {TaskKind.PERMUTE: TaskKind.GRAD_PERMUTE, TaskKind.DISPATCH: TaskKind.GRAD_DISPATCH,
+               TaskKind.COMBINE: TaskKind.GRAD_COMBINE}
 
 
-def _grad_permute(dl: _Lowering) -> TaskBlock:
-    p, low = dl.d.pieces, dl.low
-    i = np.arange(len(p.src))
-    return task_block(TaskKind.GRAD_PERMUTE, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                      bytes=2 * p.rows[i] * dl.hidden * low.esize,
-                      sig_event=low.events.base(p.src[i], E.GPERM) + p.local[i])
+def _forward(make: Callable[..., TaskBlock], **kw: object) -> Callable[[_Lowering], TaskBlock]:
+    """A builder of the deduplicated forward, on this region's events and kinds."""
+    return lambda dl: make(dl.fwd, **kw)
 
 
-def _grad_dispatch(dl: _Lowering) -> TaskBlock:
-    p, ev = dl.d.pieces, dl.low.events
-    i = np.arange(len(p.src))
-    return task_block(TaskKind.GRAD_DISPATCH, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                      peer=p.dst[i], dst_row0=p.recv_row0[i], sig_rank=p.dst[i],
-                      wait=ev.base(p.src[i], E.GPERM) + p.local[i],
-                      sig_event=ev.base(p.dst[i], E.GLANDED) + p.rlocal[i],
-                      **_put_bytes(dl, i, dl.hidden * dl.low.esize))
+def _router_back(make: Callable[..., TaskBlock], kind: TaskKind) -> Callable[[_Lowering], TaskBlock]:
+    """``make`` (a combine builder of the forward) moving k fp32 router gradients per row as ``kind``."""
+    def build(dl: _Lowering) -> TaskBlock:
+        kinds = {**_GRAD_KINDS, TaskKind.COMBINE: kind, TaskKind.HOP_COMBINE: kind}
+        return make(replace(dl.fwd, kinds=kinds), row_bytes=4 * dl.d.base.plan.moe.top_k)
+    return build
 
 
 def _expand(dl: _Lowering) -> TaskBlock:
@@ -202,51 +211,18 @@ def _partial_reduce(dl: _Lowering) -> TaskBlock:
                       wait=ev.base(p.dst, E.GRED) + p.rlocal, sig_event=ev.base(p.dst, E.GPART) + p.rlocal)
 
 
-def _back(kind: TaskKind, dl: _Lowering, row_bytes: int) -> TaskBlock:
-    """Puts of every received piece back to its source, after its GPART, each
-    signalling the source token tiles it carries."""
-    d, ev = dl.d, dl.low.events
-    p, rows, tt = d.pieces, d.base.tiles.rows, d.base.token_tiles
-    key = np.unique(pair_pieces(p) * tt + d.pairs.token // rows)
-    piece, tile = key // tt, key % tt
-    i = np.arange(len(p.src))
-    return task_block(kind, p.dst, p.recv_row0, p.recv_row0 + p.rows, peer=p.src, dst_row0=p.send_row0,
-                      wait=ev.base(p.dst, E.GPART) + p.rlocal,
-                      sig_count=np.bincount(piece, minlength=len(p.src)), sig_rank=p.src[piece],
-                      sig_event=ev.base(p.src[piece], E.GOUT) + tile, **_put_bytes(dl, i, row_bytes))
-
-
-def _grad_combine(dl: _Lowering) -> TaskBlock:
-    return _back(TaskKind.GRAD_COMBINE, dl, dl.hidden * dl.partial_size)
-
-
-def _router_combine(dl: _Lowering) -> TaskBlock:
-    return _back(TaskKind.ROUTER_COMBINE, dl, 4 * dl.d.base.plan.moe.top_k)
-
-
-def _partial_sum(dl: _Lowering) -> TaskBlock:
-    low, d = dl.low, dl.d
-    rank, t, r0, r1 = token_tiles(low)
-    tt, rows = d.base.token_tiles, d.base.tiles.rows
-    terms = np.bincount(d.pairs.origin * tt + d.pairs.token // rows,
-                        minlength=d.base.plan.par.ep * tt)[rank * tt + t]
-    m = r1 - r0
-    shared = m if d.base.shared_blocks else 0
-    return task_block(TaskKind.PARTIAL_SUM, rank, r0, r1, col1=np.full(len(rank), dl.hidden),
-                      flops=(terms + shared) * dl.hidden,
-                      bytes=(terms * dl.partial_size + (shared + m) * low.esize) * dl.hidden
-                      + 4 * terms * d.base.plan.moe.top_k,
-                      wait=low.events.base(rank, E.GOUT) + t)
-
-
 def _per_expert(make: Callable[[Lowering], TaskBlock]) -> Callable[[_Lowering], TaskBlock]:
     """A builder of the per-expert backward applied to the dedup lowering."""
     return lambda dl: make(dl.low)
 
 
-_PHASES = (_grad_permute, _grad_dispatch, _expand, _router_grad, _per_expert(bw._recompute),
+_PHASES = (_forward(dd._permute), _forward(dd._hop_dispatch), _forward(dd._relay_pack),
+           _forward(dd._dispatch), _expand, _router_grad, _per_expert(bw._recompute),
            _per_expert(bw._dgrad_down), _per_expert(bw._swiglu_bwd), _dgrad_up, _partial_reduce,
-           _grad_combine, _router_combine, _per_expert(bw._wgrad_down), _per_expert(bw._wgrad_up),
+           _forward(dd._combine), _router_back(dd._combine, TaskKind.ROUTER_COMBINE),
+           _forward(dd._node_reduce), _forward(dd._hop_combine),
+           _router_back(dd._hop_combine, TaskKind.HOP_ROUTER_COMBINE),
+           _per_expert(bw._wgrad_down), _per_expert(bw._wgrad_up),
            *(_per_expert(make) for make in (bw._shared_dgrad_down, bw._shared_swiglu_bwd, bw._shared_dgrad_up,
                                             bw._shared_wgrad_down, bw._shared_wgrad_up)),
-           _partial_sum)
+           _forward(dd._partial_sum))

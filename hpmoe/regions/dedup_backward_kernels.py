@@ -56,12 +56,13 @@ class DedupSaved:
 class DedupBackwardBuffers:
     """One rank's backward buffers.  Symmetric: ``gdrecv`` [Rd, H] (dy rows delivered
     here), ``gpcomb`` [Sd, H] partial dtype and ``dwcomb`` [Sd, k] float32 (what comes
-    back per send row).  dy, dx [T, H]; gsend [Sd, H]; grecv, dxe [R, H]; da [R, F];
-    dh [R, 2F]; gpart [Rd, H] partial dtype; dwpart [Rd, k] and dw [T, k] float32;
+    back per send row), ``ghrecv`` [Hr, H] (dy rows this rank relays).  dy, dx [T, H];
+    gsend [Sd, H]; grecv, dxe [R, H]; da [R, F]; dh [R, 2F]; gpart [Rd, H] and gnred
+    [Hr, H] partial dtype; dwpart [Rd, k], dwnred [Hr, k] and dw [T, k] float32;
     dw13 [L, 2F, H], dw2 [L, H, F]; sda, sdh, sdx, dsw13, dsw2 as in the per-expert
     backward."""
 
-    SYMMETRIC: ClassVar[tuple[str, ...]] = ("gdrecv", "gpcomb", "dwcomb")
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("gdrecv", "gpcomb", "dwcomb", "ghrecv")
 
     saved: DedupSaved
     dy: torch.Tensor
@@ -75,6 +76,9 @@ class DedupBackwardBuffers:
     dwpart: torch.Tensor
     gpcomb: torch.Tensor
     dwcomb: torch.Tensor
+    ghrecv: torch.Tensor
+    gnred: torch.Tensor
+    dwnred: torch.Tensor
     dx: torch.Tensor
     dw: torch.Tensor
     dw13: torch.Tensor
@@ -94,6 +98,7 @@ class DedupBackwardBuffers:
         t, r, k, h, f, fs = dy.shape[0], saved.xe.shape[0], moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
         sd, rd, el, dt, pd = (int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), d.base.plan.local_experts,
                               moe.dtype, tiles.partial_dtype)
+        hr = int(d.hops.per_dst[rank])
         views = dict(views or {})
 
         def new(name: str, *shape: int, dtype: torch.dtype = dt, zero: bool = False) -> torch.Tensor:
@@ -109,7 +114,9 @@ class DedupBackwardBuffers:
             saved=full, dy=dy, gsend=new("gsend", sd, h), gdrecv=new("gdrecv", rd, h),
             grecv=new("grecv", r, h), da=new("da", r, f), dh=new("dh", r, 2 * f), dxe=new("dxe", r, h),
             gpart=new("gpart", rd, h, dtype=pd), dwpart=new("dwpart", rd, k, dtype=f32),
-            gpcomb=new("gpcomb", sd, h, dtype=pd), dwcomb=new("dwcomb", sd, k, dtype=f32), dx=new("dx", t, h),
+            gpcomb=new("gpcomb", sd, h, dtype=pd), dwcomb=new("dwcomb", sd, k, dtype=f32),
+            ghrecv=new("ghrecv", hr, h), gnred=new("gnred", hr, h, dtype=pd),
+            dwnred=new("dwnred", hr, k, dtype=f32), dx=new("dx", t, h),
             dw=new("dw", t, k, dtype=f32), dw13=new("dw13", el, 2 * f, h, zero=True),
             dw2=new("dw2", el, h, f, zero=True), sda=new("sda", t, fs), sdh=new("sdh", t, 2 * fs),
             sdx=new("sdx", t, h), dsw13=new("dsw13", 2 * fs, h, zero=True),
@@ -174,6 +181,24 @@ def _partial_reduce(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
     me.gpart[t.row0:t.row1] = acc.to(me.gpart.dtype)
 
 
+def _relay_pack(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    torch.index_select(me.ghrecv, 0, ctx.fwd.relay_src[t.row0:t.row1], out=me.gsend[t.row0:t.row1])
+
+
+def _node_reduce(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    """Per relayed hop: the node's input-gradient partials summed in fp32, rank order,
+    and its router gradients (each slot's from the one rank holding it, zeros elsewhere)."""
+    rows = ctx.fwd.hop_rows[t.row0:t.row1]
+    acc = torch.zeros(t.row1 - t.row0, me.gnred.shape[1], dtype=torch.float32)
+    dw = torch.zeros(t.row1 - t.row0, me.dwnred.shape[1], dtype=torch.float32)
+    for j in range(rows.shape[1]):
+        present = rows[:, j] >= 0
+        acc = add_present(acc, me.gpcomb[rows[:, j].clamp(min=0)].float(), present)
+        dw = add_present(dw, me.dwcomb[rows[:, j].clamp(min=0)], present)
+    me.gnred[t.row0:t.row1] = acc.to(me.gnred.dtype)
+    me.dwnred[t.row0:t.row1] = dw
+
+
 def _partial_sum(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
     """dx: the token's partials in rank order, then the shared expert's; dw: each slot's
     value from the rank holding its expert."""
@@ -194,16 +219,19 @@ DEDUP_BACKWARD_KERNELS = {
        if k not in (TaskKind.GRAD_PERMUTE, TaskKind.GRAD_UNPERMUTE, TaskKind.ROUTER_GRAD)},
     TaskKind.GRAD_PERMUTE: _grad_permute, TaskKind.EXPAND: _expand, TaskKind.ROUTER_GRAD: _router_grad,
     TaskKind.PARTIAL_REDUCE: _partial_reduce, TaskKind.PARTIAL_SUM: _partial_sum,
+    TaskKind.RELAY_PACK: _relay_pack, TaskKind.NODE_REDUCE: _node_reduce,
 }
 
 
 def dedup_backward_symmetric_shapes(plan: RoutingPlan, rank: int, tiles: TileSpec | None = None) -> ShapeMap:
-    """gdrecv [Rd, H] in the layer's dtype, gpcomb [Sd, H] in the partial dtype, dwcomb [Sd, k] fp32."""
+    """gdrecv [Rd, H] and ghrecv [Hr, H] in the layer's dtype, gpcomb [Sd, H] in the
+    partial dtype, dwcomb [Sd, k] fp32."""
     tiles = tiles or TileSpec()
     d = make_dedup_layout(plan, tiles)
     h, sd = plan.moe.hidden, int(d.send_rows[rank])
     return {"gdrecv": ((int(d.pairs.per_dst[rank]), h), plan.moe.dtype),
-            "gpcomb": ((sd, h), tiles.partial_dtype), "dwcomb": ((sd, plan.moe.top_k), torch.float32)}
+            "gpcomb": ((sd, h), tiles.partial_dtype), "dwcomb": ((sd, plan.moe.top_k), torch.float32),
+            "ghrecv": ((int(d.hops.per_dst[rank]), h), plan.moe.dtype)}
 
 
 def _region(recompute: bool) -> Region:
@@ -212,7 +240,10 @@ def _region(recompute: bool) -> Region:
         lower=functools.partial(lower_dedup_backward, recompute=recompute), kernels=DEDUP_BACKWARD_KERNELS,
         puts={TaskKind.GRAD_DISPATCH: PutSpec(src="gsend", dst="gdrecv"),
               TaskKind.GRAD_COMBINE: PutSpec(src="gpart", dst="gpcomb"),
-              TaskKind.ROUTER_COMBINE: PutSpec(src="dwpart", dst="dwcomb")},
+              TaskKind.ROUTER_COMBINE: PutSpec(src="dwpart", dst="dwcomb"),
+              TaskKind.HOP_DISPATCH: PutSpec(src="gsend", dst="ghrecv"),
+              TaskKind.HOP_COMBINE: PutSpec(src="gnred", dst="gpcomb"),
+              TaskKind.HOP_ROUTER_COMBINE: PutSpec(src="dwnred", dst="dwcomb")},
         buffers=DedupBackwardBuffers, symmetric_shapes=dedup_backward_symmetric_shapes)
 
 

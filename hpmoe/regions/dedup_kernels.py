@@ -177,12 +177,15 @@ def _partial_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupCon
 
 
 def send_rows_of_slots(d: DedupLayout, routing: Routing, rank: int) -> np.ndarray:
-    """[T, k] send row of the pair carrying each top-k slot of ``rank``'s tokens
-    (rows it sends itself: one node, or ``DispatchMode.PER_RANK``)."""
-    plan, pairs = d.base.plan, d.pairs
-    tpr, local = plan.par.tokens_per_rank, plan.local_experts
-    mine = np.flatnonzero((pairs.origin == rank) & (pairs.src == rank))
-    table = np.full(plan.par.ep * tpr, -1, np.int64)
+    """[T, k] send row of the row carrying each top-k slot of ``rank``'s tokens: the
+    pair to the slot's rank within the token's node, else the hop to its node."""
+    plan, pairs, hops = d.base.plan, d.pairs, d.hops
+    tpr, local, ep, rpn = plan.par.tokens_per_rank, plan.local_experts, plan.par.ep, plan.par.ranks_per_node
+    table = np.full(ep * tpr, -1, np.int64)
+    hop = np.flatnonzero(hops.origin == rank)  # by destination node: its ranks all map to the hop
+    for r in range(rpn):
+        table[(hops.relay[hop] // rpn * rpn + r) * tpr + hops.token[hop]] = hops.send_row[hop]
+    mine = np.flatnonzero((pairs.origin == rank) & ~pairs.fwd)
     table[pairs.dst[mine] * tpr + pairs.token[mine]] = pairs.send_row[mine]
     ids = routing.ids.numpy()[rank * tpr:(rank + 1) * tpr]
     return table[(ids // local) * tpr + np.arange(tpr)[:, None]]

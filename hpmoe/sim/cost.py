@@ -46,7 +46,8 @@ PUT_DIRECTION = {TaskKind.DISPATCH: LinkDirection.DISPATCH,
                  TaskKind.GRAD_COMBINE: LinkDirection.COMBINE,
                  TaskKind.HOP_DISPATCH: LinkDirection.DISPATCH,
                  TaskKind.HOP_COMBINE: LinkDirection.COMBINE,
-                 TaskKind.ROUTER_COMBINE: LinkDirection.COMBINE}
+                 TaskKind.ROUTER_COMBINE: LinkDirection.COMBINE,
+                 TaskKind.HOP_ROUTER_COMBINE: LinkDirection.COMBINE}
 
 
 @dataclass(frozen=True)
