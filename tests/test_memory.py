@@ -176,3 +176,67 @@ def test_parallel_spec_nodes_split_the_ranks():
     assert ParallelSpec(ep=16, tokens_per_rank=8, nodes=2).ranks_per_node == 8
     with pytest.raises(ValueError, match="nodes=3 does not divide ep=8"):
         ParallelSpec(ep=8, tokens_per_rank=8, nodes=3)
+
+
+def backward_graph(kinds: list[TaskKind], rows: list[tuple[int, int]], cols: list[tuple[int, int]],
+                   depth: int):
+    """One matrix worker running backward GEMM tiles of expert 0 (rows x cols, depth ``depth``)."""
+    g = build(1, [Task(k, flops=2.0 * (r1 - r0) * (c1 - c0) * depth)
+                  for k, (r0, r1), (c0, c1) in zip(kinds, rows, cols, strict=True)], {})
+    return dataclasses.replace(g, row0=np.array([r for r, _ in rows]), row1=np.array([r for _, r in rows]),
+                               col0=np.array([c for c, _ in cols]), col1=np.array([c for _, c in cols]))
+
+
+@pytest.mark.parametrize(("l2_weights", "weight_misses"), [(0.5, 2), (1.5, 1)])
+def test_dgrad_tiles_reuse_their_weight_tile_through_the_l2(l2_weights: float, weight_misses: int):
+    """Two DGRAD_DOWN tiles of one expert over two row blocks and the same columns: an L2
+    smaller than the weight tile misses it twice, one that holds it misses it once."""
+    m, n, k = 4, 1000, 500  # weight tile n x k = 1 MB, a row block m x k = 4 KB, output m x n
+    g = backward_graph([TaskKind.DGRAD_DOWN] * 2, [(0, m), (m, 2 * m)], [(0, n)] * 2, k)
+    weight, block, out = n * k * 2, m * k * 2, m * n * 2
+    hw = dataclasses.replace(MEM_HW, l2_mb=l2_weights * weight / 2**20)
+    r = simulate(by_hand(g, [0, 0]), hw)
+    hbm = weight_misses * weight + 2 * (block + out)
+    assert r.memory.hbm_bytes[0] == pytest.approx(hbm)
+    assert r.makespan == pytest.approx(hbm / 1e9)
+    assert r.memory.l2_hit_rate[0] == pytest.approx((2 - weight_misses) * weight / (2 * (weight + block)))
+
+
+def test_wgrad_column_tiles_reuse_the_activation_rows():
+    """Two WGRAD_DOWN column tiles of one expert's 64 rows: the activation rows (64 x k) are
+    read once when the L2 holds them, the gradient slices (64 x n) each once, and each
+    writes its n x k weight-gradient tile; an L2 of one byte misses every operand."""
+    m, n, k = 64, 300, 400
+    g = backward_graph([TaskKind.WGRAD_DOWN] * 2, [(0, m)] * 2, [(0, n), (n, 2 * n)], k)
+    act, grad, out = m * k * 2, m * n * 2, n * k * 2
+    warm = simulate(by_hand(g, [0, 0]), dataclasses.replace(MEM_HW, l2_mb=1.0))
+    cold = simulate(by_hand(g, [0, 0]), dataclasses.replace(MEM_HW, l2_mb=1 / 2**20))
+    assert warm.memory.hbm_bytes[0] == pytest.approx(act + 2 * (grad + out))
+    assert cold.memory.hbm_bytes[0] == pytest.approx(2 * (act + grad + out))
+    assert cold.memory.l2_hit_rate[0] == 0.0
+    assert warm.bounds.memory == pytest.approx(warm.memory.hbm_bytes[0] / 1e9)
+
+
+def test_backward_region_gemms_go_through_the_l2():
+    """The backward lowering's GEMM tiles are cached operands; with no L2 the replay moves
+    every operand each time, which is more than the lowering's per-reuse-group bytes."""
+    from hpmoe.regions.backward import lower_backward
+    from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
+    from hpmoe.schedule import SchedulePolicy, schedule
+    from hpmoe.sim.memory import CACHED_KINDS
+    from hpmoe.spec import ParallelSpec, TileSpec, preset
+
+    moe, par = preset("small"), ParallelSpec(ep=2, tokens_per_rank=256)
+    g = lower_backward(plan_routing(synthetic_routing(RoutingKind.GROUPED, moe, par).ids, moe, par),
+                       TileSpec(128, 128, 128))
+    t = memory_traffic(g)
+    gemms = np.isin(g.kind, CACHED_KINDS)
+    assert (t.operand[gemms] >= 0).all() and (t.operand[~gemms] < 0).all()
+    assert set(g.kind[gemms]) >= {TaskKind.DGRAD_UP, TaskKind.WGRAD_DOWN, TaskKind.SHARED_WGRAD_UP}
+    hw = hardware_preset("ascend-a3")
+    s = schedule(g, SchedulePolicy.SERIAL, hw)
+    cold = simulate(s, dataclasses.replace(hw, l2_mb=0.0))
+    warm = simulate(s, hw)
+    assert cold.memory.hbm_bytes.sum() == pytest.approx(t.uncached(g.ep, g.rank).sum())
+    assert cold.memory.hbm_bytes.sum() > g.bytes[gemms].sum() + t.fixed[~gemms].sum()
+    assert warm.memory.l2_hit_rate.min() > 0.0

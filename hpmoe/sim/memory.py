@@ -4,15 +4,18 @@ The replay (``hpmoe.sim.simulate``) runs one LRU cache per rank in the order tas
 actually start, and charges each task its misses plus its fixed bytes on the rank's
 HBM, which every running task shares.  What a task touches:
 
-- forward GEMM tiles (GEMM_UP, GEMM_DOWN, SHARED_UP, SHARED_DOWN), an m x n tile of depth
-  k: two cached operands, the weight column tile (key: rank, kind, expert, columns;
-  n * k elements) and the input row block (key: rank, kind, rows; m * k elements),
-  plus the m x n output, written to HBM (fixed);
+- forward and data-gradient GEMM tiles (GEMM_UP, GEMM_DOWN, SHARED_UP, SHARED_DOWN and
+  the DGRAD kinds), an m x n tile of depth k: two cached operands, the weight column
+  tile (key: rank, kind, expert, columns; n * k elements) and the input row block (key:
+  rank, kind, rows; m * k elements), plus the m x n output, written to HBM (fixed);
+- weight-gradient GEMM tiles (the WGRAD kinds), dW[cols] (n x k) = G[rows, cols].T @
+  A[rows] over an expert's m rows: two cached operands, the activation rows A (key:
+  rank, kind, rows; m * k elements, reused by every column tile) and the gradient slice
+  G (key: rank, kind, rows, columns; m * n elements), plus the n x k output (fixed);
 - every other task: its ``bytes`` (read + written), not cached: vector tasks stream
   through memory; a remote put is charged half its bytes (the read at its source;
-  the write lands on the peer, which is not charged);
-- backward GEMM tiles keep the lowering's ``bytes`` (which count each operand once per
-  reuse group): their cache behaviour is not modelled yet.
+  the write lands on the peer, which is not charged).
+Keys carry the kind: operands of different kinds are different tensors.
 
 ``compulsory`` bytes (fixed bytes plus every distinct operand once) are what any
 schedule must move through a rank's HBM, whatever the cache: the memory lower bound.
@@ -28,7 +31,11 @@ import numpy as np
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind
 from .cost import free_tasks
 
-CACHED_KINDS = (TaskKind.GEMM_UP, TaskKind.GEMM_DOWN, TaskKind.SHARED_UP, TaskKind.SHARED_DOWN)
+WEIGHT_ROW_KINDS = (TaskKind.GEMM_UP, TaskKind.GEMM_DOWN, TaskKind.SHARED_UP, TaskKind.SHARED_DOWN,
+                    TaskKind.DGRAD_DOWN, TaskKind.DGRAD_UP, TaskKind.SHARED_DGRAD_DOWN,
+                    TaskKind.SHARED_DGRAD_UP)
+WGRAD_KINDS = (TaskKind.WGRAD_DOWN, TaskKind.WGRAD_UP, TaskKind.SHARED_WGRAD_DOWN, TaskKind.SHARED_WGRAD_UP)
+CACHED_KINDS = WEIGHT_ROW_KINDS + WGRAD_KINDS
 
 
 @dataclass(frozen=True)
@@ -74,21 +81,38 @@ def memory_traffic(graph: TaskGraph) -> MemoryTraffic:
     n = (graph.col1 - graph.col0).astype(np.float64)
     k = np.round(np.divide(graph.flops, 2.0 * m * n, out=np.zeros_like(m), where=m * n > 0))
     remote = IS_PUT[graph.kind] & (graph.link_bytes > 0)
-    fixed = np.where(cached, m * n * esize, np.where(remote, graph.bytes / 2, graph.bytes))
+    wgrad = np.isin(graph.kind, WGRAD_KINDS)
+    out = np.where(wgrad, n * k, m * n) * esize
+    fixed = np.where(cached, out, np.where(remote, graph.bytes / 2, graph.bytes))
     fixed = np.where(free, 0.0, fixed)
     i = np.flatnonzero(cached)
-    zeros = np.zeros(len(i), np.int64)
-    rank, kind = graph.rank[i].astype(np.int64), graph.kind[i].astype(np.int64)
-    weight = np.stack([rank, kind, graph.expert[i].astype(np.int64), graph.col0[i], graph.col1[i], zeros], 1)
-    rows = np.stack([rank, kind, zeros - 1, graph.row0[i], graph.row1[i], zeros + 1], 1)
-    keys, inverse = np.unique(np.concatenate([weight, rows]), axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    size_of = np.concatenate([n[i] * k[i], m[i] * k[i]]) * esize
+    keys, inverse, size_of = _operand_keys(graph, i, wgrad[i], m[i], n[i], k[i])
+    size_of = size_of * esize
     size = np.zeros(len(keys))
     size[inverse] = size_of
     operand = np.full((graph.num_tasks, 2), -1, np.int64)
     operand[i, 0], operand[i, 1] = inverse[:len(i)], inverse[len(i):]
     return MemoryTraffic(fixed=fixed, operand=operand, size=size, key_rank=keys[:, 0].astype(np.int64))
+
+
+def _operand_keys(graph: TaskGraph, i: np.ndarray, wgrad: np.ndarray, m: np.ndarray, n: np.ndarray,
+                  k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unique keys [keys, 7], key index of each operand [2 len(i)]: first operands then
+    second ones, elements of each operand [2 len(i)]) of the cached tasks ``i``.  Key:
+    rank, kind, slot, expert, row0, row1, columns (col0 * 2**31 + col1), -1 where unused."""
+    zeros = np.zeros(len(i), np.int64)
+    rank, kind = graph.rank[i].astype(np.int64), graph.kind[i].astype(np.int64)
+    row0, row1 = graph.row0[i].astype(np.int64), graph.row1[i].astype(np.int64)
+    cols = graph.col0[i].astype(np.int64) * 2**31 + graph.col1[i].astype(np.int64)
+    expert = graph.expert[i].astype(np.int64)
+    # slot 0: the weight column tile, or (wgrad) the activation rows
+    first = np.stack([rank, kind, zeros, np.where(wgrad, -1, expert), np.where(wgrad, row0, -1),
+                      np.where(wgrad, row1, -1), np.where(wgrad, -1, cols)], 1)
+    # slot 1: the input row block, or (wgrad) the gradient's rows x columns slice
+    second = np.stack([rank, kind, zeros + 1, zeros - 1, row0, row1, np.where(wgrad, cols, -1)], 1)
+    keys, inverse = np.unique(np.concatenate([first, second]), axis=0, return_inverse=True)
+    size_of = np.concatenate([np.where(wgrad, m * k, n * k), np.where(wgrad, m * n, m * k)])
+    return keys, inverse.reshape(-1), size_of
 
 
 class LruCache:
