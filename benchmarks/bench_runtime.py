@@ -13,6 +13,14 @@ noise; JSON with --out):
 
     .venv/bin/python benchmarks/bench_runtime.py configs [--ep 2] [--iters 10] [--warmup 5]
         [--repeat 3] [--only NAME ...] [--out F] [--extra MORE BENCH ARGS]
+
+The CPU model's forecast of the runtime region against the measured region on
+compute-bound configurations (shared-memory transport, hyperparallel schedule), each
+configuration ``--repeats`` runs of `hpmoe bench --predict` (each run's region is the
+median of its iterations, slowest rank); the table gives the median over runs and the
+range of the error:
+
+    .venv/bin/python benchmarks/bench_runtime.py predict [--repeats 3] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -45,6 +53,13 @@ CONFIGS = {
     # communication-bound: the same layer, ranks behind slower shaped links
     "comm-link-1gbit": [*SMALL, "--link", "1gbit"],
     "comm-link-500mbit": [*SMALL, "--link", "500mbit"],
+}
+# compute-bound: larger hidden and FFN sizes, more tokens per rank (two ranks, shared memory)
+PREDICT_CONFIGS = {
+    "small-1024": ["--preset", "small", "--tokens", "1024"],
+    "small-4096": ["--preset", "small", "--tokens", "4096"],
+    "qwen3-30b-a3b-512": ["--preset", "qwen3-30b-a3b", "--tokens", "512"],
+    "deepseek-v2-lite-512": ["--preset", "deepseek-v2-lite", "--tokens", "512"],
 }
 COLUMNS = ("auto_chosen", "auto_reason", "schedule", "serial_ms", "kernel_by_kernel_ms",
            "serial_same_transport_ms", "runtime_taskflow_ms", "taskflow_ms", "speedup",
@@ -79,6 +94,37 @@ def configs(args: argparse.Namespace) -> None:
             json.dump(rows, f, indent=1)
 
 
+def predict(args: argparse.Namespace) -> None:
+    print("| config | predicted ms | measured ms | error | error range over runs | cpu share |")
+    print("|---|---:|---:|---:|---|---:|")
+    rows = {}
+    for name, extra in PREDICT_CONFIGS.items():
+        if args.only and name not in args.only:
+            continue
+        argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", "--json", "--predict",
+                "--transport", "shm", "--schedule", "hyperparallel", "--iters", str(args.iters),
+                "--warmup", str(args.warmup), *extra]
+        runs = []
+        for _ in range(args.repeats):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+            if proc.returncode:
+                print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
+                break
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        if not runs:
+            continue
+        rows[name] = runs
+        pred = statistics.median(r["predicted_taskflow_ms"] for r in runs)
+        meas = statistics.median(r["measured_taskflow_region_ms"] for r in runs)
+        errs = [r["prediction_error_taskflow"] for r in runs]
+        share = statistics.median(r["cpu_share"] for r in runs)
+        print(f"| {name} | {pred:.1f} | {meas:.1f} | {pred / meas - 1:+.0%} | {min(errs):+.0%} to "
+              f"{max(errs):+.0%} | {share:.2f} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -93,8 +139,14 @@ def main() -> None:
     c.add_argument("--only", nargs="*", default=[])
     c.add_argument("--out", default=None)
     c.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `hpmoe bench` args")
+    p = sub.add_parser("predict")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--only", nargs="*", default=[])
+    p.add_argument("--out", default=None)
     args = ap.parse_args()
-    (overhead if args.what == "overhead" else configs)(args)
+    {"overhead": overhead, "configs": configs, "predict": predict}[args.what](args)
 
 
 if __name__ == "__main__":

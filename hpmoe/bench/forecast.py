@@ -97,22 +97,26 @@ def slowest_rank(values: np.ndarray, group: dist.ProcessGroup | None) -> np.ndar
 
 
 def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.ProcessGroup | None,
-                     seconds: float = 0.05) -> float:
+                     seconds: float = 0.1, windows: int = 5) -> float:
     """The fraction of the profile's GEMM rate a rank gets while every rank of the
-    group runs GEMM tiles at once (128 x 512 x 512 in ``dtype``, for ``seconds``):
-    the slowest rank's measured rate over the calibrated one, at most 1.  It
+    group runs GEMM tiles at once (128 x 512 x 512 in ``dtype``, for ``seconds`` in
+    ``windows`` windows): the median over windows of the slowest rank's measured rate
+    over the calibrated one, at most 1 (one disturbed window does not set it).  It
     captures ranks sharing cores, and whatever else runs on the host.  Collective."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(128 if i == 0 else 512, 512, generator=g).to(dtype) for i in range(2))
     out = torch.empty(128, 512, dtype=dtype)
     torch.mm(a, b.t(), out=out)
     dist.barrier(group=group)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        torch.mm(a, b.t(), out=out)
-        n += 1
-    per_gemm = float(slowest_rank(np.array([(time.perf_counter() - t0) / n]), group)[0])
-    return min(1.0, 2.0 * 128 * 512 * 512 / per_gemm / profile.matrix_flops(dtype))
+    per_gemm = []
+    for _ in range(windows):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / windows:
+            torch.mm(a, b.t(), out=out)
+            n += 1
+        per_gemm.append((time.perf_counter() - t0) / n)
+    slowest = float(np.median(slowest_rank(np.array(per_gemm), group)))
+    return min(1.0, 2.0 * 128 * 512 * 512 / slowest / profile.matrix_flops(dtype))
 
 
 @dataclass(frozen=True)

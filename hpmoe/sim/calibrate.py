@@ -4,8 +4,12 @@ Plan of ``calibrate``:
   1. pin torch to ``threads`` intra-op threads (one worker = one such thread group);
   2. GEMM FLOP/s at tile shapes 128 x 512 x K, bf16 and fp32 (median of repeats after warm-up);
   3. memory bandwidth: a large ``Tensor.copy_`` (bytes read + bytes written per second);
-  4. elementwise rate: ``silu(g) * u`` on a 128 x 2048 bf16 tile;
-  5. per-task fixed cost: a one-element ``torch.add`` issued from Python;
+  4. elementwise rate: the SwiGLU kernel, ``silu(h[:, :F]) * h[:, F:]`` into a [128, F] tile
+     of a [128, 2F] bf16 one (F = 1024);
+  5. per-task fixed cost: a GEMM kernel's Python and torch dispatch (its views, its
+     ``torch.mm``) on a 1 x 1 tile; a one-element ``torch.add`` (the put's own cost); the unpermute
+     kernel (gather + ``refs.topk_sum``) on one UNPERMUTE_TILE, as bytes it moves per
+     byte the lowering counts (``unpermute_traffic``);
   6. link: a put (``copy_`` into a /dev/shm-backed tensor + an int32 counter bump) of 64 B
      and of a large payload; latency = small put - task cost, bandwidth = the size slope.
 Timings are medians of repeats; nothing here is asserted on in tests.
@@ -26,6 +30,7 @@ from multiprocessing import shared_memory
 import torch
 import torch.nn.functional as F
 
+from hpmoe.refs import topk_sum
 from hpmoe.sim.hardware import (
     SWIGLU_FLOPS_PER_ELEMENT,
     HardwareModel,
@@ -40,8 +45,9 @@ __all__ = ["CpuMeasurements", "measure", "model_from", "calibrate", "save_profil
            "default_profile_path", "add_calibrate_parser", "run_calibrate"]
 
 GEMM_M, GEMM_N = 128, 512  # a GEMM tile: 128 token rows x 512 output columns
-SWIGLU_TILE = (128, 2048)  # rows x FFN columns of one SwiGLU tile
+SWIGLU_TILE = (128, 1024)  # rows x FFN columns of one SwiGLU tile (its input h is [rows, 2 FFN])
 SMALL_PUT = 64  # bytes of the "empty" put that gives the link latency
+UNPERMUTE_TILE = (128, 8, 256)  # tokens, top-k, hidden of the calibration unpermute (+ a shared expert)
 
 
 @dataclass(frozen=True)
@@ -67,10 +73,12 @@ class CpuMeasurements:
     """Raw figures of one calibration run.
 
     gemm_ks: K of each 128 x 512 x K GEMM measured; gemm_bf16 / gemm_fp32: FLOP/s at each K.
-    copy_bw: bytes/s (read + write) of a large copy.  swiglu_flops: FLOP/s of silu(g) * u,
+    copy_bw: bytes/s (read + write) of a large copy.  swiglu_flops: FLOP/s of the SwiGLU kernel,
     counting SWIGLU_FLOPS_PER_ELEMENT per output element.  tiny_op: seconds per one-element
     torch op from Python.  put_small: seconds per 64-byte put + signal into shared memory.
-    put_bw: bytes/s of payload into shared memory.
+    put_bw: bytes/s of payload into shared memory.  unpermute: seconds of one
+    unpermute kernel on UNPERMUTE_TILE.  kernel_call: seconds of a GEMM kernel's views
+    and ``torch.mm`` on a 1 x 1 tile (a task's fixed cost in Python and torch).
     """
 
     threads: int
@@ -83,6 +91,8 @@ class CpuMeasurements:
     tiny_op: float
     put_small: float
     put_bw: float
+    unpermute: float = 0.0
+    kernel_call: float = 0.0
 
 
 def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1, warmup: int = 2) -> float:
@@ -125,11 +135,44 @@ def _copy_bw(plan: _Plan) -> float:
 
 
 def _swiglu_flops(plan: _Plan, gen: torch.Generator) -> float:
-    """FLOP/s of ``silu(g) * u`` on one bf16 SwiGLU tile."""
-    g, u = (torch.randn(*SWIGLU_TILE, generator=gen).to(torch.bfloat16) for _ in range(2))
-    out = torch.empty_like(g)
-    seconds = _median_time(lambda: torch.mul(F.silu(g), u, out=out), plan.repeats)
-    return SWIGLU_FLOPS_PER_ELEMENT * g.numel() / seconds
+    """FLOP/s of the SwiGLU kernel (``regions.kernels.glu``: ``silu(h[:, :F]) * h[:, F:]``
+    into its output tile) on one bf16 SwiGLU tile."""
+    rows, f = SWIGLU_TILE
+    h = torch.randn(rows, 2 * f, generator=gen).to(torch.bfloat16)
+    out = torch.empty(rows, f, dtype=torch.bfloat16)
+    seconds = _median_time(lambda: torch.mul(F.silu(h[:, :f]), h[:, f:], out=out), plan.repeats)
+    return SWIGLU_FLOPS_PER_ELEMENT * out.numel() / seconds
+
+
+def _unpermute(plan: _Plan, gen: torch.Generator) -> float:
+    """Seconds of the forward unpermute kernel (``regions.kernels``) on one bf16 UNPERMUTE_TILE:
+    gather each token's k rows, sum them weighted in fp32 with the shared expert's row."""
+    m, k, h = UNPERMUTE_TILE
+    comb = torch.randn(m * k, h, generator=gen).to(torch.bfloat16)
+    pos = torch.randperm(m * k, generator=gen).view(m, k)
+    w, shared = torch.rand(m, k, generator=gen), torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    out = torch.empty(m, h, dtype=torch.bfloat16)
+
+    def kernel() -> None:
+        out[:] = topk_sum(comb[pos], w, shared, torch.bfloat16)
+    return _median_time(kernel, plan.repeats, inner=10)
+
+
+def unpermute_traffic(m: CpuMeasurements) -> float:
+    """Bytes the unpermute kernel moved (its seconds past the per-task cost, at the copy
+    rate) per byte the lowering counts for it ((k + 2) rows of H per token), at least 1."""
+    tokens, k, h = UNPERMUTE_TILE
+    counted = (k + 2) * tokens * h * 2
+    return max(1.0, (m.unpermute - (m.kernel_call or m.tiny_op)) * m.copy_bw / counted)
+
+
+def _kernel_call(plan: _Plan) -> float:
+    """Seconds of the forward GEMM kernel's calls (``regions.kernels``: slice the input rows,
+    the expert's weight columns and the output tile, ``torch.mm`` into it) on a 1 x 1 tile."""
+    x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(2, 8, 8, dtype=torch.bfloat16)
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    return _median_time(lambda: torch.mm(x[0:1], w[1, 0:1].t(), out=out[0:1, 0:1]), plan.repeats,
+                        inner=plan.tiny_calls)
 
 
 def _tiny_op(plan: _Plan) -> float:
@@ -178,19 +221,21 @@ def measure(threads: int = 1, quick: bool = False,
         fp32 = tuple(_gemm_flops(k, torch.float32, plan, gen) for k in plan.gemm_ks)
         say("3/4 copies, SwiGLU, per-task cost")
         copy_bw, swiglu, tiny = _copy_bw(plan), _swiglu_flops(plan, gen), _tiny_op(plan)
+        unpermute, kernel_call = _unpermute(plan, gen), _kernel_call(plan)
         say("4/4 shared-memory puts")
         put_small, put_bw = _put_figures(plan)
     return CpuMeasurements(threads=threads, quick=quick, gemm_ks=plan.gemm_ks, gemm_bf16=bf16,
                            gemm_fp32=fp32, copy_bw=copy_bw, swiglu_flops=swiglu, tiny_op=tiny,
-                           put_small=put_small, put_bw=put_bw)
+                           put_small=put_small, put_bw=put_bw, unpermute=unpermute,
+                           kernel_call=kernel_call)
 
 
 def model_from(m: CpuMeasurements, matrix_workers: int = 1, vector_workers: int = 1) -> HardwareModel:
     """The ``cpu`` HardwareModel of measurements ``m`` (medians over the GEMM K sizes).
 
     The link is one entry (EP 2) used for every EP size; link_latency is the small put
-    minus the per-task cost (floored at 0), so a put's fixed cost is not counted twice.
-    """
+    minus a one-element op's cost (floored at 0).  task_overhead is a GEMM kernel's call
+    cost (``kernel_call``; the one-element op for measurements without it)."""
     notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')}, torch {torch.__version__}, "
              f"threads={m.threads}, quick={m.quick}")
     return HardwareModel(
@@ -199,7 +244,8 @@ def model_from(m: CpuMeasurements, matrix_workers: int = 1, vector_workers: int 
         matrix_block=1,  # measured at tile shapes: no extra padding model
         vector_flops=m.swiglu_flops, mem_bw=m.copy_bw,
         link=(LinkEntry(2, m.put_bw, m.put_bw),),
-        link_latency=max(m.put_small - m.tiny_op, 0.0), task_overhead=m.tiny_op, notes=notes)
+        link_latency=max(m.put_small - m.tiny_op, 0.0), task_overhead=m.kernel_call or m.tiny_op,
+        unpermute_traffic=unpermute_traffic(m) if m.unpermute > 0 else 1.0, notes=notes)
 
 
 def calibrate(threads: int = 1, quick: bool = False, matrix_workers: int = 1,

@@ -147,9 +147,16 @@ def compute_time(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype) 
 
 
 def memory_time(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
-    """[n] seconds to move each task's ``bytes`` at its worker's share of ``mem_bw``."""
+    """[n] seconds to move each task's ``bytes`` (``kernel_bytes``) at its worker's share of
+    ``mem_bw``; with ``host_cores`` each worker streams at one core's ``mem_bw``."""
     sharers = np.where(graph.unit == Unit.MATRIX, hardware.matrix_workers, hardware.vector_workers)
-    return hardware.memory_time(graph.bytes, sharers)
+    return hardware.memory_time(kernel_bytes(graph, hardware), 1 if hardware.host_cores else sharers)
+
+
+def kernel_bytes(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
+    """[n] bytes each task's kernel moves: the lowering's ``bytes``, unpermute tiles times
+    ``hardware.unpermute_traffic``."""
+    return np.where(graph.kind == TaskKind.UNPERMUTE, graph.bytes * hardware.unpermute_traffic, graph.bytes)
 
 
 def link_bandwidths(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:

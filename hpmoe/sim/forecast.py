@@ -1,7 +1,7 @@
 """Forecasts of a whole region on a ``HardwareModel``, for ``SchedulePolicy.AUTO``.
 
-- ``forecast_region``: a schedule's replay, but no less than its busiest rank's work
-  over the cores that rank owns (a CPU rank's matrix and vector workers share cores).
+- ``forecast_region``: a schedule's replay; on a model without ``host_cores``, no less
+  than its busiest rank's work over the cores that rank owns.
 - ``sequential_seconds``: a graph run task after task by one thread (the exact
   executor in one process): the sum of every task's work.
 - ``kernel_by_kernel_tiles``: the tiling under which the task graph is the
@@ -32,11 +32,12 @@ def cores_per_rank(ep: int) -> float:
 
 
 def forecast_region(schedule: Schedule, hardware: HardwareModel) -> tuple[float, SimResult]:
-    """(seconds, replay) of a region: the simulator's makespan, but no less than the
-    busiest rank's total work over the cores it owns — on a CPU a rank's matrix and
-    vector workers share its cores, which the simulator's independent workers do not
-    model.  Rates in ``hardware`` already carry the share when ranks outnumber cores."""
+    """(seconds, replay) of a region: the simulator's makespan.  With ``host_cores`` the
+    replay shares the host's cores among every rank's workers; without, the makespan is
+    taken no less than the busiest rank's total work over the cores it owns."""
     sim = simulate(schedule, hardware)
+    if hardware.host_cores > 0:
+        return sim.makespan, sim
     g = schedule.graph
     work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
     return max(sim.makespan, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep))), sim
@@ -55,15 +56,25 @@ def kernel_by_kernel_tiles(plan: RoutingPlan) -> TileSpec:
     return TileSpec(rows=rows, gemm_rows=0, gemm_cols=max(2 * moe.ffn, moe.hidden, 2 * moe.shared_ffn, 1))
 
 
+def core_share(share: float, ep: int, cores: float) -> float:
+    """The fraction of its calibrated rate one core delivers while every core computes,
+    from ``share``, what each of ``ep`` ranks got while all computed at once on
+    ``cores`` cores: ranks beyond the cores time-share them, which the replay models."""
+    return min(1.0, share * max(1.0, ep / cores))
+
+
 def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
                      share: float, executor_overhead: float, ep: int) -> HardwareModel:
     """The cost model of the runtime: the ``cpu`` profile with the runtime's worker
-    counts; compute rates scaled by ``share`` (the fraction of the calibrated rate a
-    rank gets while every rank computes); ``executor_overhead`` (s, the executor's own
-    cost per task) added to the per-task cost; and, when ``link`` is given as
-    (bytes/s, latency s), that link instead of the profile's."""
+    counts; the host's cores (``host_cores``: every rank's worker threads share them);
+    compute rates scaled by ``core_share`` of ``share`` (the fraction of the calibrated
+    rate a rank gets while every rank computes); ``executor_overhead`` (s, the
+    executor's own cost per task) added to the per-task cost; and, when ``link`` is
+    given as (bytes/s, latency s), that link instead of the profile's."""
+    cores = float(len(os.sched_getaffinity(0)))
+    share = core_share(share, ep, cores)
     hw = dataclasses.replace(
-        profile, matrix_workers=workers.matrix, vector_workers=workers.vector,
+        profile, matrix_workers=workers.matrix, vector_workers=workers.vector, host_cores=cores,
         matrix_flops_bf16=profile.matrix_flops_bf16 * share,
         matrix_flops_fp32=profile.matrix_flops_fp32 * share, vector_flops=profile.vector_flops * share,
         task_overhead=profile.task_overhead + executor_overhead)

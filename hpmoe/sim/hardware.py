@@ -109,6 +109,14 @@ class HardwareModel:
     shared_hbm: the simulator's memory model: True, an L2 per rank and HBM shared by every
       running task; False, the per-worker roofline (each worker its unit's share of
       ``mem_bw``, no cache), for models fitted per worker.
+    host_cores: cores the ranks of one node share (a CPU host: every rank's worker threads
+      time-share them); the replay shares them among running tasks (processor sharing, a
+      task at most one core) and a task's work on its core is ``task_overhead`` + max(compute,
+      bytes / ``mem_bw``), ``mem_bw`` then being one core's streaming rate, not a shared
+      HBM.  0: every worker has its own core (accelerators).
+    unpermute_traffic: bytes the unpermute kernel moves per byte the lowering counts (the
+      compulsory ones): 1 for a fused kernel; the CPU's ``refs.topk_sum`` builds fp32
+      temporaries per term (``hpmoe calibrate`` measures it).
     notes: provenance (free text).
     """
 
@@ -130,6 +138,8 @@ class HardwareModel:
     inter_link_bw: float = 0.0
     inter_latency: float = 0.0
     shared_hbm: bool = True
+    host_cores: float = 0.0
+    unpermute_traffic: float = 1.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -140,9 +150,10 @@ class HardwareModel:
         for name in ("matrix_flops_bf16", "matrix_flops_fp32", "vector_flops", "mem_bw"):
             _check_rate("HardwareModel", name, getattr(self, name))
         for name in ("link_latency", "task_overhead", "l2_mb", "stream_bw", "inter_link_bw",
-                     "inter_latency"):
+                     "inter_latency", "host_cores"):
             _check_rate("HardwareModel", name, getattr(self, name), allow_zero=True)
         _check_int("HardwareModel", "matrix_full_edge", self.matrix_full_edge)
+        _check_rate("HardwareModel", "unpermute_traffic", self.unpermute_traffic)
         if not (isinstance(self.matrix_efficiency, int | float) and 0 < self.matrix_efficiency <= 1):
             raise ValueError("HardwareModel.matrix_efficiency must be in (0, 1], "
                              f"got {self.matrix_efficiency!r}")
@@ -261,6 +272,9 @@ class HardwareModel:
         lines.append(f"  L2 {self.l2_mb:.4g} MiB, GEMM efficiency {self.matrix_efficiency:.3g} "
                      f"(full from edge {self.matrix_full_edge}), stream {self.stream_bw / 1e9:.4g} GB/s, "
                      f"inter-node {self.inter_link_bw / 1e9:.4g} GB/s + {self.inter_latency * 1e6:.3g} us")
+        if self.host_cores or self.unpermute_traffic != 1.0:
+            lines.append(f"  host cores {self.host_cores:.4g} (0: one per worker), unpermute traffic "
+                         f"x{self.unpermute_traffic:.3g}")
         lines += [f"  link EP{e.ep}: dispatch {e.dispatch / 1e9:.4g} GB/s, combine {e.combine / 1e9:.4g} GB/s"
                   for e in self.link]
         return "\n".join(lines + ([f"  notes: {self.notes}"] if self.notes else []))

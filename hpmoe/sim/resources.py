@@ -9,13 +9,14 @@ memory charges (per-task traffic through the L2, bytes/s per rank).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import TaskGraph
+from ..ir.graph import TaskGraph, TaskKind
 from .cost import TaskCosts
 from .hardware import HardwareModel
 from .memory import MemoryTraffic, memory_traffic
@@ -35,7 +36,35 @@ class MemorySystem:
         (``HardwareModel.shared_hbm`` False)."""
         if not hardware.shared_hbm:
             return None
-        return cls(traffic=memory_traffic(graph), l2_bytes=hardware.l2_bytes, bandwidth=hardware.mem_bw)
+        traffic = memory_traffic(graph)
+        if hardware.unpermute_traffic != 1.0:
+            scale = np.where(graph.kind == TaskKind.UNPERMUTE, hardware.unpermute_traffic, 1.0)
+            traffic = dataclasses.replace(traffic, fixed=traffic.fixed * scale)
+        return cls(traffic=traffic, l2_bytes=hardware.l2_bytes, bandwidth=hardware.mem_bw)
+
+
+@dataclass(frozen=True)
+class HostCores:
+    """The cores a node's ranks share (``HardwareModel.host_cores``): ``cores`` per host of
+    ``ranks_per_host`` ranks; a task's demand on its core is ``overhead`` + max(compute,
+    bytes / ``core_bw``), ``core_bw`` one core's streaming bytes/s."""
+
+    cores: float
+    ranks_per_host: int
+    core_bw: float
+    overhead: float
+
+    @classmethod
+    def of(cls, graph: TaskGraph, hardware: HardwareModel) -> HostCores | None:
+        """None when every worker has its own core (``host_cores`` 0)."""
+        if hardware.host_cores <= 0:
+            return None
+        return cls(cores=hardware.host_cores, ranks_per_host=max(1, graph.ep // max(graph.nodes, 1)),
+                   core_bw=hardware.mem_bw, overhead=hardware.task_overhead)
+
+    def share(self, ep: int, heap: list[tuple[float, int]]) -> HbmShare:
+        """The processor-sharing state of every host's cores (demand in core-seconds)."""
+        return HbmShare(-(-ep // self.ranks_per_host), self.cores, heap, cap=1.0, eps=1e-15)
 
 
 END, ISSUE, LINK_DONE, WORK = 0, 1, 2, 3  # heap entry codes: (time, CODES * task + code)
@@ -107,22 +136,31 @@ class LinkPorts:
 
 
 class HbmShare:
-    """Processor sharing of each rank's HBM: every task with bytes left gets an equal
-    share of ``bandwidth``.  Per rank a virtual clock ``served`` counts the bytes each
-    active task has received; a task of B bytes that joined at ``served = s`` is done
-    at ``served = s + B``.  Finish events go on the caller's heap with code
-    ``-1 - (rank + ep * version)``; a newer version makes older events stale."""
+    """Processor sharing of one resource per group (each rank's HBM, or each host's
+    cores): every task with demand left gets ``min(cap, capacity / n)`` of it per
+    second, n the group's active tasks.  Per group a virtual clock ``served`` counts
+    what each active task has received; a task of demand D that joined at
+    ``served = s`` is done at ``served = s + D``.  Finish events go on the caller's
+    heap with code ``-1 - (group + groups * version)``; a newer version makes older
+    events stale.  HBM: bytes, capacity ``mem_bw``, no cap.  Cores: seconds of one
+    core, capacity the host's cores, cap 1 (a task runs on one core at most).  ``eps``:
+    demand left below which a task counts as served (in the demand's unit)."""
 
-    def __init__(self, ep: int, bandwidth: float, heap: list[tuple[float, int]]):
-        self.ep, self.bw, self.heap = ep, bandwidth, heap
-        self.served, self.since = [0.0] * ep, [0.0] * ep
-        self.active: list[list[tuple[float, int]]] = [[] for _ in range(ep)]
-        self.version, self.busy = [0] * ep, [0.0] * ep
+    def __init__(self, groups: int, capacity: float, heap: list[tuple[float, int]], cap: float = np.inf,
+                 eps: float = 1e-6):
+        self.ep, self.bw, self.cap, self.heap, self.eps = groups, capacity, cap, heap, eps
+        self.served, self.since = [0.0] * groups, [0.0] * groups
+        self.active: list[list[tuple[float, int]]] = [[] for _ in range(groups)]
+        self.version, self.busy = [0] * groups, [0.0] * groups
+
+    def rate(self, n: int) -> float:
+        """What each of ``n`` active tasks gets per second."""
+        return min(self.cap, self.bw / n)
 
     def advance(self, r: int, now: float) -> None:
         n = len(self.active[r])
         if n:
-            self.served[r] += (now - self.since[r]) * self.bw / n
+            self.served[r] += (now - self.since[r]) * self.rate(n)
             self.busy[r] += now - self.since[r]
         self.since[r] = now
 
@@ -135,18 +173,18 @@ class HbmShare:
         self.version[r] += 1
         active = self.active[r]
         if active:
-            t = now + (active[0][0] - self.served[r]) * len(active) / self.bw
+            t = now + (active[0][0] - self.served[r]) / self.rate(len(active))
             heapq.heappush(self.heap, (max(t, now), -1 - (r + self.ep * self.version[r])))
 
     def finished(self, code: int, now: float) -> list[int]:
-        """Tasks whose bytes are all served at ``now`` (none for a stale event)."""
+        """Tasks whose demand is all served at ``now`` (none for a stale event)."""
         version, r = divmod(-1 - code, self.ep)
         if version != self.version[r]:
             return []
         self.advance(r, now)
         active = self.active[r]
-        # bytes left that the clock can no longer resolve count as served
-        limit = self.served[r] + max(1e-6, self.bw * max(now, 1e-9) * 1e-12 / max(len(active), 1))
+        # demand left that the clock can no longer resolve counts as served
+        limit = self.served[r] + max(self.eps, self.rate(max(len(active), 1)) * max(now, 1e-9) * 1e-12)
         done = []
         while active and active[0][0] <= limit:
             done.append(heapq.heappop(active)[1])

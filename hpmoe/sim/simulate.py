@@ -19,7 +19,13 @@ Semantics of the replay:
      independent streams: no head-of-line blocking); an ingress port that frees serves
      the egress ports waiting for it first come, first served; a transfer holds one
      lane of both ports for its ``transfer`` time and the put ends ``latency`` later.
-     The issuing vector worker is busy until the put ends.
+     The issuing vector worker is busy until the put ends;
+  5. host cores (``HardwareModel.host_cores`` > 0, a CPU host): the workers of a node's
+     ranks are threads time-sharing its cores.  A task needs ``overhead + max(compute,
+     HBM bytes / mem_bw)`` seconds of one core (its L2 misses as in 3, ``mem_bw`` one
+     core's streaming rate; a remote put: its overhead), and every running task gets
+     ``min(1, cores / running)`` of a core (processor sharing recomputed at each start and
+     finish); HBM is then not shared (step 3's sharing is off).
 
 The loop keeps one heap of task, memory and link events: O((tasks + signals) log tasks),
 plain Python over lists.  ``Bounds`` hold for every replay of the graph on the
@@ -43,7 +49,7 @@ from ..schedule.verify import require_all_ranks, verify_schedule
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel
 from .memory import LruCache
-from .resources import CODES, END, ISSUE, WORK, HbmShare, LinkPorts, MemorySystem
+from .resources import CODES, END, ISSUE, WORK, HbmShare, HostCores, LinkPorts, MemorySystem
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,7 @@ def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | Non
     if len(costs.work) != graph.num_tasks:
         raise ValueError(f"costs cover {len(costs.work)} tasks, the graph has {graph.num_tasks}")
     memory = MemorySystem.of(graph, hardware)
-    state = run_replay(schedule, costs, memory)
+    state = run_replay(schedule, costs, memory, HostCores.of(graph, hardware))
     start, end, link_start, link_end = state.arrays(costs)
     timeline = Timeline(ep=graph.ep, workers=schedule.workers, kind=graph.kind, rank=graph.rank,
                         peer=graph.peer, unit=graph.unit, worker=schedule.worker, start=start,
@@ -184,8 +190,9 @@ def replay(schedule: Schedule, costs: TaskCosts,
     return run_replay(schedule, costs, memory).arrays(costs)
 
 
-def run_replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None) -> _ReplayState:
-    state = _ReplayState(schedule, costs, memory)
+def run_replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None,
+               cores: HostCores | None = None) -> _ReplayState:
+    state = _ReplayState(schedule, costs, memory, cores)
     state.run()
     if state.done != schedule.graph.num_tasks:
         raise GraphError(_stall_message(schedule, state))
@@ -200,7 +207,8 @@ class _ReplayState:
     HBM's finish events (negative codes, ``HbmShare``).
     """
 
-    def __init__(self, schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None):
+    def __init__(self, schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None,
+                 cores: HostCores | None = None):
         g = schedule.graph
         n = g.num_tasks
         self.graph = g
@@ -220,16 +228,21 @@ class _ReplayState:
         self.done = 0
         self.memory = memory
         self.left = [0] * n
+        self.rank = g.rank.tolist()
+        self.cores = cores
+        if cores is not None:
+            self.share = cores.share(g.ep, self.heap)
         if memory is None:
             self.floor = costs.work.tolist()
             return
         self.floor = costs.floor.tolist()
-        self.rank = g.rank.tolist()
         self.fixed = memory.traffic.fixed.tolist()
         self.ops = memory.traffic.operand.tolist()
         self.size = memory.traffic.size.tolist()
         self.caches = [LruCache(memory.l2_bytes) for _ in range(g.ep)]
         self.hbm = HbmShare(g.ep, memory.bandwidth, self.heap)
+        if cores is None:
+            self.share = self.hbm
         self.task_bytes = [0.0] * n
 
     def begin(self, q: int, now: float) -> None:
@@ -243,20 +256,36 @@ class _ReplayState:
             self.blocked.setdefault(e, []).append(q)
             return
         self.start[i] = now
+        if self.cores is not None:
+            self.begin_on_core(i, now)
+            return
         if self.memory is None:
             heapq.heappush(self.heap, (now + self.floor[i], CODES * i + (ISSUE if self.remote[i] else END)))
             return
+        nbytes = self.task_hbm_bytes(i)
+        # a remote put's read streams while it is on the link: it loads HBM, gates nothing
+        self.left[i] = 2 if nbytes > 0 and not self.remote[i] else 1
+        heapq.heappush(self.heap, (now + self.floor[i], CODES * i + WORK))
+        if nbytes > 0:
+            self.hbm.add(self.rank[i], i, nbytes, now)
+
+    def task_hbm_bytes(self, i: int) -> float:
+        """Task ``i``'s HBM bytes: its fixed bytes and its L2 misses (looked up now)."""
         nbytes = self.fixed[i]
         a, b = self.ops[i]
         if a >= 0:
             cache = self.caches[self.rank[i]]
             nbytes += cache.access(a, self.size[a]) + cache.access(b, self.size[b])
         self.task_bytes[i] = nbytes
-        # a remote put's read streams while it is on the link: it loads HBM, gates nothing
-        self.left[i] = 2 if nbytes > 0 and not self.remote[i] else 1
-        heapq.heappush(self.heap, (now + self.floor[i], CODES * i + WORK))
-        if nbytes > 0:
-            self.hbm.add(self.rank[i], i, nbytes, now)
+        return nbytes
+
+    def begin_on_core(self, i: int, now: float) -> None:
+        """Task ``i`` joins its host's cores with its demand (step 5)."""
+        demand = self.floor[i]
+        if self.memory is not None and not self.remote[i]:
+            demand = max(demand, self.cores.overhead + self.task_hbm_bytes(i) / self.cores.core_bw)
+        self.left[i] = 1
+        self.share.add(self.rank[i] // self.cores.ranks_per_host, i, demand, now)
 
     def part_done(self, i: int, now: float) -> None:
         """One of task ``i``'s floor and memory is done; at the second, it ends (or a
@@ -291,8 +320,8 @@ class _ReplayState:
         while heap:
             now, code = pop(heap)
             if code < 0:
-                for i in self.hbm.finished(code, now):
-                    if not self.remote[i]:
+                for i in self.share.finished(code, now):
+                    if self.cores is not None or not self.remote[i]:
                         self.part_done(i, now)
                 continue
             i, kind = divmod(code, CODES)

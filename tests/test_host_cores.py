@@ -1,0 +1,82 @@
+"""Host cores in the replay (``HardwareModel.host_cores``): the worker threads of a CPU
+host's ranks time-share its cores, each hand-built case with a known answer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hpmoe.ir.graph import TaskKind
+from hpmoe.schedule import WorkerCounts
+from hpmoe.sim.cost import task_costs
+from hpmoe.sim.forecast import core_share, forecast_region
+from hpmoe.sim.simulate import simulate
+
+from .handmade import UNIT_HW, US, build, by_hand, gemm, vec
+
+
+def ends(graph, workers: list[int], hw, counts: WorkerCounts | None = None) -> list[float]:
+    s = by_hand(graph, workers) if counts is None else by_hand(graph, workers, workers=counts)
+    return list(np.round(simulate(s, hw).timeline.end / US, 6))
+
+
+def test_without_host_cores_every_worker_has_its_own_core():
+    g = build(1, [gemm(10), vec(10)], {})
+    assert ends(g, [0, 0], UNIT_HW) == [10, 10]
+
+
+def test_matrix_and_vector_workers_of_one_rank_share_one_core():
+    """10 µs each on one core: half a core each, both end at 20 µs."""
+    g = build(1, [gemm(10), vec(10)], {})
+    assert ends(g, [0, 0], dataclasses.replace(UNIT_HW, host_cores=1.0)) == [20, 20]
+
+
+def test_three_workers_on_two_cores_get_two_thirds_each_until_one_ends():
+    """Rank 0's matrix and vector workers and rank 1's matrix worker on a 2-core host:
+    2/3 of a core each until the 6 µs task ends at 9 µs, then a whole core each."""
+    g = build(2, [gemm(10), vec(6), gemm(10, rank=1)], {})
+    hw = dataclasses.replace(UNIT_HW, host_cores=2.0)
+    assert ends(g, [0, 0, 0], hw) == [13, 9, 13]
+
+
+def test_ranks_on_different_nodes_do_not_share_cores():
+    g = dataclasses.replace(build(2, [gemm(10), gemm(10, rank=1)], {}), nodes=2)
+    assert ends(g, [0, 0], dataclasses.replace(UNIT_HW, host_cores=1.0, inter_link_bw=1e9)) == [10, 10]
+
+
+def test_on_a_core_memory_streams_at_one_cores_rate_unshared():
+    """Two vector tasks of 1000 and 3000 bytes at 1 GB/s per core on 2 cores: 1 and 3 µs
+    (with a shared HBM they would end at 2 and 4 µs), plus the task overhead."""
+    hw = dataclasses.replace(UNIT_HW, mem_bw=1e9, host_cores=2.0, task_overhead=1 * US)
+    g = build(1, [vec(0, bytes=1000.0), vec(0, bytes=3000.0)], {})
+    assert ends(g, [0, 1], hw) == [2, 4]
+    assert ends(g, [0, 1], dataclasses.replace(hw, host_cores=1.0)) == [4, 6]
+
+
+def test_forecast_is_the_replay_when_cores_are_modelled():
+    g = build(1, [gemm(10), vec(10)], {})
+    s = by_hand(g, [0, 0])
+    shared = dataclasses.replace(UNIT_HW, host_cores=1.0)
+    assert forecast_region(s, shared)[0] == pytest.approx(20 * US)
+
+
+def test_unpermute_traffic_scales_only_unpermute_bytes():
+    g = build(1, [vec(0, kind=TaskKind.UNPERMUTE, bytes=1000.0), vec(0, bytes=1000.0)], {})
+    hw = dataclasses.replace(UNIT_HW, mem_bw=1e9, host_cores=2.0, unpermute_traffic=3.0)
+    assert ends(g, [0, 1], hw) == [3, 1]
+    assert list(np.round(task_costs(g, hw).work / US, 6)) == [3, 1]
+
+
+def test_core_share_divides_out_ranks_beyond_the_cores():
+    assert core_share(0.9, ep=2, cores=2.0) == pytest.approx(0.9)
+    assert core_share(0.45, ep=4, cores=2.0) == pytest.approx(0.9)
+    assert core_share(0.6, ep=4, cores=2.0) == 1.0
+
+
+def test_host_cores_must_be_finite_and_non_negative():
+    with pytest.raises(ValueError, match="host_cores"):
+        dataclasses.replace(UNIT_HW, host_cores=-1.0)
+    with pytest.raises(ValueError, match="unpermute_traffic"):
+        dataclasses.replace(UNIT_HW, unpermute_traffic=0.0)
