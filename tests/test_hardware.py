@@ -157,6 +157,20 @@ def test_calibrate_quick_gives_positive_finite_figures(tmp_path) -> None:
     assert load_profile(save_profile(hw, tmp_path / "cpu.json")) == hw
 
 
+def test_model_from_turns_measurements_into_overhead_and_unpermute_traffic() -> None:
+    """The unpermute took 100 µs past the 10 µs GEMM call on 128 tokens x 10 rows x 256 x 2 B =
+    655,360 counted bytes; at 6.5536 GB/s that is 655,360 B moved: a factor 1; 200 µs: 2."""
+    from hpmoe.sim.calibrate import CpuMeasurements, model_from
+
+    m = CpuMeasurements(threads=1, quick=True, gemm_ks=(512,), gemm_bf16=(1e11,), gemm_fp32=(5e10,),
+                        copy_bw=6.5536e9, swiglu_flops=1e9, tiny_op=1e-6, put_small=3e-6, put_bw=1e9,
+                        unpermute=110e-6, kernel_call=10e-6)
+    hw = model_from(m)
+    assert hw.task_overhead == pytest.approx(10e-6) and hw.link_latency == pytest.approx(2e-6)
+    assert hw.unpermute_traffic == pytest.approx(1.0)
+    assert model_from(dataclasses.replace(m, unpermute=210e-6)).unpermute_traffic == pytest.approx(2.0)
+
+
 def test_calibrate_parser() -> None:
     parser = argparse.ArgumentParser(prog="hpmoe")
     add_calibrate_parser(parser.add_subparsers(dest="command"))

@@ -112,9 +112,10 @@ def test_puts_between_nodes_use_the_inter_node_tier():
         simulate(by_hand(g, [0, 1]), UNIT_HW)
 
 
-def test_cli_without_l2_pays_every_gemm_byte(capsys):
+@pytest.mark.parametrize("direction", [[], ["--backward"]])
+def test_cli_without_l2_pays_every_gemm_byte(capsys, direction: list[str]):
     args = ["simulate", "--preset", "small", "--ep", "2", "--tokens", "256", "--schedule", "serial",
-            "--routing", "grouped", "--json"]
+            "--routing", "grouped", "--json", *direction]
     assert main([*args, "--set", "l2_mb=0", "--set", "hbm_gbs=100"]) == 0
     cold = json.loads(capsys.readouterr().out)
     assert main(args) == 0

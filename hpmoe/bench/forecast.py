@@ -151,7 +151,7 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     share = concurrent_share(profile, dtype, group)
     box: list = [None]
     if dist.get_rank(group) == 0:
-        overhead = seconds_per_task(1000, EmptyShape.CHAIN)
+        overhead = seconds_per_task(1000, EmptyShape.PING_PONG)  # a hand-off between workers per task
         own = link if runtime.transport is TransportKind.DIST else None
         box[0] = (runtime_hardware(profile, workers, own, share, overhead, world).to_dict(),
                   runtime_hardware(profile, workers, a2a, share, overhead, world).to_dict())
