@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import torch
-import torch.nn.functional as F
 
 from hpmoe.refs import topk_sum
+from hpmoe.regions.kernels import glu
 from hpmoe.sim.hardware import (
     SWIGLU_FLOPS_PER_ELEMENT,
     HardwareModel,
@@ -40,6 +40,7 @@ from hpmoe.sim.hardware import (
     profile_document,
     save_profile,
 )
+from hpmoe.spec import Activation
 
 __all__ = ["CpuMeasurements", "measure", "model_from", "calibrate", "save_profile", "load_profile",
            "default_profile_path", "add_calibrate_parser", "run_calibrate"]
@@ -136,11 +137,11 @@ def _copy_bw(plan: _Plan) -> float:
 
 def _swiglu_flops(plan: _Plan, gen: torch.Generator) -> float:
     """FLOP/s of the SwiGLU kernel (``regions.kernels.glu``: ``silu(h[:, :F]) * h[:, F:]``
-    into its output tile) on one bf16 SwiGLU tile."""
+    into its output tile, the kernel itself) on one bf16 SwiGLU tile."""
     rows, f = SWIGLU_TILE
     h = torch.randn(rows, 2 * f, generator=gen).to(torch.bfloat16)
     out = torch.empty(rows, f, dtype=torch.bfloat16)
-    seconds = _median_time(lambda: torch.mul(F.silu(h[:, :f]), h[:, f:], out=out), plan.repeats)
+    seconds = _median_time(lambda: glu(h, out, Activation.SILU), plan.repeats)
     return SWIGLU_FLOPS_PER_ELEMENT * out.numel() / seconds
 
 
