@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -50,6 +50,11 @@ class DedupSaved:
     def from_forward(buf: DedupBuffers, recompute: bool) -> DedupSaved:
         return DedupSaved(x=buf.x, xe=buf.recv, h=buf.h, a=None if recompute else buf.a, y=buf.y,
                           sh=buf.sh, sa=None if recompute else buf.sa)
+
+    def nbytes(self) -> int:
+        """Bytes held by the saved tensors (``x`` excluded: the caller owns it)."""
+        kept = [self.xe, self.h, self.a, self.y, self.sh, self.sa]
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
 
 @dataclass
@@ -249,3 +254,18 @@ def _region(recompute: bool) -> Region:
 
 BACKWARD_DEDUP = _region(False)
 BACKWARD_DEDUP_RECOMPUTE = _region(True)
+
+
+def dedup_backward_region(d: DedupLayout, tiles: TileSpec, recompute: bool = False) -> Region:
+    """``BACKWARD_DEDUP`` (``_RECOMPUTE``) whose symmetric shapes come from ``d`` (computed
+    once) and ``tiles`` (its partial dtype), as the runtime's transports size them."""
+    moe = d.base.plan.moe
+    h, k = moe.hidden, moe.top_k
+
+    def shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
+        sd = int(d.send_rows[rank])
+        return {"gdrecv": ((int(d.pairs.per_dst[rank]), h), moe.dtype),
+                "gpcomb": ((sd, h), tiles.partial_dtype), "dwcomb": ((sd, k), torch.float32),
+                "ghrecv": ((int(d.hops.per_dst[rank]), h), moe.dtype)}
+
+    return replace(BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP, symmetric_shapes=shapes)

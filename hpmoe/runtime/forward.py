@@ -69,7 +69,8 @@ class ForwardOutput:
     """out: [T, H] spec.dtype, this rank's tokens.  buffers: the rank's buffers
     (``recv``/``comb`` view symmetric memory: valid until the next call).
     plan: the routing plan the region ran; schedule: every rank's schedule;
-    program: this rank's part."""
+    program: this rank's part.  routing: what the rank's context was built from, this
+    rank's routing [T, k] or, deduplicated, every rank's [ep*T, k] (the backward's input)."""
 
     out: torch.Tensor
     buffers: ForwardBuffers | DedupBuffers
@@ -78,6 +79,7 @@ class ForwardOutput:
     program: RankProgram
     timeline: RunTimeline
     times: StepTimes
+    routing: Routing
 
 
 class ForwardRunner:
@@ -130,7 +132,7 @@ class ForwardRunner:
         marks.append(time.perf_counter())
         times = StepTimes(*np.diff(marks).tolist())
         return ForwardOutput(out=buffers.out, buffers=buffers, plan=plan, schedule=schedule, program=program,
-                             timeline=result.timeline, times=times)
+                             timeline=result.timeline, times=times, routing=every if self.dedup else routing)
 
     def _schedule(self, plan: RoutingPlan, key: bytes, region: Region) -> Schedule:
         o = self.options

@@ -1,0 +1,101 @@
+"""The backward region on the runtime: the gradient of what ``ForwardRunner`` ran,
+``BACKWARD`` (per-expert dispatch) or ``BACKWARD_DEDUP`` (``DispatchMode.PER_RANK`` and
+``PER_NODE``), each optionally recomputing the gated activations.
+
+Per call, on every rank of the session's group (plan of ``run_backward``):
+  1. snapshot the counters, then agree on the region (a collective: no peer puts
+     before every rank has snapshotted; in forward the count exchange does this);
+  2. lower every rank's graph from the forward's plan, schedule it, keep this rank's part;
+  3. size symmetric memory and post receives (``Transport.prepare``);
+  4. run the rank's workers.
+Nothing is exchanged: the plan and, deduplicated, every rank's routing come from the
+forward (``ForwardOutput.plan`` and ``.routing``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..exec.exact_backward import Gradients
+from ..exec.program import RankProgram, compile_program, compile_region
+from ..regions.backward_kernels import (
+    BACKWARD,
+    BACKWARD_RECOMPUTE,
+    BackwardBuffers,
+    BackwardContext,
+    SavedActivations,
+)
+from ..regions.base import Region
+from ..regions.dedup import make_dedup_layout
+from ..regions.dedup_backward_kernels import (
+    DedupBackwardBuffers,
+    DedupBackwardContext,
+    DedupSaved,
+    dedup_backward_region,
+)
+from ..routing import Routing, RoutingPlan
+from ..schedule.base import Schedule
+from ..spec import DispatchMode
+from ..weights import ExpertWeights
+from .forward import ForwardOptions
+from .session import Session
+from .transport.base import Step
+
+
+@dataclass
+class BackwardOutput:
+    """grads: dx [T, H] spec.dtype and dweights [T, k] float32 of this rank's tokens;
+    dw13 [E, 2F, H] and dw2 [E, H, F] full size, this rank's experts filled in and zeros
+    elsewhere; dshared_w13/dshared_w2 this rank's share (None without shared experts).
+    buffers: the rank's buffers (symmetric fields valid until the next region);
+    schedule: every rank's schedule; program: this rank's part."""
+
+    grads: Gradients
+    buffers: BackwardBuffers | DedupBackwardBuffers
+    schedule: Schedule
+    program: RankProgram
+
+
+def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupSaved, dy: torch.Tensor,
+                 weights: ExpertWeights, routing: Routing, options: ForwardOptions,
+                 recompute: bool = False) -> BackwardOutput:
+    """This rank's part of the backward of the forward that ran ``plan`` with ``options``.
+
+    saved: what that forward kept (``SavedActivations.from_forward``, or
+    ``DedupSaved.from_forward`` under deduplicated dispatch, symmetric fields copied);
+    dy: [T, H] spec.dtype; routing: the forward's ``ForwardOutput.routing`` (this rank's
+    [T, k], or every rank's [ep*T, k] when deduplicated)."""
+    tiles, dedup = options.tiles, options.tiles.dispatch is not DispatchMode.PER_EXPERT
+    layout = make_dedup_layout(plan, tiles) if dedup else None
+    if dedup:
+        region = dedup_backward_region(layout, tiles, recompute)
+    else:
+        region = BACKWARD_RECOMPUTE if recompute else BACKWARD
+    program, schedule = _open(s, plan, region, options, weights)
+    sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
+    mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
+    dw13, dw2 = torch.zeros_like(weights.w13), torch.zeros_like(weights.w2)
+    views = {**sym, "dw13": dw13[mine], "dw2": dw2[mine]}
+    if dedup:
+        buf = DedupBackwardBuffers.allocate(saved, dy, layout, tiles, s.rank, views)
+        ctx = DedupBackwardContext.build(weights, layout, routing, s.rank)
+    else:
+        buf = BackwardBuffers.allocate(saved, dy, plan, views)
+        ctx = BackwardContext.build(weights, plan, routing.weights, s.rank)
+    s.executor.run(program, region, buf, ctx, s.transport)
+    shared = weights.has_shared
+    grads = Gradients(dx=buf.dx, dweights=buf.dw, dw13=dw13, dw2=dw2,
+                      dshared_w13=buf.dsw13 if shared else None, dshared_w2=buf.dsw2 if shared else None)
+    return BackwardOutput(grads=grads, buffers=buf, schedule=schedule, program=program)
+
+
+def _open(s: Session, plan: RoutingPlan, region: Region, options: ForwardOptions,
+          weights: ExpertWeights) -> tuple[RankProgram, Schedule]:
+    """Open ``region`` on ``s`` (snapshot, then the agreement); lower every rank,
+    schedule, keep this rank's program."""
+    s.transport.begin()
+    s.agree(region.kind, weights, plan.par.tokens_per_rank, options.tiles)
+    schedule = compile_region(plan, region, options.tiles, options.policy, options.hardware)
+    return compile_program(schedule, region, s.rank), schedule
