@@ -16,7 +16,6 @@ from hpmoe.exec.exact import execute_forward, run_graph
 from hpmoe.exec.exact_backward import Gradients, moe_forward_backward
 from hpmoe.ir.graph import TaskKind
 from hpmoe.ir.verify import verify_graph
-from hpmoe.nn.layer import MoE
 from hpmoe.regions.dedup import make_dedup_layout
 from hpmoe.regions.dedup_backward import lower_dedup_backward
 from hpmoe.regions.dedup_backward_kernels import (
@@ -243,8 +242,3 @@ def test_cli_simulates_the_deduplicated_backward(capsys):
     plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, spec, par, 0).ids, spec, par)
     g = lower_dedup_backward(plan, TileSpec(dispatch=DispatchMode.PER_RANK, partial_dtype=torch.bfloat16))
     assert out["link_bytes"] == np.bincount(g.rank, weights=g.link_bytes, minlength=4).astype(int).tolist()
-
-
-def test_the_layer_refuses_deduplicated_tiles_by_name():
-    with pytest.raises(ValueError, match=r"TileSpec.dispatch='per-rank': hpmoe.MoE"):
-        MoE(preset("tiny"), tiles=DEDUP)

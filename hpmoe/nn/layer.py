@@ -21,7 +21,7 @@ Execution:
   * ``ep_group``: one EP rank per process of a torch.distributed group (any subgroup),
     on the multi-rank runtime (``hpmoe.runtime``: worker threads walking the queues of a
     ``SchedulePolicy``, one-sided puts over shared memory or torch.distributed; the
-    forward region is the runtime's ``ForwardRunner``, the backward one ``BACKWARD``).
+    forward region is the runtime's ``ForwardRunner``, the backward one ``run_backward``).
     Each rank holds its own tokens; expert ``e`` runs on rank ``e // (E / ep)``.  Every
     rank keeps full-size parameter tensors (state dicts stay those of transformers);
     expert gradients are complete on the owning rank and zero elsewhere, gradients of
@@ -41,22 +41,15 @@ from torch import nn
 from ..exec.arena import ArenaPool
 from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, execute_forward
-from ..exec.exact_backward import Gradients, execute_backward
+from ..exec.exact_backward import Gradients, execute_backward, execute_backward_dedup
 from ..exec.kernel_by_kernel import KernelByKernelCall, KernelByKernelFunction
-from ..exec.program import RankProgram, compile_program, compile_region
-from ..regions.backward_kernels import (
-    BACKWARD,
-    BACKWARD_RECOMPUTE,
-    BackwardBuffers,
-    BackwardContext,
-    SavedActivations,
-)
-from ..regions.base import Region
+from ..regions.backward_kernels import SavedActivations
+from ..regions.dedup_backward_kernels import DedupSaved
 from ..routing import Routing, RoutingPlan, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape
-from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
+from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import GateKind, MoESpec, TileSpec, require_per_expert
+from ..spec import DispatchMode, GateKind, MoESpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .compiled import run_region
 from .experts_impl import register, runs_region, select
@@ -64,7 +57,7 @@ from .families import FAMILIES, family_of, read_block
 from .families.base import Family
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
-    from ..runtime import RuntimeConfig, Session
+    from ..runtime import ForwardOptions, RuntimeConfig, Session
 
 # ---------------------------------------------------------------------------- parameters
 
@@ -130,7 +123,16 @@ class RegionOptions:
       gives the same bits.  Under ``torch.compile`` (one process) AUTO decides on the saved
       profile alone (``nn.compiled``).
     recompute: recompute the gated activations in backward instead of saving them.
-    tiles: the tiling.  runtime: ``RuntimeConfig`` of the session the layer opens.
+    tiles: the tiling of the taskflow, its ``dispatch`` included: ``DispatchMode.PER_RANK``
+      and ``PER_NODE`` run the deduplicated forward and backward regions (exact executors
+      in one process, the runtime with an ep_group; gradients equal the per-expert ones but
+      for dx, summed per rank first as ``refs.rank_partials_sum`` does).  The tiles describe
+      the taskflow only: AUTO still picks the path (forecasting the taskflow as the
+      per-expert one at these tile sizes), the kernel-by-kernel path ignores them, and so
+      does ``torch.compile``'s op, which runs the per-expert taskflow at these sizes.
+    nodes: nodes the EP ranks span (``virtual_ep`` or the ep_group's size a multiple of
+      it); only ``DispatchMode.PER_NODE`` relays between them.
+    runtime: ``RuntimeConfig`` of the session the layer opens.
     hardware: the cost model of AUTO and of the CRITICAL_PATH scheduler.
     backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
       persistent Triton kernel on the input's device; ``schedule`` is then a
@@ -145,6 +147,7 @@ class RegionOptions:
     runtime: RuntimeConfig | None = None
     hardware: HardwareModel | None = None
     backend: Backend | str = Backend.EXACT
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", as_backend(self.backend))
@@ -154,7 +157,8 @@ class RegionOptions:
             raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
         if not isinstance(self.tiles, TileSpec):
             raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
-        require_per_expert(self.tiles, "hpmoe.MoE (its saved activations and backward region)")
+        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes <= 0:
+            raise ValueError(f"nodes must be a positive int, got {self.nodes!r}")
         if self.runtime is not None:
             from ..runtime import RuntimeConfig
 
@@ -179,6 +183,7 @@ class RegionOptions:
 
     def _check_single_process(self) -> None:
         if self.backend is Backend.TRITON:
+            require_per_expert(self.tiles, "the triton backend")
             if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
                 raise ValueError(f"schedule={self.schedule!r}: the triton backend takes a SchedulePolicy")
             if self.runtime is not None:
@@ -198,6 +203,11 @@ class RegionOptions:
     @property
     def distributed(self) -> bool:
         return self.ep_group is not None
+
+    @property
+    def dedup(self) -> bool:
+        """Whether the taskflow runs the deduplicated regions."""
+        return self.tiles.dispatch is not DispatchMode.PER_EXPERT
 
     @property
     def session(self) -> Session | None:
@@ -248,7 +258,8 @@ class MoE(nn.Module):
     def __init__(self, spec: MoESpec, weights: ExpertWeights | None = None, *, ep_group: Any = None,
                  schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO, recompute: bool = False,
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
-                 hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact"):
+                 hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact",
+                 nodes: int = 1):
         super().__init__()
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
@@ -263,7 +274,7 @@ class MoE(nn.Module):
         self.shared_experts = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
         self._setup(spec, None, "shared_experts" if fs else None,
                     RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware,
-                                  backend))
+                                  backend, nodes))
 
     def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
                options: RegionOptions) -> None:
@@ -495,17 +506,20 @@ class RegionCall:
 @dataclass
 class RegionState:
     """What the backward taskflow needs from the forward one: the plan, per (virtual or
-    local) rank the saved activations, the detached weights, the local top-k weights
-    [N_local, k] float32, the options and the session (distributed runs)."""
+    local) rank the saved activations (``DedupSaved`` under deduplicated tiles), the
+    detached weights, the local top-k weights [N_local, k] float32, the options and the
+    session (distributed runs); routing: the routing the contexts are built from (ids and
+    weights [N, k]: every rank's under deduplicated tiles, whose receivers weigh rows)."""
 
     plan: RoutingPlan
-    saved: list[SavedActivations]
+    saved: list[SavedActivations] | list[DedupSaved]
     weights: ExpertWeights | None
     topk_weights: torch.Tensor | None
     options: RegionOptions
     session: Session | None = None
     device: Any = None  # the triton backend's forward (its arena holds the saved activations)
     nbytes: int = 0
+    routing: Routing | None = None
 
     def saved_bytes(self) -> int:
         """Bytes of the saved activations (the input x excluded)."""
@@ -516,7 +530,7 @@ class RegionState:
         e.g. non-reentrant activation checkpointing, see and may free them), and the state
         without them."""
         w = self.weights
-        tensors = [getattr(s, f.name) for s in self.saved for f in fields(SavedActivations)]
+        tensors = [getattr(s, f.name) for s in self.saved for f in fields(s)]
         tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2, self.topk_weights]
         bare = replace(self, saved=[None] * len(self.saved), weights=None, topk_weights=None,
                        nbytes=self.saved_bytes())
@@ -524,8 +538,9 @@ class RegionState:
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
         """The inverse of ``pack``: this bare state with ``tensors`` put back."""
-        n, ranks = len(fields(SavedActivations)), len(self.saved)
-        saved = [SavedActivations(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
+        kind = DedupSaved if self.options.dedup else SavedActivations
+        n, ranks = len(fields(kind)), len(self.saved)
+        saved = [kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
         router, bias, w13, w2, sw13, sw2, topk = tensors[ranks * n:]
         weights = ExpertWeights(self.plan.moe, router, bias, w13, w2, sw13, sw2)
         return replace(self, saved=saved, weights=weights, topk_weights=topk)
@@ -571,9 +586,10 @@ def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
         options = TritonOptions(policy=opt.policy, hardware=opt.hardware)
         fwd = triton_forward(x, weights, routing, opt.virtual_ep, opt.tiles, options)
         return fwd.out, RegionState(fwd.plan, [], weights, routing.weights, opt, device=fwd)
-    fwd = execute_forward(x, weights, routing, opt.virtual_ep, opt.tiles, opt.schedule)
-    saved = [SavedActivations.from_forward(b, opt.recompute) for b in fwd.buffers]
-    return fwd.out, RegionState(fwd.plan, saved, weights, routing.weights, opt)
+    fwd = execute_forward(x, weights, routing, opt.virtual_ep, opt.tiles, opt.schedule, opt.nodes)
+    kind = DedupSaved if opt.dedup else SavedActivations
+    saved = [kind.from_forward(b, opt.recompute) for b in fwd.buffers]
+    return fwd.out, RegionState(fwd.plan, saved, weights, routing.weights, opt, routing=routing)
 
 
 def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
@@ -581,6 +597,10 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
     if state.device is not None:
         from ..gpu.backend import triton_backward
         return triton_backward(state.device, dy, opt.recompute).grads
+    if opt.dedup:
+        routing = Routing(state.routing.ids, state.topk_weights)
+        return execute_backward_dedup(state.saved, state.plan, dy, state.weights, routing, opt.tiles,
+                                      opt.recompute, opt.schedule).grads
     return execute_backward(state.saved, state.plan, dy, state.weights, state.topk_weights,
                             opt.tiles, opt.recompute, opt.schedule).grads
 
@@ -599,45 +619,31 @@ def token_counts(tokens: int, group: Any) -> list[int]:
 def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
                   call: RegionCall) -> tuple[torch.Tensor, RegionState]:
     """This rank's part of the forward region on the runtime: x [T, H] -> out [T, H]."""
-    from ..runtime import ForwardOptions, ForwardRunner
+    from ..runtime import ForwardRunner
 
     s, opt = call.session, call.options
-    options = ForwardOptions(tiles=opt.tiles, policy=opt.policy, hardware=opt.rank_hardware)
-    fwd = ForwardRunner(s, weights, options)(x, routing)
+    fwd = ForwardRunner(s, weights, _runtime_options(opt))(x, routing)
     b, drop = fwd.buffers, opt.recompute
-    # recv and comb view the session's symmetric memory, which its next region reuses
-    saved = SavedActivations(x=x, xe=b.recv.clone(), h=b.h, a=None if drop else b.a, comb=b.comb.clone(),
-                             sh=b.sh, sa=None if drop else b.sa)
-    return fwd.out, RegionState(fwd.plan, [saved], weights, routing.weights, opt, s)
-
-
-def _backward_program(s: Session, plan: RoutingPlan, opt: RegionOptions, weights: ExpertWeights
-                      ) -> tuple[RankProgram, Schedule, Region]:
-    """Open a backward region on ``s``: snapshot the counters, then the region's
-    agreement (a collective: no peer puts before every rank has snapshotted; in
-    forward the count exchange does this); lower every rank, schedule, keep this
-    rank's program."""
-    s.transport.begin()
-    region = BACKWARD_RECOMPUTE if opt.recompute else BACKWARD
-    s.agree(region.kind, weights, plan.par.tokens_per_rank, opt.tiles)
-    schedule = compile_region(plan, region, opt.tiles, opt.policy, opt.rank_hardware)
-    return compile_program(schedule, region, s.rank), schedule, region
+    if opt.dedup:  # its saved fields are not symmetric
+        saved = DedupSaved.from_forward(b, drop)
+    else:  # recv and comb view the session's symmetric memory, which its next region reuses
+        saved = SavedActivations(x=x, xe=b.recv.clone(), h=b.h, a=None if drop else b.a, comb=b.comb.clone(),
+                                 sh=b.sh, sa=None if drop else b.sa)
+    return fwd.out, RegionState(fwd.plan, [saved], weights, routing.weights, opt, s, routing=fwd.routing)
 
 
 def _dist_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
-    """This rank's part of the backward region; expert gradients are full-size [E, ...]
-    with this rank's experts filled in and zeros elsewhere."""
-    s, opt, plan, w = state.session, state.options, state.plan, state.weights
-    from ..runtime import Step
+    """This rank's part of the backward region (``runtime.run_backward``); expert
+    gradients are full-size [E, ...] with this rank's experts filled in and zeros elsewhere."""
+    from ..runtime import run_backward
 
-    program, schedule, region = _backward_program(s, plan, opt, w)
-    sym = s.transport.prepare(Step(region, plan, opt.tiles, schedule, program))
-    mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
-    dw13, dw2 = torch.zeros_like(w.w13), torch.zeros_like(w.w2)
-    views = {"grecv": sym["grecv"], "gcomb": sym["gcomb"], "dw13": dw13[mine], "dw2": dw2[mine]}
-    buf = BackwardBuffers.allocate(state.saved[0], dy, plan, views)
-    ctx = BackwardContext.build(w, plan, state.topk_weights, s.rank)
-    s.executor.run(program, region, buf, ctx, s.transport)
-    shared = w.has_shared
-    return Gradients(dx=buf.dx, dweights=buf.dw, dw13=dw13, dw2=dw2,
-                     dshared_w13=buf.dsw13 if shared else None, dshared_w2=buf.dsw2 if shared else None)
+    opt, w = state.options, state.weights
+    routing = Routing(state.routing.ids, state.topk_weights) if not opt.dedup else state.routing
+    return run_backward(state.session, state.plan, state.saved[0], dy, w, routing, _runtime_options(opt),
+                        opt.recompute).grads
+
+
+def _runtime_options(opt: RegionOptions) -> ForwardOptions:
+    from ..runtime import ForwardOptions
+
+    return ForwardOptions(tiles=opt.tiles, policy=opt.policy, hardware=opt.rank_hardware, nodes=opt.nodes)
