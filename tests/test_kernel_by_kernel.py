@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpmoe.exec.arena import ArenaPool
+from hpmoe.exec.arena import Arena, ArenaPool
 from hpmoe.exec.kernel_by_kernel import (
     KernelByKernelCall,
     KernelByKernelFunction,
-    grouped_mm_into,
+    experts_forward,
     kbk_backward,
     kbk_forward,
     segments,
@@ -46,12 +46,13 @@ def _autograd_grads(x, routing, weights, dy):
     return torch.autograd.grad(out, leaves, dy)
 
 
-def test_grouped_gemm_into_gives_grouped_mm_bits() -> None:
-    a, b = torch.randn(11, 16).bfloat16(), torch.randn(3, 16, 24).bfloat16()
+def test_expert_gemms_give_grouped_mm_bits() -> None:
+    a, w13, w2 = (torch.randn(shape).bfloat16() for shape in ((11, 16), (3, 48, 16), (3, 16, 24)))
     counts = [4, 0, 7]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    out = grouped_mm_into(a, b, segments(counts), torch.empty(11, 24, dtype=torch.bfloat16))
-    assert torch.equal(out, F.grouped_mm(a, b, offs=offs))
+    h, act, y = experts_forward(a, segments(counts), w13, w2, Activation.SILU, Arena(), "")
+    assert torch.equal(h, F.grouped_mm(a, w13.transpose(1, 2), offs=offs))
+    assert torch.equal(y, F.grouped_mm(act, w2.transpose(1, 2), offs=offs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

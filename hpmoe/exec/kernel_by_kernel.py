@@ -21,10 +21,11 @@ slot order.  Scratch buffers come from the layer's ``ArenaPool``; what backward 
 is allocated apart and handed to ``ctx.save_for_backward``, so saved-tensor hooks
 (non-reentrant activation checkpointing) free it.
 
-The grouped GEMM is ``grouped_mm_into``: one whole-expert ``torch.mm`` per group into
-a slice of an arena buffer; it gives ``F.grouped_mm``'s bits (tested) and lets outputs
-live in the arena.  With the same GEMM shapes as ``refs.dense_moe`` the forward output
-is bitwise that of the reference in bf16.
+The experts run one after another, each its whole-expert GEMMs (``torch.mm`` into a
+slice of a shared buffer, ``F.grouped_mm``'s bits: tested) with its activation between
+them, so an expert's intermediates are still in cache when the next GEMM reads them.
+With the same GEMM shapes as ``refs.dense_moe`` the forward output is bitwise that of the
+reference (silu; other activations up to torch's vectorised-vs-scalar last bit).
 """
 
 from __future__ import annotations
@@ -58,15 +59,6 @@ def segments(counts: list[int]) -> Segments:
     return out
 
 
-def grouped_mm_into(a: torch.Tensor, b: torch.Tensor, segs: Segments, out: torch.Tensor) -> torch.Tensor:
-    """out[s:t] = a[s:t] @ b[e] for each segment (e, s, t): the grouped GEMM
-    ``F.grouped_mm(a, b, offs=...)``, written into ``out``.  a: [M, K]; b: [G, K, N]
-    (any strides); out: [M, N].  Rows outside every segment are left as they are."""
-    for e, s, t in segs:
-        torch.mm(a[s:t], b[e], out=out[s:t])
-    return out
-
-
 # ---------------------------------------------------------------------------- experts
 
 
@@ -74,12 +66,16 @@ def experts_forward(xs: torch.Tensor, segs: Segments, w13: torch.Tensor, w2: tor
                     activation: Activation, keep: Arena, tag: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H], in
-    ``keep``: h = xs @ w13[e]^T, a = act(gate) * up, y = a @ w2[e]^T (``refs.expert_ffn``)."""
+    ``keep``: h = xs @ w13[e]^T, a = act(gate) * up, y = a @ w2[e]^T (``refs.expert_ffn``),
+    one expert after another so that its h and a are still in cache for the next GEMM."""
     m, f, dtype = xs.shape[0], w2.shape[2], xs.dtype
-    h = grouped_mm_into(xs, w13.transpose(1, 2), segs, keep.take(tag + "h", (m, 2 * f), dtype))
+    h = keep.take(tag + "h", (m, 2 * f), dtype)
     a = keep.take(tag + "a", (m, f), dtype)
-    glu(h, a, activation)
-    y = grouped_mm_into(a, w2.transpose(1, 2), segs, keep.take(tag + "y", (m, w2.shape[1]), dtype))
+    y = keep.take(tag + "y", (m, w2.shape[1]), dtype)
+    for e, s, t in segs:
+        torch.mm(xs[s:t], w13[e].t(), out=h[s:t])
+        glu(h[s:t], a[s:t], activation)
+        torch.mm(a[s:t], w2[e].t(), out=y[s:t])
     return h, a, y
 
 
@@ -96,31 +92,28 @@ class ExpertGrads:
 def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor | None,
                      segs: Segments, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
                      grads: ExpertGrads, arena: Arena, tag: str) -> torch.Tensor:
-    """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the
-    weight gradients of every local expert into ``grads``.  a: the gated activation's
-    output, or None to recompute it from h."""
+    """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the weight
+    gradients of every local expert into ``grads`` (zeros for experts without rows), one
+    expert after another.  a: the gated activation's output, or None to recompute it."""
     m, f = h.shape[0], h.shape[1] // 2
-    if a is None:
-        a = arena.take(tag + "a", (m, f), h.dtype)
-        glu(h, a, activation)
-    da = grouped_mm_into(dy, w2, segs, arena.take(tag + "da", (m, f), dy.dtype))
-    _weight_grads(dy, a, segs, grads.dw2, grads.first, w2.shape[0])
+    da = arena.take(tag + "da", (m, f), dy.dtype)
     dh = arena.take(tag + "dh", (m, 2 * f), dy.dtype)
-    glu_backward(h, da, dh, activation, arena.take(tag + "glu", (m, f), dy.dtype))
-    _weight_grads(dh, xs, segs, grads.dw13, grads.first, w13.shape[0])
-    return grouped_mm_into(dh, w13, segs, arena.take(tag + "dxs", tuple(xs.shape), dy.dtype))
-
-
-def _weight_grads(dy: torch.Tensor, x: torch.Tensor, segs: Segments, out: torch.Tensor, first: int,
-                  local: int) -> None:
-    """out[first + e] = dy_e^T @ x_e for the ``local`` experts (zeros when e has no rows)."""
-    done = set()
+    tmp = arena.take(tag + "glu", (m, f), dy.dtype)
+    dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
+    recompute = a is None
+    a = arena.take(tag + "a", (m, f), h.dtype) if recompute else a
+    for e in set(range(w13.shape[0])) - {e for e, _, _ in segs}:
+        grads.dw13[grads.first + e].zero_()
+        grads.dw2[grads.first + e].zero_()
     for e, s, t in segs:
-        torch.mm(dy[s:t].t(), x[s:t], out=out[first + e])
-        done.add(e)
-    for e in range(local):
-        if e not in done:
-            out[first + e].zero_()
+        if recompute:
+            glu(h[s:t], a[s:t], activation)
+        torch.mm(dy[s:t], w2[e], out=da[s:t])
+        torch.mm(dy[s:t].t(), a[s:t], out=grads.dw2[grads.first + e])
+        glu_backward(h[s:t], da[s:t], dh[s:t], activation, tmp[s:t])
+        torch.mm(dh[s:t].t(), xs[s:t], out=grads.dw13[grads.first + e])
+        torch.mm(dh[s:t], w13[e], out=dxs[s:t])
+    return dxs
 
 
 # ---------------------------------------------------------------------------- routing
