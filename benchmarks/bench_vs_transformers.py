@@ -55,11 +55,15 @@ def _configs(block: torch.nn.Module) -> list:
                                                                                  "_experts_implementation")]
 
 
-def hf_step(block: torch.nn.Module, impl: str, x: torch.Tensor, dy: torch.Tensor | None) -> Callable:
+def step_under(module: torch.nn.Module, block: torch.nn.Module, impl: str, x: torch.Tensor,
+               dy: torch.Tensor | None) -> Callable:
+    """A step of ``module`` with ``block``'s experts implementation set to ``impl`` (the
+    hpmoe layer shares the block's submodules and config: it runs the region under
+    ``"hpmoe"``, transformers' experts under any other name)."""
     def run() -> None:
         for c in _configs(block):
             c._experts_implementation = impl
-        _step(block, x, dy)
+        _step(module, x, dy)
     return run
 
 
@@ -94,8 +98,8 @@ def run_case(name: str, dtype: torch.dtype, backward: bool, tokens: int, rounds:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, tokens, hidden, generator=g).to(dtype)
     dy = torch.randn(1, tokens, hidden, generator=g).to(dtype) if backward else None
-    variants = {f"transformers_{i}": hf_step(block, i, x, dy) for i in IMPLS}
-    variants["hpmoe"] = lambda: _step(layer, x, dy)
+    variants = {f"transformers_{i}": step_under(block, block, i, x, dy) for i in IMPLS}
+    variants["hpmoe"] = step_under(layer, block, "hpmoe", x, dy)
     times = measure(variants, rounds)
     with torch.set_grad_enabled(backward):
         decision = layer.decision(tokens)
