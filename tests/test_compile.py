@@ -2,6 +2,7 @@
 op with fake implementations and a registered backward, so hpmoe causes no graph break."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from hpmoe.nn.conformance import CHECK_TILES
 from hpmoe.nn.families import FAMILIES
 from hpmoe.nn.layer import MoE
-from hpmoe.spec import preset
+from hpmoe.spec import DispatchMode, preset
 
 
 def _step(module, x):
@@ -33,6 +34,22 @@ def test_a_native_layer_compiles_with_fullgraph():
     spec = preset("tiny")
     _assert_compiled_equals_eager(MoE(spec, virtual_ep=2, tiles=CHECK_TILES),
                                   torch.randn(2, 5, spec.hidden, generator=torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("dispatch", [DispatchMode.PER_RANK, DispatchMode.PER_NODE])
+def test_a_deduplicated_layer_compiles_to_the_same_bits(dispatch):
+    spec = preset("tiny")
+    tiles = replace(CHECK_TILES, dispatch=dispatch, partial_dtype=torch.bfloat16)
+    layer = MoE(spec, virtual_ep=4, nodes=2, tiles=tiles, schedule=None)
+    eager = copy.deepcopy(layer)
+    x = torch.randn(2, 6, spec.hidden, generator=torch.Generator().manual_seed(1))
+    got, want = _step(torch.compile(layer, fullgraph=True, backend="aot_eager"), x), _step(eager, x)
+    assert torch.equal(got[0], want[0])
+    per_expert = _step(MoE(spec, virtual_ep=4, tiles=CHECK_TILES, schedule=None), x)
+    assert not torch.equal(got[0], per_expert[0])  # the bf16 wire: the deduplicated region ran
+    for (name, p), q in zip(layer.named_parameters(), eager.parameters(), strict=True):
+        if name.startswith("experts"):  # untouched by the gate's own autograd
+            assert torch.equal(p.grad, q.grad), name
 
 
 def test_a_replaced_transformers_block_compiles_with_fullgraph():

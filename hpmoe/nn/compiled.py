@@ -11,7 +11,8 @@ for its shape on the saved cpu profile (``schedule.auto.PROCESS_DECISIONS``): th
 kernel-by-kernel path or the taskflow, the same in forward and backward.  The backward
 op reruns the forward to rebuild the saved activations (a custom op passes no state
 from forward to backward but its outputs), then runs the backward: the cost of
-``recompute`` plus one forward region per step.
+``recompute`` plus one forward region per step.  Deduplicated tiles
+(``DispatchMode.PER_RANK``/``PER_NODE``) run the deduplicated regions, as in eager.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from __future__ import annotations
 import torch
 
 from ..exec.exact import execute_forward
-from ..exec.exact_backward import Gradients, execute_backward
+from ..exec.exact_backward import moe_forward_backward
 from ..exec.kernel_by_kernel import kbk_backward, kbk_forward
-from ..regions.backward_kernels import SavedActivations
 from ..routing import Routing
 from ..schedule.auto import PROCESS_DECISIONS, Path, RoutingShape
-from ..spec import Activation, MoESpec, TileSpec
+from ..spec import Activation, DispatchMode, MoESpec, TileSpec
 from ..weights import ExpertWeights
 
 
@@ -38,6 +38,23 @@ def _weights(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     router = torch.zeros((), dtype=torch.float32).expand(e, h)  # routing is done
     bias = torch.zeros(e, dtype=torch.float32)
     return ExpertWeights(spec, router, bias, w13, w2, sw13 if fs else None, sw2 if fs else None)
+
+
+_DISPATCH = list(DispatchMode)
+_WIRE = [torch.float32, torch.bfloat16]
+
+
+def _tile_fields(tiles: TileSpec, nodes: int) -> list[int]:
+    """``tiles`` and ``nodes`` as the op's plain ints (``_tile_spec`` inverts it).  Identity
+    tests: torch.compile guards on them, not on an enum's or dtype's list index."""
+    dispatch = [tiles.dispatch is m for m in _DISPATCH].index(True)
+    wire = [tiles.partial_dtype is d for d in _WIRE].index(True)
+    return [tiles.rows, tiles.gemm_rows, tiles.gemm_cols, tiles.gemm_splits, dispatch, wire, nodes]
+
+
+def _tile_spec(fields: list[int]) -> tuple[TileSpec, int]:
+    rows, gemm_rows, gemm_cols, splits, dispatch, wire, nodes = fields
+    return TileSpec(rows, gemm_rows, gemm_cols, splits, _DISPATCH[dispatch], _WIRE[wire]), nodes
 
 
 def _kernel_by_kernel(w: ExpertWeights, tokens: int, ep: int, tiles: TileSpec, auto: bool) -> bool:
@@ -54,12 +71,13 @@ def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
            auto: bool) -> torch.Tensor:
     """x [N, H], ids [N, k] int64, weights [N, k] fp32, w13 [E, 2F, H], w2 [E, H, F],
     sw13 [2Fs, H], sw2 [H, Fs] (Fs 0: none); ep virtual ranks dividing N; tiles: the
-    TileSpec fields; auto: AUTO picks the path.  Returns [N, H] in x's dtype."""
+    TileSpec fields and the nodes (``_tile_fields``); auto: AUTO picks the path.  Returns
+    [N, H] in x's dtype."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, activation), Routing(ids, weights)
-    spec = TileSpec(*tiles)
+    spec, nodes = _tile_spec(tiles)
     if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
         return kbk_forward(x, routing, w)[0]
-    return execute_forward(x, w, routing, ep, spec).out
+    return execute_forward(x, w, routing, ep, spec, None, nodes).out
 
 
 @region.register_fake
@@ -73,22 +91,15 @@ def region_backward(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weight
                     tiles: list[int], activation: str, auto: bool) -> list[torch.Tensor]:
     """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2] of ``region`` given dy [N, H]."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, activation), Routing(ids, weights)
-    spec = TileSpec(*tiles)
+    spec, nodes = _tile_spec(tiles)
     dy = dy.to(x.dtype).contiguous()
     if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
         g = kbk_backward(kbk_forward(x, routing, w, save=True)[1], dy)
     else:
-        g = _taskflow_grads(x, routing, w, dy, ep, spec)
+        g = moe_forward_backward(x, w, routing, dy, ep, spec, nodes=nodes).backward.grads
     if not w.has_shared:
         return [g.dx, g.dweights, g.dw13, g.dw2, torch.zeros_like(sw13), torch.zeros_like(sw2)]
     return [g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2]
-
-
-def _taskflow_grads(x: torch.Tensor, routing: Routing, w: ExpertWeights, dy: torch.Tensor, ep: int,
-                    tiles: TileSpec) -> Gradients:
-    fwd = execute_forward(x, w, routing, ep, tiles)
-    saved = [SavedActivations.from_forward(b, recompute=False) for b in fwd.buffers]
-    return execute_backward(saved, fwd.plan, dy, w, routing.weights, tiles).grads
 
 
 @region_backward.register_fake
@@ -111,11 +122,11 @@ region.register_autograd(_backward, setup_context=_setup_context)
 
 
 def run_region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights, ep: int,
-               tiles: TileSpec, auto: bool) -> torch.Tensor:
+               tiles: TileSpec, auto: bool, nodes: int = 1) -> torch.Tensor:
     """The region through the custom op (tensors already padded to a multiple of ``ep``);
-    ``auto``: the path AUTO decides, else the taskflow."""
+    ``auto``: the path AUTO decides, else the taskflow; ``nodes``: as ``RegionOptions.nodes``."""
     spec = w.spec
     none = w.w13.new_zeros(0, spec.hidden), w.w13.new_zeros(spec.hidden, 0)
     sw13, sw2 = (w.shared_w13, w.shared_w2) if w.has_shared else none
-    fields = [tiles.rows, tiles.gemm_rows, tiles.gemm_cols, tiles.gemm_splits]
+    fields = _tile_fields(tiles, nodes)
     return region(x, ids, weights, w.w13, w.w2, sw13, sw2, ep, fields, spec.activation.value, auto)

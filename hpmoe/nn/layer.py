@@ -128,8 +128,7 @@ class RegionOptions:
       in one process, the runtime with an ep_group; gradients equal the per-expert ones but
       for dx, summed per rank first as ``refs.rank_partials_sum`` does).  The tiles describe
       the taskflow only: AUTO still picks the path (forecasting the taskflow as the
-      per-expert one at these tile sizes), the kernel-by-kernel path ignores them, and so
-      does ``torch.compile``'s op, which runs the per-expert taskflow at these sizes.
+      per-expert one at these tile sizes) and the kernel-by-kernel path ignores them.
     nodes: nodes the EP ranks span (``virtual_ep`` or the ep_group's size a multiple of
       it); only ``DispatchMode.PER_NODE`` relays between them.
     runtime: ``RuntimeConfig`` of the session the layer opens.
@@ -405,7 +404,7 @@ class MoE(nn.Module):
         tensors = (x, topk_weights, w.w13, w.w2, w.shared_w13, w.shared_w2)
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
-            return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto)
+            return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
         options = self._taskflow_options(w.spec, x.shape[0])
         if options is None:
             call = KernelByKernelCall(w.spec, ids, o.group, self._arenas, o.recompute)
