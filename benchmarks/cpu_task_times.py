@@ -1,0 +1,133 @@
+"""Where the CPU model misses, per task kind: each task's thread CPU time in the runtime
+(every kernel call wrapped in ``time.thread_time``) beside the cost the runtime's model
+gives it (``sim.cost.task_costs(...).work``: the core time the replay asks of it), and
+each rank's process CPU time against its tasks' total.  Two ranks, shared-memory
+transport, hyperparallel schedule, one line per task kind and rank (medians over the
+iterations after two warm-up ones).  Needs a calibrated profile (``hpmoe calibrate``).
+
+    .venv/bin/python benchmarks/cpu_task_times.py [--preset small] [--tokens 4096] [--iters 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import hpmoe.runtime.executor as executor
+from hpmoe.bench.forecast import agreed_models, agreed_profile
+from hpmoe.bench.runner import BenchConfig, make_inputs
+from hpmoe.ir.graph import TaskKind
+from hpmoe.launch.launcher import LaunchSpec, launch
+from hpmoe.routing import RoutingKind
+from hpmoe.runtime.forward import ForwardOptions, ForwardRunner
+from hpmoe.runtime.session import RuntimeConfig, Session
+from hpmoe.runtime.transport.base import TransportKind
+from hpmoe.schedule.base import SchedulePolicy, WorkerCounts
+from hpmoe.sim.cost import task_costs
+from hpmoe.spec import TileSpec, preset
+
+CPU: dict[int, float] = {}  # local task index -> thread CPU seconds of its last call
+
+
+def _timed_calls(program, *args, **kwargs):
+    """``exec.program.task_calls`` with every call's thread CPU time recorded in CPU."""
+    CPU.clear()
+
+    def timed(i, call):
+        def run():
+            t0 = time.thread_time()
+            try:
+                return call()
+            finally:
+                CPU[i] = time.thread_time() - t0
+        return run
+    return [timed(i, c) for i, c in enumerate(_task_calls(program, *args, **kwargs))]
+
+
+_task_calls = executor.task_calls
+
+
+def per_kind(kinds: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
+    return {TaskKind(k).name: float(seconds[kinds == k].sum()) for k in np.unique(kinds)}
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    executor.task_calls = _timed_calls
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    group = dist.new_group(timeout=timedelta(seconds=60))
+    rt, policy = RuntimeConfig(transport=TransportKind.SHM), SchedulePolicy.HYPERPARALLEL
+    cfg = BenchConfig(moe=preset(args.preset), tokens=args.tokens, routing=RoutingKind.BALANCED, seed=0,
+                      tiles=TileSpec(), runtime=rt, workers=WorkerCounts(1, 1), policy=policy)
+    data, rank = make_inputs(cfg, dist.get_world_size(), dist.get_rank()), dist.get_rank()
+    torch.set_num_threads(1)
+    rows = []
+    with torch.no_grad(), Session(rt, group) as s:
+        moe = cfg.moe
+        models = agreed_models(agreed_profile(group), rt, cfg.workers, moe.dtype,
+                               args.tokens * moe.top_k * moe.hidden * moe.dtype.itemsize // 2, group)
+        run = ForwardRunner(s, data.weights, ForwardOptions(tiles=cfg.tiles, policy=policy,
+                                                            hardware=models.runtime))
+        for _ in range(args.iters + 2):
+            s.collectives.barrier("iteration", publish=False)
+            p0 = time.process_time()
+            out = run(data.x, data.routing)
+            kinds = out.schedule.graph.kind[out.program.task_ids]
+            cpu = np.array([CPU.get(i, 0.0) for i in range(len(kinds))])
+            rows.append((time.process_time() - p0, out.times.region_s, per_kind(kinds, cpu)))
+        g = out.schedule.graph
+        mine = g.rank == rank
+        model = per_kind(g.kind[mine], task_costs(g, models.runtime).work[mine])
+    rows = rows[2:]
+    doc = {"rank": rank, "share": models.share, "model_s": model,
+           "process_cpu_s": statistics.median(r[0] for r in rows),
+           "region_s": statistics.median(r[1] for r in rows),
+           "task_cpu_s": {k: statistics.median(r[2].get(k, 0.0) for r in rows) for k in model}}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, doc)
+    if rank == 0:
+        print_table(parts)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def print_table(parts: list[dict]) -> None:
+    print("| rank | kind | task CPU ms | model ms | CPU / model |")
+    print("|---:|---|---:|---:|---:|")
+    for d in parts:
+        for k, m in d["model_s"].items():
+            c = d["task_cpu_s"][k]
+            ratio = c / m if m else float("nan")
+            print(f"| {d['rank']} | {k} | {c * 1e3:.2f} | {m * 1e3:.2f} | {ratio:.2f} |")
+    for d in parts:
+        tasks, model = sum(d["task_cpu_s"].values()), sum(d["model_s"].values())
+        print(f"rank {d['rank']}: region {d['region_s'] * 1e3:.1f} ms, process CPU (whole step) "
+              f"{d['process_cpu_s'] * 1e3:.1f} ms, tasks' CPU {tasks * 1e3:.1f} ms, "
+              f"model {model * 1e3:.1f} ms, share {d['share']:.2f}")
+    print(json.dumps(parts), file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank:
+        rank_main(args)
+        return
+    argv = (sys.executable, __file__, "--rank", "--preset", args.preset, "--tokens",
+            str(args.tokens), "--iters", str(args.iters))
+    sys.exit(launch(LaunchSpec(argv=argv, world=2, timeout_s=1800)).returncode)
+
+
+if __name__ == "__main__":
+    main()
