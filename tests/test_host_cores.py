@@ -80,3 +80,23 @@ def test_host_cores_must_be_finite_and_non_negative():
         dataclasses.replace(UNIT_HW, host_cores=-1.0)
     with pytest.raises(ValueError, match="unpermute_traffic"):
         dataclasses.replace(UNIT_HW, unpermute_traffic=0.0)
+
+
+def test_a_lowered_region_on_shared_cores_keeps_its_bounds_and_the_cores_bound():
+    """The small layer on a 2-core host: the replay is never below the bounds, nor below
+    the host's total core time over its cores (every task's work on some core)."""
+    from hpmoe.regions.forward import lower_forward
+    from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
+    from hpmoe.schedule import SchedulePolicy, schedule
+    from hpmoe.sim.hardware import hardware_preset
+    from hpmoe.spec import ParallelSpec, TileSpec, preset
+
+    moe, par = preset("small"), ParallelSpec(ep=2, tokens_per_rank=256)
+    ids = synthetic_routing(RoutingKind.GROUPED, moe, par).ids
+    g = lower_forward(plan_routing(ids, moe, par), TileSpec())
+    hw = dataclasses.replace(hardware_preset("ascend-a3"), matrix_workers=1, vector_workers=1, l2_mb=0.0,
+                             host_cores=2.0, task_overhead=10 * US)
+    for policy in (SchedulePolicy.SERIAL, SchedulePolicy.HYPERPARALLEL):
+        r = simulate(schedule(g, policy, hw), hw)
+        assert r.makespan >= r.bounds.lower_bound * (1 - 1e-9)
+        assert r.makespan >= task_costs(g, hw).floor.sum() / 2.0 * (1 - 1e-9)
