@@ -15,7 +15,7 @@ from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
-from hpmoe.sim.hardware import cpu_nominal
+from hpmoe.sim.hardware import cpu_nominal, hardware_preset
 from hpmoe.spec import DispatchMode, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
@@ -80,6 +80,17 @@ def test_auto_still_picks_the_path(monkeypatch, tmp_path):
     got = _run(_layer(TILES["per-rank"], 2), x, dy)  # the taskflow, deduplicated
     want = _run(_layer(TILES["per-rank"], 2, schedule=None), x, dy)
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+
+
+def test_auto_forecasts_the_deduplicated_taskflow():
+    h100 = hardware_preset("h100")
+    flows, kbks = [], []
+    for tiles in (TINY_TILES, TILES["per-rank"]):
+        forecasts = _layer(tiles, 4, hardware=h100).decision(64, backward=True).forecasts
+        flows += [f.region_s for f in forecasts if f.candidate.path is Path.TASKFLOW]
+        kbks += [f.region_s for f in forecasts if f.candidate.path is Path.KERNEL_BY_KERNEL]
+    assert len(flows) == 2 and flows[0] != flows[1]  # a different graph was forecast
+    assert kbks[0] == kbks[1]  # the kernel-by-kernel path ignores the tiles
 
 
 def test_the_triton_backend_refuses_deduplicated_tiles_by_name():

@@ -127,8 +127,8 @@ class RegionOptions:
       and ``PER_NODE`` run the deduplicated forward and backward regions (exact executors
       in one process, the runtime with an ep_group; gradients equal the per-expert ones but
       for dx, summed per rank first as ``refs.rank_partials_sum`` does).  The tiles describe
-      the taskflow only: AUTO still picks the path (forecasting the taskflow as the
-      per-expert one at these tile sizes) and the kernel-by-kernel path ignores them.
+      the taskflow only: AUTO still picks the path (forecasting the deduplicated taskflow,
+      on one node) and the kernel-by-kernel path ignores them.
     nodes: nodes the EP ranks span (``virtual_ep`` or the ep_group's size a multiple of
       it); only ``DispatchMode.PER_NODE`` relays between them.
     runtime: ``RuntimeConfig`` of the session the layer opens.

@@ -28,11 +28,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ..regions.backward import lower_backward
+from ..regions.dedup import lower_dedup
+from ..regions.dedup_backward import lower_dedup_backward
 from ..regions.forward import lower_forward
 from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
 from ..sim.forecast import forecast_region, kernel_by_kernel_tiles, sequential_seconds
 from ..sim.hardware import HardwareModel, load_profile
-from ..spec import MoESpec, ParallelSpec, TileSpec
+from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
 from .base import SchedulePolicy, WorkerCounts
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
@@ -276,6 +278,10 @@ def runtime_forecasts(plan: RoutingPlan, tiles: TileSpec, hardware: HardwareMode
 
 
 def _graphs(plan: RoutingPlan, tiles: TileSpec, backward: bool) -> list:
+    """The taskflow's graphs: the deduplicated regions' under deduplicated tiles (on the
+    shape plan's one node)."""
+    if tiles.dispatch is not DispatchMode.PER_EXPERT:
+        return [lower_dedup(plan, tiles)] + ([lower_dedup_backward(plan, tiles)] if backward else [])
     return [lower_forward(plan, tiles)] + ([lower_backward(plan, tiles)] if backward else [])
 
 
