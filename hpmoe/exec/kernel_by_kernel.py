@@ -188,23 +188,35 @@ def _group_size(group: Any) -> int:
 # ---------------------------------------------------------------------------- combine
 
 
+CHUNK_BYTES = 1 << 20  # a token block's fp32 sum buffer: small enough to stay in cache
+
+
+def token_blocks(tokens: int, hidden: int) -> list[slice]:
+    """Blocks of tokens whose [block, hidden] fp32 buffer is about ``CHUNK_BYTES``."""
+    rows = max(1, CHUNK_BYTES // (4 * max(hidden, 1)))
+    return [slice(s, min(s + rows, tokens)) for s in range(0, tokens, rows)]
+
+
 def weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
                  arena: Arena) -> torch.Tensor:
     """``refs.topk_sum`` of sorted rows [T*k, H]: out[t] = sum_j w[t, j] * rows[pos[t, j]]
-    in fp32, slot 0 first, shared [T, H] last; [T, H] in rows.dtype (a fresh tensor)."""
+    in fp32, slot 0 first, shared [T, H] last; [T, H] in rows.dtype (a fresh tensor).
+    Block by block of tokens, so a block's partial sums stay in cache over the k slots
+    (the same operations per element, so the same bits)."""
     t, k = pos.shape
     acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
     tmp = arena.take("tmp", tuple(acc.shape), torch.float32)
     picked = arena.take("picked", tuple(acc.shape), rows.dtype)
-    for j in range(k):
-        torch.index_select(rows, 0, pos[:, j], out=picked)
-        torch.mul(picked, w[:, j:j + 1], out=acc if j == 0 else tmp)
-        if j:
-            acc.add_(tmp)
-    if k == 0:
-        acc.zero_()
-    if shared is not None:
-        acc.add_(shared)
+    for b in token_blocks(t, rows.shape[1]):
+        for j in range(k):
+            torch.index_select(rows, 0, pos[b, j], out=picked[b])
+            torch.mul(picked[b], w[b, j:j + 1], out=acc[b] if j == 0 else tmp[b])
+            if j:
+                acc[b].add_(tmp[b])
+        if k == 0:
+            acc[b].zero_()
+        if shared is not None:
+            acc[b].add_(shared[b])
     return acc.to(rows.dtype)
 
 
