@@ -5,8 +5,8 @@ experts implementations, on the very same parameters (``MoE.from_hf`` shares the
 Cases: the ``small`` preset as a transformers ``DeepseekV3MoE`` block, and a
 Qwen3-30B-A3B-like ``Qwen3MoeSparseMoeBlock`` (H 2048, F 768, 128 experts, top-8);
 forward and forward+backward; fp32 and bf16.  Each case times ``--rounds`` rounds of the
-three variants after one untimed warm-up round; the variants' order rotates from
-round to round, so each runs first, second and last equally often.  Reported per case:
+three variants after one untimed warm-up round, in balanced orders (each variant runs
+right after each other one equally often over 6 rounds).  Reported per case:
 median ms of each variant, ``ratio`` = best transformers median / hpmoe median (>= 1:
 hpmoe is faster), and the noise: the lowest and highest per-round ratio (best
 transformers time / hpmoe time in the same round).
@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from hpmoe.bench.order import iteration_order
 from hpmoe.nn.hf import randomize_moe_, tiny_deepseek_v3_config, tiny_qwen3_moe_config
 from hpmoe.nn.layer import MoE
 
@@ -79,11 +80,12 @@ def _step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor | None) -> 
 
 
 def measure(variants: dict[str, Callable], rounds: int) -> dict[str, list[float]]:
-    """Seconds per round of each variant; one untimed round first; order rotates."""
+    """Seconds per round of each variant; one untimed round first; balanced orders
+    (``hpmoe.bench.order``: each variant right after each other one equally often)."""
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds + 1):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in iteration_order(names, r):
             t0 = time.perf_counter()
             variants[n]()
             if r:

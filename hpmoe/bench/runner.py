@@ -10,10 +10,11 @@ Plan of ``run_bench`` (every rank, collectively):
      hpmoe runs ("taskflow") from the forecasts of every candidate (region on the
      cost model plus measured per-step setup), the warm-up times able to veto a
      taskflow; without a calibrated profile, the kernel-by-kernel path;
-  4. timed iterations, variants interleaved in an order that rotates every
-     iteration (each variant runs after each other one equally often), each after a
+  4. timed iterations, variants interleaved in a balanced order (``bench.order``:
+     each variant runs right after each other one equally often), each after a
      barrier; a variant's time in an iteration is the slowest rank's; medians and
-     quartiles over them.
+     quartiles over them.  ``taskflow`` is the samples of the variant AUTO chose,
+     not a second measurement of it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .forecast import Models, agreed_models, agreed_profile, slowest_rank
+from .order import iteration_order
 from .report import BenchReport, Stats, all_equal, max_abs_diff, measured_timeline, predict
 
 
@@ -199,14 +201,14 @@ class Output:
 
 def timed_loop(iters: int, calls: Calls, session: Session, phase: str) -> Samples:
     """``iters`` iterations, calls interleaved, each after a barrier (under the
-    session's deadline, announced on its board); iteration i starts at call i (mod
-    the number of calls), so every call follows every other one equally often; rank 0
-    shows progress on stderr (at most one line a second, and the last)."""
+    session's deadline, announced on its board), in the orders of ``iteration_order``:
+    every call follows every other one equally often; rank 0 shows progress on stderr
+    (at most one line a second, and the last)."""
     s = Samples.empty(list(calls))
     names = list(calls)
     start = shown = time.monotonic()
     for i in range(iters):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in iteration_order(names, i):
             call = calls[name]
             session.collectives.barrier(f"{phase} {i + 1}/{iters}: barrier before {name}", publish=False)
             session.board.enter(f"{phase} {i + 1}/{iters}: {name}", publish=False)
@@ -251,11 +253,8 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
     calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
     default = Variant.RUNTIME if decision is None else _variant(decision.chosen)
-    if default is not Variant.RUNTIME:
-        calls[Variant.TASKFLOW.value] = calls[default.value]
     samples = timed_loop(config.iters, calls, session, "iteration")
-    if Variant.TASKFLOW.value not in calls:
-        samples.alias(Variant.TASKFLOW.value, Variant.RUNTIME.value)
+    samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     session.board.enter("bench: report")
     return build_report(config, chosen, samples, models, decision, group, note)
 
