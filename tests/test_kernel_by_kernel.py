@@ -161,3 +161,17 @@ def _check_ranks(res: list[dict], dtype: torch.dtype) -> None:
     torch.testing.assert_close(r0["experts"], experts, **TOL[dtype])
     shared = torch.cat([t.float().reshape(-1) for t in ref[4:6]])
     torch.testing.assert_close(r0["shared"], shared, **TOL[dtype])
+
+
+def test_an_inference_call_saves_nothing(monkeypatch) -> None:
+    import hpmoe.exec.kernel_by_kernel as kbk
+
+    saves, forward = [], kbk.kbk_forward
+    monkeypatch.setattr(kbk, "kbk_forward", lambda *a: saves.append(a[5]) or forward(*a))
+    x, routing, w = _inputs(torch.float32, RoutingKind.ZIPF, tokens=8)
+    w13 = w.w13.clone().requires_grad_()  # needs_input_grad is True even under no_grad
+    args = (x, routing.weights, w13, w.w2, w.shared_w13, w.shared_w2)
+    with torch.no_grad():
+        KernelByKernelFunction.apply(*args, KernelByKernelCall(w.spec, routing.ids, grad=False))
+    KernelByKernelFunction.apply(*args, KernelByKernelCall(w.spec, routing.ids))
+    assert saves == [False, True]

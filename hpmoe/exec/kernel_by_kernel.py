@@ -399,14 +399,17 @@ def _weight_buffer(w: torch.Tensor, mine: slice) -> torch.Tensor:
 @dataclass(frozen=True)
 class KernelByKernelCall:
     """Non-tensor inputs of one call: the spec (dtype: the compute dtype), ids [T, k]
-    int64 global expert ids, the EP group (None: one process), the layer's arena pool
-    and whether backward recomputes the gated activations."""
+    int64 global expert ids, the EP group (None: one process), the layer's arena pool,
+    whether backward recomputes the gated activations, and whether grad mode was on at
+    the call (inside ``forward`` it is always off, and ``ctx.needs_input_grad`` ignores
+    it: without this an inference forward would save activations it never frees early)."""
 
     spec: MoESpec
     ids: torch.Tensor
     group: Any = None
     pool: ArenaPool | None = None
     recompute: bool = False
+    grad: bool = True
 
 
 class KernelByKernelFunction(torch.autograd.Function):
@@ -420,7 +423,7 @@ class KernelByKernelFunction(torch.autograd.Function):
         x, topk_weights, w13, w2, shared_w13, shared_w2 = (
             None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
         weights = ExpertWeights(call.spec, *_no_router(call.spec), w13, w2, shared_w13, shared_w2)
-        save = any(ctx.needs_input_grad[:6])
+        save = call.grad and any(ctx.needs_input_grad[:6])
         out, state = kbk_forward(x, Routing(call.ids, topk_weights), weights, call.group, call.pool, save,
                                  call.recompute)
         if state is not None:

@@ -407,7 +407,8 @@ class MoE(nn.Module):
             return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
         options = self._taskflow_options(w.spec, x.shape[0])
         if options is None:
-            call = KernelByKernelCall(w.spec, ids, o.group, self._arenas, o.recompute)
+            grad = torch.is_grad_enabled()
+            call = KernelByKernelCall(w.spec, ids, o.group, self._arenas, o.recompute, grad)
             return KernelByKernelFunction.apply(*tensors, call)
         call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session())
         return MoEFunction.apply(*tensors, call)
