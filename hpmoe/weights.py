@@ -56,6 +56,15 @@ class ExpertWeights:
         return self.shared_w13 is not None
 
     @staticmethod
+    def routed(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None = None,
+               shared_w2: torch.Tensor | None = None) -> ExpertWeights:
+        """The region's weights once routing is done (a region never reads the router):
+        router and bias are zero placeholders that allocate nothing."""
+        zero = torch.zeros((), dtype=torch.float32)
+        return ExpertWeights(spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
+                             shared_w13, shared_w2)
+
+    @staticmethod
     def random(spec: MoESpec, seed: int = 0) -> ExpertWeights:
         """Weights drawn like a freshly initialised model (std 1/sqrt(fan_in))."""
         g = torch.Generator().manual_seed(seed)

@@ -299,14 +299,8 @@ class KernelByKernelState:
     def with_tensors(self, tensors: Sequence[torch.Tensor | None], spec: MoESpec) -> KernelByKernelState:
         """The inverse of ``bare``: this state with ``tensors()`` put back."""
         n = len(self.TENSORS)
-        weights = ExpertWeights(spec, *_no_router(spec), *tensors[n:])
+        weights = ExpertWeights.routed(spec, *tensors[n:])
         return replace(self, **dict(zip(self.TENSORS, tensors[:n], strict=True)), weights=weights)
-
-
-def _no_router(spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Placeholder router weight and bias: routing is done before the region."""
-    return (torch.zeros((), dtype=torch.float32).expand(spec.experts, spec.hidden),
-            torch.zeros(spec.experts, dtype=torch.float32))
 
 
 def _local_slice(weights: ExpertWeights, group: Any) -> slice:
@@ -422,7 +416,7 @@ class KernelByKernelFunction(torch.autograd.Function):
                 call: KernelByKernelCall) -> torch.Tensor:
         x, topk_weights, w13, w2, shared_w13, shared_w2 = (
             None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
-        weights = ExpertWeights(call.spec, *_no_router(call.spec), w13, w2, shared_w13, shared_w2)
+        weights = ExpertWeights.routed(call.spec, w13, w2, shared_w13, shared_w2)
         save = call.grad and any(ctx.needs_input_grad[:6])
         out, state = kbk_forward(x, Routing(call.ids, topk_weights), weights, call.group, call.pool, save,
                                  call.recompute)

@@ -35,9 +35,7 @@ def _weights(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     fs = sw2.shape[1]
     spec = MoESpec(hidden=h, ffn=f2 // 2, experts=e, top_k=ids.shape[1], shared_experts=fs // (f2 // 2),
                    activation=Activation(activation), dtype=x.dtype)
-    router = torch.zeros((), dtype=torch.float32).expand(e, h)  # routing is done
-    bias = torch.zeros(e, dtype=torch.float32)
-    return ExpertWeights(spec, router, bias, w13, w2, sw13 if fs else None, sw2 if fs else None)
+    return ExpertWeights.routed(spec, w13, w2, sw13 if fs else None, sw2 if fs else None)
 
 
 _DISPATCH = list(DispatchMode)

@@ -60,7 +60,6 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     e, f2, h = w13.shape
     spec = MoESpec(hidden=h, ffn=f2 // 2, experts=e, top_k=top_k_index.shape[1],
                    activation=activation_of(experts.act_fn), dtype=w13.dtype)
-    routed = torch.zeros((), dtype=torch.float32)  # routing is done: router and bias unused
-    w = ExpertWeights(spec, routed.expand(e, h), routed.expand(e), w13, w2)
+    w = ExpertWeights.routed(spec, w13, w2)
     x, ids = hidden_states.to(w13.dtype), top_k_index.to(torch.int64)
     return run_region(x, ids, top_k_weights.float(), w, 1, DEFAULT_TILES, auto=True).to(hidden_states.dtype)

@@ -558,10 +558,7 @@ class MoEFunction(torch.autograd.Function):
         # detached: the runtime's worker threads run with grad mode on (it is per thread)
         x, topk_weights, w13, w2, shared_w13, shared_w2 = (
             None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
-        spec = call.spec
-        router = torch.zeros((), dtype=torch.float32).expand(spec.experts, spec.hidden)  # routing is done
-        bias = torch.zeros(spec.experts, dtype=torch.float32)
-        weights = ExpertWeights(spec, router, bias, w13, w2, shared_w13, shared_w2)
+        weights = ExpertWeights.routed(call.spec, w13, w2, shared_w13, shared_w2)
         routing = Routing(ids=call.ids, weights=topk_weights)
         run = _dist_forward if call.options.distributed else _virtual_forward
         out, state = run(x, weights, routing, call)
