@@ -22,6 +22,7 @@ from ..regions.backward_kernels import (
     BackwardContext,
     SavedActivations,
 )
+from ..regions.base import Region
 from ..regions.dedup import make_dedup_layout
 from ..regions.dedup_backward_kernels import (
     BACKWARD_DEDUP,
@@ -74,20 +75,33 @@ def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan, dy: t
     ``order``: task ids, an int seed for a random valid order, or None (task-id order)."""
     ep = plan.par.ep
     require_per_expert(tiles, "the backward region")
-    if len(saved) != ep:
-        raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
-    _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {recompute!r}")
-    region = BACKWARD_RECOMPUTE if recompute else BACKWARD
-    graph = region.lower(plan, tiles, None)
-    if isinstance(order, int):
-        order = random_order(graph, order)
+    _check_inputs(saved, plan, dy, weights, recompute)
     out = _full_outputs(dy, weights)
     views = rank_views(out, plan)
     dys, tws = dy.chunk(ep), topk_weights.chunk(ep)
     buffers = [BackwardBuffers.allocate(saved[r], dys[r], plan, views[r]) for r in range(ep)]
     contexts = [BackwardContext.build(weights, plan, tws[r], r) for r in range(ep)]
+    region = BACKWARD_RECOMPUTE if recompute else BACKWARD
+    return _run(region, plan, tiles, order, buffers, contexts, out, weights)
+
+
+def _check_inputs(saved: Sequence, plan: RoutingPlan, dy: torch.Tensor, weights: ExpertWeights,
+                  recompute: object) -> None:
+    ep = plan.par.ep
+    if len(saved) != ep:
+        raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
+    _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {recompute!r}")
+
+
+def _run(region: Region, plan: RoutingPlan, tiles: TileSpec, order: Order, buffers: list, contexts: list,
+         out: Gradients, weights: ExpertWeights) -> BackwardResult:
+    """Lower ``region``, run it in ``order`` over the ranks' buffers, and complete ``out``
+    (whose expert slices the ranks wrote) with the shared experts' rank sums."""
+    graph = region.lower(plan, tiles, None)
+    if isinstance(order, int):
+        order = random_order(graph, order)
     run_graph(graph, region, buffers, contexts, order)
     grads = replace(out, dshared_w13=_rank_sum(buffers, "dsw13", weights),
                     dshared_w2=_rank_sum(buffers, "dsw2", weights))
@@ -147,22 +161,14 @@ def execute_backward_dedup(saved: Sequence[DedupSaved], plan: RoutingPlan, dy: t
     ``PER_NODE``) over ``plan.par.ep`` virtual ranks; arguments as ``execute_backward``, with the whole
     ``routing`` (ids and weights [N, k])."""
     ep = plan.par.ep
-    if len(saved) != ep:
-        raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
-    _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
-    region = BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP
-    graph = region.lower(plan, tiles, None)
-    if isinstance(order, int):
-        order = random_order(graph, order)
+    _check_inputs(saved, plan, dy, weights, recompute)
     d = make_dedup_layout(plan, tiles)
     out = _full_outputs(dy, weights)
     views, dys = rank_views(out, plan), dy.chunk(ep)
     buffers = [DedupBackwardBuffers.allocate(saved[r], dys[r], d, tiles, r, views[r]) for r in range(ep)]
     contexts = [DedupBackwardContext.build(weights, d, routing, r) for r in range(ep)]
-    run_graph(graph, region, buffers, contexts, order)
-    grads = replace(out, dshared_w13=_rank_sum(buffers, "dsw13", weights),
-                    dshared_w2=_rank_sum(buffers, "dsw2", weights))
-    return BackwardResult(grads=grads, buffers=buffers, graph=graph)
+    region = BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP
+    return _run(region, plan, tiles, order, buffers, contexts, out, weights)
 
 
 def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, dy: torch.Tensor,
