@@ -67,6 +67,19 @@ COLUMNS = ("auto_chosen", "auto_reason", "schedule", "serial_ms", "kernel_by_ker
            "measured_taskflow_region_ms", "prediction_error_taskflow", "prediction_error_serial_schedule")
 
 
+def bench_runs(name: str, argv: list[str], repeats: int) -> list[dict]:
+    """The JSON reports of ``repeats`` runs of the ``hpmoe bench`` command ``argv``; a
+    failed run prints a row naming ``name`` and its last error line, and ends the series."""
+    runs = []
+    for _ in range(repeats):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+        if proc.returncode:
+            print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
+            break
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return runs
+
+
 def configs(args: argparse.Namespace) -> None:
     rows = {}
     print("| config | " + " | ".join(COLUMNS) + " |")
@@ -76,14 +89,9 @@ def configs(args: argparse.Namespace) -> None:
             continue
         argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", str(args.ep), "--json", "--predict",
                 "--iters", str(args.iters), "--warmup", str(args.warmup), *extra, *args.extra]
-        runs = []
-        for _ in range(args.repeat):
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-            if proc.returncode:
-                print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
-                continue
-            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"| {name} | " + " | ".join(str(runs[-1].get(c)) for c in COLUMNS) + " |", flush=True)
+        runs = bench_runs(name, argv, args.repeat)
+        for run in runs:
+            print(f"| {name} | " + " | ".join(str(run.get(c)) for c in COLUMNS) + " |", flush=True)
         if runs:
             rows[name] = runs
             speedups = sorted(r["speedup"] for r in runs)
@@ -104,13 +112,7 @@ def predict(args: argparse.Namespace) -> None:
         argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", "--json", "--predict",
                 "--transport", "shm", "--schedule", "hyperparallel", "--iters", str(args.iters),
                 "--warmup", str(args.warmup), *extra]
-        runs = []
-        for _ in range(args.repeats):
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-            if proc.returncode:
-                print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
-                break
-            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        runs = bench_runs(name, argv, args.repeats)
         if not runs:
             continue
         rows[name] = runs

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from ..runtime.session import RuntimeConfig
 from ..runtime.transport.base import TransportKind
+from ..schedule.auto import saved_profile
 from ..schedule.base import WorkerCounts
 from ..sim.forecast import runtime_hardware
-from ..sim.hardware import HardwareModel, load_profile
+from ..sim.hardware import HardwareModel
 from .overhead import EmptyShape, seconds_per_task
 
 
@@ -29,10 +30,8 @@ def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
     """Group rank 0's calibrated ``cpu`` profile (None when it has none), on every rank."""
     box: list = [None]
     if dist.get_rank(group) == 0:
-        try:
-            box[0] = load_profile().to_dict()
-        except FileNotFoundError:
-            box[0] = None
+        profile = saved_profile()
+        box[0] = None if profile is None else profile.to_dict()
     dist.broadcast_object_list(box, group=group, group_src=0)
     return None if box[0] is None else HardwareModel.from_dict(box[0])
 
