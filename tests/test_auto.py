@@ -98,6 +98,7 @@ def test_without_a_saved_profile_the_fallback_runs_unforecast(monkeypatch, tmp_p
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "none.json"))
     d = DecisionCache().decide(RoutingShape(preset("tiny"), 2, 8, False), TileSpec(), None)
     assert d.reason is Reason.NO_MODEL and d.chosen == KERNEL_BY_KERNEL and not d.forecasts
+    assert d.describe() == "kernel-by-kernel (no-model: nothing forecast)"
     with pytest.raises(ValueError, match="ep=3"):
         RoutingShape.one_process(preset("tiny"), 3, 16)
 

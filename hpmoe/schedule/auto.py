@@ -126,9 +126,11 @@ class AutoDecision:
         return next((f for f in self.forecasts if f.candidate == candidate), None)
 
     def describe(self) -> str:
+        if not self.forecasts:  # no model, or nothing to run
+            return f"{self.chosen.name} ({self.reason.value}: nothing forecast)"
         parts = ", ".join(f"{f.candidate.name} {f.total_s * 1e3:.3f} ms" for f in self.forecasts)
         return (f"{self.chosen.name} ({self.reason.value}; forecast gain of the best taskflow over "
-                f"{self.fallback.name} {self.gain:.2f}x; forecasts: {parts or 'none'})")
+                f"{self.fallback.name} {self.gain:.2f}x; forecasts: {parts})")
 
     def to_json(self) -> dict:
         out = {"auto_chosen": self.chosen.name, "auto_reason": self.reason.value,
