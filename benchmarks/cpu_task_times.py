@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -53,6 +54,15 @@ def _timed_calls(program, *args, **kwargs):
 
 
 _task_calls = executor.task_calls
+BLOCKS = [0]  # waits that found their event short (the worker sleeps), this process
+
+
+def _counted_block(self, st, task, ev):
+    BLOCKS[0] += 1
+    return _block(self, st, task, ev)
+
+
+_block = executor._Run.block
 
 
 def per_kind(kinds: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
@@ -61,6 +71,7 @@ def per_kind(kinds: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
 
 def rank_main(args: argparse.Namespace) -> None:
     executor.task_calls = _timed_calls
+    executor._Run.block = _counted_block
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     group = dist.new_group(timeout=timedelta(seconds=60))
     rt, policy = RuntimeConfig(transport=TransportKind.SHM), SchedulePolicy.HYPERPARALLEL
@@ -77,11 +88,16 @@ def rank_main(args: argparse.Namespace) -> None:
                                                             hardware=models.runtime))
         for _ in range(args.iters + 2):
             s.collectives.barrier("iteration", publish=False)
-            p0 = time.process_time()
+            p0, u0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+            m0, b0 = time.thread_time(), BLOCKS[0]
             out = run(data.x, data.routing)
+            main_cpu = time.thread_time() - m0
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
             kinds = out.schedule.graph.kind[out.program.task_ids]
             cpu = np.array([CPU.get(i, 0.0) for i in range(len(kinds))])
-            rows.append((time.process_time() - p0, out.times.region_s, per_kind(kinds, cpu)))
+            kernel = (u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt,
+                      u1.ru_nvcsw - u0.ru_nvcsw, u1.ru_nivcsw - u0.ru_nivcsw, main_cpu, BLOCKS[0] - b0)
+            rows.append((time.process_time() - p0, out.times.region_s, per_kind(kinds, cpu), kernel))
         g = out.schedule.graph
         mine = g.rank == rank
         model = per_kind(g.kind[mine], task_costs(g, models.runtime).work[mine])
@@ -89,7 +105,11 @@ def rank_main(args: argparse.Namespace) -> None:
     doc = {"rank": rank, "share": models.share, "model_s": model,
            "process_cpu_s": statistics.median(r[0] for r in rows),
            "region_s": statistics.median(r[1] for r in rows),
-           "task_cpu_s": {k: statistics.median(r[2].get(k, 0.0) for r in rows) for k in model}}
+           "task_cpu_s": {k: statistics.median(r[2].get(k, 0.0) for r in rows) for k in model},
+           **{name: statistics.median(r[3][i] for r in rows)
+              for i, name in enumerate(("system_cpu_s", "page_faults", "voluntary_switches",
+                                        "involuntary_switches", "main_thread_cpu_s", "blocked_waits"))},
+           "tasks": int(mine.sum())}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, doc)
     if rank == 0:
@@ -110,7 +130,12 @@ def print_table(parts: list[dict]) -> None:
         tasks, model = sum(d["task_cpu_s"].values()), sum(d["model_s"].values())
         print(f"rank {d['rank']}: region {d['region_s'] * 1e3:.1f} ms, process CPU (whole step) "
               f"{d['process_cpu_s'] * 1e3:.1f} ms, tasks' CPU {tasks * 1e3:.1f} ms, "
-              f"model {model * 1e3:.1f} ms, share {d['share']:.2f}")
+              f"model {model * 1e3:.1f} ms, share {d['share']:.2f}; of the process CPU "
+              f"{d['main_thread_cpu_s'] * 1e3:.1f} ms on the calling thread, "
+              f"{d['system_cpu_s'] * 1e3:.1f} ms in the kernel, {d['page_faults']:.0f} page faults, "
+              f"{d['voluntary_switches']:.0f} + {d['involuntary_switches']:.0f} context switches "
+              f"(voluntary + involuntary); {d['tasks']} tasks, {d['blocked_waits']:.0f} waits found "
+              "their event short")
     print(json.dumps(parts), file=sys.stderr)
 
 

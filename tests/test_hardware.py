@@ -17,6 +17,7 @@ import hpmoe.sim.calibrate
 from hpmoe.sim.calibrate import add_calibrate_parser, calibrate
 from hpmoe.sim.hardware import (
     PROFILE_ENV,
+    GemmShape,
     HardwareModel,
     LinkDirection,
     LinkEntry,
@@ -221,3 +222,49 @@ def test_gemm_efficiency_by_tile_shape(a3: HardwareModel) -> None:
     assert hw.matrix_time(64, 512, 64, torch.bfloat16) == pytest.approx(narrow / 0.25)
     with pytest.raises(ValueError, match="matrix_efficiency"):
         dataclasses.replace(a3, matrix_efficiency=1.5)
+
+
+def _shapes(bf16: list[list[float]], rows=(32, 128), depths=(512, 2048)) -> tuple[GemmShape, ...]:
+    return tuple(GemmShape(rows=r, depth=d, bf16=bf16[i][j], fp32=1.0)
+                 for i, r in enumerate(rows) for j, d in enumerate(depths))
+
+
+def test_gemm_shapes_scale_a_tile_by_its_measured_rate() -> None:
+    """A 1 TFLOP/s peak with 32-row tiles at half of it: a 32 x 512 x 512 tile is 16.8 MFLOP
+    at 0.5 TFLOP/s = 33.55 µs; 128-row tiles at the peak; in between, linear in log2 rows
+    (64 rows: 0.75) and log2 depth (1024 deep: halfway); outside the grid, its edge."""
+    hw = dataclasses.replace(hardware_preset("h100"), matrix_flops_bf16=1e12, matrix_efficiency=1.0,
+                             matrix_full_edge=1, gemm_shapes=_shapes([[0.5, 0.5], [1.0, 1.0]]))
+    assert hw.matrix_time(32, 512, 512, torch.bfloat16) == pytest.approx(2 * 32 * 512 * 512 / 0.5e12)
+    assert hw.matrix_time(128, 512, 512, torch.bfloat16) == pytest.approx(2 * 128 * 512 * 512 / 1e12)
+    assert hw.shape_efficiency(64, 512, torch.bfloat16) == pytest.approx(0.75)
+    assert hw.shape_efficiency(8, 4096, torch.bfloat16) == pytest.approx(0.5)
+    assert hw.shape_efficiency(1024, 64, torch.bfloat16) == pytest.approx(1.0)
+    deep = dataclasses.replace(hw, gemm_shapes=_shapes([[0.4, 0.8], [0.4, 0.8]]))
+    assert deep.shape_efficiency(np.array([64, 64]), np.array([1024, 2048]),
+                                 torch.bfloat16) == pytest.approx([0.6, 0.8])
+    assert hw.shape_efficiency(64, 512, torch.float32) == pytest.approx(1.0)
+
+
+def test_gemm_shapes_round_trip_and_refuse_a_partial_grid(tmp_path) -> None:
+    hw = dataclasses.replace(hardware_preset("h100"), gemm_shapes=_shapes([[0.5, 0.6], [0.9, 1.0]]))
+    assert load_profile(save_profile(hw, tmp_path / "p.json")) == hw
+    with pytest.raises(ValueError, match="missing rows=128, depth=2048"):
+        dataclasses.replace(hw, gemm_shapes=_shapes([[0.5, 0.6], [0.9, 1.0]])[:3])
+    with pytest.raises(ValueError, match="GemmShape.bf16 must be in"):
+        GemmShape(rows=32, depth=512, bf16=1.5, fp32=1.0)
+
+
+def test_model_from_takes_the_best_tile_as_peak_and_the_grid_as_shapes() -> None:
+    from hpmoe.sim.calibrate import CpuMeasurements, model_from
+
+    m = CpuMeasurements(threads=1, quick=True, gemm_rows=(32, 128), gemm_ks=(512, 2048),
+                        gemm_bf16=(5e10, 6e10, 1e11, 1.2e11), gemm_fp32=(2e10, 3e10, 4e10, 6e10),
+                        copy_bw=6.5536e9, swiglu_flops=1e9, tiny_op=1e-6, put_small=3e-6, put_bw=1e9,
+                        unpermute=110e-6, kernel_call=10e-6)
+    hw = model_from(m)
+    assert (hw.matrix_flops_bf16, hw.matrix_flops_fp32) == (1.2e11, 6e10)
+    assert hw.matrix_time(32, 512, 2048, torch.bfloat16) == pytest.approx(2 * 32 * 512 * 2048 / 6e10)
+    assert hw.matrix_time(128, 512, 512, torch.float32) == pytest.approx(2 * 128 * 512 * 512 / 4e10)
+    with pytest.raises(ValueError, match="gemm_bf16 has 3 rates for 2 rows x 2 depths"):
+        dataclasses.replace(m, gemm_bf16=(1e11, 1e11, 1e11))

@@ -95,27 +95,41 @@ def slowest_rank(values: np.ndarray, group: dist.ProcessGroup | None) -> np.ndar
     return t.numpy()
 
 
-def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.ProcessGroup | None,
-                     seconds: float = 0.1, windows: int = 5) -> float:
-    """The fraction of the profile's GEMM rate a rank gets while every rank of the
-    group runs GEMM tiles at once (128 x 512 x 512 in ``dtype``, for ``seconds`` in
-    ``windows`` windows): the median over windows of the slowest rank's measured rate
-    over the calibrated one, at most 1 (one disturbed window does not set it).  It
-    captures ranks sharing cores, and whatever else runs on the host.  Collective."""
+def _seconds_per_call(fn: Callable[[], object], seconds: float) -> float:
+    """Seconds per ``fn()`` call, calling it for ``seconds``."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def concurrent_share(dtype: torch.dtype, group: dist.ProcessGroup | None, seconds: float = 0.1,
+                     windows: int = 5) -> float:
+    """The fraction of its own GEMM rate a rank keeps while every rank of the group runs
+    GEMM tiles at once (128 x 512 x 512 in ``dtype``).  Each rank first measures the tile
+    alone (the others wait), then all run it together: a settling window, then
+    ``windows`` windows over ``seconds``; the share is the median over windows of the
+    slowest rank's ratio, at most 1 (one disturbed window does not set it).  It captures
+    ranks sharing cores, and whatever else runs on the host.  Collective."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(128 if i == 0 else 512, 512, generator=g).to(dtype) for i in range(2))
     out = torch.empty(128, 512, dtype=dtype)
-    torch.mm(a, b.t(), out=out)
+
+    def gemm() -> None:
+        torch.mm(a, b.t(), out=out)
+    gemm()
+    window, rank = seconds / windows, dist.get_rank(group)
+    alone = 0.0
+    for turn in range(dist.get_world_size(group)):
+        dist.barrier(group=group)
+        if turn == rank:
+            alone = _seconds_per_call(gemm, window)
     dist.barrier(group=group)
-    per_gemm = []
-    for _ in range(windows):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / windows:
-            torch.mm(a, b.t(), out=out)
-            n += 1
-        per_gemm.append((time.perf_counter() - t0) / n)
-    slowest = float(np.median(slowest_rank(np.array(per_gemm), group)))
-    return min(1.0, 2.0 * 128 * 512 * 512 / slowest / profile.matrix_flops(dtype))
+    _seconds_per_call(gemm, window)  # the scheduler places every rank's thread
+    together = np.array([_seconds_per_call(gemm, window) for _ in range(windows)])
+    slowdown = float(np.median(slowest_rank(together / alone, group)))
+    return min(1.0, 1.0 / slowdown)
 
 
 @dataclass(frozen=True)
@@ -147,7 +161,7 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     if link is not None and link_rate is not None:
         link = (link_rate, link[1])
     a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
-    share = concurrent_share(profile, dtype, group)
+    share = concurrent_share(dtype, group)
     box: list = [None]
     if dist.get_rank(group) == 0:
         overhead = seconds_per_task(1000, EmptyShape.PING_PONG)  # a hand-off between workers per task

@@ -2,7 +2,12 @@
 
 Plan of ``calibrate``:
   1. pin torch to ``threads`` intra-op threads (one worker = one such thread group);
-  2. GEMM FLOP/s at tile shapes 128 x 512 x K, bf16 and fp32 (median of repeats after warm-up);
+  2. GEMM FLOP/s at tile shapes M x 512 x K over a grid of rows M and depths K, bf16 and
+     fp32, called as the GEMM kernel calls them (a row slice of the input, an expert's
+     weight columns transposed, a column slice of the output), the weights cycling through
+     experts that together exceed the last-level cache, the kernel's call cost (step 5)
+     taken out; median of repeats after warm-up.  The best tile is the model's peak and
+     the grid its ``gemm_shapes``;
   3. memory bandwidth: a large ``Tensor.copy_`` (bytes read + bytes written per second);
   4. elementwise rate: the SwiGLU kernel, ``silu(h[:, :F]) * h[:, F:]`` into a [128, F] tile
      of a [128, 2F] bf16 one (F = 1024);
@@ -33,6 +38,7 @@ from hpmoe.refs import topk_sum
 from hpmoe.regions.kernels import glu
 from hpmoe.sim.hardware import (
     SWIGLU_FLOPS_PER_ELEMENT,
+    GemmShape,
     HardwareModel,
     LinkEntry,
     default_profile_path,
@@ -43,9 +49,9 @@ from hpmoe.sim.hardware import (
 from hpmoe.spec import Activation
 
 __all__ = ["CpuMeasurements", "measure", "model_from", "calibrate", "save_profile", "load_profile",
-           "default_profile_path", "add_calibrate_parser", "run_calibrate"]
+           "default_profile_path", "add_calibrate_parser", "run_calibrate", "gemm_shapes"]
 
-GEMM_M, GEMM_N = 128, 512  # a GEMM tile: 128 token rows x 512 output columns
+GEMM_N = 512  # output columns of a calibration GEMM tile (the default TileSpec's)
 SWIGLU_TILE = (128, 1024)  # rows x FFN columns of one SwiGLU tile (its input h is [rows, 2 FFN])
 SMALL_PUT = 64  # bytes of the "empty" put that gives the link latency
 UNPERMUTE_TILE = (128, 8, 256)  # tokens, top-k, hidden of the calibration unpermute (+ a shared expert)
@@ -54,7 +60,9 @@ UNPERMUTE_TILE = (128, 8, 256)  # tokens, top-k, hidden of the calibration unper
 @dataclass(frozen=True)
 class _Plan:
     repeats: int
+    gemm_rows: tuple[int, ...]
     gemm_ks: tuple[int, ...]
+    weight_bytes: int  # the experts' weights a GEMM series cycles through
     copy_bytes: int
     put_bytes: int
     put_repeats: int  # single-call samples of the large put: cheap, and the median drops stalls
@@ -63,17 +71,19 @@ class _Plan:
 
 PUT_BYTES = 128 * 7168 * 2  # one 128-token DeepSeek-V3 bf16 tile, the paper's put granularity
 # copy buffers are >= 2x a 32 MiB L3 so that the copy measures DRAM, not cache
-_QUICK = _Plan(repeats=5, gemm_ks=(512, 2048), copy_bytes=64 << 20, put_bytes=PUT_BYTES,
-               put_repeats=31, tiny_calls=300)
-_FULL = _Plan(repeats=15, gemm_ks=(256, 512, 1024, 2048, 4096), copy_bytes=256 << 20,
-              put_bytes=PUT_BYTES, put_repeats=101, tiny_calls=3000)
+_QUICK = _Plan(repeats=5, gemm_rows=(32, 128), gemm_ks=(512, 2048), weight_bytes=16 << 20,
+               copy_bytes=64 << 20, put_bytes=PUT_BYTES, put_repeats=31, tiny_calls=300)
+_FULL = _Plan(repeats=15, gemm_rows=(8, 16, 32, 64, 128, 256), gemm_ks=(256, 512, 1024, 2048, 4096),
+              weight_bytes=64 << 20, copy_bytes=256 << 20, put_bytes=PUT_BYTES, put_repeats=101,
+              tiny_calls=3000)
 
 
 @dataclass(frozen=True)
 class CpuMeasurements:
     """Raw figures of one calibration run.
 
-    gemm_ks: K of each 128 x 512 x K GEMM measured; gemm_bf16 / gemm_fp32: FLOP/s at each K.
+    gemm_rows / gemm_ks: M and K of the M x 512 x K GEMM tiles measured; gemm_bf16 /
+    gemm_fp32: FLOP/s of each (M, K), row-major over (gemm_rows, gemm_ks).
     copy_bw: bytes/s (read + write) of a large copy.  swiglu_flops: FLOP/s of the SwiGLU kernel,
     counting SWIGLU_FLOPS_PER_ELEMENT per output element.  tiny_op: seconds per one-element
     torch op from Python.  put_small: seconds per 64-byte put + signal into shared memory.
@@ -94,6 +104,14 @@ class CpuMeasurements:
     put_bw: float
     unpermute: float = 0.0
     kernel_call: float = 0.0
+    gemm_rows: tuple[int, ...] = (128,)
+
+    def __post_init__(self) -> None:
+        points = len(self.gemm_rows) * len(self.gemm_ks)
+        for name in ("gemm_bf16", "gemm_fp32"):
+            if len(getattr(self, name)) != points:
+                raise ValueError(f"CpuMeasurements.{name} has {len(getattr(self, name))} rates for "
+                                 f"{len(self.gemm_rows)} rows x {len(self.gemm_ks)} depths")
 
 
 def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1, warmup: int = 2) -> float:
@@ -119,13 +137,26 @@ def _torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _gemm_flops(k: int, dtype: torch.dtype, plan: _Plan, gen: torch.Generator) -> float:
-    """FLOP/s of (128 x k) @ (k x 512) in ``dtype``."""
-    a = torch.randn(GEMM_M, k, generator=gen).to(dtype)
-    b = torch.randn(k, GEMM_N, generator=gen).to(dtype)
-    out = torch.empty(GEMM_M, GEMM_N, dtype=dtype)
-    seconds = _median_time(lambda: torch.mm(a, b, out=out), plan.repeats)
-    return 2.0 * GEMM_M * GEMM_N * k / seconds
+def _gemm_flops(m: int, k: int, dtype: torch.dtype, plan: _Plan, call_cost: float,
+                gen: torch.Generator) -> float:
+    """FLOP/s of (m x k) @ (k x 512) in ``dtype`` as the GEMM kernel calls it (rows of the
+    input, expert ``e``'s weight rows transposed, columns of an output twice as wide), the
+    experts cycling so that their weights span ``plan.weight_bytes``; ``call_cost``
+    seconds per call are not counted as compute."""
+    experts = max(2, -(-plan.weight_bytes // (GEMM_N * k * dtype.itemsize)))
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(experts, GEMM_N, k, generator=gen).to(dtype)
+    out = torch.empty(m, 2 * GEMM_N, dtype=dtype)
+    turn = iter(range(1 << 62))
+    inner = max(1, min(64, int(2e-3 * 1e11 / (2.0 * m * GEMM_N * k))))
+    seconds = _median_time(lambda: torch.mm(x, w[next(turn) % experts].t(), out=out[:, :GEMM_N]),
+                           plan.repeats, inner=inner)
+    return 2.0 * m * GEMM_N * k / max(seconds - call_cost, 0.5 * seconds)
+
+
+def _gemm_grid(dtype: torch.dtype, plan: _Plan, call_cost: float, gen: torch.Generator) -> tuple[float, ...]:
+    """``_gemm_flops`` at every (rows, depth) of the plan, row-major."""
+    return tuple(_gemm_flops(m, k, dtype, plan, call_cost, gen) for m in plan.gemm_rows for k in plan.gemm_ks)
 
 
 def _copy_bw(plan: _Plan) -> float:
@@ -216,37 +247,51 @@ def measure(threads: int = 1, quick: bool = False,
     plan, gen = (_QUICK if quick else _FULL), torch.Generator().manual_seed(0)
     say = progress or (lambda line: None)
     with _torch_threads(threads), torch.no_grad():
+        kernel_call = _kernel_call(plan)
         say("1/4 GEMM tiles in bf16")
-        bf16 = tuple(_gemm_flops(k, torch.bfloat16, plan, gen) for k in plan.gemm_ks)
+        bf16 = _gemm_grid(torch.bfloat16, plan, kernel_call, gen)
         say("2/4 GEMM tiles in fp32")
-        fp32 = tuple(_gemm_flops(k, torch.float32, plan, gen) for k in plan.gemm_ks)
+        fp32 = _gemm_grid(torch.float32, plan, kernel_call, gen)
         say("3/4 copies, SwiGLU, per-task cost")
         copy_bw, swiglu, tiny = _copy_bw(plan), _swiglu_flops(plan, gen), _tiny_op(plan)
-        unpermute, kernel_call = _unpermute(plan, gen), _kernel_call(plan)
+        unpermute = _unpermute(plan, gen)
         say("4/4 shared-memory puts")
         put_small, put_bw = _put_figures(plan)
-    return CpuMeasurements(threads=threads, quick=quick, gemm_ks=plan.gemm_ks, gemm_bf16=bf16,
+    return CpuMeasurements(threads=threads, quick=quick, gemm_rows=plan.gemm_rows, gemm_ks=plan.gemm_ks,
+                           gemm_bf16=bf16,
                            gemm_fp32=fp32, copy_bw=copy_bw, swiglu_flops=swiglu, tiny_op=tiny,
                            put_small=put_small, put_bw=put_bw, unpermute=unpermute,
                            kernel_call=kernel_call)
 
 
 def model_from(m: CpuMeasurements, matrix_workers: int = 1, vector_workers: int = 1) -> HardwareModel:
-    """The ``cpu`` HardwareModel of measurements ``m`` (medians over the GEMM K sizes).
+    """The ``cpu`` HardwareModel of measurements ``m``.
 
-    The link is one entry (EP 2) used for every EP size; link_latency is the small put
+    The GEMM peak is the best tile measured, and the grid of tiles is ``gemm_shapes``
+    (as fractions of it).  The link is one entry (EP 2) used for every EP size; link_latency is the small put
     minus a one-element op's cost (floored at 0).  task_overhead is a GEMM kernel's call
     cost (``kernel_call``; the one-element op for measurements without it)."""
     notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')}, torch {torch.__version__}, "
              f"threads={m.threads}, quick={m.quick}")
     return HardwareModel(
         name="cpu", matrix_workers=matrix_workers, vector_workers=vector_workers,
-        matrix_flops_bf16=statistics.median(m.gemm_bf16), matrix_flops_fp32=statistics.median(m.gemm_fp32),
+        matrix_flops_bf16=max(m.gemm_bf16), matrix_flops_fp32=max(m.gemm_fp32),
         matrix_block=1,  # measured at tile shapes: no extra padding model
+        gemm_shapes=gemm_shapes(m),
         vector_flops=m.swiglu_flops, mem_bw=m.copy_bw,
         link=(LinkEntry(2, m.put_bw, m.put_bw),),
         link_latency=max(m.put_small - m.tiny_op, 0.0), task_overhead=m.kernel_call or m.tiny_op,
         unpermute_traffic=unpermute_traffic(m) if m.unpermute > 0 else 1.0, notes=notes)
+
+
+def gemm_shapes(m: CpuMeasurements) -> tuple[GemmShape, ...]:
+    """The measured grid as fractions of the best tile per dtype (none for one point)."""
+    if len(m.gemm_bf16) < 2:
+        return ()
+    points = [(r, k) for r in m.gemm_rows for k in m.gemm_ks]
+    top16, top32 = max(m.gemm_bf16), max(m.gemm_fp32)
+    return tuple(GemmShape(rows=r, depth=k, bf16=b / top16, fp32=f / top32)
+                 for (r, k), b, f in zip(points, m.gemm_bf16, m.gemm_fp32, strict=True))
 
 
 def calibrate(threads: int = 1, quick: bool = False, matrix_workers: int = 1,

@@ -70,6 +70,53 @@ class LinkEntry:
         return self.dispatch if direction is LinkDirection.DISPATCH else self.combine
 
 
+@dataclass(frozen=True)
+class GemmShape:
+    """Measured rate of one GEMM tile shape, as fractions of the model's peak
+    (``matrix_flops_bf16`` / ``matrix_flops_fp32``): ``rows`` x ``depth`` (M x K) tiles
+    of the calibration's output width."""
+
+    rows: int
+    depth: int
+    bf16: float
+    fp32: float
+
+    def __post_init__(self) -> None:
+        _check_int("GemmShape", "rows", self.rows)
+        _check_int("GemmShape", "depth", self.depth)
+        for name in ("bf16", "fp32"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value <= 1):
+                raise ValueError(f"GemmShape.{name} must be in (0, 1], got {value!r}")
+
+
+def shape_grid(shapes: tuple[GemmShape, ...]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(log2 rows, log2 depths, {dtype name: [rows, depths] efficiencies}) of a full grid;
+    ValueError naming the missing or repeated point otherwise."""
+    rows, depths = sorted({s.rows for s in shapes}), sorted({s.depth for s in shapes})
+    at = {}
+    for s in shapes:
+        if (s.rows, s.depth) in at:
+            raise ValueError(f"HardwareModel.gemm_shapes repeats rows={s.rows}, depth={s.depth}")
+        at[s.rows, s.depth] = s
+    missing = [(r, d) for r in rows for d in depths if (r, d) not in at]
+    if missing:
+        raise ValueError(f"HardwareModel.gemm_shapes must be a full rows x depth grid; missing "
+                         f"rows={missing[0][0]}, depth={missing[0][1]}")
+    table = {n: np.array([[getattr(at[r, d], n) for d in depths] for r in rows]) for n in ("bf16", "fp32")}
+    return np.log2(rows), np.log2(depths), table
+
+
+def _interp_rows(x: np.ndarray, grid: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """values [len(grid), n] interpolated linearly at x [n] along the grid axis (clamped)."""
+    if len(grid) == 1:
+        return values[0]
+    i = np.clip(np.searchsorted(grid, x, side="right") - 1, 0, len(grid) - 2)
+    t = np.clip((x - grid[i]) / (grid[i + 1] - grid[i]), 0.0, 1.0)
+    cols = np.arange(values.shape[1])
+    return values[i, cols] * (1 - t) + values[i + 1, cols] * t
+
+
 def _as_seconds(x: npt.ArrayLike) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
@@ -101,6 +148,9 @@ class HardwareModel:
     matrix_efficiency: fraction of the peak matrix rate a GEMM tile reaches when both its
       rows and columns are at least ``matrix_full_edge``; narrower tiles lose in proportion.
     matrix_full_edge: tile edge (rows, columns) from which ``matrix_efficiency`` holds.
+    gemm_shapes: measured rates over a grid of tile rows x depths (``hpmoe calibrate``);
+      a tile's rate is interpolated in log2 rows and log2 depth (held at the grid's
+      edges) and multiplies ``tile_efficiency``.  Empty: every shape at the peak.
     stream_bw: bytes/s one put stream (one issuing worker) moves at most; 0: one stream
       can fill a port.  A port then serves ``round(port bandwidth / stream_bw)`` puts at once.
     inter_link_bw: bytes/s per rank and direction between nodes (the second link tier);
@@ -140,6 +190,7 @@ class HardwareModel:
     shared_hbm: bool = True
     host_cores: float = 0.0
     unpermute_traffic: float = 1.0
+    gemm_shapes: tuple[GemmShape, ...] = ()
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -159,6 +210,11 @@ class HardwareModel:
                              f"got {self.matrix_efficiency!r}")
         object.__setattr__(self, "link", tuple(self.link))
         self._check_link()
+        object.__setattr__(self, "gemm_shapes", tuple(self.gemm_shapes))
+        if not all(isinstance(s, GemmShape) for s in self.gemm_shapes):
+            raise ValueError(f"HardwareModel.gemm_shapes must hold GemmShape, got {self.gemm_shapes!r}")
+        if self.gemm_shapes:
+            shape_grid(self.gemm_shapes)
 
     def _check_link(self) -> None:
         if not self.link or not all(isinstance(e, LinkEntry) for e in self.link):
@@ -195,13 +251,25 @@ class HardwareModel:
         """Seconds of compute for GEMM tiles (m x k) @ (k x n) on one matrix worker.
 
         Each of m, n, k is padded up to a multiple of ``matrix_block``; 2 FLOP per MAC, at
-        ``matrix_efficiency(m, n)`` of the peak.  Compute only: memory traffic is the
-        simulator's business.
+        ``tile_efficiency(m, n)`` times ``shape_efficiency(m, k)`` of the peak.  Compute
+        only: memory traffic is the simulator's business.
         """
         b = self.matrix_block
         pm, pn, pk = (np.ceil(_nonneg(s, x) / b) * b for s, x in (("m", m), ("n", n), ("k", k)))
-        eff = self.tile_efficiency(pm, pn)
+        eff = self.tile_efficiency(pm, pn) * self.shape_efficiency(pm, pk, dtype)
         return _as_seconds(2.0 * pm * pn * pk / (self.matrix_flops(dtype) * eff))
+
+    def shape_efficiency(self, m: npt.ArrayLike, k: npt.ArrayLike, dtype: torch.dtype) -> np.ndarray:
+        """Fraction of the peak rate ``gemm_shapes`` gives m x k tiles (1 without a table)."""
+        m, k = np.broadcast_arrays(np.asarray(m, np.float64), np.asarray(k, np.float64))
+        if not self.gemm_shapes:
+            return np.ones(m.shape)
+        self.matrix_flops(dtype)  # rejects other dtypes
+        rows, depths, table = shape_grid(self.gemm_shapes)
+        name = "bf16" if dtype == torch.bfloat16 else "fp32"
+        lm, lk = (np.log2(np.maximum(x.ravel(), 1.0)) for x in (m, k))
+        per_row = np.stack([np.interp(lk, depths, row) for row in table[name]])
+        return _interp_rows(lm, rows, per_row).reshape(m.shape)
 
     def tile_efficiency(self, m: npt.ArrayLike, n: npt.ArrayLike) -> np.ndarray:
         """Fraction of the peak rate an m x n GEMM tile reaches: ``matrix_efficiency`` times
@@ -247,6 +315,7 @@ class HardwareModel:
         """JSON-ready dict (link as a list of {ep, dispatch, combine})."""
         d = asdict(self)
         d["link"] = [asdict(e) for e in self.link]
+        d["gemm_shapes"] = [asdict(s) for s in self.gemm_shapes]
         return d
 
     @classmethod
@@ -257,7 +326,8 @@ class HardwareModel:
         if unknown:
             raise ValueError(f"HardwareModel: unknown fields {unknown}")
         try:
-            return cls(**{**d, "link": tuple(LinkEntry(**e) for e in d.get("link", ()))})
+            return cls(**{**d, "link": tuple(LinkEntry(**e) for e in d.get("link", ())),
+                          "gemm_shapes": tuple(GemmShape(**s) for s in d.get("gemm_shapes", ()))})
         except TypeError as err:
             raise ValueError(f"HardwareModel: {err}") from err
 
@@ -272,6 +342,12 @@ class HardwareModel:
         lines.append(f"  L2 {self.l2_mb:.4g} MiB, GEMM efficiency {self.matrix_efficiency:.3g} "
                      f"(full from edge {self.matrix_full_edge}), stream {self.stream_bw / 1e9:.4g} GB/s, "
                      f"inter-node {self.inter_link_bw / 1e9:.4g} GB/s + {self.inter_latency * 1e6:.3g} us")
+        if self.gemm_shapes:
+            rows, depths, table = shape_grid(self.gemm_shapes)
+            lines.append(f"  GEMM tiles measured at rows {[int(x) for x in np.exp2(rows)]} x depth "
+                         f"{[int(x) for x in np.exp2(depths)]}: bf16 {table['bf16'].min():.2f}-"
+                         f"{table['bf16'].max():.2f}, fp32 {table['fp32'].min():.2f}-"
+                         f"{table['fp32'].max():.2f} of the peak")
         if self.host_cores or self.unpermute_traffic != 1.0:
             lines.append(f"  host cores {self.host_cores:.4g} (0: one per worker), unpermute traffic "
                          f"x{self.unpermute_traffic:.3g}")
