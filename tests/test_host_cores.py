@@ -72,7 +72,7 @@ def test_unpermute_traffic_scales_only_unpermute_bytes():
 def test_core_share_divides_out_ranks_beyond_the_cores():
     assert core_share(0.9, ep=2, cores=2.0) == pytest.approx(0.9)
     assert core_share(0.45, ep=4, cores=2.0) == pytest.approx(0.9)
-    assert core_share(0.6, ep=4, cores=2.0) == 1.0
+    assert core_share(0.6, ep=4, cores=2.0) == pytest.approx(1.2)  # a host faster than at calibration
 
 
 def test_host_cores_must_be_finite_and_non_negative():

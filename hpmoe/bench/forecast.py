@@ -21,6 +21,7 @@ from ..runtime.session import RuntimeConfig
 from ..runtime.transport.base import TransportKind
 from ..schedule.auto import saved_profile
 from ..schedule.base import WorkerCounts
+from ..sim.calibrate import WEIGHT_BYTES, KernelGemm
 from ..sim.forecast import runtime_hardware
 from ..sim.hardware import HardwareModel
 from .overhead import EmptyShape, seconds_per_task
@@ -104,32 +105,24 @@ def _seconds_per_call(fn: Callable[[], object], seconds: float) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def concurrent_share(dtype: torch.dtype, group: dist.ProcessGroup | None, seconds: float = 0.1,
-                     windows: int = 5) -> float:
-    """The fraction of its own GEMM rate a rank keeps while every rank of the group runs
-    GEMM tiles at once (128 x 512 x 512 in ``dtype``).  Each rank first measures the tile
-    alone (the others wait), then all run it together: a settling window, then
-    ``windows`` windows over ``seconds``; the share is the median over windows of the
-    slowest rank's ratio, at most 1 (one disturbed window does not set it).  It captures
-    ranks sharing cores, and whatever else runs on the host.  Collective."""
-    g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(128 if i == 0 else 512, 512, generator=g).to(dtype) for i in range(2))
-    out = torch.empty(128, 512, dtype=dtype)
-
-    def gemm() -> None:
-        torch.mm(a, b.t(), out=out)
-    gemm()
-    window, rank = seconds / windows, dist.get_rank(group)
-    alone = 0.0
-    for turn in range(dist.get_world_size(group)):
-        dist.barrier(group=group)
-        if turn == rank:
-            alone = _seconds_per_call(gemm, window)
+def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.ProcessGroup | None,
+                     seconds: float = 0.5, windows: int = 5) -> float:
+    """The fraction of the profile's GEMM rate a rank gets now while every rank of the
+    group runs GEMM tiles at once: the calibration's own 128 x 512 x 512 ``KernelGemm``
+    in ``dtype`` (its call cost taken out as calibration does), after a settling window,
+    in ``windows`` windows over ``seconds``; the median over windows of the slowest
+    rank's rate over the profile's rate for that tile.  It captures ranks sharing cores,
+    whatever else runs on the host, and the host running slower or faster than when it
+    was calibrated.  Collective."""
+    tile = KernelGemm(128, 512, dtype, WEIGHT_BYTES, torch.Generator().manual_seed(0))
+    tile()
     dist.barrier(group=group)
-    _seconds_per_call(gemm, window)  # the scheduler places every rank's thread
-    together = np.array([_seconds_per_call(gemm, window) for _ in range(windows)])
-    slowdown = float(np.median(slowest_rank(together / alone, group)))
-    return min(1.0, 1.0 / slowdown)
+    window = seconds / windows
+    _seconds_per_call(tile, window)  # the scheduler places every rank's thread
+    per_call = np.array([_seconds_per_call(tile, window) for _ in range(windows)])
+    slowest = float(np.median(slowest_rank(per_call, group)))
+    return float(profile.matrix_time(128, 512, 512, dtype)) / tile.compute_seconds(slowest,
+                                                                                  profile.task_overhead)
 
 
 @dataclass(frozen=True)
@@ -161,7 +154,7 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     if link is not None and link_rate is not None:
         link = (link_rate, link[1])
     a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
-    share = concurrent_share(dtype, group)
+    share = concurrent_share(profile, dtype, group)
     box: list = [None]
     if dist.get_rank(group) == 0:
         overhead = seconds_per_task(1000, EmptyShape.PING_PONG)  # a hand-off between workers per task

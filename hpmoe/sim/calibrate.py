@@ -49,7 +49,8 @@ from hpmoe.sim.hardware import (
 from hpmoe.spec import Activation
 
 __all__ = ["CpuMeasurements", "measure", "model_from", "calibrate", "save_profile", "load_profile",
-           "default_profile_path", "add_calibrate_parser", "run_calibrate", "gemm_shapes"]
+           "default_profile_path", "add_calibrate_parser", "run_calibrate", "gemm_shapes", "KernelGemm",
+           "WEIGHT_BYTES"]
 
 GEMM_N = 512  # output columns of a calibration GEMM tile (the default TileSpec's)
 SWIGLU_TILE = (128, 1024)  # rows x FFN columns of one SwiGLU tile (its input h is [rows, 2 FFN])
@@ -73,8 +74,9 @@ PUT_BYTES = 128 * 7168 * 2  # one 128-token DeepSeek-V3 bf16 tile, the paper's p
 # copy buffers are >= 2x a 32 MiB L3 so that the copy measures DRAM, not cache
 _QUICK = _Plan(repeats=5, gemm_rows=(32, 128), gemm_ks=(512, 2048), weight_bytes=16 << 20,
                copy_bytes=64 << 20, put_bytes=PUT_BYTES, put_repeats=31, tiny_calls=300)
+WEIGHT_BYTES = 64 << 20  # >= 2x a 32 MiB last-level cache
 _FULL = _Plan(repeats=15, gemm_rows=(8, 16, 32, 64, 128, 256), gemm_ks=(256, 512, 1024, 2048, 4096),
-              weight_bytes=64 << 20, copy_bytes=256 << 20, put_bytes=PUT_BYTES, put_repeats=101,
+              weight_bytes=WEIGHT_BYTES, copy_bytes=256 << 20, put_bytes=PUT_BYTES, put_repeats=101,
               tiny_calls=3000)
 
 
@@ -137,21 +139,34 @@ def _torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+class KernelGemm:
+    """An m x 512 x k GEMM tile in ``dtype`` called as the GEMM kernel calls it (rows of
+    the input, an expert's weight rows transposed, columns of an output twice as wide),
+    each call on the next of experts whose weights together span ``weight_bytes`` (so
+    that they come from memory, as a large layer's do)."""
+
+    def __init__(self, m: int, k: int, dtype: torch.dtype, weight_bytes: int, gen: torch.Generator) -> None:
+        self.experts = max(2, -(-weight_bytes // (GEMM_N * k * dtype.itemsize)))
+        self.x = torch.randn(m, k, generator=gen).to(dtype)
+        self.w = torch.randn(self.experts, GEMM_N, k, generator=gen).to(dtype)
+        self.out = torch.empty(m, 2 * GEMM_N, dtype=dtype)
+        self.flops, self.turn = 2.0 * m * GEMM_N * k, 0
+
+    def __call__(self) -> None:
+        self.turn = (self.turn + 1) % self.experts
+        torch.mm(self.x, self.w[self.turn].t(), out=self.out[:, :GEMM_N])
+
+    def compute_seconds(self, seconds: float, call_cost: float) -> float:
+        """A call's ``seconds`` without its ``call_cost`` (at least half of it)."""
+        return max(seconds - call_cost, 0.5 * seconds)
+
+
 def _gemm_flops(m: int, k: int, dtype: torch.dtype, plan: _Plan, call_cost: float,
                 gen: torch.Generator) -> float:
-    """FLOP/s of (m x k) @ (k x 512) in ``dtype`` as the GEMM kernel calls it (rows of the
-    input, expert ``e``'s weight rows transposed, columns of an output twice as wide), the
-    experts cycling so that their weights span ``plan.weight_bytes``; ``call_cost``
-    seconds per call are not counted as compute."""
-    experts = max(2, -(-plan.weight_bytes // (GEMM_N * k * dtype.itemsize)))
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = torch.randn(experts, GEMM_N, k, generator=gen).to(dtype)
-    out = torch.empty(m, 2 * GEMM_N, dtype=dtype)
-    turn = iter(range(1 << 62))
-    inner = max(1, min(64, int(2e-3 * 1e11 / (2.0 * m * GEMM_N * k))))
-    seconds = _median_time(lambda: torch.mm(x, w[next(turn) % experts].t(), out=out[:, :GEMM_N]),
-                           plan.repeats, inner=inner)
-    return 2.0 * m * GEMM_N * k / max(seconds - call_cost, 0.5 * seconds)
+    """FLOP/s of a ``KernelGemm`` tile; ``call_cost`` seconds per call are not compute."""
+    tile = KernelGemm(m, k, dtype, plan.weight_bytes, gen)
+    inner = max(1, min(64, int(2e-3 * 1e11 / tile.flops)))
+    return tile.flops / tile.compute_seconds(_median_time(tile, plan.repeats, inner=inner), call_cost)
 
 
 def _gemm_grid(dtype: torch.dtype, plan: _Plan, call_cost: float, gen: torch.Generator) -> tuple[float, ...]:

@@ -59,8 +59,9 @@ def kernel_by_kernel_tiles(plan: RoutingPlan) -> TileSpec:
 def core_share(share: float, ep: int, cores: float) -> float:
     """The fraction of its calibrated rate one core delivers while every core computes,
     from ``share``, what each of ``ep`` ranks got while all computed at once on
-    ``cores`` cores: ranks beyond the cores time-share them, which the replay models."""
-    return min(1.0, share * max(1.0, ep / cores))
+    ``cores`` cores: ranks beyond the cores time-share them, which the replay models.
+    Above 1 when the host runs faster than when it was calibrated."""
+    return share * max(1.0, ep / cores)
 
 
 def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
