@@ -1,8 +1,9 @@
 """Runtime figures for docs/PERFORMANCE-runtime.md.  Timings are noisy while other
 work runs on the machine: take final figures on a quiet one, and rerun freely.
 
-Per-task overhead of the executor (empty tasks, one process, no communication;
-the shapes are described in hpmoe/runtime/overhead.py):
+Per-task overhead of the executor (empty tasks, one process, no communication, wall
+time per task; and "loaded", the CPU per task outside the kernels with both workers busy;
+the shapes are described in hpmoe/bench/overhead.py):
 
     .venv/bin/python benchmarks/bench_runtime.py overhead [--tasks 4000] [--repeats 5]
 
@@ -31,7 +32,7 @@ import statistics
 import subprocess
 import sys
 
-from hpmoe.bench.overhead import EmptyShape, seconds_per_task
+from hpmoe.bench.overhead import EmptyShape, loaded_cpu_per_task, seconds_per_task
 
 
 def overhead(args: argparse.Namespace) -> None:
@@ -39,6 +40,8 @@ def overhead(args: argparse.Namespace) -> None:
     for shape in EmptyShape:
         s = seconds_per_task(args.tasks, shape, args.repeats)
         print(f"{shape.value:>12} {args.tasks:>6} {s * 1e6:>8.2f}")
+    loaded = loaded_cpu_per_task(repeats=args.repeats)
+    print(f"{'loaded':>12} {600:>6} {loaded * 1e6:>8.2f}  (CPU outside the kernels, GEMM + SwiGLU tiles)")
 
 
 SMALL = ["--preset", "small", "--tokens", "1024"]

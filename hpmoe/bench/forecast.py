@@ -24,7 +24,7 @@ from ..schedule.base import WorkerCounts
 from ..sim.calibrate import WEIGHT_BYTES, KernelGemm
 from ..sim.forecast import runtime_hardware
 from ..sim.hardware import HardwareModel
-from .overhead import EmptyShape, seconds_per_task
+from .overhead import loaded_cpu_per_task
 
 
 def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
@@ -155,9 +155,10 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
         link = (link_rate, link[1])
     a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
     share = concurrent_share(profile, dtype, group)
+    dist.barrier(group=group)
+    overhead = float(slowest_rank(np.array([loaded_cpu_per_task()]), group)[0])  # every rank at once
     box: list = [None]
     if dist.get_rank(group) == 0:
-        overhead = seconds_per_task(1000, EmptyShape.PING_PONG)  # a hand-off between workers per task
         own = link if runtime.transport is TransportKind.DIST else None
         box[0] = (runtime_hardware(profile, workers, own, share, overhead, world).to_dict(),
                   runtime_hardware(profile, workers, a2a, share, overhead, world).to_dict())

@@ -6,22 +6,32 @@ Three shapes of graph, each N empty tasks of one rank:
                (a counter read and a futex add per task);
   ping-pong:   the chain alternates between a matrix and a vector worker, so every
                task waits for the other thread (futex sleep and wake per task).
+
+And the executor's CPU per task under load (``loaded_cpu_per_task``): the matrix worker
+runs GEMM tiles back to back, the vector worker a small elementwise tile after each, so
+both threads are busy and the vector one sleeps and wakes per tile, as in a region; the
+process's CPU time outside the kernels, per task.
 """
 
 from __future__ import annotations
 
 import enum
+import resource
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from ..exec.program import compile_program
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..regions.base import Region
+from ..regions.kernels import glu
 from ..runtime.executor import Executor, ExecutorConfig
 from ..runtime.transport.local import LocalTransport
 from ..schedule.base import SchedulePolicy, WorkerCounts, schedule_from_assignment
+from ..spec import Activation
 
 
 class EmptyShape(enum.Enum):
@@ -81,3 +91,67 @@ def seconds_per_task(n: int, shape: EmptyShape, repeats: int = 5) -> float:
     finally:
         executor.close()
     return statistics.median(times[1:]) / n
+
+
+def loaded_graph(n: int) -> TaskGraph:
+    """``n`` GEMM_UP tasks, each signalling its own event, and ``n`` SWIGLU tasks, task i
+    waiting for GEMM i's event (one rank)."""
+    zero, ids = np.zeros(n, np.int64), np.arange(n)
+
+    def block(kind: TaskKind, waits: bool) -> TaskBlock:
+        return TaskBlock(kind=kind, rank=zero.astype(np.int32), peer=zero.astype(np.int32), expert=zero - 1,
+                         row0=zero, row1=zero, col0=zero, col1=zero, dst_row0=zero, flops=zero, bytes=zero,
+                         link_bytes=zero, wait=ids if waits else zero - 1,
+                         sig_count=zero if waits else zero + 1,
+                         sig_rank=np.zeros(0 if waits else n, np.int32), sig_event=ids[:0] if waits else ids)
+    b = GraphBuilder(1, (0,))
+    b.add(block(TaskKind.GEMM_UP, waits=False))
+    b.add(block(TaskKind.SWIGLU, waits=True))
+    b.set_events(0, np.ones(n, np.int64))
+    return b.freeze()
+
+
+def _process_cpu() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def loaded_cpu_per_task(n: int = 300, repeats: int = 3) -> float:
+    """Median over ``repeats`` of the process's CPU seconds outside the kernels per task of
+    ``loaded_graph(n)``: 128 x 512 x 512 bf16 GEMM tiles on the matrix worker, a 64 x 768
+    SwiGLU tile after each on the vector worker (thread CPU time around every kernel)."""
+    g = torch.Generator().manual_seed(0)
+    a, w = (torch.randn(r, 512, generator=g).to(torch.bfloat16) for r in (128, 512))
+    h = torch.randn(64, 1536, generator=g).to(torch.bfloat16)
+    out, act = torch.empty(128, 512, dtype=torch.bfloat16), torch.empty(64, 768, dtype=torch.bfloat16)
+    spent = {TaskKind.GEMM_UP: 0.0, TaskKind.SWIGLU: 0.0}  # each kind runs on one worker thread
+
+    def timed(kind: TaskKind, fn: Callable[[], object]) -> Callable[..., None]:
+        def kernel(*args: object) -> None:
+            t0 = time.thread_time()
+            fn()
+            spent[kind] += time.thread_time() - t0
+        return kernel
+    region = Region(kind=None, lower=lambda *x: loaded_graph(n), buffers=object, puts={},
+                    kernels={TaskKind.GEMM_UP: timed(TaskKind.GEMM_UP, lambda: torch.mm(a, w.t(), out=out)),
+                             TaskKind.SWIGLU: timed(TaskKind.SWIGLU, lambda: glu(h, act, Activation.SILU))},
+                    symmetric_shapes=lambda *x: {})
+    graph = loaded_graph(n)
+    sched = schedule_from_assignment(graph, SchedulePolicy.HYPERPARALLEL, WorkerCounts(1, 1),
+                                     np.zeros(2 * n, np.int64), np.concatenate([np.arange(n)] * 2))
+    program = compile_program(sched, region, 0)
+    transport, executor = LocalTransport(), Executor(ExecutorConfig(deadline_s=30.0))
+    samples, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernels' whole CPU is on the calling thread
+    try:
+        for _ in range(repeats + 1):
+            transport.begin()
+            transport.prepare_events(program.num_events)
+            spent.update(dict.fromkeys(spent, 0.0))
+            cpu = _process_cpu()
+            executor.run(program, region, None, None, transport)
+            samples.append((_process_cpu() - cpu - sum(spent.values())) / (2 * n))
+    finally:
+        executor.close()
+        torch.set_num_threads(threads)
+    return max(0.0, statistics.median(samples[1:]))
