@@ -92,3 +92,18 @@ def test_bench_with_shaped_links_removes_its_namespaces(tmp_path: Path) -> None:
     assert report["transport"] == "dist" and report["link"] == "1gbit"
     assert 0 < report["link_measured_gbytes_per_s"] < 0.2  # 1 gbit/s = 0.125 GB/s per direction
     assert set(list_namespaces()) <= set(before)  # none of ours is left (others' jobs may end meanwhile)
+
+
+def test_ranks_keep_freed_memory_unless_the_caller_says_otherwise(monkeypatch) -> None:
+    from hpmoe.launch.launcher import ALLOCATOR_ENV, LaunchSpec, launch
+
+    for name in ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    show = "import os; print(os.environ['MALLOC_TRIM_THRESHOLD_'], os.environ['MALLOC_MMAP_THRESHOLD_'])"
+    argv = (sys.executable, "-c", show)
+    default = launch(LaunchSpec(argv=argv, world=2, capture=True, timeout_s=60.0))
+    want = [ALLOCATOR_ENV["MALLOC_TRIM_THRESHOLD_"], ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"]]
+    assert default.ok and [r.stdout.split() for r in default.ranks] == [want, want]
+    mine = launch(LaunchSpec(argv=argv, world=1, capture=True, timeout_s=60.0,
+                             env={"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHOLD_": "131072"}))
+    assert mine.ok and mine.ranks[0].stdout.split() == ["131072", "131072"]
