@@ -167,9 +167,12 @@ class DistTransport(Transport):
         with self._send_lock:  # data then header, header k in issue order
             k = self._headers_sent[dst_rank]
             self._headers_sent[dst_rank] = k + 1
-            self._sends.append((dist.isend(src, dst=peer, group=self.group, tag=1 + seq), src))
-            self._sends.append((dist.isend(header, dst=peer, group=self.group, tag=HEADER_TAG + k),
-                                header))
+            try:
+                self._sends.append((dist.isend(src, dst=peer, group=self.group, tag=1 + seq), src))
+                self._sends.append((dist.isend(header, dst=peer, group=self.group, tag=HEADER_TAG + k),
+                                    header))
+            except RuntimeError as err:  # e.g. a dead peer, found by this put before its receiver
+                raise RuntimeError(f"sending to rank {dst_rank} failed: {err}") from err
 
     def finish(self) -> None:
         if not self._latch.wait(self.deadline_s):
