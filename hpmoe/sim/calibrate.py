@@ -72,9 +72,9 @@ class _Plan:
 
 PUT_BYTES = 128 * 7168 * 2  # one 128-token DeepSeek-V3 bf16 tile, the paper's put granularity
 # copy buffers are >= 2x a 32 MiB L3 so that the copy measures DRAM, not cache
+WEIGHT_BYTES = 64 << 20  # GEMM weights cycled through: >= 2x a 32 MiB last-level cache
 _QUICK = _Plan(repeats=5, gemm_rows=(32, 128), gemm_ks=(512, 2048), weight_bytes=16 << 20,
                copy_bytes=64 << 20, put_bytes=PUT_BYTES, put_repeats=31, tiny_calls=300)
-WEIGHT_BYTES = 64 << 20  # >= 2x a 32 MiB last-level cache
 _FULL = _Plan(repeats=15, gemm_rows=(8, 16, 32, 64, 128, 256), gemm_ks=(256, 512, 1024, 2048, 4096),
               weight_bytes=WEIGHT_BYTES, copy_bytes=256 << 20, put_bytes=PUT_BYTES, put_repeats=101,
               tiny_calls=3000)
@@ -273,8 +273,7 @@ def measure(threads: int = 1, quick: bool = False,
         say("4/4 shared-memory puts")
         put_small, put_bw = _put_figures(plan)
     return CpuMeasurements(threads=threads, quick=quick, gemm_rows=plan.gemm_rows, gemm_ks=plan.gemm_ks,
-                           gemm_bf16=bf16,
-                           gemm_fp32=fp32, copy_bw=copy_bw, swiglu_flops=swiglu, tiny_op=tiny,
+                           gemm_bf16=bf16, gemm_fp32=fp32, copy_bw=copy_bw, swiglu_flops=swiglu, tiny_op=tiny,
                            put_small=put_small, put_bw=put_bw, unpermute=unpermute,
                            kernel_call=kernel_call)
 
