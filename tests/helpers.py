@@ -6,6 +6,9 @@ import numpy as np
 
 from hpmoe.ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from hpmoe.routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
+from hpmoe.schedule import Schedule, SchedulePolicy, schedule, verify_schedule
+from hpmoe.sim.hardware import HardwareModel
+from hpmoe.sim.simulate import simulate
 from hpmoe.spec import MoESpec, ParallelSpec, TileSpec, preset
 
 TINY_TILES = TileSpec(rows=3, gemm_rows=4, gemm_cols=8)
@@ -33,3 +36,13 @@ def chain_graph(waits: list[int], signals: list[list[int]], thresholds: list[int
     b.add(block)
     b.set_events(0, np.array(thresholds))
     return b.freeze()
+
+
+def simulated_order(graph: TaskGraph, policy: SchedulePolicy,
+                    hardware: HardwareModel) -> tuple[Schedule, np.ndarray]:
+    """``policy``'s schedule of ``graph`` on ``hardware`` (checked deadlock-free) and its
+    tasks in the order the simulator starts them (ties: by end, then task id)."""
+    sched = schedule(graph, policy, hardware)
+    verify_schedule(sched)
+    tl = simulate(sched, hardware).timeline
+    return sched, np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))

@@ -20,13 +20,12 @@ from hpmoe.regions import RegionKind, region
 from hpmoe.regions.dedup import dedup_factor, make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
-from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy, schedule, verify_schedule
+from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
 from hpmoe.sim.hardware import hardware_preset
-from hpmoe.sim.simulate import simulate
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 
-from .helpers import TINY_TILES
+from .helpers import TINY_TILES, simulated_order
 
 DEDUP = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
 _taskflow = functools.partial(hpmoe.moe_forward, policy=SchedulePolicy.SERIAL)  # the task graph, not AUTO
@@ -79,10 +78,8 @@ def test_every_policy_runs_in_its_simulated_order(policy):
     ep = 4
     x, w, r = _inputs(torch.bfloat16, ep, 6, RoutingKind.ZIPF, seed=3)
     plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, 6))
-    sched = schedule(FORWARD_DEDUP.lower(plan, DEDUP, None), policy, hardware_preset("ascend-a3"))
-    verify_schedule(sched)
-    tl = simulate(sched, hardware_preset("ascend-a3")).timeline
-    order = np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
+    graph = FORWARD_DEDUP.lower(plan, DEDUP, None)
+    sched, order = simulated_order(graph, policy, hardware_preset("ascend-a3"))
     d = make_dedup_layout(plan, DEDUP)
     xs = x.chunk(ep)
     buffers = [DedupBuffers.allocate(xs[i], d, DEDUP, i) for i in range(ep)]

@@ -25,13 +25,12 @@ from hpmoe.regions.dedup_backward_kernels import (
     DedupSaved,
 )
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
-from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
+from hpmoe.schedule import QUEUE_POLICIES
 from hpmoe.sim.hardware import hardware_preset
-from hpmoe.sim.simulate import simulate
 from hpmoe.spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 
-from .helpers import TINY_TILES
+from .helpers import TINY_TILES, simulated_order
 from .test_backward import TOL, _autograd
 from .test_dedup_hierarchical import _analytical_rows, _tier_bytes
 
@@ -110,30 +109,6 @@ def test_bitwise_identical_across_random_valid_orders():
             assert torch.equal(a, b), (name, seed)
 
 
-@pytest.mark.parametrize("policy", QUEUE_POLICIES)
-def test_every_policy_runs_in_its_simulated_order(policy):
-    ep, tokens = 4, 6
-    x, w, r, dy = _inputs(TOP4, torch.bfloat16, ep, tokens, RoutingKind.ZIPF, seed=3)
-    step = moe_forward_backward(x, w, r, dy, ep, DEDUP)
-    plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, tokens))
-    hw = hardware_preset("ascend-a3")
-    sched = schedule(BACKWARD_DEDUP.lower(plan, DEDUP, None), policy, hw)
-    verify_schedule(sched)
-    tl = simulate(sched, hw).timeline
-    order = np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
-    d = make_dedup_layout(plan, DEDUP)
-    saved = [DedupSaved.from_forward(b, False) for b in _forward_buffers(x, w, r, ep)]
-    buffers = [DedupBackwardBuffers.allocate(saved[i], dy.chunk(ep)[i], d, DEDUP, i) for i in range(ep)]
-    run_graph(sched.graph, BACKWARD_DEDUP, buffers,
-              [DedupBackwardContext.build(w, d, r, i) for i in range(ep)], order)
-    assert torch.equal(torch.cat([b.dx for b in buffers]), step.backward.grads.dx)
-    assert torch.equal(torch.cat([b.dw for b in buffers]), step.backward.grads.dweights)
-
-
-def _forward_buffers(x, w, r, ep):
-    return execute_forward(x, w, r, ep, DEDUP).buffers
-
-
 def test_thresholds_equal_signal_counts_and_one_rank_is_its_part():
     moe, par = TOP4, ParallelSpec(4, 9)
     plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, moe, par, 1).ids, moe, par)
@@ -192,21 +167,26 @@ def test_relayed_backward_is_bitwise_identical_across_orders():
             assert torch.equal(getattr(got, name), getattr(base, name)), (name, seed)
 
 
+ORDER_CASES = {  # tiles, ep, tokens per rank, nodes, routing, hardware
+    "per-rank": (DEDUP, 4, 6, 1, RoutingKind.ZIPF, "ascend-a3"),
+    "per-node": (NODE, 8, 4, 2, RoutingKind.GROUPED, "h100"),
+}
+
+
 @pytest.mark.parametrize("policy", QUEUE_POLICIES)
-def test_every_policy_runs_the_relayed_backward_in_its_simulated_order(policy):
-    ep, tokens, nodes = 8, 4, 2
-    x, w, r, dy = _inputs(TOP4, torch.bfloat16, ep, tokens, RoutingKind.GROUPED, seed=3)
-    step = moe_forward_backward(x, w, r, dy, ep, NODE, nodes=nodes)
+@pytest.mark.parametrize("case", ORDER_CASES)
+def test_every_policy_runs_in_its_simulated_order(case, policy):
+    """Each policy's schedule of the per-rank and the relayed backward is deadlock-free,
+    and its simulated start order, run by the exact executor, gives the default order's bits."""
+    tiles, ep, tokens, nodes, kind, hw = ORDER_CASES[case]
+    x, w, r, dy = _inputs(TOP4, torch.bfloat16, ep, tokens, kind, seed=3)
+    step = moe_forward_backward(x, w, r, dy, ep, tiles, nodes=nodes)
     plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, tokens, nodes))
-    hw = hardware_preset("h100")
-    sched = schedule(BACKWARD_DEDUP.lower(plan, NODE, None), policy, hw)
-    verify_schedule(sched)
-    tl = simulate(sched, hw).timeline
-    order = np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
-    d = make_dedup_layout(plan, NODE)
-    fwd = execute_forward(x, w, r, ep, NODE, nodes=nodes).buffers
+    sched, order = simulated_order(BACKWARD_DEDUP.lower(plan, tiles, None), policy, hardware_preset(hw))
+    d = make_dedup_layout(plan, tiles)
+    fwd = execute_forward(x, w, r, ep, tiles, nodes=nodes).buffers
     saved = [DedupSaved.from_forward(b, False) for b in fwd]
-    buffers = [DedupBackwardBuffers.allocate(saved[i], dy.chunk(ep)[i], d, NODE, i) for i in range(ep)]
+    buffers = [DedupBackwardBuffers.allocate(saved[i], dy.chunk(ep)[i], d, tiles, i) for i in range(ep)]
     run_graph(sched.graph, BACKWARD_DEDUP, buffers,
               [DedupBackwardContext.build(w, d, r, i) for i in range(ep)], order)
     assert torch.equal(torch.cat([b.dx for b in buffers]), step.backward.grads.dx)

@@ -18,14 +18,13 @@ from hpmoe.ir.verify import verify_graph
 from hpmoe.regions.dedup import make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
-from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
+from hpmoe.schedule import QUEUE_POLICIES
 from hpmoe.sim.cost import put_tier
 from hpmoe.sim.hardware import hardware_preset
-from hpmoe.sim.simulate import simulate
 from hpmoe.spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 
-from .helpers import TINY_TILES
+from .helpers import TINY_TILES, simulated_order
 
 NODE = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_NODE)
 NODE_BF16 = dataclasses.replace(NODE, partial_dtype=torch.bfloat16)
@@ -88,11 +87,7 @@ def test_every_policy_runs_in_its_simulated_order(policy):
     ep, nodes, tokens = 8, 2, 6
     x, w, r = _inputs(ep, tokens, RoutingKind.GROUPED, seed=3)
     plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, tokens, nodes))
-    hw = hardware_preset("h100")
-    sched = schedule(FORWARD_DEDUP.lower(plan, NODE, None), policy, hw)
-    verify_schedule(sched)
-    tl = simulate(sched, hw).timeline
-    order = np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
+    sched, order = simulated_order(FORWARD_DEDUP.lower(plan, NODE, None), policy, hardware_preset("h100"))
     d = make_dedup_layout(plan, NODE)
     xs = x.chunk(ep)
     buffers = [DedupBuffers.allocate(xs[i], d, NODE, i) for i in range(ep)]
