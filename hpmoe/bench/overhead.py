@@ -49,14 +49,13 @@ EMPTY = Region(kind=None, lower=lambda *a: empty_graph(1, EmptyShape.INDEPENDENT
                symmetric_shapes=lambda *a: {})
 
 
-def _block(kind: TaskKind, ids: np.ndarray, n: int, chained: bool) -> TaskBlock:
-    """Tasks ``ids`` of the chain (task i signals event i, waits on event i - 1)."""
-    zero = np.zeros(len(ids), np.int64)
-    sig = ids[ids < n - 1] if chained else ids[:0]
+def _tasks(kind: TaskKind, wait: np.ndarray, signal: np.ndarray) -> TaskBlock:
+    """Empty tasks of rank 0: task j waits on event ``wait[j]`` and signals event
+    ``signal[j]`` (-1: none)."""
+    zero, sig = np.zeros(len(wait), np.int64), signal[signal >= 0]
     return TaskBlock(kind=kind, rank=zero.astype(np.int32), peer=zero.astype(np.int32), expert=zero - 1,
                      row0=zero, row1=zero, col0=zero, col1=zero, dst_row0=zero, flops=zero, bytes=zero,
-                     link_bytes=zero, wait=np.where(chained & (ids > 0), ids - 1, -1),
-                     sig_count=(ids < n - 1).astype(np.int64) if chained else zero,
+                     link_bytes=zero, wait=wait, sig_count=(signal >= 0).astype(np.int64),
                      sig_rank=np.zeros(len(sig), np.int32), sig_event=sig)
 
 
@@ -67,8 +66,9 @@ def empty_graph(n: int, shape: EmptyShape) -> tuple[TaskGraph, np.ndarray]:
     kinds = (TaskKind.GEMM_UP, TaskKind.SWIGLU) if shape is EmptyShape.PING_PONG else (TaskKind.GEMM_UP,)
     b = GraphBuilder(1, (0,))
     parts = [ids[ids % len(kinds) == j] for j in range(len(kinds))]
-    for kind, part in zip(kinds, parts, strict=True):
-        b.add(_block(kind, part, n, chained))
+    for kind, part in zip(kinds, parts, strict=True):  # task i waits on event i - 1, signals event i
+        b.add(_tasks(kind, np.where(chained & (part > 0), part - 1, -1),
+                     np.where(chained & (part < n - 1), part, -1)))
     b.set_events(0, np.ones(n - 1 if chained else 0, np.int64))
     return b.freeze(), np.concatenate(parts)
 
@@ -96,17 +96,10 @@ def seconds_per_task(n: int, shape: EmptyShape, repeats: int = 5) -> float:
 def loaded_graph(n: int) -> TaskGraph:
     """``n`` GEMM_UP tasks, each signalling its own event, and ``n`` SWIGLU tasks, task i
     waiting for GEMM i's event (one rank)."""
-    zero, ids = np.zeros(n, np.int64), np.arange(n)
-
-    def block(kind: TaskKind, waits: bool) -> TaskBlock:
-        return TaskBlock(kind=kind, rank=zero.astype(np.int32), peer=zero.astype(np.int32), expert=zero - 1,
-                         row0=zero, row1=zero, col0=zero, col1=zero, dst_row0=zero, flops=zero, bytes=zero,
-                         link_bytes=zero, wait=ids if waits else zero - 1,
-                         sig_count=zero if waits else zero + 1,
-                         sig_rank=np.zeros(0 if waits else n, np.int32), sig_event=ids[:0] if waits else ids)
+    ids, none = np.arange(n), np.full(n, -1)
     b = GraphBuilder(1, (0,))
-    b.add(block(TaskKind.GEMM_UP, waits=False))
-    b.add(block(TaskKind.SWIGLU, waits=True))
+    b.add(_tasks(TaskKind.GEMM_UP, none, ids))
+    b.add(_tasks(TaskKind.SWIGLU, ids, none))
     b.set_events(0, np.ones(n, np.int64))
     return b.freeze()
 
