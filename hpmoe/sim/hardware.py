@@ -17,6 +17,7 @@ arrays of the broadcast shape.  Every preset figure carries its source; see
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import os
@@ -214,7 +215,7 @@ class HardwareModel:
         if not all(isinstance(s, GemmShape) for s in self.gemm_shapes):
             raise ValueError(f"HardwareModel.gemm_shapes must hold GemmShape, got {self.gemm_shapes!r}")
         if self.gemm_shapes:
-            shape_grid(self.gemm_shapes)
+            shape_grid(self.gemm_shapes)  # a full grid, or ValueError naming the missing point
 
     def _check_link(self) -> None:
         if not self.link or not all(isinstance(e, LinkEntry) for e in self.link):
@@ -259,13 +260,18 @@ class HardwareModel:
         eff = self.tile_efficiency(pm, pn) * self.shape_efficiency(pm, pk, dtype)
         return _as_seconds(2.0 * pm * pn * pk / (self.matrix_flops(dtype) * eff))
 
+    @functools.cached_property
+    def _grid(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """``shape_grid`` of ``gemm_shapes`` (derived once; not a field)."""
+        return shape_grid(self.gemm_shapes)
+
     def shape_efficiency(self, m: npt.ArrayLike, k: npt.ArrayLike, dtype: torch.dtype) -> np.ndarray:
         """Fraction of the peak rate ``gemm_shapes`` gives m x k tiles (1 without a table)."""
         m, k = np.broadcast_arrays(np.asarray(m, np.float64), np.asarray(k, np.float64))
         if not self.gemm_shapes:
             return np.ones(m.shape)
         self.matrix_flops(dtype)  # rejects other dtypes
-        rows, depths, table = shape_grid(self.gemm_shapes)
+        rows, depths, table = self._grid
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
         lm, lk = (np.log2(np.maximum(x.ravel(), 1.0)) for x in (m, k))
         per_row = np.stack([np.interp(lk, depths, row) for row in table[name]])
@@ -343,7 +349,7 @@ class HardwareModel:
                      f"(full from edge {self.matrix_full_edge}), stream {self.stream_bw / 1e9:.4g} GB/s, "
                      f"inter-node {self.inter_link_bw / 1e9:.4g} GB/s + {self.inter_latency * 1e6:.3g} us")
         if self.gemm_shapes:
-            rows, depths, table = shape_grid(self.gemm_shapes)
+            rows, depths, table = self._grid
             lines.append(f"  GEMM tiles measured at rows {[int(x) for x in np.exp2(rows)]} x depth "
                          f"{[int(x) for x in np.exp2(depths)]}: bf16 {table['bf16'].min():.2f}-"
                          f"{table['bf16'].max():.2f}, fp32 {table['fp32'].min():.2f}-"
