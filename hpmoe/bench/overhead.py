@@ -109,14 +109,22 @@ def _process_cpu() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def loaded_cpu_per_task(n: int = 300, repeats: int = 3) -> float:
-    """Median over ``repeats`` of the process's CPU seconds outside the kernels per task of
-    ``loaded_graph(n)``: 128 x 512 x 512 bf16 GEMM tiles on the matrix worker, a 64 x 768
-    SwiGLU tile after each on the vector worker (thread CPU time around every kernel)."""
+def tile_kernels() -> tuple[Callable[[], object], Callable[[], object]]:
+    """(GEMM, SwiGLU) kernels of the loaded graph: a 128 x 512 x 512 bf16 GEMM tile and a
+    64 x 768 SwiGLU tile, on buffers of their own."""
     g = torch.Generator().manual_seed(0)
     a, w = (torch.randn(r, 512, generator=g).to(torch.bfloat16) for r in (128, 512))
     h = torch.randn(64, 1536, generator=g).to(torch.bfloat16)
     out, act = torch.empty(128, 512, dtype=torch.bfloat16), torch.empty(64, 768, dtype=torch.bfloat16)
+    return (lambda: torch.mm(a, w.t(), out=out)), (lambda: glu(h, act, Activation.SILU))
+
+
+def loaded_cpu_per_task(n: int = 300, repeats: int = 3,
+                        kernels: tuple[Callable[[], object], Callable[[], object]] | None = None) -> float:
+    """Median over ``repeats`` of the process's CPU seconds outside the kernels per task of
+    ``loaded_graph(n)``, whose matrix tasks run ``kernels[0]`` and vector tasks
+    ``kernels[1]`` (default ``tile_kernels()``; thread CPU time around every kernel)."""
+    gemm, vector = kernels or tile_kernels()
     spent = {TaskKind.GEMM_UP: 0.0, TaskKind.SWIGLU: 0.0}  # each kind runs on one worker thread
 
     def timed(kind: TaskKind, fn: Callable[[], object]) -> Callable[..., None]:
@@ -126,8 +134,8 @@ def loaded_cpu_per_task(n: int = 300, repeats: int = 3) -> float:
             spent[kind] += time.thread_time() - t0
         return kernel
     region = Region(kind=None, lower=lambda *x: loaded_graph(n), buffers=object, puts={},
-                    kernels={TaskKind.GEMM_UP: timed(TaskKind.GEMM_UP, lambda: torch.mm(a, w.t(), out=out)),
-                             TaskKind.SWIGLU: timed(TaskKind.SWIGLU, lambda: glu(h, act, Activation.SILU))},
+                    kernels={TaskKind.GEMM_UP: timed(TaskKind.GEMM_UP, gemm),
+                             TaskKind.SWIGLU: timed(TaskKind.SWIGLU, vector)},
                     symmetric_shapes=lambda *x: {})
     graph = loaded_graph(n)
     sched = schedule_from_assignment(graph, SchedulePolicy.HYPERPARALLEL, WorkerCounts(1, 1),
