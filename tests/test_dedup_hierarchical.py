@@ -200,3 +200,25 @@ def test_cli_simulate_reports_link_bytes_per_tier(capsys):
     assert got == {"intra": tiers[0].tolist(), "inter": tiers[1].tolist()}
     assert out[DispatchMode.PER_NODE]["link_bytes"] == tiers.sum(axis=0).tolist()
     assert sum(got["inter"]) < sum(out[DispatchMode.PER_RANK]["link_bytes_per_tier"]["inter"])
+
+
+def test_the_regions_size_symmetric_memory_from_the_steps_tiles():
+    """Under per-node dispatch the relayed rows and bf16 partials need room: the module's
+    regions size them from the tiles they are given, as the layout-bound ones do."""
+    from hpmoe.regions.dedup_backward_kernels import BACKWARD_DEDUP, dedup_backward_region
+    from hpmoe.regions.dedup_kernels import dedup_region
+
+    ep, nodes, tokens = 8, 2, 6
+    x, w, r = _inputs(ep, tokens, RoutingKind.GROUPED, seed=3)
+    plan = plan_routing(r.ids, w.spec, ParallelSpec(ep, tokens, nodes))
+    tiles = dataclasses.replace(NODE, partial_dtype=torch.bfloat16)
+    d = make_dedup_layout(plan, tiles)
+    for rank in range(ep):
+        fwd = FORWARD_DEDUP.symmetric_shapes(plan, tiles, rank)
+        assert fwd == dedup_region(d, tiles).symmetric_shapes(plan, tiles, rank)
+        assert fwd["hrecv"][0][0] == d.hops.per_dst[rank] and fwd["pcomb"][1] == torch.bfloat16
+        back = BACKWARD_DEDUP.symmetric_shapes(plan, tiles, rank)
+        assert back == dedup_backward_region(d, tiles).symmetric_shapes(plan, tiles, rank)
+        assert back["ghrecv"] == fwd["hrecv"] and back["dwcomb"] == ((d.send_rows[rank], w.spec.top_k),
+                                                                   torch.float32)
+    assert d.hops.per_dst.sum() > 0

@@ -22,7 +22,7 @@ import torch
 
 from ..ir.graph import TaskKind, Tile
 from ..routing import RoutingPlan
-from ..spec import Activation
+from ..spec import Activation, TileSpec
 from ..weights import ExpertWeights
 from .backward import lower_backward
 from .base import PutSpec, Region, RegionKind, ShapeMap
@@ -287,7 +287,7 @@ BACKWARD_KERNELS: dict[TaskKind, BackwardKernel] = {
 }
 
 
-def backward_symmetric_shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
+def backward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int) -> ShapeMap:
     """grecv [R_rank, H] and gcomb [T*k, H] in the layer's dtype."""
     moe, t = plan.moe, plan.par.tokens_per_rank
     return {"grecv": ((plan.recv_rows(rank), moe.hidden), moe.dtype),

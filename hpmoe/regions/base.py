@@ -60,7 +60,7 @@ class Region:
     kernels: {TaskKind: fn(tile, me_buffers, peer_buffers, ctx)} for non-put kinds.
     puts: {TaskKind: PutSpec} for the put kinds.
     buffers: the buffer type; its ``SYMMETRIC`` class attribute names the fields peers
-      put into.  symmetric_shapes(plan, rank): {field: (shape, dtype)} of those fields.
+      put into.  symmetric_shapes(plan, tiles, rank): {field: (shape, dtype)} of those fields.
     """
 
     kind: RegionKind | None
@@ -68,7 +68,7 @@ class Region:
     kernels: Mapping[TaskKind, Kernel]
     puts: Mapping[TaskKind, PutSpec]
     buffers: type
-    symmetric_shapes: Callable[[RoutingPlan, int], ShapeMap]
+    symmetric_shapes: Callable[[RoutingPlan, TileSpec, int], ShapeMap]
 
     def __post_init__(self) -> None:
         for kind, spec in self.puts.items():

@@ -28,7 +28,7 @@ from .backward_kernels import BACKWARD_KERNELS
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup import DedupLayout, make_dedup_layout
 from .dedup_backward import lower_dedup_backward
-from .dedup_kernels import DedupBuffers, DedupContext, send_rows_of_slots
+from .dedup_kernels import DedupBuffers, DedupContext, layout_shapes, send_rows_of_slots
 
 
 @dataclass
@@ -228,15 +228,16 @@ DEDUP_BACKWARD_KERNELS = {
 }
 
 
-def dedup_backward_symmetric_shapes(plan: RoutingPlan, rank: int, tiles: TileSpec | None = None) -> ShapeMap:
-    """gdrecv [Rd, H] and ghrecv [Hr, H] in the layer's dtype, gpcomb [Sd, H] in the
-    partial dtype, dwcomb [Sd, k] fp32."""
-    tiles = tiles or TileSpec()
-    d = make_dedup_layout(plan, tiles)
-    h, sd = plan.moe.hidden, int(d.send_rows[rank])
-    return {"gdrecv": ((int(d.pairs.per_dst[rank]), h), plan.moe.dtype),
-            "gpcomb": ((sd, h), tiles.partial_dtype), "dwcomb": ((sd, plan.moe.top_k), torch.float32),
-            "ghrecv": ((int(d.hops.per_dst[rank]), h), plan.moe.dtype)}
+def gradient_layout_shapes(d: DedupLayout, tiles: TileSpec, rank: int) -> ShapeMap:
+    """gdrecv, ghrecv and gpcomb: the forward's ``layout_shapes`` of ``rank``; dwcomb [Sd, k] fp32."""
+    fwd = layout_shapes(d, tiles, rank)
+    return {"gdrecv": fwd["drecv"], "gpcomb": fwd["pcomb"], "ghrecv": fwd["hrecv"],
+            "dwcomb": ((int(d.send_rows[rank]), d.base.plan.moe.top_k), torch.float32)}
+
+
+def dedup_backward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int) -> ShapeMap:
+    """``gradient_layout_shapes`` of ``plan``'s layout under ``tiles``."""
+    return gradient_layout_shapes(make_dedup_layout(plan, tiles), tiles, rank)
 
 
 def _region(recompute: bool) -> Region:
@@ -257,15 +258,7 @@ BACKWARD_DEDUP_RECOMPUTE = _region(True)
 
 
 def dedup_backward_region(d: DedupLayout, tiles: TileSpec, recompute: bool = False) -> Region:
-    """``BACKWARD_DEDUP`` (``_RECOMPUTE``) whose symmetric shapes come from ``d`` (computed
-    once) and ``tiles`` (its partial dtype), as the runtime's transports size them."""
-    moe = d.base.plan.moe
-    h, k = moe.hidden, moe.top_k
-
-    def shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
-        sd = int(d.send_rows[rank])
-        return {"gdrecv": ((int(d.pairs.per_dst[rank]), h), moe.dtype),
-                "gpcomb": ((sd, h), tiles.partial_dtype), "dwcomb": ((sd, k), torch.float32),
-                "ghrecv": ((int(d.hops.per_dst[rank]), h), moe.dtype)}
-
-    return replace(BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP, symmetric_shapes=shapes)
+    """``BACKWARD_DEDUP`` (``_RECOMPUTE``) for the plan and tiles of layout ``d``, whose
+    symmetric shapes read ``d`` instead of rebuilding it for every rank."""
+    return replace(BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP,
+                   symmetric_shapes=lambda plan, tiles, rank: gradient_layout_shapes(d, tiles, rank))

@@ -222,14 +222,18 @@ DEDUP_KERNELS = {
 }
 
 
-def dedup_symmetric_shapes(plan: RoutingPlan, rank: int, tiles: TileSpec | None = None) -> ShapeMap:
-    """drecv [Rd, H] and hrecv [Hr, H] in the layer's dtype, pcomb [Sd, H] in the partial dtype."""
-    tiles = tiles or TileSpec()
-    d = make_dedup_layout(plan, tiles)
-    h = plan.moe.hidden
-    return {"drecv": ((int(d.pairs.per_dst[rank]), h), plan.moe.dtype),
-            "pcomb": ((int(d.send_rows[rank]), h), tiles.partial_dtype),
-            "hrecv": ((int(d.hops.per_dst[rank]), h), plan.moe.dtype)}
+def layout_shapes(d: DedupLayout, tiles: TileSpec, rank: int) -> ShapeMap:
+    """drecv [Rd, H] and hrecv [Hr, H] in the layer's dtype, pcomb [Sd, H] in the partial
+    dtype, of ``rank`` under layout ``d``."""
+    moe = d.base.plan.moe
+    return {"drecv": ((int(d.pairs.per_dst[rank]), moe.hidden), moe.dtype),
+            "pcomb": ((int(d.send_rows[rank]), moe.hidden), tiles.partial_dtype),
+            "hrecv": ((int(d.hops.per_dst[rank]), moe.hidden), moe.dtype)}
+
+
+def dedup_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int) -> ShapeMap:
+    """``layout_shapes`` of ``plan``'s layout under ``tiles``."""
+    return layout_shapes(make_dedup_layout(plan, tiles), tiles, rank)
 
 
 FORWARD_DEDUP = Region(
@@ -242,12 +246,6 @@ FORWARD_DEDUP = Region(
 
 
 def dedup_region(d: DedupLayout, tiles: TileSpec) -> Region:
-    """``FORWARD_DEDUP`` whose symmetric shapes come from ``d`` (computed once) and ``tiles``."""
-    h, dtype = d.base.plan.moe.hidden, d.base.plan.moe.dtype
-
-    def shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
-        return {"drecv": ((int(d.pairs.per_dst[rank]), h), dtype),
-                "pcomb": ((int(d.send_rows[rank]), h), tiles.partial_dtype),
-                "hrecv": ((int(d.hops.per_dst[rank]), h), dtype)}
-
-    return replace(FORWARD_DEDUP, symmetric_shapes=shapes)
+    """``FORWARD_DEDUP`` for the plan and tiles of layout ``d``, whose symmetric shapes read
+    ``d`` instead of rebuilding it for every rank."""
+    return replace(FORWARD_DEDUP, symmetric_shapes=lambda plan, tiles, rank: layout_shapes(d, tiles, rank))

@@ -16,7 +16,7 @@ import torch
 from ..ir.graph import TaskKind, Tile
 from ..refs import topk_sum
 from ..routing import Routing, RoutingPlan
-from ..spec import Activation
+from ..spec import Activation, TileSpec
 from ..weights import ExpertWeights
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .forward import lower_forward
@@ -148,7 +148,7 @@ KERNELS: dict[TaskKind, Kernel] = {
 }
 
 
-def forward_symmetric_shapes(plan: RoutingPlan, rank: int) -> ShapeMap:
+def forward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int) -> ShapeMap:
     """recv [R_rank, H] and comb [T*k, H] in the layer's dtype."""
     moe, t = plan.moe, plan.par.tokens_per_rank
     return {"recv": ((plan.recv_rows(rank), moe.hidden), moe.dtype),

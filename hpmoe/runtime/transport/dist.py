@@ -110,7 +110,7 @@ class DistTransport(Transport):
             self.counters = Counters.anonymous(max(n, 2 * self.counters.capacity))
             self._pre = self.counters.snapshot()
         self.base = self._pre
-        shapes = step.region.symmetric_shapes(step.plan, self.rank)
+        shapes = step.region.symmetric_shapes(step.plan, step.tiles, self.rank)
         self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1]) for f in step.region.symmetric}
         peers = senders(step, self.rank)
         self._latch = _Latch(len(peers))

@@ -36,7 +36,7 @@ class LocalTransport(Transport):
         return {}
 
     def _symmetric(self, step: Step) -> dict[str, torch.Tensor]:
-        shapes = step.region.symmetric_shapes(step.plan, 0)
+        shapes = step.region.symmetric_shapes(step.plan, step.tiles, 0)
         self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1]) for f in step.region.symmetric}
         return self._tensors
 

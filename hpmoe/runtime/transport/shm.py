@@ -99,7 +99,7 @@ def _needs(step: Step, world: int) -> list[HeapNeed]:
     events = np.diff(step.schedule.graph.event_ptr)
     out = []
     for r in range(world):
-        shapes = tf.symmetric_shapes(plan, r)
+        shapes = tf.symmetric_shapes(plan, step.tiles, r)
         fields = tuple((name, *shapes[name]) for name in tf.symmetric)
         out.append(HeapNeed(events=int(events[r]), fields=fields))
     return out
