@@ -73,24 +73,35 @@ def empty_graph(n: int, shape: EmptyShape) -> tuple[TaskGraph, np.ndarray]:
     return b.freeze(), np.concatenate(parts)
 
 
-def seconds_per_task(n: int, shape: EmptyShape, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the region's wall time / ``n`` (seconds)."""
-    graph, position = empty_graph(n, shape)
+def _repeat(graph: TaskGraph, region: Region, position: np.ndarray, repeats: int,
+            measure: Callable[[Callable[[], object]], float]) -> list[float]:
+    """``measure(run)`` of the one-rank ``graph`` scheduled on one worker per unit in
+    ``position`` order, ``repeats`` times after one warm-up run (which is dropped)."""
     sched = schedule_from_assignment(graph, SchedulePolicy.HYPERPARALLEL, WorkerCounts(1, 1),
-                                     np.zeros(n, np.int64), position)
-    program = compile_program(sched, EMPTY, 0)
+                                     np.zeros(graph.num_tasks, np.int64), position)
+    program = compile_program(sched, region, 0)
     transport, executor = LocalTransport(), Executor(ExecutorConfig(deadline_s=30.0))
-    times = []
+    samples = []
     try:
         for _ in range(repeats + 1):
             transport.begin()
             transport.prepare_events(program.num_events)
-            t0 = time.perf_counter()
-            executor.run(program, EMPTY, None, None, transport)
-            times.append(time.perf_counter() - t0)
+            samples.append(measure(lambda: executor.run(program, region, None, None, transport)))
     finally:
         executor.close()
-    return statistics.median(times[1:]) / n
+    return samples[1:]
+
+
+def _wall(run: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+def seconds_per_task(n: int, shape: EmptyShape, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the region's wall time / ``n`` (seconds)."""
+    graph, position = empty_graph(n, shape)
+    return statistics.median(_repeat(graph, EMPTY, position, repeats, _wall)) / n
 
 
 def loaded_graph(n: int) -> TaskGraph:
@@ -133,26 +144,21 @@ def loaded_cpu_per_task(n: int = 300, repeats: int = 3,
             fn()
             spent[kind] += time.thread_time() - t0
         return kernel
-    region = Region(kind=None, lower=lambda *x: loaded_graph(n), buffers=object, puts={},
+    graph = loaded_graph(n)
+    region = Region(kind=None, lower=lambda *x: graph, buffers=object, puts={},
                     kernels={TaskKind.GEMM_UP: timed(TaskKind.GEMM_UP, gemm),
                              TaskKind.SWIGLU: timed(TaskKind.SWIGLU, vector)},
                     symmetric_shapes=lambda *x: {})
-    graph = loaded_graph(n)
-    sched = schedule_from_assignment(graph, SchedulePolicy.HYPERPARALLEL, WorkerCounts(1, 1),
-                                     np.zeros(2 * n, np.int64), np.concatenate([np.arange(n)] * 2))
-    program = compile_program(sched, region, 0)
-    transport, executor = LocalTransport(), Executor(ExecutorConfig(deadline_s=30.0))
-    samples, threads = [], torch.get_num_threads()
+
+    def outside_kernels(run: Callable[[], object]) -> float:
+        spent.update(dict.fromkeys(spent, 0.0))
+        cpu = _process_cpu()
+        run()
+        return (_process_cpu() - cpu - sum(spent.values())) / (2 * n)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernels' whole CPU is on the calling thread
     try:
-        for _ in range(repeats + 1):
-            transport.begin()
-            transport.prepare_events(program.num_events)
-            spent.update(dict.fromkeys(spent, 0.0))
-            cpu = _process_cpu()
-            executor.run(program, region, None, None, transport)
-            samples.append((_process_cpu() - cpu - sum(spent.values())) / (2 * n))
+        samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, outside_kernels)
     finally:
-        executor.close()
         torch.set_num_threads(threads)
-    return max(0.0, statistics.median(samples[1:]))
+    return max(0.0, statistics.median(samples))
