@@ -37,6 +37,7 @@ crosses back:
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -173,6 +174,13 @@ class DedupLayout:
     def send_rows(self) -> np.ndarray:
         """[ep] rows of each rank's send buffer (and ``pcomb``): delivered rows, then hops."""
         return self.pairs.per_src + self.hops.per_src
+
+    @functools.cached_property
+    def piece_copies(self) -> np.ndarray:
+        """[pieces] expert rows each piece's pairs expand to (derived once)."""
+        per_pair = (self.pairs.slot_row >= 0).sum(axis=1)
+        return np.bincount(pair_pieces(self.pieces), weights=per_pair,
+                           minlength=len(self.pieces.src)).astype(np.int64)
 
 
 def slot_rows(plan: RoutingPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -490,7 +498,7 @@ def _expand(dl: DedupLowering) -> TaskBlock:
     p, ev, d = dl.d.pieces, dl.low.events, dl.d
     i = np.flatnonzero(dl.low.sel[p.dst])
     feed = np.flatnonzero(dl.low.sel[p.dst[d.feed_piece]])
-    copies = _copies(dl)[i]
+    copies = dl.d.piece_copies[i]
     h = d.base.plan.moe.hidden
     return task_block(TaskKind.EXPAND, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
                       bytes=(p.rows[i] + copies) * h * dl.low.esize,
@@ -499,13 +507,6 @@ def _expand(dl: DedupLowering) -> TaskBlock:
                       sig_rank=p.dst[d.feed_piece[feed]],
                       sig_event=ev.base(p.dst[d.feed_piece[feed]], DedupEvent.ROWS)
                       + d.base.blocks.local[d.feed_block[feed]])
-
-
-def _copies(dl: DedupLowering) -> np.ndarray:
-    """[pieces] expert rows each piece's pairs expand to."""
-    per_pair = (dl.d.pairs.slot_row >= 0).sum(axis=1)
-    return np.bincount(pair_pieces(dl.d.pieces), weights=per_pair,
-                       minlength=len(dl.d.pieces.src)).astype(np.int64)
 
 
 def _gemm_up(dl: DedupLowering) -> TaskBlock:
@@ -555,7 +556,7 @@ def _block_of(d: DedupLayout, blk: TaskBlock) -> np.ndarray:
 def _partial_reduce(dl: DedupLowering) -> TaskBlock:
     p, ev = dl.d.pieces, dl.low.events
     i = np.flatnonzero(dl.low.sel[p.dst])
-    copies = _copies(dl)[i]
+    copies = dl.d.piece_copies[i]
     h = dl.d.base.plan.moe.hidden
     return task_block(TaskKind.PARTIAL_REDUCE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
                       flops=2.0 * copies * h, bytes=(copies * dl.low.esize + p.rows[i] * dl.partial_size) * h,

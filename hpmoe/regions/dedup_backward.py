@@ -42,7 +42,7 @@ from ..routing import RoutingPlan
 from ..spec import TileSpec
 from . import backward as bw
 from . import dedup as dd
-from .dedup import DedupLayout, DedupLowering, make_dedup_layout, pair_pieces, signal_fed_pieces
+from .dedup import DedupLayout, DedupLowering, make_dedup_layout, signal_fed_pieces
 from .tiles import Lowering, block_gemm, select_ranks, task_block
 
 
@@ -166,7 +166,7 @@ def _expand(dl: _Lowering) -> TaskBlock:
     """Signals GROWS of every block and GEXP of every expert the piece's rows go to."""
     d, ev, p = dl.d, dl.low.events, dl.d.pieces
     b = d.base.blocks
-    copies = _copies(d)
+    copies = d.piece_copies
     exp = np.unique(d.feed_piece * d.base.plan.local_experts + b.expert[d.feed_block])
     ep_piece, ep_expert = exp // d.base.plan.local_experts, exp % d.base.plan.local_experts
     piece = np.concatenate([d.feed_piece, ep_piece])
@@ -181,14 +181,9 @@ def _expand(dl: _Lowering) -> TaskBlock:
                       sig_event=event)
 
 
-def _copies(d: DedupLayout) -> np.ndarray:
-    per_pair = (d.pairs.slot_row >= 0).sum(axis=1)
-    return np.bincount(pair_pieces(d.pieces), weights=per_pair, minlength=len(d.pieces.src)).astype(np.int64)
-
-
 def _router_grad(dl: _Lowering) -> TaskBlock:
     d, ev, p = dl.d, dl.low.events, dl.d.pieces
-    copies = _copies(d)
+    copies = d.piece_copies
     return task_block(TaskKind.ROUTER_GRAD, p.dst, p.recv_row0, p.recv_row0 + p.rows,
                       col1=np.full(len(p.src), dl.hidden), flops=2.0 * copies * dl.hidden,
                       bytes=(copies + p.rows) * dl.hidden * dl.low.esize + 4 * p.rows * d.base.plan.moe.top_k,
@@ -204,7 +199,7 @@ def _dgrad_up(dl: _Lowering) -> TaskBlock:
 
 def _partial_reduce(dl: _Lowering) -> TaskBlock:
     p, ev = dl.d.pieces, dl.low.events
-    copies = _copies(dl.d)
+    copies = dl.d.piece_copies
     return task_block(TaskKind.PARTIAL_REDUCE, p.dst, p.recv_row0, p.recv_row0 + p.rows,
                       flops=copies * dl.hidden,
                       bytes=(copies * dl.low.esize + p.rows * dl.partial_size) * dl.hidden,
