@@ -34,7 +34,6 @@ from ..exec.arena import ArenaPool
 from ..exec.kernel_by_kernel import kbk_forward
 from ..launch.netns import LinkSpec
 from ..refs import serialized_ep_forward
-from ..regions.forward import lower_forward
 from ..routing import Routing, RoutingKind, synthetic_routing
 from ..runtime.collective import CollectiveError
 from ..runtime.faults import Fault
@@ -50,11 +49,11 @@ from ..schedule.auto import (
     Forecast,
     Path,
     decide,
+    kernel_by_kernel_forecast,
     no_model,
 )
 from ..schedule.base import SchedulePolicy, WorkerCounts
-from ..schedule.serial import serial_schedule
-from ..sim.forecast import forecast_region, kernel_by_kernel_tiles
+from ..sim.forecast import forecast_region
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
@@ -307,9 +306,7 @@ def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy]
                           st["exchange"] + st["schedule"] + st["prepare"]) for p, st in steps.items()]
     last = warm.last[Variant.SERIAL_SAME_TRANSPORT.value]
     serial, plan = last.schedule, last.plan
-    one = dataclasses.replace(models.baseline, matrix_workers=1, vector_workers=1)
-    kbk = serial_schedule(lower_forward(plan, kernel_by_kernel_tiles(plan)), WorkerCounts(1, 1))
-    forecasts += [Forecast(KERNEL_BY_KERNEL, forecast_region(kbk, one)[0], exchange),
+    forecasts += [kernel_by_kernel_forecast(plan, models.baseline, setup_s=exchange),
                   Forecast(BASELINE, forecast_region(serial, models.baseline)[0], exchange)]
     return decide(forecasts, measured)
 

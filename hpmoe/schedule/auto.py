@@ -270,13 +270,21 @@ def runtime_forecasts(plan: RoutingPlan, tiles: TileSpec, hardware: HardwareMode
     t0 = time.perf_counter()
     flow = [hyperparallel_schedule(g, workers) for g in _graphs(plan, tiles, backward)]
     setup = time.perf_counter() - t0
-    one = WorkerCounts(1, 1)
-    kbk = [serial_schedule(g, one) for g in _graphs(plan, kernel_by_kernel_tiles(plan), backward)]
     hw = dataclasses.replace(hardware, matrix_workers=workers.matrix, vector_workers=workers.vector)
-    hw1 = dataclasses.replace(hardware, matrix_workers=1, vector_workers=1)
     return (Forecast(Candidate(Path.TASKFLOW, SchedulePolicy.HYPERPARALLEL),
                      sum(forecast_region(s, hw)[0] for s in flow), setup),
-            Forecast(KERNEL_BY_KERNEL, sum(forecast_region(s, hw1)[0] for s in kbk)))
+            kernel_by_kernel_forecast(plan, hardware, backward))
+
+
+def kernel_by_kernel_forecast(plan: RoutingPlan, hardware: HardwareModel, backward: bool = False,
+                              setup_s: float = 0.0) -> Forecast:
+    """The kernel-by-kernel path of ``plan`` across ranks: the serial schedule of its
+    whole-phase tasks on one worker per unit, replayed by ``forecast_region`` on
+    ``hardware``; ``setup_s`` (e.g. a measured count exchange) added."""
+    one = WorkerCounts(1, 1)
+    hw1 = dataclasses.replace(hardware, matrix_workers=1, vector_workers=1)
+    kbk = [serial_schedule(g, one) for g in _graphs(plan, kernel_by_kernel_tiles(plan), backward)]
+    return Forecast(KERNEL_BY_KERNEL, sum(forecast_region(s, hw1)[0] for s in kbk), setup_s)
 
 
 def _graphs(plan: RoutingPlan, tiles: TileSpec, backward: bool) -> list:
