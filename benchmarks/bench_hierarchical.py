@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import torch
 
 from hpmoe.ir.graph import TaskGraph, TaskKind
@@ -29,7 +28,7 @@ from hpmoe.regions import RegionKind, region
 from hpmoe.routing import RoutingKind, plan_routing, ranks_per_token, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule, serial_schedule
 from hpmoe.sim.baseline import strongest_baseline, with_free_kinds
-from hpmoe.sim.cost import put_tier
+from hpmoe.sim.cost import tier_link_bytes
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import graph_bounds, simulate
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
@@ -44,10 +43,8 @@ VARIANTS = {"per-expert": (RegionKind.FORWARD, TileSpec()),
 
 def tier_bytes(graph: TaskGraph) -> tuple[float, float]:
     """(intra-node, inter-node) link bytes of the busiest rank, MB."""
-    tier = put_tier(graph)
-    per = [np.bincount(graph.rank[tier == t], weights=graph.link_bytes[tier == t], minlength=graph.ep)
-           for t in (0, 1)]
-    return float(per[0].max()) / 1e6, float(per[1].max()) / 1e6
+    intra, inter = tier_link_bytes(graph).max(axis=1) / 1e6
+    return float(intra), float(inter)
 
 
 def node_baseline(graph: TaskGraph, workers: WorkerCounts):

@@ -19,7 +19,7 @@ from hpmoe.regions.dedup import make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES
-from hpmoe.sim.cost import put_tier
+from hpmoe.sim.cost import put_tier, tier_link_bytes
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
@@ -100,10 +100,7 @@ def test_every_policy_runs_in_its_simulated_order(policy):
 
 def _tier_bytes(graph, kinds):
     """[2, ep] bytes each rank's puts of ``kinds`` send within (0) and between (1) nodes."""
-    tier = put_tier(graph)
-    mine = np.isin(graph.kind, [int(k) for k in kinds])
-    return np.stack([np.bincount(graph.rank[mine & (tier == t)], weights=graph.link_bytes[mine & (tier == t)],
-                                 minlength=graph.ep) for t in (0, 1)])
+    return tier_link_bytes(graph, kinds)
 
 
 def _analytical_rows(ids, local, ep, nodes, tokens):

@@ -13,7 +13,7 @@ from ..ir.graph import TaskGraph
 from ..regions import RegionKind, region
 from ..regions.dedup import dedup_factor
 from ..schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, paper_tiles, schedule
-from ..sim.cost import put_tier
+from ..sim.cost import tier_link_bytes
 from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset, override_fields, with_overrides
 from ..sim.simulate import Bounds, SimResult, simulate
 from ..spec import DispatchMode
@@ -152,10 +152,8 @@ def link_bytes_per_rank(graph: TaskGraph) -> list[int]:
 
 def link_bytes_per_tier(graph: TaskGraph) -> dict[str, list[int]]:
     """Bytes each rank's puts send to ranks of its node (``intra``) and of other nodes (``inter``)."""
-    tier = put_tier(graph)
-    return {name: [int(b) for b in np.bincount(graph.rank[tier == t], weights=graph.link_bytes[tier == t],
-                                               minlength=graph.ep)]
-            for t, name in ((0, "intra"), (1, "inter"))}
+    intra, inter = tier_link_bytes(graph).astype(np.int64).tolist()
+    return {"intra": intra, "inter": inter}
 
 
 def run(args: argparse.Namespace) -> int:

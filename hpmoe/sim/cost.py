@@ -112,6 +112,15 @@ def put_tier(graph: TaskGraph) -> np.ndarray:
     return (graph.rank // per != graph.peer // per).astype(np.int8)
 
 
+def tier_link_bytes(graph: TaskGraph, kinds: tuple[TaskKind, ...] | None = None) -> np.ndarray:
+    """[2, ep] link bytes each rank's puts (of ``kinds``; None: every task) send to ranks
+    of its own node (row 0) and of other nodes (row 1)."""
+    tier = put_tier(graph)
+    mine = np.ones(graph.num_tasks, bool) if kinds is None else np.isin(graph.kind, [int(k) for k in kinds])
+    return np.stack([np.bincount(graph.rank[mine & (tier == t)], weights=graph.link_bytes[mine & (tier == t)],
+                                 minlength=graph.ep) for t in (0, 1)])
+
+
 def tier_bandwidth(graph: TaskGraph, hardware: HardwareModel,
                    direction: LinkDirection) -> tuple[float, float]:
     """(intra-node, inter-node) port bandwidth, bytes/s, of ``graph``'s EP group."""
