@@ -275,6 +275,21 @@ def test_auto_forecasts_on_a_given_model_and_runs_its_choice():
     _assert_close_runs(got, _reference(layer, x, dy), spec.dtype)
 
 
+def test_auto_decides_in_the_dtype_the_layer_computes_in():
+    """A layer moved to bf16 (or computing under autocast) is forecast at bf16 rates, as
+    one built in bf16 is, not at the fp32 of its construction."""
+    spec, hw = preset("tiny", torch.float32), hardware_preset("h100")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES, hardware=hw)
+    built = MoE(preset("tiny", torch.bfloat16), ExpertWeights.random(preset("tiny", torch.bfloat16), 1),
+                virtual_ep=2, tiles=TINY_TILES, hardware=hw)
+    def modelled(m, **kw):  # the forecasts' modelled regions (their setup times are measured)
+        return [(f.candidate, f.region_s) for f in m.decision(16, backward=False, **kw).forecasts]
+    bf16 = modelled(built)
+    assert modelled(layer) != bf16
+    assert modelled(layer, dtype=torch.bfloat16) == bf16
+    assert modelled(layer.to(torch.bfloat16)) == bf16
+
+
 def _auto_ranks(rank, world):
     spec = preset("tiny")
     layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)

@@ -405,7 +405,7 @@ class MoE(nn.Module):
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
-        options = self._taskflow_options(w.spec, x.shape[0])
+        options = self._taskflow_options(x.shape[0], w.spec.dtype)
         if options is None:
             grad = torch.is_grad_enabled()
             call = KernelByKernelCall(w.spec, ids, o.group, self._arenas, o.recompute, grad)
@@ -413,12 +413,15 @@ class MoE(nn.Module):
         call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session())
         return MoEFunction.apply(*tensors, call)
 
-    def decision(self, tokens: int, backward: bool | None = None) -> AutoDecision:
+    def decision(self, tokens: int, backward: bool | None = None,
+                 dtype: torch.dtype | None = None) -> AutoDecision:
         """AUTO's decision for ``tokens`` tokens per call after padding (this rank's, with
         an ep_group; the whole batch in one process), with the backward when ``backward``
-        (default: grad mode is on).  Made at the first call of each shape (collective
-        over the ep_group: group rank 0 forecasts and broadcasts), then cached."""
-        o, spec = self.options, self.spec
+        (default: grad mode is on), computing in ``dtype`` (default: the parameters').
+        Made at the first call of each shape (collective over the ep_group: group rank 0
+        forecasts and broadcasts), then cached."""
+        o = self.options
+        spec = replace(self.spec, dtype=dtype or self.experts.gate_up_proj.dtype)
         backward = torch.is_grad_enabled() if backward is None else backward
         if not o.distributed:
             shape = RoutingShape.one_process(spec, o.virtual_ep, tokens, backward)
@@ -427,12 +430,13 @@ class MoE(nn.Module):
         workers = WorkerCounts.from_hardware(o.rank_hardware)
         return self._decisions.decide(shape, o.tiles, o.hardware, workers, o.group)
 
-    def _taskflow_options(self, spec: MoESpec, tokens: int) -> RegionOptions | None:
-        """The taskflow's options for this call, or None for the kernel-by-kernel path."""
+    def _taskflow_options(self, tokens: int, dtype: torch.dtype) -> RegionOptions | None:
+        """The taskflow's options for a call computing in ``dtype``, or None for the
+        kernel-by-kernel path."""
         o = self.options
         if o.schedule is not SchedulePolicy.AUTO or o.backend is Backend.TRITON:
             return o
-        chosen = self.decision(tokens).chosen
+        chosen = self.decision(tokens, dtype=dtype).chosen
         if chosen.path is not Path.TASKFLOW:
             return None
         if o.distributed:
