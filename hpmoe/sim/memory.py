@@ -72,8 +72,10 @@ class MemoryTraffic:
         return np.bincount(rank, weights=self.fixed + self.operand_bytes(), minlength=ep)
 
 
-def memory_traffic(graph: TaskGraph) -> MemoryTraffic:
-    """The traffic of every task of ``graph`` (see the module docstring)."""
+def memory_traffic(graph: TaskGraph, nbytes: np.ndarray | None = None) -> MemoryTraffic:
+    """The traffic of every task of ``graph`` (see the module docstring); ``nbytes``: the
+    bytes each uncached task's kernel moves (default: the lowering's ``bytes``)."""
+    nbytes = graph.bytes if nbytes is None else nbytes
     esize = graph.dtype.itemsize
     free = free_tasks(graph)
     cached = np.isin(graph.kind, CACHED_KINDS) & ~free
@@ -83,7 +85,7 @@ def memory_traffic(graph: TaskGraph) -> MemoryTraffic:
     remote = IS_PUT[graph.kind] & (graph.link_bytes > 0)
     wgrad = np.isin(graph.kind, WGRAD_KINDS)
     out = np.where(wgrad, n * k, m * n) * esize
-    fixed = np.where(cached, out, np.where(remote, graph.bytes / 2, graph.bytes))
+    fixed = np.where(cached, out, np.where(remote, nbytes / 2, nbytes))
     fixed = np.where(free, 0.0, fixed)
     i = np.flatnonzero(cached)
     keys, inverse, size_of = _operand_keys(graph, i, wgrad[i], m[i], n[i], k[i])

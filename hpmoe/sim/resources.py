@@ -9,15 +9,14 @@ memory charges (per-task traffic through the L2, bytes/s per rank).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import TaskGraph, TaskKind
-from .cost import TaskCosts
+from ..ir.graph import TaskGraph
+from .cost import TaskCosts, kernel_bytes
 from .hardware import HardwareModel
 from .memory import MemoryTraffic, memory_traffic
 
@@ -36,11 +35,8 @@ class MemorySystem:
         (``HardwareModel.shared_hbm`` False)."""
         if not hardware.shared_hbm:
             return None
-        traffic = memory_traffic(graph)
-        if hardware.unpermute_traffic != 1.0:
-            scale = np.where(graph.kind == TaskKind.UNPERMUTE, hardware.unpermute_traffic, 1.0)
-            traffic = dataclasses.replace(traffic, fixed=traffic.fixed * scale)
-        return cls(traffic=traffic, l2_bytes=hardware.l2_bytes, bandwidth=hardware.mem_bw)
+        return cls(traffic=memory_traffic(graph, kernel_bytes(graph, hardware)), l2_bytes=hardware.l2_bytes,
+                   bandwidth=hardware.mem_bw)
 
 
 @dataclass(frozen=True)
