@@ -208,15 +208,16 @@ def weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, shared:
     tmp = arena.take("tmp", tuple(acc.shape), torch.float32)
     picked = arena.take("picked", tuple(acc.shape), rows.dtype)
     for b in token_blocks(t, rows.shape[1]):
+        a, p, tb, pb, wb = acc[b], picked[b], tmp[b], pos[b], w[b]  # this block's views, once
         for j in range(k):
-            torch.index_select(rows, 0, pos[b, j], out=picked[b])
-            torch.mul(picked[b], w[b, j:j + 1], out=acc[b] if j == 0 else tmp[b])
+            torch.index_select(rows, 0, pb[:, j], out=p)
+            torch.mul(p, wb[:, j:j + 1], out=a if j == 0 else tb)
             if j:
-                acc[b].add_(tmp[b])
+                a.add_(tb)
         if k == 0:
-            acc[b].zero_()
+            a.zero_()
         if shared is not None:
-            acc[b].add_(shared[b])
+            a.add_(shared[b])
     return acc.to(rows.dtype)
 
 
