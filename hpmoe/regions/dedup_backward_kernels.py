@@ -20,7 +20,6 @@ from typing import ClassVar
 import torch
 
 from ..ir.graph import TaskKind, Tile
-from ..refs import add_present
 from ..routing import Routing, RoutingPlan
 from ..spec import Activation, TileSpec
 from ..weights import ExpertWeights
@@ -28,7 +27,7 @@ from .backward_kernels import BACKWARD_KERNELS
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup import DedupLayout, make_dedup_layout
 from .dedup_backward import lower_dedup_backward
-from .dedup_kernels import DedupBuffers, DedupContext, layout_shapes, send_rows_of_slots
+from .dedup_kernels import DedupBuffers, DedupContext, gather_sum, layout_shapes, send_rows_of_slots
 
 
 @dataclass
@@ -179,11 +178,7 @@ def _router_grad(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
 
 
 def _partial_reduce(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
-    rows = ctx.fwd.slot_row[t.row0:t.row1]
-    acc = torch.zeros(t.row1 - t.row0, me.dxe.shape[1], dtype=torch.float32)
-    for j in range(rows.shape[1]):
-        acc = add_present(acc, me.dxe[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
-    me.gpart[t.row0:t.row1] = acc.to(me.gpart.dtype)
+    me.gpart[t.row0:t.row1] = gather_sum(me.dxe, ctx.fwd.slot_row[t.row0:t.row1]).to(me.gpart.dtype)
 
 
 def _relay_pack(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
@@ -194,24 +189,15 @@ def _node_reduce(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
     """Per relayed hop: the node's input-gradient partials summed in fp32, rank order,
     and its router gradients (each slot's from the one rank holding it, zeros elsewhere)."""
     rows = ctx.fwd.hop_rows[t.row0:t.row1]
-    acc = torch.zeros(t.row1 - t.row0, me.gnred.shape[1], dtype=torch.float32)
-    dw = torch.zeros(t.row1 - t.row0, me.dwnred.shape[1], dtype=torch.float32)
-    for j in range(rows.shape[1]):
-        present = rows[:, j] >= 0
-        acc = add_present(acc, me.gpcomb[rows[:, j].clamp(min=0)].float(), present)
-        dw = add_present(dw, me.dwcomb[rows[:, j].clamp(min=0)], present)
-    me.gnred[t.row0:t.row1] = acc.to(me.gnred.dtype)
-    me.dwnred[t.row0:t.row1] = dw
+    me.gnred[t.row0:t.row1] = gather_sum(me.gpcomb, rows).to(me.gnred.dtype)
+    me.dwnred[t.row0:t.row1] = gather_sum(me.dwcomb, rows)
 
 
 def _partial_sum(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
     """dx: the token's partials in rank order, then the shared expert's; dw: each slot's
     value from the rank holding its expert."""
-    rows = ctx.fwd.partial_row[t.row0:t.row1]
-    acc = torch.zeros(t.row1 - t.row0, me.dx.shape[1], dtype=torch.float32)
+    acc = gather_sum(me.gpcomb, ctx.fwd.partial_row[t.row0:t.row1])
     if me.gpcomb.shape[0]:
-        for j in range(rows.shape[1]):
-            acc = add_present(acc, me.gpcomb[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
         slots = ctx.slot_send_row[t.row0:t.row1]
         me.dw[t.row0:t.row1] = me.dwcomb[slots, torch.arange(slots.shape[1])]
     if ctx.shared_w13 is not None:

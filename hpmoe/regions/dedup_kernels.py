@@ -167,12 +167,20 @@ def _expand(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) ->
     me.recv.index_copy_(0, ctx.expand_dst[lo:hi], me.drecv.index_select(0, ctx.expand_src[lo:hi]))
 
 
-def _partial_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
-    rows, w = ctx.slot_row[t.row0:t.row1], ctx.slot_weight[t.row0:t.row1]
-    acc = torch.zeros(t.row1 - t.row0, me.y.shape[1], dtype=torch.float32)
+def gather_sum(src: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """[m, C] fp32: for each of m rows, the sum over slots j, in slot order, of
+    src[rows[:, j]] (times weight[:, j]) in fp32; a slot of -1 adds nothing (+0.0)."""
+    acc = torch.zeros(rows.shape[0], src.shape[1], dtype=torch.float32)
+    if src.shape[0] == 0:  # nothing was received: every slot is -1
+        return acc
     for j in range(rows.shape[1]):
-        present = rows[:, j] >= 0
-        acc = add_present(acc, w[:, j:j + 1] * me.y[rows[:, j].clamp(min=0)].float(), present)
+        term = src[rows[:, j].clamp(min=0)].float()
+        acc = add_present(acc, term if weight is None else weight[:, j:j + 1] * term, rows[:, j] >= 0)
+    return acc
+
+
+def _partial_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
+    acc = gather_sum(me.y, ctx.slot_row[t.row0:t.row1], ctx.slot_weight[t.row0:t.row1])
     me.part[t.row0:t.row1] = acc.to(me.part.dtype)
 
 
@@ -196,19 +204,11 @@ def _relay_pack(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext
 
 
 def _node_reduce(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
-    rows = ctx.hop_rows[t.row0:t.row1]
-    acc = torch.zeros(t.row1 - t.row0, me.nred.shape[1], dtype=torch.float32)
-    for j in range(rows.shape[1]):
-        acc = add_present(acc, me.pcomb[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
-    me.nred[t.row0:t.row1] = acc.to(me.nred.dtype)
+    me.nred[t.row0:t.row1] = gather_sum(me.pcomb, ctx.hop_rows[t.row0:t.row1]).to(me.nred.dtype)
 
 
 def _partial_sum(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) -> None:
-    rows = ctx.partial_row[t.row0:t.row1]
-    acc = torch.zeros(t.row1 - t.row0, me.out.shape[1], dtype=torch.float32)
-    if me.pcomb.shape[0]:
-        for j in range(rows.shape[1]):
-            acc = add_present(acc, me.pcomb[rows[:, j].clamp(min=0)].float(), rows[:, j] >= 0)
+    acc = gather_sum(me.pcomb, ctx.partial_row[t.row0:t.row1])
     if ctx.weights.has_shared:
         acc = acc + me.so[t.row0:t.row1].float()
     me.out[t.row0:t.row1] = acc.to(me.out.dtype)
