@@ -164,7 +164,9 @@ def test_bad_configuration_and_input_are_refused():
     with pytest.raises(ValueError, match=r"hidden_states must be \[\.\.\., 32\]"):
         MoE(spec)(torch.zeros(3, 31))
     with pytest.raises(ValueError, match="ParallelSpec.ep=3 does not divide MoESpec.experts=8"):
-        MoE(spec, virtual_ep=3)(torch.zeros(4, 32))
+        MoE(spec, virtual_ep=3)  # at construction, not at the first call
+    with pytest.raises(ValueError, match="ParallelSpec.nodes=3 does not divide ep=2"):
+        MoE(spec, virtual_ep=2, nodes=3)  # even where AUTO would run the kernel-by-kernel path
     with pytest.raises(ValueError, match="scheduling policies need an ep_group"):
         MoE(spec, schedule=SchedulePolicy.SERIAL)
     with pytest.raises(ValueError, match="with an ep_group, schedule is a SchedulePolicy"):

@@ -49,7 +49,7 @@ from ..routing import Routing, RoutingPlan, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape
 from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import DispatchMode, GateKind, MoESpec, TileSpec, require_per_expert
+from ..spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .compiled import run_region
 from .experts_impl import register, runs_region, select
@@ -277,6 +277,8 @@ class MoE(nn.Module):
 
     def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
                options: RegionOptions) -> None:
+        ep = dist.get_world_size(options.group) if options.distributed else options.virtual_ep
+        ParallelSpec(ep=ep, tokens_per_rank=1, nodes=options.nodes).local_experts(spec)  # raises, naming them
         self.spec = spec
         self.family = family
         self.fused_shared = fused_shared
