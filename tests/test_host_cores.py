@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 from hpmoe.ir.graph import TaskKind
+from hpmoe.regions.kernels import FORWARD
 from hpmoe.schedule import WorkerCounts
 from hpmoe.sim.cost import task_costs
 from hpmoe.sim.forecast import core_share, forecast_region
+from hpmoe.sim.hardware import cpu_nominal
 from hpmoe.sim.simulate import simulate
 
 from .handmade import UNIT_HW, US, build, by_hand, gemm, vec
+from .helpers import TINY_TILES, tiny_plan
 
 
 def ends(graph, workers: list[int], hw, counts: WorkerCounts | None = None) -> list[float]:
@@ -100,3 +103,15 @@ def test_a_lowered_region_on_shared_cores_keeps_its_bounds_and_the_cores_bound()
         r = simulate(schedule(g, policy, hw), hw)
         assert r.makespan >= r.bounds.lower_bound * (1 - 1e-9)
         assert r.makespan >= task_costs(g, hw).floor.sum() / 2.0 * (1 - 1e-9)
+
+
+def test_the_critical_path_scheduler_ranks_candidates_on_the_shared_cores():
+    """Each candidate's makespan is what ``simulate`` replays for it, host cores included."""
+    from hpmoe.schedule.critical_path import critical_path_candidates
+
+    hw = dataclasses.replace(cpu_nominal(2, 2), host_cores=2.0)  # 8 workers on 2 cores
+    unshared = dataclasses.replace(hw, host_cores=0.0)
+    graph = FORWARD.lower(tiny_plan(ep=2, tokens=16), TINY_TILES, None)
+    for c in critical_path_candidates(graph, hw):
+        assert c.makespan > simulate(c.schedule, unshared).makespan, c.name  # the cores bind here
+        assert c.makespan == pytest.approx(simulate(c.schedule, hw).makespan, rel=1e-12), c.name

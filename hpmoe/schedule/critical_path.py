@@ -35,7 +35,7 @@ from ..ir.analysis import GraphError, bottom_levels, initially_ready
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
 from ..sim.hardware import HardwareModel, LinkDirection
-from ..sim.resources import CODES, END, ISSUE, LINK_DONE, LinkPorts, MemorySystem
+from ..sim.resources import CODES, END, ISSUE, LINK_DONE, HostCores, LinkPorts, MemorySystem
 from ..sim.simulate import makespan
 from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import hyperparallel_schedule
@@ -73,15 +73,17 @@ def critical_path_schedule(graph: TaskGraph, hardware: HardwareModel) -> Schedul
 
 def critical_path_candidates(graph: TaskGraph, hardware: HardwareModel) -> tuple[Candidate, ...]:
     """The list schedules (one per ``PutOrder``), then the hyperparallel and serial
-    orders of ``graph``, each with its simulated makespan on ``hardware``."""
+    orders of ``graph``, each with its simulated makespan on ``hardware`` (the replay
+    ``simulate`` runs: memory system and shared host cores)."""
     require_all_ranks(graph)
     workers = WorkerCounts.from_hardware(hardware)
     costs = task_costs(graph, hardware)
     made = (*((f"list-{o.value}", list_schedule(graph, costs, workers, o)) for o in PutOrder),
             ("hyperparallel", hyperparallel_schedule(graph, workers)),
             ("serial", serial_schedule(graph, workers)))
-    memory = MemorySystem.of(graph, hardware)
-    return tuple(Candidate(name=name, schedule=s, makespan=makespan(s, costs, memory)) for name, s in made)
+    memory, cores = MemorySystem.of(graph, hardware), HostCores.of(graph, hardware)
+    return tuple(Candidate(name=name, schedule=s, makespan=makespan(s, costs, memory, cores))
+                 for name, s in made)
 
 
 # ---------------------------------------------------------------------------- priorities

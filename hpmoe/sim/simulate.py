@@ -175,19 +175,21 @@ def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | Non
                      policy=schedule.policy, memory=state.memory_stats())
 
 
-def makespan(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None = None) -> float:
+def makespan(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None = None,
+             cores: HostCores | None = None) -> float:
     """Simulated makespan (seconds) of ``schedule`` with precomputed ``costs`` (and
-    ``memory``: without, every task takes its ``work`` and memory is not shared)."""
-    return float(replay(schedule, costs, memory)[1].max(initial=0.0))
+    ``memory``: without, every task takes its ``work`` and memory is not shared; ``cores``:
+    the host cores its ranks share, as ``simulate`` replays them)."""
+    return float(replay(schedule, costs, memory, cores)[1].max(initial=0.0))
 
 
 # ---------------------------------------------------------------------------- replay
 
-def replay(schedule: Schedule, costs: TaskCosts,
-           memory: MemorySystem | None = None) -> tuple[np.ndarray, ...]:
+def replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None = None,
+           cores: HostCores | None = None) -> tuple[np.ndarray, ...]:
     """(start, end, link_start, link_end), each [n] float64 seconds, of a replay; with
     ``memory`` None every task occupies its worker for ``costs.work``, HBM unshared."""
-    return run_replay(schedule, costs, memory).arrays(costs)
+    return run_replay(schedule, costs, memory, cores).arrays(costs)
 
 
 def run_replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None,
