@@ -1,12 +1,14 @@
 """hpmoe.MoE: the autograd layer against autograd through the gate and refs.dense_moe,
 single process (virtual EP) and on gloo ranks of an EP group."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from hpmoe import refs
-from hpmoe.nn.layer import MoE, RegionState
+from hpmoe.nn.layer import MoE, RegionCall, RegionOptions, RegionState, _virtual_forward
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
@@ -134,6 +136,24 @@ def test_recompute_saves_the_swiglu_activations_memory():
                   for r in (False, True))
     rows = 16 * spec.top_k  # every routed row is held by exactly one rank
     assert kept - lean == (rows * spec.ffn + 16 * spec.shared_ffn) * 4
+
+
+def test_the_taskflow_state_keeps_no_tensor_outside_save_for_backward():
+    """``RegionState.pack`` hands every tensor the backward reads, the routing's ids and
+    top-k weights included, to save_for_backward (so saved-tensor hooks may offload or
+    free them), and ``unpack`` puts the same ones back."""
+    spec = preset("tiny")
+    w = ExpertWeights.random(spec, 0)
+    x = _data(spec, 16)[0].reshape(-1, spec.hidden)
+    routing = route(x, w)
+    options = RegionOptions(virtual_ep=2, tiles=TINY_TILES, schedule=None)
+    _, state = _virtual_forward(x, w, routing, RegionCall(spec=w.spec, ids=routing.ids, options=options))
+    tensors, bare = state.pack()
+    assert not [f.name for f in dataclasses.fields(bare) if isinstance(getattr(bare, f.name), torch.Tensor)]
+    assert bare.routing is None and bare.weights is None and bare.saved == [None, None]
+    back = bare.unpack(tuple(tensors))
+    assert back.routing.ids is routing.ids and back.routing.weights is routing.weights
+    assert back.weights.w13 is w.w13
 
 
 def test_parameters_are_trained_through_an_optimizer():

@@ -513,19 +513,18 @@ class RegionCall:
 class RegionState:
     """What the backward taskflow needs from the forward one: the plan, per (virtual or
     local) rank the saved activations (``DedupSaved`` under deduplicated tiles), the
-    detached weights, the local top-k weights [N_local, k] float32, the options and the
-    session (distributed runs); routing: the routing the contexts are built from (ids and
-    weights [N, k]: every rank's under deduplicated tiles, whose receivers weigh rows)."""
+    detached weights, the routing the contexts are built from (ids and top-k weights
+    [N, k] float32: this rank's, or every rank's under deduplicated tiles on the
+    runtime, whose receivers weigh rows), the options and the session (distributed runs)."""
 
     plan: RoutingPlan
     saved: list[SavedActivations] | list[DedupSaved]
     weights: ExpertWeights | None
-    topk_weights: torch.Tensor | None
+    routing: Routing | None
     options: RegionOptions
     session: Session | None = None
     device: Any = None  # the triton backend's forward (its arena holds the saved activations)
     nbytes: int = 0
-    routing: Routing | None = None
 
     def saved_bytes(self) -> int:
         """Bytes of the saved activations (the input x excluded)."""
@@ -537,8 +536,9 @@ class RegionState:
         without them."""
         w = self.weights
         tensors = [getattr(s, f.name) for s in self.saved for f in fields(s)]
-        tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2, self.topk_weights]
-        bare = replace(self, saved=[None] * len(self.saved), weights=None, topk_weights=None,
+        tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2,
+                    self.routing.ids, self.routing.weights]
+        bare = replace(self, saved=[None] * len(self.saved), weights=None, routing=None,
                        nbytes=self.saved_bytes())
         return tensors, bare
 
@@ -547,9 +547,9 @@ class RegionState:
         kind = DedupSaved if self.options.dedup else SavedActivations
         n, ranks = len(fields(kind)), len(self.saved)
         saved = [kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
-        router, bias, w13, w2, sw13, sw2, topk = tensors[ranks * n:]
+        router, bias, w13, w2, sw13, sw2, ids, topk = tensors[ranks * n:]
         weights = ExpertWeights(self.plan.moe, router, bias, w13, w2, sw13, sw2)
-        return replace(self, saved=saved, weights=weights, topk_weights=topk)
+        return replace(self, saved=saved, weights=weights, routing=Routing(ids, topk))
 
 
 class MoEFunction(torch.autograd.Function):
@@ -588,11 +588,11 @@ def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
         from ..gpu.backend import TritonOptions, triton_forward
         options = TritonOptions(policy=opt.policy, hardware=opt.hardware)
         fwd = triton_forward(x, weights, routing, opt.virtual_ep, opt.tiles, options)
-        return fwd.out, RegionState(fwd.plan, [], weights, routing.weights, opt, device=fwd)
+        return fwd.out, RegionState(fwd.plan, [], weights, routing, opt, device=fwd)
     fwd = execute_forward(x, weights, routing, opt.virtual_ep, opt.tiles, opt.schedule, opt.nodes)
     kind = DedupSaved if opt.dedup else SavedActivations
     saved = [kind.from_forward(b, opt.recompute) for b in fwd.buffers]
-    return fwd.out, RegionState(fwd.plan, saved, weights, routing.weights, opt, routing=routing)
+    return fwd.out, RegionState(fwd.plan, saved, weights, routing, opt)
 
 
 def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
@@ -601,10 +601,9 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
         from ..gpu.backend import triton_backward
         return triton_backward(state.device, dy, opt.recompute).grads
     if opt.dedup:
-        routing = Routing(state.routing.ids, state.topk_weights)
-        return execute_backward_dedup(state.saved, state.plan, dy, state.weights, routing, opt.tiles,
+        return execute_backward_dedup(state.saved, state.plan, dy, state.weights, state.routing, opt.tiles,
                                       opt.recompute, opt.schedule).grads
-    return execute_backward(state.saved, state.plan, dy, state.weights, state.topk_weights,
+    return execute_backward(state.saved, state.plan, dy, state.weights, state.routing.weights,
                             opt.tiles, opt.recompute, opt.schedule).grads
 
 
@@ -632,7 +631,7 @@ def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
     else:  # recv and comb view the session's symmetric memory, which its next region reuses
         saved = SavedActivations(x=x, xe=b.recv.clone(), h=b.h, a=None if drop else b.a, comb=b.comb.clone(),
                                  sh=b.sh, sa=None if drop else b.sa)
-    return fwd.out, RegionState(fwd.plan, [saved], weights, routing.weights, opt, s, routing=fwd.routing)
+    return fwd.out, RegionState(fwd.plan, [saved], weights, fwd.routing, opt, s)
 
 
 def _dist_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
@@ -640,10 +639,9 @@ def _dist_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
     gradients are full-size [E, ...] with this rank's experts filled in and zeros elsewhere."""
     from ..runtime import run_backward
 
-    opt, w = state.options, state.weights
-    routing = Routing(state.routing.ids, state.topk_weights) if not opt.dedup else state.routing
-    return run_backward(state.session, state.plan, state.saved[0], dy, w, routing, _runtime_options(opt),
-                        opt.recompute).grads
+    opt = state.options
+    return run_backward(state.session, state.plan, state.saved[0], dy, state.weights, state.routing,
+                        _runtime_options(opt), opt.recompute).grads
 
 
 def _runtime_options(opt: RegionOptions) -> ForwardOptions:
