@@ -201,7 +201,8 @@ def test_cli_simulate_reports_link_bytes_per_tier(capsys):
 
 def test_the_regions_size_symmetric_memory_from_the_steps_tiles():
     """Under per-node dispatch the relayed rows and bf16 partials need room: the module's
-    regions size them from the tiles they are given, as the layout-bound ones do."""
+    regions size them from the tiles they are given, as the layout-bound ones do, whose
+    lowering gives the same graph."""
     from hpmoe.regions.dedup_backward_kernels import BACKWARD_DEDUP, dedup_backward_region
     from hpmoe.regions.dedup_kernels import dedup_region
 
@@ -219,3 +220,8 @@ def test_the_regions_size_symmetric_memory_from_the_steps_tiles():
         assert back["ghrecv"] == fwd["hrecv"] and back["dwcomb"] == ((d.send_rows[rank], w.spec.top_k),
                                                                    torch.float32)
     assert d.hops.per_dst.sum() > 0
+    pairs = ((dedup_region(d, tiles), FORWARD_DEDUP), (dedup_backward_region(d, tiles), BACKWARD_DEDUP))
+    for bound, free in pairs:
+        g, want = bound.lower(plan, tiles, None), free.lower(plan, tiles, None)  # the bound layout's graph
+        for col in (*task_columns(), "sig_event", "threshold"):
+            np.testing.assert_array_equal(getattr(g, col), getattr(want, col), err_msg=col)

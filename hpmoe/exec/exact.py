@@ -22,7 +22,7 @@ from ..ir.analysis import GraphError, random_order
 from ..ir.graph import TaskGraph
 from ..regions.base import Region
 from ..regions.dedup import make_dedup_layout
-from ..regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
+from ..regions.dedup_kernels import DedupBuffers, DedupContext, dedup_region
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
 from ..schedule.auto import PROCESS_DECISIONS, DecisionCache, Path, RoutingShape
@@ -105,13 +105,14 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep, nodes=nodes)
     plan = plan_routing(routing.ids, spec, par)
-    region = FORWARD if tiles.dispatch is DispatchMode.PER_EXPERT else FORWARD_DEDUP
+    dedup = tiles.dispatch is not DispatchMode.PER_EXPERT
+    d = make_dedup_layout(plan, tiles) if dedup else None
+    region = dedup_region(d, tiles) if dedup else FORWARD
     graph = region.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)
     xs = x.chunk(ep) if x.shape[0] else [x] * ep
-    if region is FORWARD_DEDUP:
-        d = make_dedup_layout(plan, tiles)
+    if dedup:
         buffers = [DedupBuffers.allocate(xs[r], d, tiles, r) for r in range(ep)]
         contexts = [DedupContext.build(weights, d, routing, r) for r in range(ep)]
     else:

@@ -25,11 +25,10 @@ from ..regions.backward_kernels import (
 from ..regions.base import Region
 from ..regions.dedup import make_dedup_layout
 from ..regions.dedup_backward_kernels import (
-    BACKWARD_DEDUP,
-    BACKWARD_DEDUP_RECOMPUTE,
     DedupBackwardBuffers,
     DedupBackwardContext,
     DedupSaved,
+    dedup_backward_region,
 )
 from ..routing import Routing, RoutingPlan
 from ..spec import DispatchMode, TileSpec, require_per_expert
@@ -167,7 +166,7 @@ def execute_backward_dedup(saved: Sequence[DedupSaved], plan: RoutingPlan, dy: t
     views, dys = rank_views(out, plan), dy.chunk(ep)
     buffers = [DedupBackwardBuffers.allocate(saved[r], dys[r], d, tiles, r, views[r]) for r in range(ep)]
     contexts = [DedupBackwardContext.build(weights, d, routing, r) for r in range(ep)]
-    region = BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP
+    region = dedup_backward_region(d, tiles, recompute)
     return _run(region, plan, tiles, order, buffers, contexts, out, weights)
 
 

@@ -360,10 +360,12 @@ class DedupLowering:
         return self.kinds.get(k, k)
 
 
-def lower_dedup(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None) -> TaskGraph:
-    """The deduplicated forward task graph of ``ranks`` (default: every rank)."""
+def lower_dedup(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,
+                layout: DedupLayout | None = None) -> TaskGraph:
+    """The deduplicated forward task graph of ``ranks`` (default: every rank); ``layout``:
+    ``make_dedup_layout(plan, tiles)`` when the caller has it already."""
     ranks, sel = select_ranks(plan.par.ep, ranks)
-    d = make_dedup_layout(plan, tiles)
+    d = layout or make_dedup_layout(plan, tiles)
     dl = DedupLowering(Lowering(layout=d.base, events=dedup_events(d), sel=sel), d,
                        tiles.partial_dtype.itemsize)
     builder = GraphBuilder(plan.par.ep, ranks)

@@ -97,12 +97,13 @@ def dedup_backward_events(d: DedupLayout) -> EventLayout:
 
 
 def lower_dedup_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,
-                         recompute: bool = False) -> TaskGraph:
-    """The backward task graph of the deduplicated forward, for ``ranks`` (default: all)."""
+                         recompute: bool = False, layout: DedupLayout | None = None) -> TaskGraph:
+    """The backward task graph of the deduplicated forward, for ``ranks`` (default: all);
+    ``layout``: ``make_dedup_layout(plan, tiles)`` when the caller has it already."""
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
     ranks, sel = select_ranks(plan.par.ep, ranks)
-    d = make_dedup_layout(plan, tiles)
+    d = layout or make_dedup_layout(plan, tiles)
     events = dedup_backward_events(d)
     every = _Lowering(Lowering(d.base, events, np.ones(plan.par.ep, bool), recompute), d, tiles)
     blocks = [make(every) for make in _PHASES]

@@ -245,6 +245,7 @@ BACKWARD_DEDUP_RECOMPUTE = _region(True)
 
 def dedup_backward_region(d: DedupLayout, tiles: TileSpec, recompute: bool = False) -> Region:
     """``BACKWARD_DEDUP`` (``_RECOMPUTE``) for the plan and tiles of layout ``d``, whose
-    symmetric shapes read ``d`` instead of rebuilding it for every rank."""
+    lowering and symmetric shapes read ``d`` instead of rebuilding it."""
     return replace(BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP,
+                   lower=functools.partial(lower_dedup_backward, recompute=recompute, layout=d),
                    symmetric_shapes=lambda plan, tiles, rank: gradient_layout_shapes(d, tiles, rank))

@@ -5,6 +5,7 @@ PARTIAL_SUM are new, and under ``PER_NODE`` RELAY_PACK and NODE_REDUCE."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -246,6 +247,7 @@ FORWARD_DEDUP = Region(
 
 
 def dedup_region(d: DedupLayout, tiles: TileSpec) -> Region:
-    """``FORWARD_DEDUP`` for the plan and tiles of layout ``d``, whose symmetric shapes read
-    ``d`` instead of rebuilding it for every rank."""
-    return replace(FORWARD_DEDUP, symmetric_shapes=lambda plan, tiles, rank: layout_shapes(d, tiles, rank))
+    """``FORWARD_DEDUP`` for the plan and tiles of layout ``d``, whose lowering and symmetric
+    shapes read ``d`` instead of rebuilding it."""
+    return replace(FORWARD_DEDUP, lower=functools.partial(lower_dedup, layout=d),
+                   symmetric_shapes=lambda plan, tiles, rank: layout_shapes(d, tiles, rank))
