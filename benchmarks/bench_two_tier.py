@@ -18,14 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from dataclasses import replace
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpmoe.bench.forecast import slowest_rank
 from hpmoe.launch.launcher import LaunchSpec, launch
 from hpmoe.launch.netns import LinkSpec
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
@@ -61,23 +62,16 @@ def rank_body(args: argparse.Namespace) -> None:
             for _ in range(args.repeats + 1):  # the first call schedules and warms up
                 t = runner(x[mine], Routing(every.ids[mine], every.weights[mine])).times
                 total = t.exchange_s + t.schedule_s + t.prepare_s + t.region_s
-                times.append(torch.tensor([t.region_s, total]))
-            slowest = dist_max(torch.stack(times[1:]))
-            out[mode.value] = {"region_ms": round(statistics.median(slowest[:, 0].tolist()) * 1e3, 2),
-                               "total_ms": round(statistics.median(slowest[:, 1].tolist()) * 1e3, 2)}
+                times.append([t.region_s, total])
+            slowest = slowest_rank(np.array(times[1:]), None)
+            out[mode.value] = {"region_ms": round(float(np.median(slowest[:, 0])) * 1e3, 2),
+                               "total_ms": round(float(np.median(slowest[:, 1])) * 1e3, 2)}
     if rank == 0:
         print(json.dumps({"ep": world, "ranks_per_node": args.ranks_per_node, "rate": args.rate,
                           "inter": args.inter, "preset": args.preset, "tokens_per_rank": args.tokens,
                           "repeats": args.repeats, **out}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def dist_max(t: torch.Tensor) -> torch.Tensor:
-    """Elementwise max of ``t`` over ranks."""
-    t = t.double().clone()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
 
 
 def main() -> None:

@@ -157,9 +157,10 @@ class Samples:
 Calls = dict[str, Callable[[], object]]
 
 
-def candidate_policies(policy: SchedulePolicy | None,
+def candidate_policies(policy: SchedulePolicy,
                        profile: HardwareModel | None) -> tuple[list[SchedulePolicy], str]:
-    """The runtime schedules to try (None: the cost model picks) and a note."""
+    """The runtime schedules to try for ``policy`` (AUTO: the taskflow policies it weighs)
+    and a note."""
     if profile is None:
         if policy in (SchedulePolicy.AUTO, SchedulePolicy.CRITICAL_PATH):
             return [SchedulePolicy.HYPERPARALLEL], ("no cpu profile (run `hpmoe calibrate`): "
