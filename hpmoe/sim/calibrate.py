@@ -75,7 +75,8 @@ PUT_BYTES = 128 * 7168 * 2  # one 128-token DeepSeek-V3 bf16 tile, the paper's p
 WEIGHT_BYTES = 64 << 20  # GEMM weights cycled through: >= 2x a 32 MiB last-level cache
 _QUICK = _Plan(repeats=5, gemm_rows=(32, 128), gemm_ks=(512, 2048), weight_bytes=16 << 20,
                copy_bytes=64 << 20, put_bytes=PUT_BYTES, put_repeats=31, tiny_calls=300)
-_FULL = _Plan(repeats=15, gemm_rows=(8, 16, 32, 64, 128, 256), gemm_ks=(256, 512, 1024, 2048, 4096),
+_FULL = _Plan(repeats=15, gemm_rows=(8, 16, 32, 64, 128, 256),
+              gemm_ks=(256, 512, 768, 1024, 1536, 2048, 4096),
               weight_bytes=WEIGHT_BYTES, copy_bytes=256 << 20, put_bytes=PUT_BYTES, put_repeats=101,
               tiny_calls=3000)
 
