@@ -19,7 +19,8 @@ The CPU model's forecast of the runtime region against the measured region on
 compute-bound configurations (shared-memory transport, hyperparallel schedule), each
 configuration ``--repeats`` runs of `hpmoe bench --predict` (each run's region is the
 median of its iterations, slowest rank); the table gives the median over runs and the
-range of the error:
+range of the error, with the host's speed (``cpu_share``) measured between the timed
+iterations and, next to it, measured before them (what AUTO decides with):
 
     .venv/bin/python benchmarks/bench_runtime.py predict [--repeats 3] [--only NAME ...]
 """
@@ -32,7 +33,7 @@ import statistics
 import subprocess
 import sys
 
-from hpmoe.bench.overhead import EmptyShape, loaded_cpu_per_task, seconds_per_task
+from hpmoe.bench.overhead import EmptyShape, loaded_cost, seconds_per_task
 
 
 def overhead(args: argparse.Namespace) -> None:
@@ -40,8 +41,9 @@ def overhead(args: argparse.Namespace) -> None:
     for shape in EmptyShape:
         s = seconds_per_task(args.tasks, shape, args.repeats)
         print(f"{shape.value:>12} {args.tasks:>6} {s * 1e6:>8.2f}")
-    loaded = loaded_cpu_per_task(repeats=args.repeats)
-    print(f"{'loaded':>12} {600:>6} {loaded * 1e6:>8.2f}  (CPU outside the kernels, GEMM + SwiGLU tiles)")
+    loaded = loaded_cost(repeats=args.repeats)
+    print(f"{'loaded':>12} {600:>6} {loaded.outside_s * 1e6:>8.2f}  (CPU outside the kernels, GEMM + SwiGLU "
+          f"tiles; the SwiGLU tile ran {loaded.vector_slowdown:.2f}x its CPU alone)")
 
 
 SMALL = ["--preset", "small", "--tokens", "1024"]
@@ -106,8 +108,9 @@ def configs(args: argparse.Namespace) -> None:
 
 
 def predict(args: argparse.Namespace) -> None:
-    print("| config | predicted ms | measured ms | error | error range over runs | cpu share |")
-    print("|---|---:|---:|---:|---|---:|")
+    print("| config | predicted ms | measured ms | error | error range over runs | runs within 15% "
+          "| share during | share before | error with the share before (range) |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|")
     rows = {}
     for name, extra in PREDICT_CONFIGS.items():
         if args.only and name not in args.only:
@@ -119,15 +122,31 @@ def predict(args: argparse.Namespace) -> None:
         if not runs:
             continue
         rows[name] = runs
-        pred = statistics.median(r["predicted_taskflow_ms"] for r in runs)
-        meas = statistics.median(r["measured_taskflow_region_ms"] for r in runs)
-        errs = [r["prediction_error_taskflow"] for r in runs]
-        share = statistics.median(r["cpu_share"] for r in runs)
-        print(f"| {name} | {pred:.1f} | {meas:.1f} | {pred / meas - 1:+.0%} | {min(errs):+.0%} to "
-              f"{max(errs):+.0%} | {share:.2f} |", flush=True)
+        pred, meas = _med(runs, "predicted_taskflow_ms"), _med(runs, "measured_taskflow_region_ms")
+        inside = sum(abs(r["prediction_error_taskflow"]) <= 0.15 for r in runs)
+        print(f"| {name} | {pred:.1f} | {meas:.1f} | {pred / meas - 1:+.0%} | "
+              f"{_range(runs, 'prediction_error_taskflow')} | {inside} of {len(runs)} | "
+              f"{_med(runs, 'cpu_share_during'):.2f} | {_med(runs, 'cpu_share'):.2f} | "
+              f"{_error(runs, 'predicted_taskflow_pre_ms')} "
+              f"({_range(runs, 'prediction_error_taskflow_pre')}) |",
+              flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _med(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _error(runs: list[dict], predicted: str) -> str:
+    """The error of the median forecast against the median measured region."""
+    return f"{_med(runs, predicted) / _med(runs, 'measured_taskflow_region_ms') - 1:+.0%}"
+
+
+def _range(runs: list[dict], key: str) -> str:
+    errs = [r[key] for r in runs]
+    return f"{min(errs):+.0%} to {max(errs):+.0%}"
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.kernels import FORWARD
 from hpmoe.schedule import WorkerCounts
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.forecast import core_share, forecast_region
+from hpmoe.sim.forecast import core_share, forecast_region, runtime_hardware
 from hpmoe.sim.hardware import cpu_nominal
 from hpmoe.sim.simulate import simulate
 
@@ -76,6 +76,22 @@ def test_core_share_divides_out_ranks_beyond_the_cores():
     assert core_share(0.9, ep=2, cores=2.0) == pytest.approx(0.9)
     assert core_share(0.45, ep=4, cores=2.0) == pytest.approx(0.9)
     assert core_share(0.6, ep=4, cores=2.0) == pytest.approx(1.2)  # a host faster than at calibration
+
+
+def test_runtime_hardware_divides_only_the_vector_rate_by_its_slowdown():
+    """A vector slowdown of 2 under load halves the vector rate a task is charged and
+    leaves the GEMM rates as the share makes them."""
+    g = build(1, [gemm(10), vec(10)], {})
+    plain = runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, share=1.0, executor_overhead=0.0, ep=1)
+    slow = runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, share=1.0, executor_overhead=0.0, ep=1,
+                            vector_slowdown=2.0)
+    assert slow.vector_flops == pytest.approx(plain.vector_flops / 2)
+    assert slow.matrix_flops_bf16 == plain.matrix_flops_bf16
+    gemm_s, vec_s = task_costs(g, plain).work
+    assert list(task_costs(g, slow).work) == pytest.approx([gemm_s, 2 * vec_s])
+    with pytest.raises(ValueError, match="vector_slowdown"):
+        runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, share=1.0, executor_overhead=0.0, ep=1,
+                         vector_slowdown=0.0)
 
 
 def test_host_cores_must_be_finite_and_non_negative():

@@ -3,11 +3,13 @@ hand-offs they claim, and they run to a finite figure (timings are never asserte
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
+import pytest
 
-from hpmoe.bench.overhead import EmptyShape, empty_graph, loaded_cpu_per_task, loaded_graph
+from hpmoe.bench.overhead import EmptyShape, empty_graph, loaded_cost, loaded_graph
 from hpmoe.ir.graph import TaskKind, Unit
 
 
@@ -33,8 +35,22 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def test_loaded_cpu_per_task_leaves_the_kernels_cpu_out() -> None:
+def test_loaded_cost_leaves_the_kernels_cpu_out() -> None:
     """Kernels that each burn 4 ms of their thread's CPU: the figure is the executor's
-    share only (well under a millisecond a task), not the 4 ms the kernels spent."""
+    share only (well under a millisecond a task), not the 4 ms the kernels spent; a
+    vector kernel that burns the same CPU under load as alone has no slowdown."""
     burn = (lambda: _burn(4e-3), lambda: _burn(4e-3))
-    assert 0 <= loaded_cpu_per_task(n=10, repeats=1, kernels=burn) < 1e-3
+    cost = loaded_cost(n=10, repeats=1, kernels=burn, alone_s=0.02)
+    assert 0 <= cost.outside_s < 1e-3
+    assert cost.vector_slowdown == pytest.approx(1.0, abs=0.05)
+
+
+def test_loaded_cost_reports_a_vector_kernel_slower_under_load() -> None:
+    """A vector kernel that burns 1 ms alone (on the calling thread) and 3 ms under load
+    (on the executor's vector worker): a slowdown of 3."""
+    caller = threading.current_thread()
+
+    def vector() -> None:
+        _burn(1e-3 if threading.current_thread() is caller else 3e-3)
+    cost = loaded_cost(n=10, repeats=1, kernels=(lambda: _burn(1e-3), vector), alone_s=0.02)
+    assert cost.vector_slowdown == pytest.approx(3.0, rel=0.05)

@@ -48,6 +48,7 @@ def test_bench_spawns_its_ranks_and_writes_both_traces(tmp_path: Path) -> None:
     assert report["schedule"] == "critical-path" and report["candidate"] is not None
     assert "auto_chosen" not in report  # a given schedule is measured as asked, no AUTO decision
     assert report["predicted_taskflow_ms"] > 0 and "prediction_error_taskflow" in report
+    assert report["cpu_share_during"] > 0 and report["predicted_taskflow_pre_ms"] > 0
     for name in ("trace.json", "predicted-trace.json"):
         events = json.loads((out / name).read_text())["traceEvents"]
         assert any(e.get("ph") == "X" for e in events)

@@ -9,6 +9,7 @@ times); nothing is fitted to the outcome.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ..schedule.base import WorkerCounts
 from ..sim.calibrate import WEIGHT_BYTES, KernelGemm
 from ..sim.forecast import runtime_hardware
 from ..sim.hardware import HardwareModel
-from .overhead import loaded_cpu_per_task
+from .overhead import LoadedCost, loaded_cost
 
 
 def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
@@ -105,24 +106,43 @@ def _seconds_per_call(fn: Callable[[], object], seconds: float) -> float:
     return (time.perf_counter() - t0) / n
 
 
+class ShareProbe:
+    """The calibration's own 128 x 512 x 512 ``KernelGemm`` tile in ``dtype``, timed in
+    windows while every rank of the group runs it at once: what fraction of the
+    profile's GEMM rate a rank gets now (``share``).  It captures ranks sharing cores,
+    whatever else runs on the host, and the host running slower or faster than when it
+    was calibrated."""
+
+    def __init__(self, profile: HardwareModel, dtype: torch.dtype) -> None:
+        self.tile = KernelGemm(128, 512, dtype, WEIGHT_BYTES, torch.Generator().manual_seed(0))
+        self.tile()
+        self.expected = float(profile.matrix_time(128, 512, 512, dtype))
+        self.call_cost = profile.task_overhead
+
+    def window(self, seconds: float, settle: float = 0.0) -> float:
+        """Seconds per tile call over ``seconds``, after ``settle`` seconds of untimed
+        calls (the scheduler places every rank's thread).  Call it on every rank at once."""
+        if settle > 0:
+            _seconds_per_call(self.tile, settle)
+        return _seconds_per_call(self.tile, seconds)
+
+    def share(self, per_call: list[float], group: dist.ProcessGroup | None) -> float:
+        """The profile's rate over the rate of ``per_call`` (every rank's windows, taken
+        at the same times): the median over windows of the slowest rank.  Above 1 when
+        the host runs faster than when it was calibrated.  Collective."""
+        slowest = float(np.median(slowest_rank(np.array(per_call), group)))
+        return self.expected / self.tile.compute_seconds(slowest, self.call_cost)
+
+
 def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.ProcessGroup | None,
                      seconds: float = 0.5, windows: int = 5) -> float:
-    """The fraction of the profile's GEMM rate a rank gets now while every rank of the
-    group runs GEMM tiles at once: the calibration's own 128 x 512 x 512 ``KernelGemm``
-    in ``dtype`` (its call cost taken out as calibration does), after a settling window,
-    in ``windows`` windows over ``seconds``; the median over windows of the slowest
-    rank's rate over the profile's rate for that tile.  It captures ranks sharing cores,
-    whatever else runs on the host, and the host running slower or faster than when it
-    was calibrated.  Collective."""
-    tile = KernelGemm(128, 512, dtype, WEIGHT_BYTES, torch.Generator().manual_seed(0))
-    tile()
+    """``ShareProbe.share`` now: ``windows`` windows over ``seconds`` after a settling
+    window, every rank at once.  Collective."""
+    probe = ShareProbe(profile, dtype)
     dist.barrier(group=group)
     window = seconds / windows
-    _seconds_per_call(tile, window)  # the scheduler places every rank's thread
-    per_call = np.array([_seconds_per_call(tile, window) for _ in range(windows)])
-    slowest = float(np.median(slowest_rank(per_call, group)))
-    return float(profile.matrix_time(128, 512, 512, dtype)) / tile.compute_seconds(slowest,
-                                                                                  profile.task_overhead)
+    per_call = [probe.window(window, settle=window if i == 0 else 0.0) for i in range(windows)]
+    return probe.share(per_call, group)
 
 
 @dataclass(frozen=True)
@@ -131,13 +151,25 @@ class Models:
     same with the link the serialized baseline gets from ``all_to_all_single``.
     link, a2a: (bytes/s, latency s) of torch.distributed point-to-point and of
     ``all_to_all_single`` (None for one rank).  share: ``concurrent_share``, the
-    fraction of the calibrated compute rate a rank gets."""
+    fraction of the calibrated compute rate a rank gets.  loaded: the executor's CPU
+    per task and the vector kernels' slowdown with both workers busy (``loaded_cost``,
+    the slowest rank's).  The rest are the inputs both models were built from
+    (``at_share`` rebuilds them)."""
 
     runtime: HardwareModel
     baseline: HardwareModel
     link: tuple[float, float] | None
     a2a: tuple[float, float] | None
     share: float
+    loaded: LoadedCost
+    profile: HardwareModel
+    transport: TransportKind
+    workers: WorkerCounts
+
+    def at_share(self, share: float, group: dist.ProcessGroup | None) -> Models:
+        """The same models with compute rates for ``share`` instead.  Collective."""
+        return _build(self.profile, self.transport, self.workers, self.link, self.a2a, share, self.loaded,
+                      group)
 
 
 def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: WorkerCounts,
@@ -156,11 +188,21 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
     share = concurrent_share(profile, dtype, group)
     dist.barrier(group=group)
-    overhead = float(slowest_rank(np.array([loaded_cpu_per_task()]), group)[0])  # every rank at once
+    loaded = LoadedCost(*slowest_rank(np.array(dataclasses.astuple(loaded_cost())), group).tolist())
+    return _build(profile, runtime.transport, workers, link, a2a, share, loaded, group)
+
+
+def _build(profile: HardwareModel, transport: TransportKind, workers: WorkerCounts,
+           link: tuple[float, float] | None, a2a: tuple[float, float] | None, share: float,
+           loaded: LoadedCost, group: dist.ProcessGroup | None) -> Models:
+    """``Models`` from agreed measurements, built on group rank 0.  Collective."""
+    world = dist.get_world_size(group)
     box: list = [None]
     if dist.get_rank(group) == 0:
-        own = link if runtime.transport is TransportKind.DIST else None
-        box[0] = (runtime_hardware(profile, workers, own, share, overhead, world).to_dict(),
-                  runtime_hardware(profile, workers, a2a, share, overhead, world).to_dict())
+        own = link if transport is TransportKind.DIST else None
+        box[0] = tuple(runtime_hardware(profile, workers, path_link, share, loaded.outside_s, world,
+                                        loaded.vector_slowdown).to_dict() for path_link in (own, a2a))
     dist.broadcast_object_list(box, group=group, group_src=0)
-    return Models(*(HardwareModel.from_dict(d) for d in box[0]), link=link, a2a=a2a, share=share)
+    runtime, baseline = (HardwareModel.from_dict(d) for d in box[0])
+    return Models(runtime, baseline, link=link, a2a=a2a, share=share, loaded=loaded, profile=profile,
+                  transport=transport, workers=workers)

@@ -7,10 +7,11 @@ Three shapes of graph, each N empty tasks of one rank:
   ping-pong:   the chain alternates between a matrix and a vector worker, so every
                task waits for the other thread (futex sleep and wake per task).
 
-And the executor's CPU per task under load (``loaded_cpu_per_task``): the matrix worker
-runs GEMM tiles back to back, the vector worker a small elementwise tile after each, so
-both threads are busy and the vector one sleeps and wakes per tile, as in a region; the
-process's CPU time outside the kernels, per task.
+And the executor's CPU per task under load (``loaded_cost``): the matrix worker runs
+GEMM tiles back to back, the vector worker a small elementwise tile after each, so both
+threads are busy and the vector one sleeps and wakes per tile, as in a region; the
+process's CPU time outside the kernels, per task, and how much slower the vector kernel
+runs there than alone (the matrix thread's streaming evicts its operands).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -130,11 +132,25 @@ def tile_kernels() -> tuple[Callable[[], object], Callable[[], object]]:
     return (lambda: torch.mm(a, w.t(), out=out)), (lambda: glu(h, act, Activation.SILU))
 
 
-def loaded_cpu_per_task(n: int = 300, repeats: int = 3,
-                        kernels: tuple[Callable[[], object], Callable[[], object]] | None = None) -> float:
-    """Median over ``repeats`` of the process's CPU seconds outside the kernels per task of
-    ``loaded_graph(n)``, whose matrix tasks run ``kernels[0]`` and vector tasks
-    ``kernels[1]`` (default ``tile_kernels()``; thread CPU time around every kernel)."""
+@dataclass(frozen=True)
+class LoadedCost:
+    """What a region's two busy workers cost a rank, from ``loaded_cost``.
+
+    outside_s: the process's CPU seconds per task outside the kernels (the executor's
+    own cost).  vector_slowdown: the vector kernel's CPU per call while the matrix
+    worker runs beside it, over the same kernel's CPU per call alone just before."""
+
+    outside_s: float
+    vector_slowdown: float
+
+
+def loaded_cost(n: int = 300, repeats: int = 3,
+                kernels: tuple[Callable[[], object], Callable[[], object]] | None = None,
+                alone_s: float = 0.1) -> LoadedCost:
+    """Medians over ``repeats`` runs of ``loaded_graph(n)``, whose matrix tasks run
+    ``kernels[0]`` and vector tasks ``kernels[1]`` (default ``tile_kernels()``; thread
+    CPU time around every kernel), after the vector kernel has run alone for
+    ``alone_s`` seconds.  Run it on every rank at once, as a region runs."""
     gemm, vector = kernels or tile_kernels()
     spent = {TaskKind.GEMM_UP: 0.0, TaskKind.SWIGLU: 0.0}  # each kind runs on one worker thread
 
@@ -150,15 +166,28 @@ def loaded_cpu_per_task(n: int = 300, repeats: int = 3,
                              TaskKind.SWIGLU: timed(TaskKind.SWIGLU, vector)},
                     symmetric_shapes=lambda *x: {})
 
-    def outside_kernels(run: Callable[[], object]) -> float:
+    def measure(run: Callable[[], object]) -> tuple[float, float]:
         spent.update(dict.fromkeys(spent, 0.0))
         cpu = _process_cpu()
         run()
-        return (_process_cpu() - cpu - sum(spent.values())) / (2 * n)
+        return (_process_cpu() - cpu - sum(spent.values())) / (2 * n), spent[TaskKind.SWIGLU] / n
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernels' whole CPU is on the calling thread
     try:
-        samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, outside_kernels)
+        alone = _cpu_per_call(vector, alone_s)
+        samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, measure)
     finally:
         torch.set_num_threads(threads)
-    return max(0.0, statistics.median(samples))
+    outside, loaded = (statistics.median(column) for column in zip(*samples, strict=True))
+    return LoadedCost(outside_s=max(0.0, outside), vector_slowdown=loaded / max(alone, 1e-12))
+
+
+def _cpu_per_call(fn: Callable[[], object], seconds: float) -> float:
+    """Thread CPU seconds per ``fn()`` call, calling it for ``seconds`` of wall time
+    after one untimed call."""
+    fn()
+    n, t0, c0 = 0, time.perf_counter(), time.thread_time()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return (time.thread_time() - c0) / max(n, 1)

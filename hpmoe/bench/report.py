@@ -16,6 +16,7 @@ from ..schedule.base import SchedulePolicy
 from ..sim.forecast import forecast_region
 from ..sim.simulate import Timeline
 from .forecast import Models, slowest_rank
+from .overhead import LoadedCost
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,17 @@ class Stats:
 @dataclass(frozen=True)
 class Prediction:
     """Simulated region makespans (ms) of the schedules that ran, next to the
-    measured region times (ms, median of the slowest rank)."""
+    measured region times (ms, median of the slowest rank).  ``share``: the
+    ``ShareProbe`` share measured between the timed iterations, which the forecasts
+    use; ``taskflow_pre_ms``: the taskflow's forecast with the share measured before
+    them instead (what AUTO decided with)."""
 
     serial_schedule_ms: float
     taskflow_ms: float
     measured_serial_schedule_ms: float
     measured_taskflow_ms: float
+    share: float
+    taskflow_pre_ms: float
 
     @property
     def errors(self) -> tuple[float, float]:
@@ -54,24 +60,30 @@ class Prediction:
                 self.taskflow_ms / self.measured_taskflow_ms - 1.0)
 
     def fields(self) -> dict[str, float]:
-        e = self.errors
+        e, pre = self.errors, self.taskflow_pre_ms / self.measured_taskflow_ms - 1.0
         return {"predicted_serial_schedule_ms": round(self.serial_schedule_ms, 3),
                 "predicted_taskflow_ms": round(self.taskflow_ms, 3),
                 "measured_serial_schedule_region_ms": round(self.measured_serial_schedule_ms, 3),
                 "measured_taskflow_region_ms": round(self.measured_taskflow_ms, 3),
                 "prediction_error_serial_schedule": round(e[0], 4),
-                "prediction_error_taskflow": round(e[1], 4)}
+                "prediction_error_taskflow": round(e[1], 4),
+                "cpu_share_during": round(self.share, 3),
+                "predicted_taskflow_pre_ms": round(self.taskflow_pre_ms, 3),
+                "prediction_error_taskflow_pre": round(pre, 4)}
 
 
 def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float,
-            measured_flow_s: float, models: Models) -> tuple[Prediction, Timeline]:
-    """Forecast both runtime regions on the runtime's model (``forecast_region``);
-    (prediction, the taskflow's simulated timeline)."""
+            measured_flow_s: float, models: Models, before: Models) -> tuple[Prediction, Timeline]:
+    """Forecast both runtime regions on the runtime's model of ``models``
+    (``forecast_region``), and the taskflow's also on ``before``'s; (prediction, the
+    taskflow's simulated timeline)."""
     s, _ = forecast_region(serial.schedule, models.runtime)
     f, sim = forecast_region(flow.schedule, models.runtime)
+    pre, _ = forecast_region(flow.schedule, before.runtime)
     return Prediction(serial_schedule_ms=s * 1e3, taskflow_ms=f * 1e3,
                       measured_serial_schedule_ms=measured_serial_s * 1e3,
-                      measured_taskflow_ms=measured_flow_s * 1e3), sim.timeline
+                      measured_taskflow_ms=measured_flow_s * 1e3, share=models.share,
+                      taskflow_pre_ms=pre * 1e3), sim.timeline
 
 
 def measured_timeline(out: ForwardOutput, group: dist.ProcessGroup | None) -> Timeline:
@@ -119,6 +131,7 @@ class BenchReport:
     link: tuple[float, float] | None
     a2a: tuple[float, float] | None
     share: float | None
+    loaded: LoadedCost | None
     decision: AutoDecision | None
     prediction: Prediction | None
     timeline: Timeline
@@ -148,6 +161,9 @@ class BenchReport:
             out |= self.decision.to_json() | {"auto": self.decision.describe()}
         if self.share is not None:
             out["cpu_share"] = round(self.share, 3)
+        if self.loaded is not None:
+            out |= {"executor_us_per_task": round(self.loaded.outside_s * 1e6, 2),
+                    "vector_slowdown": round(self.loaded.vector_slowdown, 3)}
         if self.link is not None:
             out |= {"link_measured_gbytes_per_s": round(self.link[0] / 1e9, 4),
                     "link_latency_us": round(self.link[1] * 1e6, 1)}

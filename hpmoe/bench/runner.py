@@ -57,7 +57,7 @@ from ..sim.forecast import forecast_region
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
-from .forecast import Models, agreed_models, agreed_profile, slowest_rank
+from .forecast import Models, ShareProbe, agreed_models, agreed_profile, slowest_rank
 from .order import iteration_order
 from .report import BenchReport, Stats, all_equal, max_abs_diff, measured_timeline, predict
 
@@ -131,10 +131,11 @@ class Samples:
     outs: dict[str, torch.Tensor]
     steps: dict[str, list[tuple[float, float, float, float]]]
     last: dict[str, ForwardOutput]
+    probe: list[float]  # ShareProbe windows, one per iteration (seconds per tile call)
 
     @staticmethod
     def empty(names: list[str]) -> Samples:
-        return Samples({n: [] for n in names}, {}, {n: [] for n in names}, {})
+        return Samples({n: [] for n in names}, {}, {n: [] for n in names}, {}, [])
 
     def record(self, name: str, res: object, seconds: float) -> None:
         if isinstance(res, ForwardOutput):
@@ -199,10 +200,16 @@ class Output:
     out: torch.Tensor
 
 
-def timed_loop(iters: int, calls: Calls, session: Session, phase: str) -> Samples:
+PROBE_SETTLE_S, PROBE_WINDOW_S = 0.05, 0.1
+
+
+def timed_loop(iters: int, calls: Calls, session: Session, phase: str,
+               probe: ShareProbe | None = None) -> Samples:
     """``iters`` iterations, calls interleaved, each after a barrier (under the
     session's deadline, announced on its board), in the orders of ``iteration_order``:
-    every call follows every other one equally often; rank 0 shows progress on stderr
+    every call follows every other one equally often; with ``probe``, a window of it
+    after each iteration's calls (every rank at once), so that the host's speed is
+    measured over the same minutes as the calls; rank 0 shows progress on stderr
     (at most one line a second, and the last)."""
     s = Samples.empty(list(calls))
     names = list(calls)
@@ -215,6 +222,10 @@ def timed_loop(iters: int, calls: Calls, session: Session, phase: str) -> Sample
             t0 = time.perf_counter()
             res = call()
             s.record(name, res, time.perf_counter() - t0)
+        if probe is not None:
+            session.collectives.barrier(f"{phase} {i + 1}/{iters}: barrier before the share probe",
+                                        publish=False)
+            s.probe.append(probe.window(PROBE_WINDOW_S, settle=PROBE_SETTLE_S))
         if session.rank == 0 and (time.monotonic() - shown > 1.0 or i + 1 == iters):
             shown = time.monotonic()
             print(f"hpmoe bench: {phase} {i + 1}/{iters} ({shown - start:.1f} s)", file=sys.stderr,
@@ -253,10 +264,11 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
     calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
     default = Variant.RUNTIME if decision is None else _variant(decision.chosen)
-    samples = timed_loop(config.iters, calls, session, "iteration")
+    probe = ShareProbe(profile, config.moe.dtype) if config.predict and models is not None else None
+    samples = timed_loop(config.iters, calls, session, "iteration", probe)
     samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     session.board.enter("bench: report")
-    return build_report(config, chosen, samples, models, decision, group, note)
+    return build_report(config, chosen, samples, models, decision, group, note, probe)
 
 
 def _models(config: BenchConfig, profile: HardwareModel | None,
@@ -313,16 +325,20 @@ def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy]
 
 
 def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models: Models | None,
-                 decision: AutoDecision | None, group: dist.ProcessGroup | None, note: str) -> BenchReport:
-    """Reduce every rank's samples into the report (collective)."""
+                 decision: AutoDecision | None, group: dist.ProcessGroup | None, note: str,
+                 probe: ShareProbe | None = None) -> BenchReport:
+    """Reduce every rank's samples into the report (collective).  The prediction is made
+    twice: with the share ``probe`` measured between the timed iterations, and with the
+    share measured before them (the models AUTO decided with)."""
     names = [v.value for v in Variant]
     sst, rt = Variant.SERIAL_SAME_TRANSPORT.value, Variant.RUNTIME.value
     stats = {n: Stats.of(slowest_rank(np.array(s.seconds[n]), group)) for n in names}
     steps = {n: s.step_medians(n, group) for n in (sst, rt)}
     prediction, predicted = None, None
-    if config.predict and models is not None:
+    if config.predict and models is not None and probe is not None:
+        during = models.at_share(probe.share(s.probe, group), group)
         prediction, predicted = predict(s.last[sst], s.last[rt], steps[sst]["region"], steps[rt]["region"],
-                                        models)
+                                        during, models)
     out, serial = s.outs, s.outs[Variant.SERIAL.value]
     return BenchReport(
         ep=dist.get_world_size(group), policy=policy, stats=stats, steps=steps,
@@ -331,5 +347,6 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         bitwise_equal=all_equal(out[rt], out[sst], group),
         candidate=s.last[rt].schedule.candidate or None, link=models.link if models else None,
         a2a=models.a2a if models else None, share=models.share if models else None,
+        loaded=models.loaded if models else None,
         decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
         predicted_timeline=predicted, note=note)

@@ -65,19 +65,25 @@ def core_share(share: float, ep: int, cores: float) -> float:
 
 
 def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
-                     share: float, executor_overhead: float, ep: int) -> HardwareModel:
+                     share: float, executor_overhead: float, ep: int,
+                     vector_slowdown: float = 1.0) -> HardwareModel:
     """The cost model of the runtime: the ``cpu`` profile with the runtime's worker
     counts; the host's cores (``host_cores``: every rank's worker threads share them);
     compute rates scaled by ``core_share`` of ``share`` (the fraction of the calibrated
-    rate a rank gets while every rank computes); ``executor_overhead`` (s, the
-    executor's own cost per task) added to the per-task cost; and, when ``link`` is
-    given as (bytes/s, latency s), that link instead of the profile's."""
+    rate a rank gets while every rank computes), the vector rate also divided by
+    ``vector_slowdown`` (how much slower the vector kernels run while the matrix worker
+    streams beside them); ``executor_overhead`` (s, the executor's own cost per task)
+    added to the per-task cost; and, when ``link`` is given as (bytes/s, latency s),
+    that link instead of the profile's."""
+    if not vector_slowdown > 0:
+        raise ValueError(f"vector_slowdown must be > 0, got {vector_slowdown!r}")
     cores = float(len(os.sched_getaffinity(0)))
     share = core_share(share, ep, cores)
     hw = dataclasses.replace(
         profile, matrix_workers=workers.matrix, vector_workers=workers.vector, host_cores=cores,
         matrix_flops_bf16=profile.matrix_flops_bf16 * share,
-        matrix_flops_fp32=profile.matrix_flops_fp32 * share, vector_flops=profile.vector_flops * share,
+        matrix_flops_fp32=profile.matrix_flops_fp32 * share,
+        vector_flops=profile.vector_flops * share / vector_slowdown,
         task_overhead=profile.task_overhead + executor_overhead)
     if link is None:
         return hw
