@@ -2,10 +2,11 @@
 (every kernel call wrapped in ``time.thread_time``) beside the cost the runtime's model
 gives it (``sim.cost.task_costs(...).work``: the core time the replay asks of it), and
 each rank's process CPU time against its tasks' total.  Two ranks, shared-memory
-transport, hyperparallel schedule, one line per task kind and rank (medians over the
+transport (or ``--transport dist``), hyperparallel schedule, one line per task kind and rank (medians over the
 iterations after two warm-up ones).  Needs a calibrated profile (``hpmoe calibrate``).
 
     .venv/bin/python benchmarks/cpu_task_times.py [--preset small] [--tokens 4096] [--iters 8]
+        [--transport shm|dist]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def rank_main(args: argparse.Namespace) -> None:
     executor._Run.block = _counted_block
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     group = dist.new_group(timeout=timedelta(seconds=60))
-    rt, policy = RuntimeConfig(transport=TransportKind.SHM), SchedulePolicy.HYPERPARALLEL
+    rt, policy = RuntimeConfig(transport=TransportKind(args.transport)), SchedulePolicy.HYPERPARALLEL
     cfg = BenchConfig(moe=preset(args.preset), tokens=args.tokens, routing=RoutingKind.BALANCED, seed=0,
                       tiles=TileSpec(), runtime=rt, workers=WorkerCounts(1, 1), policy=policy)
     data, rank = make_inputs(cfg, dist.get_world_size(), dist.get_rank()), dist.get_rank()
@@ -83,7 +84,8 @@ def rank_main(args: argparse.Namespace) -> None:
     with torch.no_grad(), Session(rt, group) as s:
         moe = cfg.moe
         models = agreed_models(agreed_profile(group), rt, cfg.workers, moe.dtype,
-                               args.tokens * moe.top_k * moe.hidden * moe.dtype.itemsize // 2, group)
+                               args.tokens * moe.top_k * moe.hidden * moe.dtype.itemsize // 2,
+                               cfg.tiles.rows * moe.hidden * moe.dtype.itemsize, group)
         run = ForwardRunner(s, data.weights, ForwardOptions(tiles=cfg.tiles, policy=policy,
                                                             hardware=models.runtime))
         for _ in range(args.iters + 2):
@@ -144,13 +146,14 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--transport", choices=[t.value for t in TransportKind], default=TransportKind.SHM.value)
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank:
         rank_main(args)
         return
     argv = (sys.executable, __file__, "--rank", "--preset", args.preset, "--tokens",
-            str(args.tokens), "--iters", str(args.iters))
+            str(args.tokens), "--iters", str(args.iters), "--transport", args.transport)
     sys.exit(launch(LaunchSpec(argv=argv, world=2, timeout_s=1800)).returncode)
 
 

@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from ..runtime.session import RuntimeConfig
 from ..runtime.transport.base import TransportKind
+from ..runtime.transport.dist import HEADER_TAG
 from ..schedule.auto import saved_profile
 from ..schedule.base import WorkerCounts
 from ..sim.calibrate import WEIGHT_BYTES, KernelGemm
 from ..sim.forecast import runtime_hardware
 from ..sim.hardware import HardwareModel
-from .overhead import LoadedCost, loaded_cost
+from .overhead import LoadedCost, loaded_cost, process_cpu
 
 
 def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
@@ -47,6 +48,34 @@ def measure_link(group: dist.ProcessGroup | None, nbytes: int, repeats: int = 8)
     small = _exchange_seconds(group, 64, repeats, False, 0.0, min)
     world = dist.get_world_size(group)
     return (world - 1) * (nbytes - 64) / max(big - small, 1e-9), small
+
+
+def measure_put_cpu(group: dist.ProcessGroup | None, put_bytes: int, puts: int = 32,
+                    repeats: int = 3) -> float:
+    """Host CPU seconds per put of the ``dist`` transport's traffic: every rank sends
+    ``puts`` puts of ``put_bytes`` to every other rank, each followed by its 8-byte
+    header, every receive posted first as the transport posts them; the process's CPU
+    (every thread, user and kernel) over the exchange per put it sent, the receiving
+    side of as many included; the slowest rank's median of ``repeats`` after one
+    untimed exchange.  Collective."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = [p for p in range(world) if p != rank]
+    data, header = torch.zeros(put_bytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+    inbox = torch.empty(len(peers), puts, put_bytes, dtype=torch.uint8)
+    headers = torch.empty(len(peers), puts, dtype=torch.int64)
+    samples = []
+    for _ in range(repeats + 1):
+        dist.barrier(group=group)
+        cpu = process_cpu()
+        works = [dist.irecv(t, group=group, group_src=p, tag=tag) for j, p in enumerate(peers)
+                 for k in range(puts)
+                 for t, tag in ((inbox[j, k], 1 + k), (headers[j, k:k + 1], HEADER_TAG + k))]
+        works += [dist.isend(t, group=group, group_dst=p, tag=tag) for p in peers for k in range(puts)
+                  for t, tag in ((data, 1 + k), (header, HEADER_TAG + k))]
+        for w in works:
+            w.wait()
+        samples.append((process_cpu() - cpu) / (puts * len(peers)))
+    return float(np.median(slowest_rank(np.array(samples[1:]), group)))
 
 
 def measure_all_to_all(group: dist.ProcessGroup | None, nbytes: int, repeats: int = 3,
@@ -153,7 +182,9 @@ class Models:
     ``all_to_all_single`` (None for one rank).  share: ``concurrent_share``, the
     fraction of the calibrated compute rate a rank gets.  loaded: the executor's CPU
     per task and the vector kernels' slowdown with both workers busy (``loaded_cost``,
-    the slowest rank's).  The rest are the inputs both models were built from
+    the slowest rank's).  put_cpu: host CPU seconds per remote put of the runtime's
+    transport (``measure_put_cpu`` for ``dist``; 0 for ``shm``, whose puts are the
+    workers' own copies).  The rest are the inputs both models were built from
     (``at_share`` rebuilds them)."""
 
     runtime: HardwareModel
@@ -162,6 +193,7 @@ class Models:
     a2a: tuple[float, float] | None
     share: float
     loaded: LoadedCost
+    put_cpu: float
     profile: HardwareModel
     transport: TransportKind
     workers: WorkerCounts
@@ -169,18 +201,19 @@ class Models:
     def at_share(self, share: float, group: dist.ProcessGroup | None) -> Models:
         """The same models with compute rates for ``share`` instead.  Collective."""
         return _build(self.profile, self.transport, self.workers, self.link, self.a2a, share, self.loaded,
-                      group)
+                      self.put_cpu, group)
 
 
 def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: WorkerCounts,
-                  dtype: torch.dtype, nbytes: int, group: dist.ProcessGroup | None,
+                  dtype: torch.dtype, nbytes: int, put_bytes: int, group: dist.ProcessGroup | None,
                   link_rate: float | None = None) -> Models:
     """Both models, built on group rank 0 from measurements and used by every rank
     (schedules computed from them must agree).  Each path's link is measured with its
     own traffic, ``nbytes`` per peer (a balanced dispatch): back-to-back point-to-point
     transfers for the runtime's stream of puts — or, for a shaped link, its configured
     ``link_rate`` (bytes/s), with the measured latency — and ``all_to_all_single``
-    after an idle gap for the baseline's bursts between compute phases.  Collective."""
+    after an idle gap for the baseline's bursts between compute phases.  The ``dist``
+    transport's host CPU per put is measured with ``put_bytes`` puts.  Collective."""
     world = dist.get_world_size(group)
     link = measure_link(group, nbytes) if world > 1 else None
     if link is not None and link_rate is not None:
@@ -189,20 +222,23 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     share = concurrent_share(profile, dtype, group)
     dist.barrier(group=group)
     loaded = LoadedCost(*slowest_rank(np.array(dataclasses.astuple(loaded_cost())), group).tolist())
-    return _build(profile, runtime.transport, workers, link, a2a, share, loaded, group)
+    own_cpu = world > 1 and runtime.transport is TransportKind.DIST
+    put_cpu = measure_put_cpu(group, put_bytes) if own_cpu else 0.0
+    return _build(profile, runtime.transport, workers, link, a2a, share, loaded, put_cpu, group)
 
 
 def _build(profile: HardwareModel, transport: TransportKind, workers: WorkerCounts,
            link: tuple[float, float] | None, a2a: tuple[float, float] | None, share: float,
-           loaded: LoadedCost, group: dist.ProcessGroup | None) -> Models:
+           loaded: LoadedCost, put_cpu: float, group: dist.ProcessGroup | None) -> Models:
     """``Models`` from agreed measurements, built on group rank 0.  Collective."""
     world = dist.get_world_size(group)
     box: list = [None]
     if dist.get_rank(group) == 0:
         own = link if transport is TransportKind.DIST else None
         box[0] = tuple(runtime_hardware(profile, workers, path_link, share, loaded.outside_s, world,
-                                        loaded.vector_slowdown).to_dict() for path_link in (own, a2a))
+                                        loaded.vector_slowdown, cpu).to_dict()
+                       for path_link, cpu in ((own, put_cpu), (a2a, 0.0)))
     dist.broadcast_object_list(box, group=group, group_src=0)
     runtime, baseline = (HardwareModel.from_dict(d) for d in box[0])
-    return Models(runtime, baseline, link=link, a2a=a2a, share=share, loaded=loaded, profile=profile,
-                  transport=transport, workers=workers)
+    return Models(runtime, baseline, link=link, a2a=a2a, share=share, loaded=loaded, put_cpu=put_cpu,
+                  profile=profile, transport=transport, workers=workers)

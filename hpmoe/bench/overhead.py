@@ -117,7 +117,8 @@ def loaded_graph(n: int) -> TaskGraph:
     return b.freeze()
 
 
-def _process_cpu() -> float:
+def process_cpu() -> float:
+    """CPU seconds of this process so far: every thread, user and kernel."""
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
 
@@ -168,9 +169,9 @@ def loaded_cost(n: int = 300, repeats: int = 3,
 
     def measure(run: Callable[[], object]) -> tuple[float, float]:
         spent.update(dict.fromkeys(spent, 0.0))
-        cpu = _process_cpu()
+        cpu = process_cpu()
         run()
-        return (_process_cpu() - cpu - sum(spent.values())) / (2 * n), spent[TaskKind.SWIGLU] / n
+        return (process_cpu() - cpu - sum(spent.values())) / (2 * n), spent[TaskKind.SWIGLU] / n
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernels' whole CPU is on the calling thread
     try:

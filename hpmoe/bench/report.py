@@ -132,6 +132,7 @@ class BenchReport:
     a2a: tuple[float, float] | None
     share: float | None
     loaded: LoadedCost | None
+    put_cpu: float | None
     decision: AutoDecision | None
     prediction: Prediction | None
     timeline: Timeline
@@ -164,6 +165,8 @@ class BenchReport:
         if self.loaded is not None:
             out |= {"executor_us_per_task": round(self.loaded.outside_s * 1e6, 2),
                     "vector_slowdown": round(self.loaded.vector_slowdown, 3)}
+        if self.put_cpu:
+            out["put_cpu_us"] = round(self.put_cpu * 1e6, 2)
         if self.link is not None:
             out |= {"link_measured_gbytes_per_s": round(self.link[0] / 1e9, 4),
                     "link_latency_us": round(self.link[1] * 1e6, 1)}

@@ -280,7 +280,8 @@ def _models(config: BenchConfig, profile: HardwareModel | None,
     moe, world = config.moe, dist.get_world_size(group)
     nbytes = max(64, config.tokens * moe.top_k * moe.hidden * moe.dtype.itemsize // world)
     rate = config.link.bytes_per_s if config.link is not None else None
-    return agreed_models(profile, config.runtime, config.workers, moe.dtype, nbytes, group, rate)
+    put_bytes = config.tiles.rows * moe.hidden * moe.dtype.itemsize
+    return agreed_models(profile, config.runtime, config.workers, moe.dtype, nbytes, put_bytes, group, rate)
 
 
 def _runtime_policy(decision: AutoDecision | None, policies: list[SchedulePolicy]) -> SchedulePolicy:
@@ -347,6 +348,6 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         bitwise_equal=all_equal(out[rt], out[sst], group),
         candidate=s.last[rt].schedule.candidate or None, link=models.link if models else None,
         a2a=models.a2a if models else None, share=models.share if models else None,
-        loaded=models.loaded if models else None,
+        loaded=models.loaded if models else None, put_cpu=models.put_cpu if models else None,
         decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
         predicted_timeline=predicted, note=note)

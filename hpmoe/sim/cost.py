@@ -13,7 +13,8 @@ Model, per task (seconds):
   tile are mostly L2 hits), so the lower bounds carry no memory term.
 - a task takes ``task_overhead + max(compute, memory)`` on its worker (roofline).
 - puts: a put whose ``link_bytes`` is 0 stays on its rank and is a memory copy like
-  any vector task.  A remote put costs ``task_overhead`` to issue, then occupies the
+  any vector task.  A remote put costs ``task_overhead`` to issue (plus ``put_cpu``, the
+  host CPU a transport on the host's cores burns per put), then occupies the
   link for ``link_bytes / bandwidth``, then ``link_latency`` passes before its signal
   lands: uncontended, ``overhead + link_latency + link_bytes / bandwidth``.  The
   bandwidth is the measured all-to-all figure for the graph's EP size and the put's
@@ -86,8 +87,9 @@ def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | N
     tier = (remote & (put_tier(graph) > 0)).astype(np.int8)
     lanes = link_lanes(graph, hardware)
     transfer = np.where(remote, link_transfer_time(graph, hardware) * np.take(lanes, tier), 0.0)
-    work = np.where(remote, hardware.task_overhead, work)
-    floor = np.where(remote, hardware.task_overhead, hardware.task_overhead + compute)
+    issue = hardware.task_overhead + hardware.put_cpu
+    work = np.where(remote, issue, work)
+    floor = np.where(remote, issue, hardware.task_overhead + compute)
     free = free_tasks(graph)
     work, floor = np.where(free, 0.0, work), np.where(free, 0.0, floor)
     latency = np.where(remote, np.where(tier > 0, hardware.inter_latency, hardware.link_latency), 0.0)

@@ -66,13 +66,14 @@ def core_share(share: float, ep: int, cores: float) -> float:
 
 def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
                      share: float, executor_overhead: float, ep: int,
-                     vector_slowdown: float = 1.0) -> HardwareModel:
+                     vector_slowdown: float = 1.0, put_cpu: float = 0.0) -> HardwareModel:
     """The cost model of the runtime: the ``cpu`` profile with the runtime's worker
     counts; the host's cores (``host_cores``: every rank's worker threads share them);
     compute rates scaled by ``core_share`` of ``share`` (the fraction of the calibrated
     rate a rank gets while every rank computes), the vector rate also divided by
     ``vector_slowdown`` (how much slower the vector kernels run while the matrix worker
-    streams beside them); ``executor_overhead`` (s, the executor's own cost per task)
+    streams beside them); ``put_cpu`` (s, the host CPU a remote put of the transport
+    burns, ``HardwareModel.put_cpu``); ``executor_overhead`` (s, the executor's own cost per task)
     added to the per-task cost; and, when ``link`` is given as (bytes/s, latency s),
     that link instead of the profile's."""
     if not vector_slowdown > 0:
@@ -84,7 +85,7 @@ def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[
         matrix_flops_bf16=profile.matrix_flops_bf16 * share,
         matrix_flops_fp32=profile.matrix_flops_fp32 * share,
         vector_flops=profile.vector_flops * share / vector_slowdown,
-        task_overhead=profile.task_overhead + executor_overhead)
+        task_overhead=profile.task_overhead + executor_overhead, put_cpu=put_cpu)
     if link is None:
         return hw
     bw, latency = link
