@@ -3,6 +3,7 @@ process (no ranks): handmade graphs on the local transport."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import stat
@@ -22,7 +23,7 @@ from hpmoe.regions.base import Region
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.runtime.counters import Counters
-from hpmoe.runtime.executor import Executor, ExecutorConfig
+from hpmoe.runtime.executor import Executor, ExecutorConfig, gc_paused
 from hpmoe.runtime.faults import Fault, FaultKind
 from hpmoe.runtime.forensics import RegionError, WorkerStatus
 from hpmoe.runtime.plan import plan_from_tile_counts, tile_counts
@@ -92,6 +93,64 @@ def test_a_waiting_task_runs_after_its_event_and_counters_carry_over_regions() -
     end = dict(zip(tl.task.tolist(), tl.end.tolist(), strict=True))
     assert start[1] >= end[0]
     assert tl.queue.tolist() == [0, 1] and tl.makespan > 0.02
+
+
+class GcLog(Log):
+    """Kernels that record whether the cyclic collector is on while they run."""
+
+    def __init__(self):
+        super().__init__()
+        self.gc_on: list[bool] = []
+
+    def kernel(self, tile: object, me: object, peer: object, ctx: object) -> None:
+        self.gc_on.append(gc.isenabled())
+
+
+def test_the_collector_is_off_inside_a_region_and_restored_after() -> None:
+    log = GcLog()
+    assert gc.isenabled()
+    _run(_chain(), [0, 0], log, repeats=2)
+    assert log.gc_on == [False] * 4 and gc.isenabled()
+    gc.disable()
+    try:
+        _run(_chain(), [0, 0], log)  # a caller that turned it off keeps it off
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_collector_comes_back_only_when_the_last_region_of_the_process_ends() -> None:
+    """Two ranks in one process (as the threads transport runs them): the first region
+    to end leaves the collector off while the other still runs."""
+    inside, release = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def hold() -> None:
+        with gc_paused():
+            inside.set()
+            release.wait(5.0)
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(5.0)
+    with gc_paused():
+        pass
+    seen.append(gc.isenabled())
+    release.set()
+    t.join()
+    assert seen == [False] and gc.isenabled()
+
+
+def test_a_region_may_leave_the_collector_alone() -> None:
+    log = GcLog()
+    program = compile_program(by_hand(_chain(), [0, 0]), log.region(), 0)
+    transport, executor = LocalTransport(), Executor(ExecutorConfig(pause_gc=False))
+    try:
+        transport.begin()
+        transport.prepare_events(program.num_events)
+        executor.run(program, log.region(), None, None, transport)
+    finally:
+        executor.close()
+    assert log.gc_on == [True, True]
 
 
 def test_unreachable_threshold_ends_with_a_report_within_the_deadline() -> None:

@@ -7,15 +7,21 @@ the put, and (3) signals its local events.  There is no barrier inside the
 region.  Torch releases the GIL inside its ops, so matrix and vector workers
 overlap.  Every wait has a deadline; a failed region ends with a ``RegionError``
 whose report says which worker waits on which task and event.
+
+The interpreter's cyclic garbage collector is held off while a region runs
+(``gc_paused``): a collection stops every Python thread of the process at once,
+in the middle of the workers' hand-offs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import queue as queue_mod
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +40,13 @@ class ExecutorConfig:
     go without finishing a task.  poll_s: how often a sleeping worker re-checks
     for aborts (bounds how fast a failure elsewhere stops it).  threads: torch
     intra-op threads of each worker (OpenMP's thread count is per calling thread,
-    so each worker sets it; GEMM results depend on it bitwise)."""
+    so each worker sets it; GEMM results depend on it bitwise).  pause_gc: hold the
+    cyclic garbage collector off while the region runs (``gc_paused``)."""
 
     deadline_s: float = 60.0
     poll_s: float = 0.05
     threads: int = 1
+    pause_gc: bool = True
 
     def __post_init__(self) -> None:
         for name in ("deadline_s", "poll_s"):
@@ -47,6 +55,42 @@ class ExecutorConfig:
                 raise ValueError(f"ExecutorConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.threads, int) or self.threads <= 0:
             raise ValueError(f"ExecutorConfig.threads must be a positive int, got {self.threads!r}")
+
+
+class _GcPause:
+    """Counts the regions of this process that run (ranks may share one: the
+    ``threads`` transport) so that the collector is back, if it was on, only when
+    the last one ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._restore = False
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._running == 0:
+                self._restore = gc.isenabled()
+                gc.disable()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0 and self._restore:
+                    gc.enable()
+
+
+_GC_PAUSE = _GcPause()
+
+
+def gc_paused(pause: bool = True) -> contextlib.AbstractContextManager[None]:
+    """The cyclic garbage collector off inside (``pause``), as it was after the last
+    region of the process ends.  Reference counting still frees whatever is not in a
+    cycle; cycles made meanwhile wait for the next collection."""
+    return _GC_PAUSE.held() if pause else contextlib.nullcontext()
 
 
 def pause_s(config: ExecutorConfig) -> float:
@@ -224,13 +268,14 @@ class Executor:
         while len(self._threads) < len(program.queues):
             name = f"hpmoe-worker-{len(self._threads)}"
             self._threads.append(DaemonThread(name, self.config.threads))
-        origin, start = time.perf_counter_ns(), time.monotonic()
-        for q in range(len(program.queues)):
-            self._threads[q].jobs.put(functools.partial(run.work, q))
-        self._await(run)
-        if run.cause is None:
-            self._finish(run)
-        elapsed = time.monotonic() - start
+        with gc_paused(self.config.pause_gc):
+            origin, start = time.perf_counter_ns(), time.monotonic()
+            for q in range(len(program.queues)):
+                self._threads[q].jobs.put(functools.partial(run.work, q))
+            self._await(run)
+            if run.cause is None:
+                self._finish(run)
+            elapsed = time.monotonic() - start
         if run.cause is not None:
             raise RegionError(run.report(elapsed))
         names = tuple(q.name for q in program.queues)
