@@ -12,11 +12,11 @@ from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.kernels import FORWARD
 from hpmoe.schedule import WorkerCounts
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.forecast import core_share, forecast_region, runtime_hardware
+from hpmoe.sim.forecast import HostCosts, core_share, forecast_region, runtime_hardware
 from hpmoe.sim.hardware import cpu_nominal
 from hpmoe.sim.simulate import simulate
 
-from .handmade import UNIT_HW, US, build, by_hand, gemm, vec
+from .handmade import UNIT_HW, US, build, by_hand, gemm, put, vec
 from .helpers import TINY_TILES, tiny_plan
 
 
@@ -72,6 +72,17 @@ def test_unpermute_traffic_scales_only_unpermute_bytes():
     assert list(np.round(task_costs(g, hw).work / US, 6)) == [3, 1]
 
 
+def test_a_puts_host_cpu_competes_for_the_core_and_gates_nothing():
+    """One core; a 10 µs GEMM and a remote put of 3 µs on the link (+1 µs latency) whose
+    transport burns 10 µs of host CPU: the put still ends at 4 µs, but its CPU shares the
+    core with the GEMM from 0 on, so both need 20 µs of the core's time: the GEMM ends at
+    20.  Without ``put_cpu`` the GEMM ends at 10."""
+    g = build(2, [gemm(10), put(0, 1, 3)], {})
+    hw = dataclasses.replace(UNIT_HW, host_cores=1.0, put_cpu=10e-6)
+    assert ends(g, [0, 1], hw) == [20, 4]
+    assert ends(g, [0, 1], dataclasses.replace(hw, put_cpu=0.0)) == [10, 4]
+
+
 def test_core_share_divides_out_ranks_beyond_the_cores():
     assert core_share(0.9, ep=2, cores=2.0) == pytest.approx(0.9)
     assert core_share(0.45, ep=4, cores=2.0) == pytest.approx(0.9)
@@ -82,16 +93,29 @@ def test_runtime_hardware_divides_only_the_vector_rate_by_its_slowdown():
     """A vector slowdown of 2 under load halves the vector rate a task is charged and
     leaves the GEMM rates as the share makes them."""
     g = build(1, [gemm(10), vec(10)], {})
-    plain = runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, share=1.0, executor_overhead=0.0, ep=1)
-    slow = runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, share=1.0, executor_overhead=0.0, ep=1,
-                            vector_slowdown=2.0)
+    plain = runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, HostCosts(1.0, 0.0), ep=1)
+    slow = runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, HostCosts(1.0, 0.0, vector_slowdown=2.0), ep=1)
     assert slow.vector_flops == pytest.approx(plain.vector_flops / 2)
     assert slow.matrix_flops_bf16 == plain.matrix_flops_bf16
     gemm_s, vec_s = task_costs(g, plain).work
     assert list(task_costs(g, slow).work) == pytest.approx([gemm_s, 2 * vec_s])
-    with pytest.raises(ValueError, match="vector_slowdown"):
-        runtime_hardware(UNIT_HW, WorkerCounts(1, 1), None, share=1.0, executor_overhead=0.0, ep=1,
-                         vector_slowdown=0.0)
+    with pytest.raises(ValueError, match="HostCosts.vector_slowdown"):
+        HostCosts(1.0, 0.0, vector_slowdown=0.0)
+
+
+def test_a_sleeping_worker_starts_its_task_a_wake_latency_after_the_event():
+    """GEMM 10 µs signals; the SwiGLU waiting for it on the other worker was there first
+    (asleep), so it starts 3 µs after the event: ends 10 and 23.  A SwiGLU whose event
+    had fired when its worker got there starts at once: a 12 µs SwiGLU ahead of it on
+    the vector worker makes it arrive after the GEMM, and it ends at 22.  Without host
+    cores (an accelerator's workers spin) there is no wake latency."""
+    hw = dataclasses.replace(UNIT_HW, host_cores=2.0, wake_latency=3e-6)
+    waits = build(1, [gemm(10, signals=[(0, 0)]), vec(10, wait=0)], {0: [1]})
+    assert ends(waits, [0, 1], hw) == [10, 23]
+    assert ends(waits, [0, 1], dataclasses.replace(hw, wake_latency=0.0)) == [10, 20]
+    late = build(1, [gemm(10, signals=[(0, 0)]), vec(12), vec(10, wait=0)], {0: [1]})
+    assert ends(late, [0, 1, 1], hw) == [10, 12, 22]
+    assert ends(waits, [0, 1], dataclasses.replace(hw, host_cores=0.0)) == [10, 20]
 
 
 def test_host_cores_must_be_finite_and_non_negative():

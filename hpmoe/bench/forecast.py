@@ -24,9 +24,9 @@ from ..runtime.transport.dist import HEADER_TAG
 from ..schedule.auto import saved_profile
 from ..schedule.base import WorkerCounts
 from ..sim.calibrate import WEIGHT_BYTES, KernelGemm
-from ..sim.forecast import runtime_hardware
+from ..sim.forecast import HostCosts, runtime_hardware
 from ..sim.hardware import HardwareModel
-from .overhead import LoadedCost, loaded_cost, process_cpu
+from .overhead import loaded_cost, process_cpu, wake_latency
 
 
 def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
@@ -177,31 +177,33 @@ def concurrent_share(profile: HardwareModel, dtype: torch.dtype, group: dist.Pro
 @dataclass(frozen=True)
 class Models:
     """runtime: the cost model of hpmoe's runtime on its transport.  baseline: the
-    same with the link the serialized baseline gets from ``all_to_all_single``.
-    link, a2a: (bytes/s, latency s) of torch.distributed point-to-point and of
-    ``all_to_all_single`` (None for one rank).  share: ``concurrent_share``, the
-    fraction of the calibrated compute rate a rank gets.  loaded: the executor's CPU
-    per task and the vector kernels' slowdown with both workers busy (``loaded_cost``,
-    the slowest rank's).  put_cpu: host CPU seconds per remote put of the runtime's
-    transport (``measure_put_cpu`` for ``dist``; 0 for ``shm``, whose puts are the
-    workers' own copies).  The rest are the inputs both models were built from
-    (``at_share`` rebuilds them)."""
+    same with the link the serialized baseline gets from ``all_to_all_single``, no host
+    CPU per put (its exchanges run between compute phases, their CPU inside the
+    measured rate) and no wake latency (it runs in one thread).  link, a2a: (bytes/s,
+    latency s) of torch.distributed point-to-point and of ``all_to_all_single`` (None
+    for one rank).  host: the runtime's measured costs on this host (``HostCosts``: ``concurrent_share``, the
+    executor's CPU per task and the vector slowdown from ``loaded_cost``, the ``dist``
+    transport's ``measure_put_cpu``, ``overhead.wake_latency``; each the slowest
+    rank's).  The rest are the inputs both models were built from (``at_share``
+    rebuilds them)."""
 
     runtime: HardwareModel
     baseline: HardwareModel
     link: tuple[float, float] | None
     a2a: tuple[float, float] | None
-    share: float
-    loaded: LoadedCost
-    put_cpu: float
+    host: HostCosts
     profile: HardwareModel
     transport: TransportKind
     workers: WorkerCounts
 
+    @property
+    def share(self) -> float:
+        return self.host.share
+
     def at_share(self, share: float, group: dist.ProcessGroup | None) -> Models:
         """The same models with compute rates for ``share`` instead.  Collective."""
-        return _build(self.profile, self.transport, self.workers, self.link, self.a2a, share, self.loaded,
-                      self.put_cpu, group)
+        return _build(self.profile, self.transport, self.workers, self.link, self.a2a,
+                      dataclasses.replace(self.host, share=share), group)
 
 
 def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: WorkerCounts,
@@ -213,7 +215,8 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     transfers for the runtime's stream of puts — or, for a shaped link, its configured
     ``link_rate`` (bytes/s), with the measured latency — and ``all_to_all_single``
     after an idle gap for the baseline's bursts between compute phases.  The ``dist``
-    transport's host CPU per put is measured with ``put_bytes`` puts.  Collective."""
+    transport's host CPU per put is measured with ``put_bytes`` puts.  Every rank
+    measures at once.  Collective."""
     world = dist.get_world_size(group)
     link = measure_link(group, nbytes) if world > 1 else None
     if link is not None and link_rate is not None:
@@ -221,24 +224,29 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
     share = concurrent_share(profile, dtype, group)
     dist.barrier(group=group)
-    loaded = LoadedCost(*slowest_rank(np.array(dataclasses.astuple(loaded_cost())), group).tolist())
+    loaded = loaded_cost()
+    dist.barrier(group=group)
+    wake = wake_latency()
+    outside, slowdown, wake = slowest_rank(np.array([loaded.outside_s, loaded.vector_slowdown, wake]), group)
     own_cpu = world > 1 and runtime.transport is TransportKind.DIST
     put_cpu = measure_put_cpu(group, put_bytes) if own_cpu else 0.0
-    return _build(profile, runtime.transport, workers, link, a2a, share, loaded, put_cpu, group)
+    host = HostCosts(share=share, executor_overhead=float(outside), vector_slowdown=float(slowdown),
+                     put_cpu=put_cpu, wake_latency=float(wake))
+    return _build(profile, runtime.transport, workers, link, a2a, host, group)
 
 
 def _build(profile: HardwareModel, transport: TransportKind, workers: WorkerCounts,
-           link: tuple[float, float] | None, a2a: tuple[float, float] | None, share: float,
-           loaded: LoadedCost, put_cpu: float, group: dist.ProcessGroup | None) -> Models:
+           link: tuple[float, float] | None, a2a: tuple[float, float] | None, host: HostCosts,
+           group: dist.ProcessGroup | None) -> Models:
     """``Models`` from agreed measurements, built on group rank 0.  Collective."""
     world = dist.get_world_size(group)
     box: list = [None]
     if dist.get_rank(group) == 0:
         own = link if transport is TransportKind.DIST else None
-        box[0] = tuple(runtime_hardware(profile, workers, path_link, share, loaded.outside_s, world,
-                                        loaded.vector_slowdown, cpu).to_dict()
-                       for path_link, cpu in ((own, put_cpu), (a2a, 0.0)))
+        one_thread = dataclasses.replace(host, put_cpu=0.0, wake_latency=0.0)
+        box[0] = (runtime_hardware(profile, workers, own, host, world).to_dict(),
+                  runtime_hardware(profile, workers, a2a, one_thread, world).to_dict())
     dist.broadcast_object_list(box, group=group, group_src=0)
     runtime, baseline = (HardwareModel.from_dict(d) for d in box[0])
-    return Models(runtime, baseline, link=link, a2a=a2a, share=share, loaded=loaded, put_cpu=put_cpu,
-                  profile=profile, transport=transport, workers=workers)
+    return Models(runtime, baseline, link=link, a2a=a2a, host=host, profile=profile, transport=transport,
+                  workers=workers)

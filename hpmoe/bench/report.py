@@ -13,10 +13,9 @@ import torch.distributed as dist
 from ..runtime.forward import ForwardOutput
 from ..schedule.auto import AutoDecision
 from ..schedule.base import SchedulePolicy
-from ..sim.forecast import forecast_region
+from ..sim.forecast import HostCosts, forecast_region
 from ..sim.simulate import Timeline
 from .forecast import Models, slowest_rank
-from .overhead import LoadedCost
 
 
 @dataclass(frozen=True)
@@ -130,9 +129,7 @@ class BenchReport:
     candidate: str | None
     link: tuple[float, float] | None
     a2a: tuple[float, float] | None
-    share: float | None
-    loaded: LoadedCost | None
-    put_cpu: float | None
+    host: HostCosts | None
     decision: AutoDecision | None
     prediction: Prediction | None
     timeline: Timeline
@@ -160,13 +157,13 @@ class BenchReport:
         out: dict = {}
         if self.decision is not None:
             out |= self.decision.to_json() | {"auto": self.decision.describe()}
-        if self.share is not None:
-            out["cpu_share"] = round(self.share, 3)
-        if self.loaded is not None:
-            out |= {"executor_us_per_task": round(self.loaded.outside_s * 1e6, 2),
-                    "vector_slowdown": round(self.loaded.vector_slowdown, 3)}
-        if self.put_cpu:
-            out["put_cpu_us"] = round(self.put_cpu * 1e6, 2)
+        if self.host is not None:
+            out |= {"cpu_share": round(self.host.share, 3),
+                    "executor_us_per_task": round(self.host.executor_overhead * 1e6, 2),
+                    "vector_slowdown": round(self.host.vector_slowdown, 3),
+                    "wake_latency_us": round(self.host.wake_latency * 1e6, 2)}
+            if self.host.put_cpu:
+                out["put_cpu_us"] = round(self.host.put_cpu * 1e6, 2)
         if self.link is not None:
             out |= {"link_measured_gbytes_per_s": round(self.link[0] / 1e9, 4),
                     "link_latency_us": round(self.link[1] * 1e6, 1)}

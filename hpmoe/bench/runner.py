@@ -347,7 +347,6 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         runtime_max_abs_diff=max_abs_diff(out[rt], serial, group),
         bitwise_equal=all_equal(out[rt], out[sst], group),
         candidate=s.last[rt].schedule.candidate or None, link=models.link if models else None,
-        a2a=models.a2a if models else None, share=models.share if models else None,
-        loaded=models.loaded if models else None, put_cpu=models.put_cpu if models else None,
+        a2a=models.a2a if models else None, host=models.host if models else None,
         decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
         predicted_timeline=predicted, note=note)

@@ -13,8 +13,7 @@ Model, per task (seconds):
   tile are mostly L2 hits), so the lower bounds carry no memory term.
 - a task takes ``task_overhead + max(compute, memory)`` on its worker (roofline).
 - puts: a put whose ``link_bytes`` is 0 stays on its rank and is a memory copy like
-  any vector task.  A remote put costs ``task_overhead`` to issue (plus ``put_cpu``, the
-  host CPU a transport on the host's cores burns per put), then occupies the
+  any vector task.  A remote put costs ``task_overhead`` to issue, then occupies the
   link for ``link_bytes / bandwidth``, then ``link_latency`` passes before its signal
   lands: uncontended, ``overhead + link_latency + link_bytes / bandwidth``.  The
   bandwidth is the measured all-to-all figure for the graph's EP size and the put's
@@ -62,6 +61,9 @@ class TaskCosts:
     floor: time on the worker before any transfer with memory free (overhead + compute).
     tier: [n] int8, 1 where a put crosses nodes, else 0.
     lanes: puts each port serves at once, per tier (intra, inter).
+    background: [n] seconds of a host core a remote put burns while on the link, gating
+      nothing (``HardwareModel.put_cpu``: a transport whose copies run on the host's
+      cores); None: none.  Only a replay with host cores charges it.
     """
 
     work: np.ndarray
@@ -70,6 +72,7 @@ class TaskCosts:
     floor: np.ndarray
     tier: np.ndarray
     lanes: tuple[int, int] = (1, 1)
+    background: np.ndarray | None = None
 
     @property
     def duration(self) -> np.ndarray:
@@ -87,13 +90,14 @@ def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | N
     tier = (remote & (put_tier(graph) > 0)).astype(np.int8)
     lanes = link_lanes(graph, hardware)
     transfer = np.where(remote, link_transfer_time(graph, hardware) * np.take(lanes, tier), 0.0)
-    issue = hardware.task_overhead + hardware.put_cpu
-    work = np.where(remote, issue, work)
-    floor = np.where(remote, issue, hardware.task_overhead + compute)
+    work = np.where(remote, hardware.task_overhead, work)
+    floor = np.where(remote, hardware.task_overhead, hardware.task_overhead + compute)
     free = free_tasks(graph)
     work, floor = np.where(free, 0.0, work), np.where(free, 0.0, floor)
     latency = np.where(remote, np.where(tier > 0, hardware.inter_latency, hardware.link_latency), 0.0)
-    return TaskCosts(work=work, transfer=transfer, latency=latency, floor=floor, tier=tier, lanes=lanes)
+    background = np.where(remote & ~free, hardware.put_cpu, 0.0)
+    return TaskCosts(work=work, transfer=transfer, latency=latency, floor=floor, tier=tier, lanes=lanes,
+                     background=background)
 
 
 def free_tasks(graph: TaskGraph) -> np.ndarray:

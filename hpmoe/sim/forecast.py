@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,28 +65,48 @@ def core_share(share: float, ep: int, cores: float) -> float:
     return share * max(1.0, ep / cores)
 
 
+@dataclass(frozen=True)
+class HostCosts:
+    """What the runtime costs on a CPU host beyond its calibrated profile, measured per run.
+
+    share: the fraction of the calibrated GEMM rate a rank gets while every rank computes.
+    executor_overhead: seconds of the executor's own CPU per task.
+    vector_slowdown: how much slower the vector kernels run while the matrix worker
+      streams beside them.
+    put_cpu: seconds of host CPU a remote put of the transport burns (``HardwareModel.put_cpu``).
+    wake_latency: seconds from an event to the start of the task a sleeping worker waits
+      for (``HardwareModel.wake_latency``).
+    """
+
+    share: float
+    executor_overhead: float
+    vector_slowdown: float = 1.0
+    put_cpu: float = 0.0
+    wake_latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("share", "vector_slowdown"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HostCosts.{name} must be > 0, got {getattr(self, name)!r}")
+
+
 def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[float, float] | None,
-                     share: float, executor_overhead: float, ep: int,
-                     vector_slowdown: float = 1.0, put_cpu: float = 0.0) -> HardwareModel:
+                     host: HostCosts, ep: int) -> HardwareModel:
     """The cost model of the runtime: the ``cpu`` profile with the runtime's worker
     counts; the host's cores (``host_cores``: every rank's worker threads share them);
-    compute rates scaled by ``core_share`` of ``share`` (the fraction of the calibrated
-    rate a rank gets while every rank computes), the vector rate also divided by
-    ``vector_slowdown`` (how much slower the vector kernels run while the matrix worker
-    streams beside them); ``put_cpu`` (s, the host CPU a remote put of the transport
-    burns, ``HardwareModel.put_cpu``); ``executor_overhead`` (s, the executor's own cost per task)
-    added to the per-task cost; and, when ``link`` is given as (bytes/s, latency s),
-    that link instead of the profile's."""
-    if not vector_slowdown > 0:
-        raise ValueError(f"vector_slowdown must be > 0, got {vector_slowdown!r}")
+    compute rates scaled by ``core_share`` of ``host.share``, the vector rate also divided
+    by ``host.vector_slowdown``; ``host.executor_overhead`` added to the per-task cost;
+    ``host.put_cpu`` and ``host.wake_latency`` as the model's own; and, when ``link`` is
+    given as (bytes/s, latency s), that link instead of the profile's."""
     cores = float(len(os.sched_getaffinity(0)))
-    share = core_share(share, ep, cores)
+    share = core_share(host.share, ep, cores)
     hw = dataclasses.replace(
         profile, matrix_workers=workers.matrix, vector_workers=workers.vector, host_cores=cores,
         matrix_flops_bf16=profile.matrix_flops_bf16 * share,
         matrix_flops_fp32=profile.matrix_flops_fp32 * share,
-        vector_flops=profile.vector_flops * share / vector_slowdown,
-        task_overhead=profile.task_overhead + executor_overhead, put_cpu=put_cpu)
+        vector_flops=profile.vector_flops * share / host.vector_slowdown,
+        task_overhead=profile.task_overhead + host.executor_overhead, put_cpu=host.put_cpu,
+        wake_latency=host.wake_latency)
     if link is None:
         return hw
     bw, latency = link

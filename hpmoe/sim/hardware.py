@@ -168,9 +168,13 @@ class HardwareModel:
     unpermute_traffic: bytes the unpermute kernel moves per byte the lowering counts (the
       compulsory ones): 1 for a fused kernel; the CPU's ``refs.topk_sum`` builds fp32
       temporaries per term (``hpmoe calibrate`` measures it).
-    put_cpu: seconds of the host's CPU a remote put costs beyond ``task_overhead``, charged
-      to its issuing worker: a transport whose sends and receives run on the host's cores
-      (TCP: both ends' copies, its threads); 0 for a device link or one-sided copies.
+    put_cpu: seconds of the host's CPU a remote put burns while on the link, beside the
+      workers (a replay with ``host_cores`` charges it to the host's cores, gating
+      nothing): a transport whose sends and receives run on the host's cores (TCP: both
+      ends' copies, its threads); 0 for a device link or one-sided copies.
+    wake_latency: seconds from an event to the start of the task a worker sleeps on it
+      for (a CPU thread's futex wake; a replay with ``host_cores`` adds it); 0: workers
+      that spin.
     notes: provenance (free text).
     """
 
@@ -196,6 +200,7 @@ class HardwareModel:
     unpermute_traffic: float = 1.0
     gemm_shapes: tuple[GemmShape, ...] = ()
     put_cpu: float = 0.0
+    wake_latency: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -206,7 +211,7 @@ class HardwareModel:
         for name in ("matrix_flops_bf16", "matrix_flops_fp32", "vector_flops", "mem_bw"):
             _check_rate("HardwareModel", name, getattr(self, name))
         for name in ("link_latency", "task_overhead", "l2_mb", "stream_bw", "inter_link_bw",
-                     "inter_latency", "host_cores", "put_cpu"):
+                     "inter_latency", "host_cores", "put_cpu", "wake_latency"):
             _check_rate("HardwareModel", name, getattr(self, name), allow_zero=True)
         _check_int("HardwareModel", "matrix_full_edge", self.matrix_full_edge)
         _check_rate("HardwareModel", "unpermute_traffic", self.unpermute_traffic)
@@ -358,10 +363,10 @@ class HardwareModel:
                          f"{[int(x) for x in np.exp2(depths)]}: bf16 {table['bf16'].min():.2f}-"
                          f"{table['bf16'].max():.2f}, fp32 {table['fp32'].min():.2f}-"
                          f"{table['fp32'].max():.2f} of the peak")
-        if self.host_cores or self.unpermute_traffic != 1.0 or self.put_cpu:
+        if self.host_cores or self.unpermute_traffic != 1.0 or self.put_cpu or self.wake_latency:
             lines.append(f"  host cores {self.host_cores:.4g} (0: one per worker), unpermute traffic "
                          f"x{self.unpermute_traffic:.3g}, host CPU per remote put "
-                         f"{self.put_cpu * 1e6:.3g} us")
+                         f"{self.put_cpu * 1e6:.3g} us, wake {self.wake_latency * 1e6:.3g} us")
         lines += [f"  link EP{e.ep}: dispatch {e.dispatch / 1e9:.4g} GB/s, combine {e.combine / 1e9:.4g} GB/s"
                   for e in self.link]
         return "\n".join(lines + ([f"  notes: {self.notes}"] if self.notes else []))

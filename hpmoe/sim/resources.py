@@ -43,12 +43,14 @@ class MemorySystem:
 class HostCores:
     """The cores a node's ranks share (``HardwareModel.host_cores``): ``cores`` per host of
     ``ranks_per_host`` ranks; a task's demand on its core is ``overhead`` + max(compute,
-    bytes / ``core_bw``), ``core_bw`` one core's streaming bytes/s."""
+    bytes / ``core_bw``), ``core_bw`` one core's streaming bytes/s; a worker that slept on
+    its task's event starts it ``wake`` seconds after the event."""
 
     cores: float
     ranks_per_host: int
     core_bw: float
     overhead: float
+    wake: float = 0.0
 
     @classmethod
     def of(cls, graph: TaskGraph, hardware: HardwareModel) -> HostCores | None:
@@ -56,15 +58,15 @@ class HostCores:
         if hardware.host_cores <= 0:
             return None
         return cls(cores=hardware.host_cores, ranks_per_host=max(1, graph.ep // max(graph.nodes, 1)),
-                   core_bw=hardware.mem_bw, overhead=hardware.task_overhead)
+                   core_bw=hardware.mem_bw, overhead=hardware.task_overhead, wake=hardware.wake_latency)
 
     def share(self, ep: int, heap: list[tuple[float, int]]) -> HbmShare:
         """The processor-sharing state of every host's cores (demand in core-seconds)."""
         return HbmShare(-(-ep // self.ranks_per_host), self.cores, heap, cap=1.0, eps=1e-15)
 
 
-END, ISSUE, LINK_DONE, WORK = 0, 1, 2, 3  # heap entry codes: (time, CODES * task + code)
-CODES = 4
+END, ISSUE, LINK_DONE, WORK, WAKE = 0, 1, 2, 3, 4  # heap entry codes: (time, CODES * task + code)
+CODES = 5
 
 
 class LinkPorts:

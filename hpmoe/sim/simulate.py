@@ -25,7 +25,11 @@ Semantics of the replay:
      HBM bytes / mem_bw)`` seconds of one core (its L2 misses as in 3, ``mem_bw`` one
      core's streaming rate; a remote put: its overhead), and every running task gets
      ``min(1, cores / running)`` of a core (processor sharing recomputed at each start and
-     finish); HBM is then not shared (step 3's sharing is off).
+     finish); HBM is then not shared (step 3's sharing is off).  A remote put whose
+     transport burns host CPU (``HardwareModel.put_cpu``) adds that much demand on its
+     host's cores when it goes to the link, as a job of its own that gates nothing.  A
+     worker whose task's event had not fired when it got there sleeps on it and starts
+     the task ``wake_latency`` after the event fires.
 
 The loop keeps one heap of task, memory and link events: O((tasks + signals) log tasks),
 plain Python over lists.  ``Bounds`` hold for every replay of the graph on the
@@ -49,7 +53,7 @@ from ..schedule.verify import require_all_ranks, verify_schedule
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel
 from .memory import LruCache
-from .resources import CODES, END, ISSUE, WORK, HbmShare, HostCores, LinkPorts, MemorySystem
+from .resources import CODES, END, ISSUE, WAKE, WORK, HbmShare, HostCores, LinkPorts, MemorySystem
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,11 @@ class _ReplayState:
         self.left = [0] * n
         self.rank = g.rank.tolist()
         self.cores = cores
+        self.background = None
         if cores is not None:
             self.share = cores.share(g.ep, self.heap)
+            if costs.background is not None and costs.background.any():
+                self.background = costs.background.tolist()
         if memory is None:
             self.floor = costs.work.tolist()
             return
@@ -271,6 +278,13 @@ class _ReplayState:
         if nbytes > 0:
             self.hbm.add(self.rank[i], i, nbytes, now)
 
+    def wake(self, q: int, now: float) -> None:
+        """Queue ``q``'s worker slept on its head task's event, which fired at ``now``."""
+        if self.cores is None or self.cores.wake <= 0:
+            self.begin(q, now)
+            return
+        heapq.heappush(self.heap, (now + self.cores.wake, CODES * self.qtask[self.head[q]] + WAKE))
+
     def task_hbm_bytes(self, i: int) -> float:
         """Task ``i``'s HBM bytes: its fixed bytes and its L2 misses (looked up now)."""
         nbytes = self.fixed[i]
@@ -296,6 +310,9 @@ class _ReplayState:
         if self.left[i] == 0:
             if self.remote[i]:
                 self.ports.issue(i, now)
+                if self.background is not None and self.background[i] > 0:
+                    host = self.rank[i] // self.cores.ranks_per_host
+                    self.share.add(host, len(self.start) + i, self.background[i], now)
             else:
                 self.finish(i, now)
 
@@ -309,7 +326,7 @@ class _ReplayState:
             if c == threshold[e]:
                 fire[e] = now
                 for q in blocked.pop(e, ()):
-                    self.begin(q, now)
+                    self.wake(q, now)
         q = self.queue_of[i]
         self.head[q] += 1
         self.begin(q, now)
@@ -318,13 +335,13 @@ class _ReplayState:
         self.count = [0] * len(self.threshold)
         for q in range(len(self.head)):
             self.begin(q, 0.0)
-        heap, pop, ports = self.heap, heapq.heappop, self.ports
+        heap, pop, ports, n = self.heap, heapq.heappop, self.ports, len(self.start)
         while heap:
             now, code = pop(heap)
             if code < 0:
                 for i in self.share.finished(code, now):
-                    if self.cores is not None or not self.remote[i]:
-                        self.part_done(i, now)
+                    if i < n and (self.cores is not None or not self.remote[i]):
+                        self.part_done(i, now)  # i >= n: a put's background CPU, which gates nothing
                 continue
             i, kind = divmod(code, CODES)
             if kind == END:
@@ -333,6 +350,8 @@ class _ReplayState:
                 self.part_done(i, now)
             elif kind == ISSUE:
                 ports.issue(i, now)
+            elif kind == WAKE:
+                self.begin(self.queue_of[i], now)
             else:
                 ports.done(i, now)
 
