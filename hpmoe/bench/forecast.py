@@ -181,11 +181,11 @@ class Models:
     CPU per put (its exchanges run between compute phases, their CPU inside the
     measured rate) and no wake latency (it runs in one thread).  link, a2a: (bytes/s,
     latency s) of torch.distributed point-to-point and of ``all_to_all_single`` (None
-    for one rank).  host: the runtime's measured costs on this host (``HostCosts``: ``concurrent_share``, the
-    executor's CPU per task and the vector slowdown from ``loaded_cost``, the ``dist``
-    transport's ``measure_put_cpu``, ``overhead.wake_latency``; each the slowest
-    rank's).  The rest are the inputs both models were built from (``at_share``
-    rebuilds them)."""
+    for one rank).  host: the runtime's measured costs on this host (``HostCosts``:
+    ``concurrent_share``, the executor's CPU per task and the vector slowdown from
+    ``loaded_cost``, the ``dist`` transport's ``measure_put_cpu``,
+    ``overhead.wake_latency``; each the slowest rank's).  The rest are the inputs both
+    models were built from (``at_share`` rebuilds them)."""
 
     runtime: HardwareModel
     baseline: HardwareModel

@@ -110,8 +110,8 @@ def wake_latency(n: int = 1000, repeats: int = 3) -> float:
     """Seconds a hand-off between a rank's two workers adds to a task: an empty
     ping-pong's wall time per task (every task wakes the other thread) less an empty
     chain's on one worker (the same waits and signals, never asleep), at least 0."""
-    return max(0.0, seconds_per_task(n, EmptyShape.PING_PONG, repeats) - seconds_per_task(n, EmptyShape.CHAIN,
-                                                                                          repeats))
+    ping_pong = seconds_per_task(n, EmptyShape.PING_PONG, repeats)
+    return max(0.0, ping_pong - seconds_per_task(n, EmptyShape.CHAIN, repeats))
 
 
 def loaded_graph(n: int) -> TaskGraph:
