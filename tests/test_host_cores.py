@@ -83,6 +83,20 @@ def test_a_puts_host_cpu_competes_for_the_core_and_gates_nothing():
     assert ends(g, [0, 1], dataclasses.replace(hw, put_cpu=0.0)) == [10, 4]
 
 
+def test_a_rank_entering_late_delays_its_peers_and_the_region_counts_each_from_its_entry():
+    """Rank 0 puts 3 µs (+1 µs latency) to rank 1, whose 10 µs SwiGLU waits for it.  All
+    entering at 0: the SwiGLU ends at 14.  Rank 0 entering at 2 µs: its put lands at 6,
+    the SwiGLU ends at 16, and the region is rank 1's 16 µs in it (rank 0's: 4)."""
+    g = build(2, [put(0, 1, 3, signals=[(1, 0)]), vec(10, rank=1, wait=0)], {1: [1]})
+    s = by_hand(g, [0, 0])
+    assert forecast_region(s, UNIT_HW)[0] == pytest.approx(14 * US)
+    seconds, sim = forecast_region(s, UNIT_HW, entry=np.array([2 * US, 0.0]))
+    assert seconds == pytest.approx(16 * US)
+    assert list(np.round(sim.timeline.start / US, 6)) == [2, 6]
+    with pytest.raises(ValueError, match="entry"):
+        simulate(s, UNIT_HW, entry=np.array([0.0]))
+
+
 def test_core_share_divides_out_ranks_beyond_the_cores():
     assert core_share(0.9, ep=2, cores=2.0) == pytest.approx(0.9)
     assert core_share(0.45, ep=4, cores=2.0) == pytest.approx(0.9)

@@ -14,7 +14,7 @@ from ..runtime.forward import ForwardOutput
 from ..schedule.auto import AutoDecision
 from ..schedule.base import SchedulePolicy
 from ..sim.forecast import HostCosts, forecast_region
-from ..sim.simulate import Timeline
+from ..sim.simulate import SimResult, Timeline
 from .forecast import Models, slowest_rank
 
 
@@ -43,7 +43,9 @@ class Prediction:
     measured region times (ms, median of the slowest rank).  ``share``: the
     ``ShareProbe`` share measured between the timed iterations, which the forecasts
     use; ``taskflow_pre_ms``: the taskflow's forecast with the share measured before
-    them instead (what AUTO decided with)."""
+    them instead (what AUTO decided with).  Every forecast is the median over the
+    iterations of a replay in which each rank enters the region when it did in that
+    iteration (``entry_skew_ms``: the median of the last rank's delay)."""
 
     serial_schedule_ms: float
     taskflow_ms: float
@@ -51,6 +53,7 @@ class Prediction:
     measured_taskflow_ms: float
     share: float
     taskflow_pre_ms: float
+    entry_skew_ms: float
 
     @property
     def errors(self) -> tuple[float, float]:
@@ -68,21 +71,33 @@ class Prediction:
                 "prediction_error_taskflow": round(e[1], 4),
                 "cpu_share_during": round(self.share, 3),
                 "predicted_taskflow_pre_ms": round(self.taskflow_pre_ms, 3),
-                "prediction_error_taskflow_pre": round(pre, 4)}
+                "prediction_error_taskflow_pre": round(pre, 4),
+                "region_entry_skew_ms": round(self.entry_skew_ms, 3)}
 
 
-def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float,
-            measured_flow_s: float, models: Models, before: Models) -> tuple[Prediction, Timeline]:
+def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float, measured_flow_s: float,
+            models: Models, before: Models,
+            entries: tuple[np.ndarray, np.ndarray]) -> tuple[Prediction, Timeline]:
     """Forecast both runtime regions on the runtime's model of ``models``
-    (``forecast_region``), and the taskflow's also on ``before``'s; (prediction, the
-    taskflow's simulated timeline)."""
-    s, _ = forecast_region(serial.schedule, models.runtime)
-    f, sim = forecast_region(flow.schedule, models.runtime)
-    pre, _ = forecast_region(flow.schedule, before.runtime)
+    (``forecast_region``), and the taskflow's also on ``before``'s, each the median
+    over iterations of a replay with that iteration's ``entries`` (serial's, flow's:
+    [iterations, ranks] seconds each rank entered the region after the first);
+    (prediction, the taskflow's simulated timeline of the last iteration)."""
+    s = _median_forecast(serial, models, entries[0])[0]
+    f, sim = _median_forecast(flow, models, entries[1])
+    pre = _median_forecast(flow, before, entries[1])[0]
     return Prediction(serial_schedule_ms=s * 1e3, taskflow_ms=f * 1e3,
                       measured_serial_schedule_ms=measured_serial_s * 1e3,
                       measured_taskflow_ms=measured_flow_s * 1e3, share=models.share,
-                      taskflow_pre_ms=pre * 1e3), sim.timeline
+                      taskflow_pre_ms=pre * 1e3,
+                      entry_skew_ms=float(np.median(entries[1].max(axis=1))) * 1e3), sim.timeline
+
+
+def _median_forecast(out: ForwardOutput, models: Models, entries: np.ndarray) -> tuple[float, SimResult]:
+    """Median over ``entries``' rows of ``forecast_region`` with that row as each rank's
+    entry; the last row's replay."""
+    runs = [forecast_region(out.schedule, models.runtime, entry=row) for row in entries]
+    return float(np.median([seconds for seconds, _ in runs])), runs[-1][1]
 
 
 def measured_timeline(out: ForwardOutput, group: dist.ProcessGroup | None) -> Timeline:

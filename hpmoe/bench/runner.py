@@ -132,22 +132,32 @@ class Samples:
     steps: dict[str, list[tuple[float, float, float, float]]]
     last: dict[str, ForwardOutput]
     probe: list[float]  # ShareProbe windows, one per iteration (seconds per tile call)
+    entries: dict[str, list[int]]  # runtime variants: when this rank entered each region (perf_counter_ns)
 
     @staticmethod
     def empty(names: list[str]) -> Samples:
-        return Samples({n: [] for n in names}, {}, {n: [] for n in names}, {}, [])
+        return Samples({n: [] for n in names}, {}, {n: [] for n in names}, {}, [], {n: [] for n in names})
 
     def record(self, name: str, res: object, seconds: float) -> None:
         if isinstance(res, ForwardOutput):
             self.outs[name], self.last[name] = res.out.clone(), res
             t = res.times
             self.steps[name].append((t.exchange_s, t.schedule_s, t.prepare_s, t.region_s))
+            self.entries[name].append(res.timeline.origin_ns)
         else:
             self.outs[name] = res.out
         self.seconds[name].append(seconds)
 
     def alias(self, name: str, to: str) -> None:
         self.seconds[name], self.outs[name] = self.seconds[to], self.outs[to]
+
+    def entry_offsets(self, name: str, group: dist.ProcessGroup | None) -> np.ndarray:
+        """[iterations, ranks] seconds each rank entered ``name``'s region after the first
+        rank did (ranks of one host share the clock).  Collective."""
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, self.entries[name], group=group)
+        ns = np.array(parts, dtype=np.int64).T
+        return (ns - ns.min(axis=1, keepdims=True)) / 1e9
 
     def step_medians(self, name: str, group: dist.ProcessGroup | None) -> dict[str, float]:
         """Median seconds of each step of ``name`` (slowest rank per iteration)."""
@@ -338,8 +348,9 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
     prediction, predicted = None, None
     if config.predict and models is not None and probe is not None:
         during = models.at_share(probe.share(s.probe, group), group)
+        entries = (s.entry_offsets(sst, group), s.entry_offsets(rt, group))
         prediction, predicted = predict(s.last[sst], s.last[rt], steps[sst]["region"], steps[rt]["region"],
-                                        during, models)
+                                        during, models, entries)
     out, serial = s.outs, s.outs[Variant.SERIAL.value]
     return BenchReport(
         ep=dist.get_world_size(group), policy=policy, stats=stats, steps=steps,

@@ -32,11 +32,19 @@ def cores_per_rank(ep: int) -> float:
     return len(os.sched_getaffinity(0)) / ep
 
 
-def forecast_region(schedule: Schedule, hardware: HardwareModel) -> tuple[float, SimResult]:
+def forecast_region(schedule: Schedule, hardware: HardwareModel,
+                    entry: np.ndarray | None = None) -> tuple[float, SimResult]:
     """(seconds, replay) of a region: the simulator's makespan.  With ``host_cores`` the
     replay shares the host's cores among every rank's workers; without, the makespan is
-    taken no less than the busiest rank's total work over the cores it owns."""
-    sim = simulate(schedule, hardware)
+    taken no less than the busiest rank's total work over the cores it owns.  With
+    ``entry`` ([ep] seconds at which each rank entered the region), the seconds are the
+    longest any rank spent in it: its last task's end less its entry."""
+    sim = simulate(schedule, hardware, entry=entry)
+    if entry is not None:
+        tl = sim.timeline
+        last = np.zeros(schedule.graph.ep)
+        np.maximum.at(last, tl.rank, tl.end)
+        return float((last - entry).max()), sim
     if hardware.host_cores > 0:
         return sim.makespan, sim
     g = schedule.graph

@@ -158,11 +158,14 @@ class SimResult:
         return self.timeline.makespan
 
 
-def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | None = None) -> SimResult:
+def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | None = None,
+             entry: np.ndarray | None = None) -> SimResult:
     """Replay ``schedule`` (all ranks together) on ``hardware``, memory included.
 
-    ``costs`` defaults to ``task_costs(schedule.graph, hardware)``.  Raises ``GraphError``
-    naming the blocked queues when the schedule cannot complete.
+    ``costs`` defaults to ``task_costs(schedule.graph, hardware)``.  ``entry``: [ep]
+    seconds at which each rank enters the region (its workers start then; None: every
+    rank at 0).  Raises ``GraphError`` naming the blocked queues when the schedule
+    cannot complete.
     """
     graph = schedule.graph
     require_all_ranks(graph)
@@ -170,7 +173,9 @@ def simulate(schedule: Schedule, hardware: HardwareModel, costs: TaskCosts | Non
     if len(costs.work) != graph.num_tasks:
         raise ValueError(f"costs cover {len(costs.work)} tasks, the graph has {graph.num_tasks}")
     memory = MemorySystem.of(graph, hardware)
-    state = run_replay(schedule, costs, memory, HostCores.of(graph, hardware))
+    if entry is not None and (len(entry) != graph.ep or not (np.asarray(entry) >= 0).all()):
+        raise ValueError(f"entry must hold one time >= 0 per rank ({graph.ep}), got {entry!r}")
+    state = run_replay(schedule, costs, memory, HostCores.of(graph, hardware), entry)
     start, end, link_start, link_end = state.arrays(costs)
     timeline = Timeline(ep=graph.ep, workers=schedule.workers, kind=graph.kind, rank=graph.rank,
                         peer=graph.peer, unit=graph.unit, worker=schedule.worker, start=start,
@@ -197,9 +202,9 @@ def replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None = N
 
 
 def run_replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None,
-               cores: HostCores | None = None) -> _ReplayState:
+               cores: HostCores | None = None, entry: np.ndarray | None = None) -> _ReplayState:
     state = _ReplayState(schedule, costs, memory, cores)
-    state.run()
+    state.run(entry)
     if state.done != schedule.graph.num_tasks:
         raise GraphError(_stall_message(schedule, state))
     return state
@@ -331,10 +336,17 @@ class _ReplayState:
         self.head[q] += 1
         self.begin(q, now)
 
-    def run(self) -> None:
+    def run(self, entry: np.ndarray | None = None) -> None:
+        """Replay; ``entry`` [ep]: when each rank's workers start (None: all at 0)."""
         self.count = [0] * len(self.threshold)
         for q in range(len(self.head)):
-            self.begin(q, 0.0)
+            if self.head[q] == self.tail[q]:
+                continue
+            i = self.qtask[self.head[q]]
+            if entry is None or entry[self.rank[i]] <= 0:
+                self.begin(q, 0.0)
+            else:  # the worker starts later: its first task begins as a woken one would
+                heapq.heappush(self.heap, (float(entry[self.rank[i]]), CODES * i + WAKE))
         heap, pop, ports, n = self.heap, heapq.heappop, self.ports, len(self.start)
         while heap:
             now, code = pop(heap)
