@@ -19,7 +19,7 @@ The CPU model's forecast of the runtime region against the measured region on
 compute-bound configurations (shared-memory transport, hyperparallel schedule), each
 configuration ``--repeats`` runs of `hpmoe bench --predict` (each run's region is the
 median of its iterations, slowest rank); the table gives the median over runs and the
-range of the error, with the host's speed (``cpu_share``) measured between the timed
+range of the error, with the host's speed (``cpu_share_during``) measured between the timed
 iterations and, next to it, measured before them (what AUTO decides with):
 
     .venv/bin/python benchmarks/bench_runtime.py predict [--repeats 3] [--only NAME ...]
