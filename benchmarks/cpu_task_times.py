@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import hpmoe.runtime.executor as executor
-from hpmoe.bench.forecast import agreed_models, agreed_profile
-from hpmoe.bench.runner import BenchConfig, make_inputs
+from hpmoe.bench.forecast import agreed_profile
+from hpmoe.bench.runner import BenchConfig, bench_models, make_inputs
 from hpmoe.ir.graph import TaskKind
 from hpmoe.launch.launcher import LaunchSpec, launch
 from hpmoe.routing import RoutingKind
@@ -82,10 +82,9 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rows = []
     with torch.no_grad(), Session(rt, group) as s:
-        moe = cfg.moe
-        models = agreed_models(agreed_profile(group), rt, cfg.workers, moe.dtype,
-                               args.tokens * moe.top_k * moe.hidden * moe.dtype.itemsize // 2,
-                               cfg.tiles.rows * moe.hidden * moe.dtype.itemsize, group)
+        models = bench_models(cfg, agreed_profile(group), group)
+        if models is None:
+            raise SystemExit("cpu_task_times.py needs a calibrated cpu profile: run `hpmoe calibrate`")
         run = ForwardRunner(s, data.weights, ForwardOptions(tiles=cfg.tiles, policy=policy,
                                                             hardware=models.runtime))
         for _ in range(args.iters + 2):

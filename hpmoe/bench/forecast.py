@@ -26,7 +26,7 @@ from ..schedule.base import WorkerCounts
 from ..sim.calibrate import WEIGHT_BYTES, KernelGemm
 from ..sim.forecast import HostCosts, runtime_hardware
 from ..sim.hardware import HardwareModel
-from .overhead import loaded_cost, process_cpu, wake_latency
+from .overhead import loaded_cost, per_call, process_cpu, wake_latency
 
 
 def agreed_profile(group: dist.ProcessGroup | None) -> HardwareModel | None:
@@ -126,15 +126,6 @@ def slowest_rank(values: np.ndarray, group: dist.ProcessGroup | None) -> np.ndar
     return t.numpy()
 
 
-def _seconds_per_call(fn: Callable[[], object], seconds: float) -> float:
-    """Seconds per ``fn()`` call, calling it for ``seconds``."""
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
-
-
 class ShareProbe:
     """The calibration's own 128 x 512 x 512 ``KernelGemm`` tile in ``dtype``, timed in
     windows while every rank of the group runs it at once: what fraction of the
@@ -152,8 +143,8 @@ class ShareProbe:
         """Seconds per tile call over ``seconds``, after ``settle`` seconds of untimed
         calls (the scheduler places every rank's thread).  Call it on every rank at once."""
         if settle > 0:
-            _seconds_per_call(self.tile, settle)
-        return _seconds_per_call(self.tile, seconds)
+            per_call(self.tile, settle)
+        return per_call(self.tile, seconds)[0]
 
     def share(self, per_call: list[float], group: dist.ProcessGroup | None) -> float:
         """The profile's rate over the rate of ``per_call`` (every rank's windows, taken

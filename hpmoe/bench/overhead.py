@@ -183,7 +183,7 @@ def loaded_cost(n: int = 300, repeats: int = 3,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernels' whole CPU is on the calling thread
     try:
-        alone = _cpu_per_call(vector, alone_s)
+        alone = per_call(vector, alone_s)[1]
         samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, measure)
     finally:
         torch.set_num_threads(threads)
@@ -191,12 +191,11 @@ def loaded_cost(n: int = 300, repeats: int = 3,
     return LoadedCost(outside_s=max(0.0, outside), vector_slowdown=loaded / max(alone, 1e-12))
 
 
-def _cpu_per_call(fn: Callable[[], object], seconds: float) -> float:
-    """Thread CPU seconds per ``fn()`` call, calling it for ``seconds`` of wall time
-    after one untimed call."""
-    fn()
+def per_call(fn: Callable[[], object], seconds: float) -> tuple[float, float]:
+    """(wall seconds, thread CPU seconds) per ``fn()`` call, calling it for ``seconds``
+    of wall time (at least once)."""
     n, t0, c0 = 0, time.perf_counter(), time.thread_time()
-    while time.perf_counter() - t0 < seconds:
+    while n == 0 or time.perf_counter() - t0 < seconds:
         fn()
         n += 1
-    return (time.thread_time() - c0) / max(n, 1)
+    return (time.perf_counter() - t0) / n, (time.thread_time() - c0) / n

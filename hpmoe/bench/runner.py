@@ -264,7 +264,7 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     profile = agreed_profile(group)
     policies, note = candidate_policies(config.policy, profile)
     session.board.enter("bench: cost model measurements")
-    models = _models(config, profile, group)
+    models = bench_models(config, profile, group)
     hardware = models.runtime if models else cpu_nominal(config.workers.matrix, config.workers.vector)
     every = make_calls(config, session, data, hardware, policies)
     warm = timed_loop(config.warmup, every, session, "warm-up")
@@ -281,10 +281,11 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     return build_report(config, chosen, samples, models, decision, group, note, probe)
 
 
-def _models(config: BenchConfig, profile: HardwareModel | None,
-            group: dist.ProcessGroup | None) -> Models | None:
+def bench_models(config: BenchConfig, profile: HardwareModel | None,
+                 group: dist.ProcessGroup | None) -> Models | None:
     """The cost models (None without a profile); links measured with the bytes a
-    rank sends each peer in a balanced dispatch (a shaped link's rate is known)."""
+    rank sends each peer in a balanced dispatch (a shaped link's rate is known), the
+    put CPU with puts of one vector tile's rows.  Collective."""
     if profile is None:
         return None
     moe, world = config.moe, dist.get_world_size(group)
@@ -346,7 +347,7 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
     stats = {n: Stats.of(slowest_rank(np.array(s.seconds[n]), group)) for n in names}
     steps = {n: s.step_medians(n, group) for n in (sst, rt)}
     prediction, predicted = None, None
-    if config.predict and models is not None and probe is not None:
+    if probe is not None:  # made only with --predict and models
         during = models.at_share(probe.share(s.probe, group), group)
         entries = (s.entry_offsets(sst, group), s.entry_offsets(rt, group))
         prediction, predicted = predict(s.last[sst], s.last[rt], steps[sst]["region"], steps[rt]["region"],

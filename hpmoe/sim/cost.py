@@ -95,7 +95,7 @@ def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | N
     free = free_tasks(graph)
     work, floor = np.where(free, 0.0, work), np.where(free, 0.0, floor)
     latency = np.where(remote, np.where(tier > 0, hardware.inter_latency, hardware.link_latency), 0.0)
-    background = np.where(remote & ~free, hardware.put_cpu, 0.0)
+    background = np.where(remote, hardware.put_cpu, 0.0)
     return TaskCosts(work=work, transfer=transfer, latency=latency, floor=floor, tier=tier, lanes=lanes,
                      background=background)
 
