@@ -233,6 +233,8 @@ def test_bad_configuration_names_the_field() -> None:
         RuntimeConfig(deadline_s=0)
     with pytest.raises(ValueError, match="threads"):
         RuntimeConfig(threads=0)
+    with pytest.raises(ValueError, match=r"ExecutorConfig.pause_gc must be a bool, got 'no'"):
+        ExecutorConfig(pause_gc="no")
     with pytest.raises(TypeError, match="transport"):
         RuntimeConfig(transport="shm")
     with pytest.raises(ValueError, match="--link="):

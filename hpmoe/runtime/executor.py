@@ -55,6 +55,8 @@ class ExecutorConfig:
                 raise ValueError(f"ExecutorConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.threads, int) or self.threads <= 0:
             raise ValueError(f"ExecutorConfig.threads must be a positive int, got {self.threads!r}")
+        if not isinstance(self.pause_gc, bool):
+            raise ValueError(f"ExecutorConfig.pause_gc must be a bool, got {self.pause_gc!r}")
 
 
 class _GcPause:
