@@ -213,14 +213,14 @@ def test_the_regions_size_symmetric_memory_from_the_steps_tiles():
     d = make_dedup_layout(plan, tiles)
     for rank in range(ep):
         fwd = FORWARD_DEDUP.symmetric_shapes(plan, tiles, rank)
-        assert fwd == dedup_region(d, tiles).symmetric_shapes(plan, tiles, rank)
+        assert fwd == dedup_region(d).symmetric_shapes(plan, tiles, rank)
         assert fwd["hrecv"][0][0] == d.hops.per_dst[rank] and fwd["pcomb"][1] == torch.bfloat16
         back = BACKWARD_DEDUP.symmetric_shapes(plan, tiles, rank)
-        assert back == dedup_backward_region(d, tiles).symmetric_shapes(plan, tiles, rank)
+        assert back == dedup_backward_region(d).symmetric_shapes(plan, tiles, rank)
         assert back["ghrecv"] == fwd["hrecv"] and back["dwcomb"] == ((d.send_rows[rank], w.spec.top_k),
                                                                    torch.float32)
     assert d.hops.per_dst.sum() > 0
-    pairs = ((dedup_region(d, tiles), FORWARD_DEDUP), (dedup_backward_region(d, tiles), BACKWARD_DEDUP))
+    pairs = ((dedup_region(d), FORWARD_DEDUP), (dedup_backward_region(d), BACKWARD_DEDUP))
     for bound, free in pairs:
         g, want = bound.lower(plan, tiles, None), free.lower(plan, tiles, None)  # the bound layout's graph
         for col in (*task_columns(), "sig_event", "threshold"):

@@ -107,7 +107,7 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
     plan = plan_routing(routing.ids, spec, par)
     dedup = tiles.dispatch is not DispatchMode.PER_EXPERT
     d = make_dedup_layout(plan, tiles) if dedup else None
-    region = dedup_region(d, tiles) if dedup else FORWARD
+    region = dedup_region(d) if dedup else FORWARD
     graph = region.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)

@@ -166,7 +166,7 @@ def execute_backward_dedup(saved: Sequence[DedupSaved], plan: RoutingPlan, dy: t
     views, dys = rank_views(out, plan), dy.chunk(ep)
     buffers = [DedupBackwardBuffers.allocate(saved[r], dys[r], d, tiles, r, views[r]) for r in range(ep)]
     contexts = [DedupBackwardContext.build(weights, d, routing, r) for r in range(ep)]
-    region = dedup_backward_region(d, tiles, recompute)
+    region = dedup_backward_region(d, recompute)
     return _run(region, plan, tiles, order, buffers, contexts, out, weights)
 
 

@@ -243,7 +243,7 @@ BACKWARD_DEDUP = _region(False)
 BACKWARD_DEDUP_RECOMPUTE = _region(True)
 
 
-def dedup_backward_region(d: DedupLayout, tiles: TileSpec, recompute: bool = False) -> Region:
+def dedup_backward_region(d: DedupLayout, recompute: bool = False) -> Region:
     """``BACKWARD_DEDUP`` (``_RECOMPUTE``) for the plan and tiles of layout ``d``, whose
     lowering and symmetric shapes read ``d`` instead of rebuilding it."""
     return replace(BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP,

@@ -246,7 +246,7 @@ FORWARD_DEDUP = Region(
     buffers=DedupBuffers, symmetric_shapes=dedup_symmetric_shapes)
 
 
-def dedup_region(d: DedupLayout, tiles: TileSpec) -> Region:
+def dedup_region(d: DedupLayout) -> Region:
     """``FORWARD_DEDUP`` for the plan and tiles of layout ``d``, whose lowering and symmetric
     shapes read ``d`` instead of rebuilding it."""
     return replace(FORWARD_DEDUP, lower=functools.partial(lower_dedup, layout=d),

@@ -70,7 +70,7 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
     tiles, dedup = options.tiles, options.tiles.dispatch is not DispatchMode.PER_EXPERT
     layout = make_dedup_layout(plan, tiles) if dedup else None
     if dedup:
-        region = dedup_backward_region(layout, tiles, recompute)
+        region = dedup_backward_region(layout, recompute)
     else:
         region = BACKWARD_RECOMPUTE if recompute else BACKWARD
     program, schedule = _open(s, plan, region, options, weights)

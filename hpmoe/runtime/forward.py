@@ -113,7 +113,7 @@ class ForwardRunner:
             key = counts.numpy().tobytes()
         marks.append(time.perf_counter())
         layout = make_dedup_layout(plan, tiles) if self.dedup else None
-        region = dedup_region(layout, tiles) if self.dedup else FORWARD
+        region = dedup_region(layout) if self.dedup else FORWARD
         schedule = self._schedule(plan, key, region)
         program = compile_program(schedule, region, s.rank)
         program, region = fault.apply(program, region) if fault else (program, region)
