@@ -213,8 +213,7 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     if link is not None and link_rate is not None:
         link = (link_rate, link[1])
     a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
-    share = concurrent_share(profile, dtype, group)
-    dist.barrier(group=group)
+    share = concurrent_share(profile, dtype, group)  # ends in an all-reduce: the ranks start together
     loaded = loaded_cost()
     dist.barrier(group=group)
     wake = wake_latency()

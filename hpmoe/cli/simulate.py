@@ -147,7 +147,7 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
 
 def link_bytes_per_rank(graph: TaskGraph) -> list[int]:
     """Bytes each rank's puts send to other ranks."""
-    return [int(b) for b in np.bincount(graph.rank, weights=graph.link_bytes, minlength=graph.ep)]
+    return [int(b) for b in tier_link_bytes(graph).sum(axis=0)]
 
 
 def link_bytes_per_tier(graph: TaskGraph) -> dict[str, list[int]]:
