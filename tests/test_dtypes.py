@@ -18,7 +18,8 @@ IDS = torch.arange(24).view(2, 12) % 61 + 2
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
 
 
 def _pair():
