@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from hpmoe.ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
@@ -46,3 +48,10 @@ def simulated_order(graph: TaskGraph, policy: SchedulePolicy,
     verify_schedule(sched)
     tl = simulate(sched, hardware).timeline
     return sched, np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
+
+
+def burn(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass

@@ -4,13 +4,14 @@ hand-offs they claim, and they run to a finite figure (timings are never asserte
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from hpmoe.bench.overhead import EmptyShape, empty_graph, loaded_cost, loaded_graph
 from hpmoe.ir.graph import TaskKind, Unit
+
+from .helpers import burn
 
 
 def test_loaded_graph_has_each_swiglu_wait_for_its_own_gemm() -> None:
@@ -29,18 +30,12 @@ def test_ping_pong_alternates_units_along_one_chain() -> None:
     assert list(g.unit[order]) == [Unit.MATRIX, Unit.VECTOR] * 3
 
 
-def _burn(seconds: float) -> None:
-    t0 = time.thread_time()
-    while time.thread_time() - t0 < seconds:
-        pass
-
-
 def test_loaded_cost_leaves_the_kernels_cpu_out() -> None:
     """Kernels that each burn 4 ms of their thread's CPU: the figure is the executor's
     share only (well under a millisecond a task), not the 4 ms the kernels spent; a
     vector kernel that burns the same CPU under load as alone has no slowdown."""
-    burn = (lambda: _burn(4e-3), lambda: _burn(4e-3))
-    cost = loaded_cost(n=10, repeats=1, kernels=burn, alone_s=0.02)
+    kernels = (lambda: burn(4e-3), lambda: burn(4e-3))
+    cost = loaded_cost(n=10, repeats=1, kernels=kernels, alone_s=0.02)
     assert 0 <= cost.outside_s < 1e-3
     assert cost.vector_slowdown == pytest.approx(1.0, abs=0.05)
 
@@ -51,6 +46,6 @@ def test_loaded_cost_reports_a_vector_kernel_slower_under_load() -> None:
     caller = threading.current_thread()
 
     def vector() -> None:
-        _burn(1e-3 if threading.current_thread() is caller else 3e-3)
-    cost = loaded_cost(n=10, repeats=1, kernels=(lambda: _burn(1e-3), vector), alone_s=0.02)
+        burn(1e-3 if threading.current_thread() is caller else 3e-3)
+    cost = loaded_cost(n=10, repeats=1, kernels=(lambda: burn(1e-3), vector), alone_s=0.02)
     assert cost.vector_slowdown == pytest.approx(3.0, rel=0.05)

@@ -3,18 +3,16 @@ the compute between puts taken out (timings are never asserted, only what is cou
 
 from __future__ import annotations
 
-import time
-
 from hpmoe.bench.forecast import measure_put_cpu
 from hpmoe.testing import spawn_gloo
+
+from .helpers import burn
 
 BURN_S = 0.02
 
 
 def _burn() -> None:
-    t0 = time.thread_time()
-    while time.thread_time() - t0 < BURN_S:
-        pass
+    burn(BURN_S)
 
 
 def _put_cpu(rank: int, world: int) -> float:

@@ -224,8 +224,7 @@ class HardwareModel:
         if not all(isinstance(s, GemmShape) for s in self.gemm_shapes):
             raise ValueError(f"HardwareModel.gemm_shapes must hold GemmShape, got {self.gemm_shapes!r}")
         if self.gemm_shapes:
-            # a full grid, or ValueError naming the missing point; kept as the cached ``_grid``
-            self.__dict__["_grid"] = shape_grid(self.gemm_shapes)
+            self._grid  # noqa: B018  (a full grid, or ValueError naming the missing point; cached)
 
     def _check_link(self) -> None:
         if not self.link or not all(isinstance(e, LinkEntry) for e in self.link):
