@@ -58,6 +58,36 @@ def test_on_a_core_memory_streams_at_one_cores_rate_unshared():
     assert ends(g, [0, 1], dataclasses.replace(hw, host_cores=1.0)) == [4, 6]
 
 
+def test_tasks_of_one_host_share_its_memory_bandwidth():
+    """Two ranks of a 2-core host each stream 1000 bytes at 1 GB/s a core: 1 µs each
+    alone; with the host's memory at 1 GB/s in all, both end at 2 µs (their sum over it)."""
+    hw = dataclasses.replace(UNIT_HW, mem_bw=1e9, host_cores=2.0)
+    g = build(2, [vec(0, bytes=1000.0), vec(0, rank=1, bytes=1000.0)], {})
+    assert ends(g, [0, 0], hw) == [1, 1]
+    assert ends(g, [0, 0], dataclasses.replace(hw, host_mem_bw=1e9)) == [2, 2]
+
+
+def test_a_task_streams_at_most_one_cores_rate_from_the_host_memory():
+    """1000 and 3000 bytes on a 2-core host whose memory serves 1.5 GB/s, a core 1 GB/s:
+    0.75 GB/s each until the first ends at 4/3 µs, then the second alone at its core's
+    1 GB/s (not 1.5) for its last 2000 bytes: 10/3 µs.  Alone, 3 µs: the core's rate."""
+    hw = dataclasses.replace(UNIT_HW, mem_bw=1e9, host_cores=2.0, host_mem_bw=1.5e9)
+    g = build(1, [vec(0, bytes=1000.0), vec(0, bytes=3000.0)], {})
+    assert ends(g, [0, 1], hw) == [round(4 / 3, 6), round(10 / 3, 6)]
+    assert ends(build(1, [vec(0, bytes=3000.0)], {}), [0], hw) == [3]
+
+
+def test_a_task_ends_when_both_its_core_time_and_its_bytes_are_served():
+    """One rank, one core, host memory 1 GB/s: a 10 µs compute task beside a 1000-byte
+    stream: the core is shared (the stream needs 1 µs of it, so it ends at 2 µs, the
+    compute task at 11 µs) and the bytes alone would take 1 µs: the core decides.  At
+    0.25 GB/s the bytes take 4 µs: the memory decides, and frees nothing of the core."""
+    hw = dataclasses.replace(UNIT_HW, mem_bw=1e9, host_cores=1.0, host_mem_bw=1e9)
+    g = build(1, [vec(10), vec(0, bytes=1000.0)], {})
+    assert ends(g, [0, 1], hw) == [11, 2]
+    assert ends(g, [0, 1], dataclasses.replace(hw, host_mem_bw=0.25e9)) == [11, 4]
+
+
 def test_forecast_is_the_replay_when_cores_are_modelled():
     g = build(1, [gemm(10), vec(10)], {})
     s = by_hand(g, [0, 0])

@@ -10,6 +10,7 @@ times); nothing is fitted to the outcome.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -99,6 +100,39 @@ def _receive(works: list[tuple[dist.Work, dist.Work]]) -> None:
     for data, head in works:
         head.wait()
         data.wait()
+
+
+def measure_host_memory(group: dist.ProcessGroup | None, nbytes: int = 256 << 20,
+                        seconds: float = 0.5) -> float:
+    """Bytes/s (read + write) the host's memory serves while every core streams: each
+    rank of ``group`` (all on this host) runs ``cores // ranks`` threads (at least one),
+    each copying its own ``nbytes`` with ``Tensor.copy_`` (the calibration's ``copy_bw``,
+    one intra-op thread) for ``seconds``, all at once after an untimed copy; the sum of
+    every thread's rate over the group.  Collective."""
+    streams = max(1, len(os.sched_getaffinity(0)) // dist.get_world_size(group))
+    pairs = [(torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
+             for _ in range(streams)]
+    rates = [0.0] * streams
+
+    def stream(j: int) -> None:
+        src, dst = pairs[j]
+        rates[j] = 2.0 * nbytes / per_call(lambda: dst.copy_(src), seconds)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for src, dst in pairs:
+            dst.copy_(src)
+        dist.barrier(group=group)
+        workers = [threading.Thread(target=stream, args=(j,), daemon=True) for j in range(streams)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        torch.set_num_threads(threads)
+    total = torch.tensor([sum(rates)], dtype=torch.float64)
+    dist.all_reduce(total, group=group)
+    return float(total.item())
 
 
 def measure_all_to_all(group: dist.ProcessGroup | None, nbytes: int, repeats: int = 3,
@@ -197,8 +231,8 @@ class Models:
     for one rank).  host: the runtime's measured costs on this host (``HostCosts``:
     ``concurrent_share``, the executor's CPU per task and the vector slowdown from
     ``loaded_cost``, the ``dist`` transport's ``measure_put_cpu``,
-    ``overhead.wake_latency``; each the slowest rank's).  The rest are the inputs both
-    models were built from (``at_share`` rebuilds them)."""
+    ``overhead.wake_latency``, each the slowest rank's; ``measure_host_memory``).  The
+    rest are the inputs both models were built from (``at_share`` rebuilds them)."""
 
     runtime: HardwareModel
     baseline: HardwareModel
@@ -237,6 +271,7 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     a2a = (measure_all_to_all(group, nbytes), 0.0) if world > 1 else None
     probe = ShareProbe(profile, dtype)
     share = concurrent_share(probe, group)  # ends in an all-reduce: the ranks start together
+    host_bw = measure_host_memory(group)
     loaded = loaded_cost()
     dist.barrier(group=group)
     wake = wake_latency()
@@ -244,7 +279,7 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     own_cpu = world > 1 and runtime.transport is TransportKind.DIST
     put_cpu = measure_put_cpu(group, put_bytes, probe.tile) if own_cpu else 0.0
     host = HostCosts(share=share, executor_overhead=float(outside), vector_slowdown=float(slowdown),
-                     put_cpu=put_cpu, wake_latency=float(wake))
+                     put_cpu=put_cpu, wake_latency=float(wake), host_mem_bw=host_bw)
     return _build(profile, runtime.transport, workers, link, a2a, host, group)
 
 

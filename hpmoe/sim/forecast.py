@@ -84,6 +84,8 @@ class HostCosts:
     put_cpu: seconds of host CPU a remote put of the transport burns (``HardwareModel.put_cpu``).
     wake_latency: seconds from an event to the start of the task a sleeping worker waits
       for (``HardwareModel.wake_latency``).
+    host_mem_bw: bytes/s the host's memory serves while every rank copies at once
+      (``HardwareModel.host_mem_bw``; 0: not measured, each core streams alone).
     """
 
     share: float
@@ -91,6 +93,7 @@ class HostCosts:
     vector_slowdown: float = 1.0
     put_cpu: float = 0.0
     wake_latency: float = 0.0
+    host_mem_bw: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("share", "vector_slowdown"):
@@ -104,7 +107,8 @@ def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[
     counts; the host's cores (``host_cores``: every rank's worker threads share them);
     compute rates scaled by ``core_share`` of ``host.share``, the vector rate also divided
     by ``host.vector_slowdown``; ``host.executor_overhead`` added to the per-task cost;
-    ``host.put_cpu`` and ``host.wake_latency`` as the model's own; and, when ``link`` is
+    ``host.put_cpu``, ``host.wake_latency`` and ``host.host_mem_bw`` as the model's own;
+    and, when ``link`` is
     given as (bytes/s, latency s), that link instead of the profile's."""
     cores = float(len(os.sched_getaffinity(0)))
     share = core_share(host.share, ep, cores)
@@ -114,7 +118,7 @@ def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[
         matrix_flops_fp32=profile.matrix_flops_fp32 * share,
         vector_flops=profile.vector_flops * share / host.vector_slowdown,
         task_overhead=profile.task_overhead + host.executor_overhead, put_cpu=host.put_cpu,
-        wake_latency=host.wake_latency)
+        wake_latency=host.wake_latency, host_mem_bw=host.host_mem_bw)
     if link is None:
         return hw
     bw, latency = link

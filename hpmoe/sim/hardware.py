@@ -165,6 +165,9 @@ class HardwareModel:
       task at most one core) and a task's work on its core is ``task_overhead`` + max(compute,
       bytes / ``mem_bw``), ``mem_bw`` then being one core's streaming rate, not a shared
       HBM.  0: every worker has its own core (accelerators).
+    host_mem_bw: bytes/s (read + write) a ``host_cores`` host's memory serves while every
+      core streams: the replay shares it among the host's tasks moving bytes, each at most
+      ``mem_bw``.  0: each core streams at ``mem_bw`` whatever the others do.
     unpermute_traffic: bytes the unpermute kernel moves per byte the lowering counts (the
       compulsory ones): 1 for a fused kernel; the CPU's ``refs.topk_sum`` builds fp32
       temporaries per term (``hpmoe calibrate`` measures it).
@@ -197,6 +200,7 @@ class HardwareModel:
     inter_latency: float = 0.0
     shared_hbm: bool = True
     host_cores: float = 0.0
+    host_mem_bw: float = 0.0
     unpermute_traffic: float = 1.0
     gemm_shapes: tuple[GemmShape, ...] = ()
     put_cpu: float = 0.0
@@ -211,7 +215,7 @@ class HardwareModel:
         for name in ("matrix_flops_bf16", "matrix_flops_fp32", "vector_flops", "mem_bw"):
             _check_rate("HardwareModel", name, getattr(self, name))
         for name in ("link_latency", "task_overhead", "l2_mb", "stream_bw", "inter_link_bw",
-                     "inter_latency", "host_cores", "put_cpu", "wake_latency"):
+                     "inter_latency", "host_cores", "host_mem_bw", "put_cpu", "wake_latency"):
             _check_rate("HardwareModel", name, getattr(self, name), allow_zero=True)
         _check_int("HardwareModel", "matrix_full_edge", self.matrix_full_edge)
         _check_rate("HardwareModel", "unpermute_traffic", self.unpermute_traffic)
@@ -364,7 +368,8 @@ class HardwareModel:
                          f"{table['bf16'].max():.2f}, fp32 {table['fp32'].min():.2f}-"
                          f"{table['fp32'].max():.2f} of the peak")
         if self.host_cores or self.unpermute_traffic != 1.0 or self.put_cpu or self.wake_latency:
-            lines.append(f"  host cores {self.host_cores:.4g} (0: one per worker), unpermute traffic "
+            lines.append(f"  host cores {self.host_cores:.4g} (0: one per worker), host memory "
+                         f"{self.host_mem_bw / 1e9:.4g} GB/s (0: per core), unpermute traffic "
                          f"x{self.unpermute_traffic:.3g}, host CPU per remote put "
                          f"{self.put_cpu * 1e6:.3g} us, wake {self.wake_latency * 1e6:.3g} us")
         lines += [f"  link EP{e.ep}: dispatch {e.dispatch / 1e9:.4g} GB/s, combine {e.combine / 1e9:.4g} GB/s"
@@ -375,7 +380,8 @@ class HardwareModel:
 # --- what-if overrides ----------------------------------------------------------------
 # ``--set NAME=VALUE`` names in convenient units: NAME -> (field, factor to the field's unit)
 OVERRIDE_ALIASES = {"hbm_gbs": ("mem_bw", 1e9), "stream_gbs": ("stream_bw", 1e9),
-                    "inter_link_gbs": ("inter_link_bw", 1e9), "link_latency_us": ("link_latency", 1e-6),
+                    "inter_link_gbs": ("inter_link_bw", 1e9),
+                    "host_mem_gbs": ("host_mem_bw", 1e9), "link_latency_us": ("link_latency", 1e-6),
                     "inter_latency_us": ("inter_latency", 1e-6), "task_overhead_us": ("task_overhead", 1e-6)}
 
 

@@ -3,8 +3,9 @@ critical-path scheduler's list scheduling (a leaf: it imports neither).
 
 Both keep one heap of ``(time, CODES * task + code)`` entries: ``LinkPorts`` serves
 puts through every rank's egress and ingress ports and lanes, ``HbmShare`` shares each
-rank's HBM bandwidth among the tasks moving bytes, and ``MemorySystem`` says what the
-memory charges (per-task traffic through the L2, bytes/s per rank).
+rank's HBM bandwidth among the tasks moving bytes (or a host's cores, or a host's
+memory), and ``MemorySystem`` says what the memory charges (per-task traffic through
+the L2, bytes/s per rank).
 """
 
 from __future__ import annotations
@@ -44,13 +45,17 @@ class HostCores:
     """The cores a node's ranks share (``HardwareModel.host_cores``): ``cores`` per host of
     ``ranks_per_host`` ranks; a task's demand on its core is ``overhead`` + max(compute,
     bytes / ``core_bw``), ``core_bw`` one core's streaming bytes/s; a worker that slept on
-    its task's event starts it ``wake`` seconds after the event."""
+    its task's event starts it ``wake`` seconds after the event.  ``host_bw``: bytes/s the
+    host's memory serves while every core streams (``HardwareModel.host_mem_bw``), shared
+    by the host's tasks with bytes left, each at most ``core_bw``; 0: each core streams at
+    ``core_bw`` whatever the others do."""
 
     cores: float
     ranks_per_host: int
     core_bw: float
     overhead: float
     wake: float = 0.0
+    host_bw: float = 0.0
 
     @classmethod
     def of(cls, graph: TaskGraph, hardware: HardwareModel) -> HostCores | None:
@@ -58,15 +63,24 @@ class HostCores:
         if hardware.host_cores <= 0:
             return None
         return cls(cores=hardware.host_cores, ranks_per_host=max(1, graph.ep // max(graph.nodes, 1)),
-                   core_bw=hardware.mem_bw, overhead=hardware.task_overhead, wake=hardware.wake_latency)
+                   core_bw=hardware.mem_bw, overhead=hardware.task_overhead, wake=hardware.wake_latency,
+                   host_bw=hardware.host_mem_bw)
 
     def share(self, ep: int, heap: list[tuple[float, int]]) -> HbmShare:
         """The processor-sharing state of every host's cores (demand in core-seconds)."""
         return HbmShare(-(-ep // self.ranks_per_host), self.cores, heap, cap=1.0, eps=1e-15)
 
+    def memory(self, ep: int, heap: list[tuple[float, int]]) -> HbmShare | None:
+        """The sharing of every host's memory bandwidth (demand in bytes), on the heap's
+        second code range; None when ``host_bw`` is 0."""
+        if self.host_bw <= 0:
+            return None
+        return HbmShare(-(-ep // self.ranks_per_host), self.host_bw, heap, cap=self.core_bw, tag=1)
+
 
 END, ISSUE, LINK_DONE, WORK, WAKE = 0, 1, 2, 3, 4  # heap entry codes: (time, CODES * task + code)
 CODES = 5
+SHARES = 2  # HbmShare code ranges on one heap: a share's finish codes are -1 - (tag + SHARES * k)
 
 
 class LinkPorts:
@@ -139,14 +153,18 @@ class HbmShare:
     second, n the group's active tasks.  Per group a virtual clock ``served`` counts
     what each active task has received; a task of demand D that joined at
     ``served = s`` is done at ``served = s + D``.  Finish events go on the caller's
-    heap with code ``-1 - (group + groups * version)``; a newer version makes older
-    events stale.  HBM: bytes, capacity ``mem_bw``, no cap.  Cores: seconds of one
-    core, capacity the host's cores, cap 1 (a task runs on one core at most).  ``eps``:
-    demand left below which a task counts as served (in the demand's unit)."""
+    heap with code ``-1 - (tag + SHARES * (group + groups * version))``: ``tag`` (below
+    ``SHARES``) tells the shares of one heap apart, a newer version makes older events
+    stale.  HBM: bytes, capacity ``mem_bw``, no cap.  Cores: seconds of one core,
+    capacity the host's cores, cap 1 (a task runs on one core at most).  A host's
+    memory: bytes, capacity ``host_mem_bw``, cap one core's rate.  ``eps``: demand left
+    below which a task counts as served (in the demand's unit)."""
 
     def __init__(self, groups: int, capacity: float, heap: list[tuple[float, int]], cap: float = np.inf,
-                 eps: float = 1e-6):
-        self.ep, self.bw, self.cap, self.heap, self.eps = groups, capacity, cap, heap, eps
+                 eps: float = 1e-6, tag: int = 0):
+        if not 0 <= tag < SHARES:
+            raise ValueError(f"HbmShare.tag must be in [0, {SHARES}), got {tag!r}")
+        self.ep, self.bw, self.cap, self.heap, self.eps, self.tag = groups, capacity, cap, heap, eps, tag
         self.served, self.since = [0.0] * groups, [0.0] * groups
         self.active: list[list[tuple[float, int]]] = [[] for _ in range(groups)]
         self.version, self.busy = [0] * groups, [0.0] * groups
@@ -172,11 +190,12 @@ class HbmShare:
         active = self.active[r]
         if active:
             t = now + (active[0][0] - self.served[r]) / self.rate(len(active))
-            heapq.heappush(self.heap, (max(t, now), -1 - (r + self.ep * self.version[r])))
+            code = -1 - (self.tag + SHARES * (r + self.ep * self.version[r]))
+            heapq.heappush(self.heap, (max(t, now), code))
 
     def finished(self, code: int, now: float) -> list[int]:
         """Tasks whose demand is all served at ``now`` (none for a stale event)."""
-        version, r = divmod(-1 - code, self.ep)
+        version, r = divmod((-1 - code) // SHARES, self.ep)
         if version != self.version[r]:
             return []
         self.advance(r, now)

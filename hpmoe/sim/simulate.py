@@ -25,7 +25,11 @@ Semantics of the replay:
      HBM bytes / mem_bw)`` seconds of one core (its L2 misses as in 3, ``mem_bw`` one
      core's streaming rate; a remote put: its overhead), and every running task gets
      ``min(1, cores / running)`` of a core (processor sharing recomputed at each start and
-     finish); HBM is then not shared (step 3's sharing is off).  A remote put whose
+     finish); HBM is then not shared (step 3's sharing is off).  With ``host_mem_bw``
+     the host's memory is: a task with bytes also needs them served by its host's
+     memory, which gives each task with bytes left ``min(mem_bw, host_mem_bw / n)``
+     (processor sharing among the host's n such tasks); the task ends when both its
+     core demand and its bytes are served.  A remote put whose
      transport burns host CPU (``HardwareModel.put_cpu``) adds that much demand on its
      host's cores when it goes to the link, as a job of its own that gates nothing.  A
      worker whose task's event had not fired when it got there sleeps on it and starts
@@ -53,7 +57,7 @@ from ..schedule.verify import require_all_ranks, verify_schedule
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel
 from .memory import LruCache
-from .resources import CODES, END, ISSUE, WAKE, WORK, HbmShare, HostCores, LinkPorts, MemorySystem
+from .resources import CODES, END, ISSUE, SHARES, WAKE, WORK, HbmShare, HostCores, LinkPorts, MemorySystem
 
 
 @dataclass(frozen=True)
@@ -242,12 +246,14 @@ class _ReplayState:
         self.rank = g.rank.tolist()
         self.cores = cores
         self.background = None
+        self.host_memory = None
         if cores is not None:
             self.share = cores.share(g.ep, self.heap)
             if costs.background is not None and costs.background.any():
                 self.background = costs.background.tolist()
         if memory is None:
             self.floor = costs.work.tolist()
+            self.shares = [self.share] if cores is not None else []
             return
         self.floor = costs.floor.tolist()
         self.fixed = memory.traffic.fixed.tolist()
@@ -257,6 +263,9 @@ class _ReplayState:
         self.hbm = HbmShare(g.ep, memory.bandwidth, self.heap)
         if cores is None:
             self.share = self.hbm
+        else:
+            self.host_memory = cores.memory(g.ep, self.heap)
+        self.shares = [self.share, self.host_memory]  # indexed by HbmShare.tag
         self.task_bytes = [0.0] * n
 
     def begin(self, q: int, now: float) -> None:
@@ -301,12 +310,17 @@ class _ReplayState:
         return nbytes
 
     def begin_on_core(self, i: int, now: float) -> None:
-        """Task ``i`` joins its host's cores with its demand (step 5)."""
-        demand = self.floor[i]
+        """Task ``i`` joins its host's cores with its demand, and its bytes its host's
+        memory when that is shared (step 5)."""
+        demand, nbytes, host = self.floor[i], 0.0, self.rank[i] // self.cores.ranks_per_host
         if self.memory is not None and not self.remote[i]:
-            demand = max(demand, self.cores.overhead + self.task_hbm_bytes(i) / self.cores.core_bw)
+            nbytes = self.task_hbm_bytes(i)
+            demand = max(demand, self.cores.overhead + nbytes / self.cores.core_bw)
         self.left[i] = 1
-        self.share.add(self.rank[i] // self.cores.ranks_per_host, i, demand, now)
+        if self.host_memory is not None and nbytes > 0:
+            self.left[i] = 2
+            self.host_memory.add(host, i, nbytes, now)
+        self.share.add(host, i, demand, now)
 
     def part_done(self, i: int, now: float) -> None:
         """One of task ``i``'s floor and memory is done; at the second, it ends (or a
@@ -351,7 +365,7 @@ class _ReplayState:
         while heap:
             now, code = pop(heap)
             if code < 0:
-                for i in self.share.finished(code, now):
+                for i in self.shares[(-1 - code) % SHARES].finished(code, now):
                     if i < n and (self.cores is not None or not self.remote[i]):
                         self.part_done(i, now)  # i >= n: a put's background CPU, which gates nothing
                 continue
