@@ -231,8 +231,10 @@ class Models:
     for one rank).  host: the runtime's measured costs on this host (``HostCosts``:
     ``concurrent_share``, the executor's CPU per task and the vector slowdown from
     ``loaded_cost``, the ``dist`` transport's ``measure_put_cpu``,
-    ``overhead.wake_latency``, each the slowest rank's; ``measure_host_memory``).  The
-    rest are the inputs both models were built from (``at_share`` rebuilds them)."""
+    ``overhead.wake_latency``, each the slowest rank's; ``measure_host_memory``).  probe:
+    the ``ShareProbe`` the share was measured with (this process's, for measuring it
+    again).  The rest are the inputs both models were built from (``at_share`` rebuilds
+    them)."""
 
     runtime: HardwareModel
     baseline: HardwareModel
@@ -242,6 +244,7 @@ class Models:
     profile: HardwareModel
     transport: TransportKind
     workers: WorkerCounts
+    probe: ShareProbe
 
     @property
     def share(self) -> float:
@@ -250,7 +253,7 @@ class Models:
     def at_share(self, share: float, group: dist.ProcessGroup | None) -> Models:
         """The same models with compute rates for ``share`` instead.  Collective."""
         return _build(self.profile, self.transport, self.workers, self.link, self.a2a,
-                      dataclasses.replace(self.host, share=share), group)
+                      dataclasses.replace(self.host, share=share), group, self.probe)
 
 
 def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: WorkerCounts,
@@ -280,12 +283,12 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     put_cpu = measure_put_cpu(group, put_bytes, probe.tile) if own_cpu else 0.0
     host = HostCosts(share=share, executor_overhead=float(outside), vector_slowdown=float(slowdown),
                      put_cpu=put_cpu, wake_latency=float(wake), host_mem_bw=host_bw)
-    return _build(profile, runtime.transport, workers, link, a2a, host, group)
+    return _build(profile, runtime.transport, workers, link, a2a, host, group, probe)
 
 
 def _build(profile: HardwareModel, transport: TransportKind, workers: WorkerCounts,
            link: tuple[float, float] | None, a2a: tuple[float, float] | None, host: HostCosts,
-           group: dist.ProcessGroup | None) -> Models:
+           group: dist.ProcessGroup | None, probe: ShareProbe) -> Models:
     """``Models`` from agreed measurements, built on group rank 0.  Collective."""
     world = dist.get_world_size(group)
     box: list = [None]
@@ -297,4 +300,4 @@ def _build(profile: HardwareModel, transport: TransportKind, workers: WorkerCoun
     dist.broadcast_object_list(box, group=group, group_src=0)
     runtime, baseline = (HardwareModel.from_dict(d) for d in box[0])
     return Models(runtime, baseline, link=link, a2a=a2a, host=host, profile=profile, transport=transport,
-                  workers=workers)
+                  workers=workers, probe=probe)

@@ -274,7 +274,7 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
     calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
     default = Variant.RUNTIME if decision is None else _variant(decision.chosen)
-    probe = ShareProbe(profile, config.moe.dtype) if config.predict and models is not None else None
+    probe = models.probe if config.predict and models is not None else None
     samples = timed_loop(config.iters, calls, session, "iteration", probe)
     samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     session.board.enter("bench: report")
