@@ -127,6 +127,16 @@ def test_a_rank_entering_late_delays_its_peers_and_the_region_counts_each_from_i
         simulate(s, UNIT_HW, entry=np.array([0.0]))
 
 
+def test_without_host_cores_a_forecast_is_floored_at_the_work_over_the_cores(monkeypatch):
+    """Three workers of one rank run 10 µs each at once (makespan 10), but the rank owns
+    one core: the forecast is its 30 µs of work, with an entry time as without."""
+    monkeypatch.setattr("hpmoe.sim.forecast.cores_per_rank", lambda ep: 1.0)
+    s = by_hand(build(1, [gemm(10), vec(10), vec(10)], {}), [0, 0, 1])
+    assert simulate(s, UNIT_HW).makespan == pytest.approx(10 * US)
+    assert forecast_region(s, UNIT_HW)[0] == pytest.approx(30 * US)
+    assert forecast_region(s, UNIT_HW, entry=np.array([1 * US]))[0] == pytest.approx(30 * US)
+
+
 def test_core_share_divides_out_ranks_beyond_the_cores():
     assert core_share(0.9, ep=2, cores=2.0) == pytest.approx(0.9)
     assert core_share(0.45, ep=4, cores=2.0) == pytest.approx(0.9)

@@ -34,22 +34,21 @@ def cores_per_rank(ep: int) -> float:
 
 def forecast_region(schedule: Schedule, hardware: HardwareModel,
                     entry: np.ndarray | None = None) -> tuple[float, SimResult]:
-    """(seconds, replay) of a region: the simulator's makespan.  With ``host_cores`` the
-    replay shares the host's cores among every rank's workers; without, the makespan is
-    taken no less than the busiest rank's total work over the cores it owns.  With
-    ``entry`` ([ep] seconds at which each rank entered the region), the seconds are the
-    longest any rank spent in it: its last task's end less its entry."""
+    """(seconds, replay) of a region: the simulator's makespan, or with ``entry`` ([ep]
+    seconds at which each rank entered the region) the longest any rank spent in it (its
+    last task's end less its entry).  With ``host_cores`` the replay shares the host's
+    cores among every rank's workers; without, the seconds are taken no less than the
+    busiest rank's total work over the cores it owns."""
     sim = simulate(schedule, hardware, entry=entry)
+    g, seconds = schedule.graph, sim.makespan
     if entry is not None:
-        tl = sim.timeline
-        last = np.zeros(schedule.graph.ep)
-        np.maximum.at(last, tl.rank, tl.end)
-        return float((last - entry).max()), sim
+        last = np.zeros(g.ep)
+        np.maximum.at(last, sim.timeline.rank, sim.timeline.end)
+        seconds = float((last - entry).max())
     if hardware.host_cores > 0:
-        return sim.makespan, sim
-    g = schedule.graph
+        return seconds, sim
     work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
-    return max(sim.makespan, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep))), sim
+    return max(seconds, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep))), sim
 
 
 def sequential_seconds(graph: TaskGraph, hardware: HardwareModel) -> float:
