@@ -11,6 +11,7 @@ import pytest
 from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.kernels import FORWARD
 from hpmoe.schedule import WorkerCounts
+from hpmoe.schedule.auto import kernel_by_kernel_forecast
 from hpmoe.sim.cost import task_costs
 from hpmoe.sim.forecast import HostCosts, core_share, forecast_region, runtime_hardware
 from hpmoe.sim.hardware import cpu_nominal
@@ -135,6 +136,17 @@ def test_without_host_cores_a_forecast_is_floored_at_the_work_over_the_cores(mon
     assert simulate(s, UNIT_HW).makespan == pytest.approx(10 * US)
     assert forecast_region(s, UNIT_HW)[0] == pytest.approx(30 * US)
     assert forecast_region(s, UNIT_HW, entry=np.array([1 * US]))[0] == pytest.approx(30 * US)
+
+
+def test_a_taskflow_forecast_adds_the_launch_and_the_kernel_by_kernel_path_has_none():
+    """``launch_overhead`` 5 µs: a 20 µs replay is forecast at 25 µs; the kernel-by-kernel
+    path (torch kernels in turn, no executor) is forecast the same with it as without."""
+    s = by_hand(build(1, [gemm(10), vec(10)], {}), [0, 0])
+    hw = dataclasses.replace(UNIT_HW, host_cores=1.0, launch_overhead=5e-6)
+    assert forecast_region(s, hw)[0] == pytest.approx(25 * US)
+    plan, cpu = tiny_plan(), cpu_nominal(1, 1)
+    launched = dataclasses.replace(cpu, launch_overhead=1e-3)
+    assert kernel_by_kernel_forecast(plan, launched).region_s == kernel_by_kernel_forecast(plan, cpu).region_s
 
 
 def test_core_share_divides_out_ranks_beyond_the_cores():

@@ -40,6 +40,13 @@ def test_loaded_cost_leaves_the_kernels_cpu_out() -> None:
     assert cost.vector_slowdown == pytest.approx(1.0, abs=0.05)
 
 
+def test_loaded_cost_launch_is_the_region_outside_its_workers() -> None:
+    """10 GEMM tasks of 4 ms each keep the workers busy for at least 40 ms; the launch
+    (before the first task, after the last) leaves that time out."""
+    cost = loaded_cost(n=10, repeats=1, kernels=(lambda: burn(4e-3), lambda: None), alone_s=0.02)
+    assert 0 <= cost.launch_s < 10e-3
+
+
 def test_loaded_cost_reports_a_vector_kernel_slower_under_load() -> None:
     """A vector kernel that burns 1 ms alone (on the calling thread) and 3 ms under load
     (on the executor's vector worker): a slowdown of 3."""

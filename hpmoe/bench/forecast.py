@@ -226,7 +226,7 @@ class Models:
     """runtime: the cost model of hpmoe's runtime on its transport.  baseline: the
     same with the link the serialized baseline gets from ``all_to_all_single``, no host
     CPU per put (its exchanges run between compute phases, their CPU inside the
-    measured rate) and no wake latency (it runs in one thread).  link, a2a: (bytes/s,
+    measured rate), no wake latency (it runs in one thread) and no launch (no executor).  link, a2a: (bytes/s,
     latency s) of torch.distributed point-to-point and of ``all_to_all_single`` (None
     for one rank).  host: the runtime's measured costs on this host (``HostCosts``:
     ``concurrent_share``, the executor's CPU per task and the vector slowdown from
@@ -278,11 +278,13 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     loaded = loaded_cost()
     dist.barrier(group=group)
     wake = wake_latency()
-    outside, slowdown, wake = slowest_rank(np.array([loaded.outside_s, loaded.vector_slowdown, wake]), group)
+    outside, slowdown, wake, launch = slowest_rank(
+        np.array([loaded.outside_s, loaded.vector_slowdown, wake, loaded.launch_s]), group)
     own_cpu = world > 1 and runtime.transport is TransportKind.DIST
     put_cpu = measure_put_cpu(group, put_bytes, probe.tile) if own_cpu else 0.0
     host = HostCosts(share=share, executor_overhead=float(outside), vector_slowdown=float(slowdown),
-                     put_cpu=put_cpu, wake_latency=float(wake), host_mem_bw=host_bw)
+                     put_cpu=put_cpu, wake_latency=float(wake), host_mem_bw=host_bw,
+                     launch_overhead=float(launch))
     return _build(profile, runtime.transport, workers, link, a2a, host, group, probe)
 
 
@@ -294,7 +296,7 @@ def _build(profile: HardwareModel, transport: TransportKind, workers: WorkerCoun
     box: list = [None]
     if dist.get_rank(group) == 0:
         own = link if transport is TransportKind.DIST else None
-        one_thread = dataclasses.replace(host, put_cpu=0.0, wake_latency=0.0)
+        one_thread = dataclasses.replace(host, put_cpu=0.0, wake_latency=0.0, launch_overhead=0.0)
         box[0] = (runtime_hardware(profile, workers, own, host, world).to_dict(),
                   runtime_hardware(profile, workers, a2a, one_thread, world).to_dict())
     dist.broadcast_object_list(box, group=group, group_src=0)

@@ -10,8 +10,9 @@ Three shapes of graph, each N empty tasks of one rank:
 And the executor's CPU per task under load (``loaded_cost``): the matrix worker runs
 GEMM tiles back to back, the vector worker a small elementwise tile after each, so both
 threads are busy and the vector one sleeps and wakes per tile, as in a region; the
-process's CPU time outside the kernels, per task, and how much slower the vector kernel
-runs there than alone (the matrix thread's streaming evicts its operands).
+process's CPU time outside the kernels, per task, how much slower the vector kernel
+runs there than alone (the matrix thread's streaming evicts its operands), and the
+region's wall time outside its workers (before the first starts, after the last task).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..exec.program import compile_program
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..regions.base import Region
 from ..regions.kernels import glu
-from ..runtime.executor import Executor, ExecutorConfig
+from ..runtime.executor import Executor, ExecutorConfig, RegionResult
 from ..runtime.transport.local import LocalTransport
 from ..schedule.base import SchedulePolicy, WorkerCounts, schedule_from_assignment
 from ..spec import Activation
@@ -76,7 +77,7 @@ def empty_graph(n: int, shape: EmptyShape) -> tuple[TaskGraph, np.ndarray]:
 
 
 def _repeat(graph: TaskGraph, region: Region, position: np.ndarray, repeats: int,
-            measure: Callable[[Callable[[], object]], float]) -> list[float]:
+            measure: Callable[[Callable[[], RegionResult]], object]) -> list:
     """``measure(run)`` of the one-rank ``graph`` scheduled on one worker per unit in
     ``position`` order, ``repeats`` times after one warm-up run (which is dropped)."""
     sched = schedule_from_assignment(graph, SchedulePolicy.HYPERPARALLEL, WorkerCounts(1, 1),
@@ -146,11 +147,15 @@ class LoadedCost:
     """What a region's two busy workers cost a rank, from ``loaded_cost``.
 
     outside_s: the process's CPU seconds per task outside the kernels (the executor's
-    own cost).  vector_slowdown: the vector kernel's CPU per call while the matrix
-    worker runs beside it, over the same kernel's CPU per call alone just before."""
+    own cost), the launch's excluded.  vector_slowdown: the vector kernel's CPU per call
+    while the matrix worker runs beside it, over the same kernel's CPU per call alone
+    just before.  launch_s: seconds of ``Executor.run`` outside its workers: before they
+    start (building the tasks' calls) and after the last task ends (finish, settle, the
+    timeline)."""
 
     outside_s: float
     vector_slowdown: float
+    launch_s: float
 
 
 def loaded_cost(n: int = 300, repeats: int = 3,
@@ -175,11 +180,13 @@ def loaded_cost(n: int = 300, repeats: int = 3,
                              TaskKind.SWIGLU: timed(TaskKind.SWIGLU, vector)},
                     symmetric_shapes=lambda *x: {})
 
-    def measure(run: Callable[[], object]) -> tuple[float, float]:
+    def measure(run: Callable[[], RegionResult]) -> tuple[float, float, float]:
         spent.update(dict.fromkeys(spent, 0.0))
-        cpu = process_cpu()
-        run()
-        return (process_cpu() - cpu - sum(spent.values())) / (2 * n), spent[TaskKind.SWIGLU] / n
+        cpu, t0 = process_cpu(), time.perf_counter()
+        result = run()
+        wall, cpu = time.perf_counter() - t0, process_cpu() - cpu
+        launch = max(0.0, wall - float(result.timeline.end.max(initial=0.0)))  # workers: origin to last end
+        return (cpu - launch - sum(spent.values())) / (2 * n), spent[TaskKind.SWIGLU] / n, launch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernels' whole CPU is on the calling thread
     try:
@@ -187,8 +194,9 @@ def loaded_cost(n: int = 300, repeats: int = 3,
         samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, measure)
     finally:
         torch.set_num_threads(threads)
-    outside, loaded = (statistics.median(column) for column in zip(*samples, strict=True))
-    return LoadedCost(outside_s=max(0.0, outside), vector_slowdown=loaded / max(alone, 1e-12))
+    outside, loaded, launch = (statistics.median(column) for column in zip(*samples, strict=True))
+    return LoadedCost(outside_s=max(0.0, outside), vector_slowdown=loaded / max(alone, 1e-12),
+                      launch_s=launch)
 
 
 def per_call(fn: Callable[[], object], seconds: float) -> tuple[float, float]:

@@ -177,7 +177,8 @@ class BenchReport:
                     "executor_us_per_task": round(self.host.executor_overhead * 1e6, 2),
                     "vector_slowdown": round(self.host.vector_slowdown, 3),
                     "wake_latency_us": round(self.host.wake_latency * 1e6, 2),
-                    "host_memory_gbytes_per_s": round(self.host.host_mem_bw / 1e9, 3)}
+                    "host_memory_gbytes_per_s": round(self.host.host_mem_bw / 1e9, 3),
+                    "launch_us": round(self.host.launch_overhead * 1e6, 1)}
             if self.host.put_cpu:
                 out["put_cpu_us"] = round(self.host.put_cpu * 1e6, 2)
         if self.link is not None:

@@ -281,8 +281,8 @@ def kernel_by_kernel_forecast(plan: RoutingPlan, hardware: HardwareModel, backwa
     """The kernel-by-kernel path of ``plan`` across ranks: the serial schedule of its
     whole-phase tasks on one worker per unit, replayed by ``forecast_region`` on
     ``hardware``; ``setup_s`` (e.g. a measured count exchange) added."""
-    one = WorkerCounts(1, 1)
-    hw1 = dataclasses.replace(hardware, matrix_workers=1, vector_workers=1)
+    one = WorkerCounts(1, 1)  # torch kernels called in turn: no executor to launch
+    hw1 = dataclasses.replace(hardware, matrix_workers=1, vector_workers=1, launch_overhead=0.0)
     kbk = [serial_schedule(g, one) for g in _graphs(plan, kernel_by_kernel_tiles(plan), backward)]
     return Forecast(KERNEL_BY_KERNEL, sum(forecast_region(s, hw1)[0] for s in kbk), setup_s)
 

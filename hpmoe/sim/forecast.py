@@ -36,19 +36,19 @@ def forecast_region(schedule: Schedule, hardware: HardwareModel,
                     entry: np.ndarray | None = None) -> tuple[float, SimResult]:
     """(seconds, replay) of a region: the simulator's makespan, or with ``entry`` ([ep]
     seconds at which each rank entered the region) the longest any rank spent in it (its
-    last task's end less its entry).  With ``host_cores`` the replay shares the host's
-    cores among every rank's workers; without, the seconds are taken no less than the
-    busiest rank's total work over the cores it owns."""
+    last task's end less its entry); plus ``launch_overhead``.  With ``host_cores`` the
+    replay shares the host's cores among every rank's workers; without, the replay's
+    seconds are taken no less than the busiest rank's total work over the cores it owns."""
     sim = simulate(schedule, hardware, entry=entry)
     g, seconds = schedule.graph, sim.makespan
     if entry is not None:
         last = np.zeros(g.ep)
         np.maximum.at(last, sim.timeline.rank, sim.timeline.end)
         seconds = float((last - entry).max())
-    if hardware.host_cores > 0:
-        return seconds, sim
-    work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
-    return max(seconds, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep))), sim
+    if hardware.host_cores <= 0:
+        work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
+        seconds = max(seconds, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep)))
+    return seconds + hardware.launch_overhead, sim
 
 
 def sequential_seconds(graph: TaskGraph, hardware: HardwareModel) -> float:
@@ -85,6 +85,8 @@ class HostCosts:
       for (``HardwareModel.wake_latency``).
     host_mem_bw: bytes/s the host's memory serves while every rank copies at once
       (``HardwareModel.host_mem_bw``; 0: not measured, each core streams alone).
+    launch_overhead: seconds the executor spends on a region outside its workers
+      (``HardwareModel.launch_overhead``).
     """
 
     share: float
@@ -93,6 +95,7 @@ class HostCosts:
     put_cpu: float = 0.0
     wake_latency: float = 0.0
     host_mem_bw: float = 0.0
+    launch_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("share", "vector_slowdown"):
@@ -106,7 +109,8 @@ def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[
     counts; the host's cores (``host_cores``: every rank's worker threads share them);
     compute rates scaled by ``core_share`` of ``host.share``, the vector rate also divided
     by ``host.vector_slowdown``; ``host.executor_overhead`` added to the per-task cost;
-    ``host.put_cpu``, ``host.wake_latency`` and ``host.host_mem_bw`` as the model's own;
+    ``host.put_cpu``, ``host.wake_latency``, ``host.host_mem_bw`` and
+    ``host.launch_overhead`` as the model's own;
     and, when ``link`` is
     given as (bytes/s, latency s), that link instead of the profile's."""
     cores = float(len(os.sched_getaffinity(0)))
@@ -117,7 +121,7 @@ def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[
         matrix_flops_fp32=profile.matrix_flops_fp32 * share,
         vector_flops=profile.vector_flops * share / host.vector_slowdown,
         task_overhead=profile.task_overhead + host.executor_overhead, put_cpu=host.put_cpu,
-        wake_latency=host.wake_latency, host_mem_bw=host.host_mem_bw)
+        wake_latency=host.wake_latency, host_mem_bw=host.host_mem_bw, launch_overhead=host.launch_overhead)
     if link is None:
         return hw
     bw, latency = link

@@ -178,6 +178,10 @@ class HardwareModel:
     wake_latency: seconds from an event to the start of the task a worker sleeps on it
       for (a CPU thread's futex wake; a replay with ``host_cores`` adds it); 0: workers
       that spin.
+    launch_overhead: seconds a taskflow region costs outside its tasks, before its workers
+      start and after its last task (the CPU runtime's executor building the tasks' calls,
+      finishing the transport, settling its events); ``forecast_region`` adds it to the
+      replay, which does not have it.  0: none modelled.
     notes: provenance (free text).
     """
 
@@ -205,6 +209,7 @@ class HardwareModel:
     gemm_shapes: tuple[GemmShape, ...] = ()
     put_cpu: float = 0.0
     wake_latency: float = 0.0
+    launch_overhead: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -215,7 +220,8 @@ class HardwareModel:
         for name in ("matrix_flops_bf16", "matrix_flops_fp32", "vector_flops", "mem_bw"):
             _check_rate("HardwareModel", name, getattr(self, name))
         for name in ("link_latency", "task_overhead", "l2_mb", "stream_bw", "inter_link_bw",
-                     "inter_latency", "host_cores", "host_mem_bw", "put_cpu", "wake_latency"):
+                     "inter_latency", "host_cores", "host_mem_bw", "put_cpu", "wake_latency",
+                     "launch_overhead"):
             _check_rate("HardwareModel", name, getattr(self, name), allow_zero=True)
         _check_int("HardwareModel", "matrix_full_edge", self.matrix_full_edge)
         _check_rate("HardwareModel", "unpermute_traffic", self.unpermute_traffic)
@@ -367,11 +373,13 @@ class HardwareModel:
                          f"{[int(x) for x in np.exp2(depths)]}: bf16 {table['bf16'].min():.2f}-"
                          f"{table['bf16'].max():.2f}, fp32 {table['fp32'].min():.2f}-"
                          f"{table['fp32'].max():.2f} of the peak")
-        if self.host_cores or self.unpermute_traffic != 1.0 or self.put_cpu or self.wake_latency:
+        if (self.host_cores or self.unpermute_traffic != 1.0 or self.put_cpu or self.wake_latency
+                or self.launch_overhead):
             lines.append(f"  host cores {self.host_cores:.4g} (0: one per worker), host memory "
                          f"{self.host_mem_bw / 1e9:.4g} GB/s (0: per core), unpermute traffic "
                          f"x{self.unpermute_traffic:.3g}, host CPU per remote put "
-                         f"{self.put_cpu * 1e6:.3g} us, wake {self.wake_latency * 1e6:.3g} us")
+                         f"{self.put_cpu * 1e6:.3g} us, wake {self.wake_latency * 1e6:.3g} us, launch "
+                         f"{self.launch_overhead * 1e6:.3g} us")
         lines += [f"  link EP{e.ep}: dispatch {e.dispatch / 1e9:.4g} GB/s, combine {e.combine / 1e9:.4g} GB/s"
                   for e in self.link]
         return "\n".join(lines + ([f"  notes: {self.notes}"] if self.notes else []))
