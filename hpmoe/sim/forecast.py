@@ -110,9 +110,8 @@ def runtime_hardware(profile: HardwareModel, workers: WorkerCounts, link: tuple[
     compute rates scaled by ``core_share`` of ``host.share``, the vector rate also divided
     by ``host.vector_slowdown``; ``host.executor_overhead`` added to the per-task cost;
     ``host.put_cpu``, ``host.wake_latency``, ``host.host_mem_bw`` and
-    ``host.launch_overhead`` as the model's own;
-    and, when ``link`` is
-    given as (bytes/s, latency s), that link instead of the profile's."""
+    ``host.launch_overhead`` as the model's own; and, when ``link`` is given as
+    (bytes/s, latency s), that link instead of the profile's."""
     cores = float(len(os.sched_getaffinity(0)))
     share = core_share(host.share, ep, cores)
     hw = dataclasses.replace(
