@@ -112,6 +112,8 @@ def test_a_puts_host_cpu_competes_for_the_core_and_gates_nothing():
     hw = dataclasses.replace(UNIT_HW, host_cores=1.0, put_cpu=10e-6)
     assert ends(g, [0, 1], hw) == [20, 4]
     assert ends(g, [0, 1], dataclasses.replace(hw, put_cpu=0.0)) == [10, 4]
+    local = build(2, [gemm(10), put(0, 0, 3)], {})  # a copy within the rank burns no transport CPU
+    assert ends(local, [0, 1], hw)[0] == 10
 
 
 def test_a_rank_entering_late_delays_its_peers_and_the_region_counts_each_from_its_entry():

@@ -61,9 +61,6 @@ class TaskCosts:
     floor: time on the worker before any transfer with memory free (overhead + compute).
     tier: [n] int8, 1 where a put crosses nodes, else 0.
     lanes: puts each port serves at once, per tier (intra, inter).
-    background: [n] seconds of a host core a remote put burns while on the link, gating
-      nothing (``HardwareModel.put_cpu``: a transport whose copies run on the host's
-      cores); None: none.  Only a replay with host cores charges it.
     """
 
     work: np.ndarray
@@ -72,7 +69,6 @@ class TaskCosts:
     floor: np.ndarray
     tier: np.ndarray
     lanes: tuple[int, int] = (1, 1)
-    background: np.ndarray | None = None
 
     @property
     def duration(self) -> np.ndarray:
@@ -95,9 +91,7 @@ def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | N
     free = free_tasks(graph)
     work, floor = np.where(free, 0.0, work), np.where(free, 0.0, floor)
     latency = np.where(remote, np.where(tier > 0, hardware.inter_latency, hardware.link_latency), 0.0)
-    background = np.where(remote, hardware.put_cpu, 0.0)
-    return TaskCosts(work=work, transfer=transfer, latency=latency, floor=floor, tier=tier, lanes=lanes,
-                     background=background)
+    return TaskCosts(work=work, transfer=transfer, latency=latency, floor=floor, tier=tier, lanes=lanes)
 
 
 def free_tasks(graph: TaskGraph) -> np.ndarray:

@@ -45,7 +45,8 @@ class HostCores:
     """The cores a node's ranks share (``HardwareModel.host_cores``): ``cores`` per host of
     ``ranks_per_host`` ranks; a task's demand on its core is ``overhead`` + max(compute,
     bytes / ``core_bw``), ``core_bw`` one core's streaming bytes/s; a worker that slept on
-    its task's event starts it ``wake`` seconds after the event.  ``host_bw``: bytes/s the
+    its task's event starts it ``wake`` seconds after the event; a remote put burns
+    ``put_cpu`` seconds of a core while on the link.  ``host_bw``: bytes/s the
     host's memory serves while every core streams (``HardwareModel.host_mem_bw``), shared
     by the host's tasks with bytes left, each at most ``core_bw``; 0: each core streams at
     ``core_bw`` whatever the others do."""
@@ -56,6 +57,7 @@ class HostCores:
     overhead: float
     wake: float = 0.0
     host_bw: float = 0.0
+    put_cpu: float = 0.0
 
     @classmethod
     def of(cls, graph: TaskGraph, hardware: HardwareModel) -> HostCores | None:
@@ -64,18 +66,22 @@ class HostCores:
             return None
         return cls(cores=hardware.host_cores, ranks_per_host=max(1, graph.ep // max(graph.nodes, 1)),
                    core_bw=hardware.mem_bw, overhead=hardware.task_overhead, wake=hardware.wake_latency,
-                   host_bw=hardware.host_mem_bw)
+                   host_bw=hardware.host_mem_bw, put_cpu=hardware.put_cpu)
+
+    def hosts(self, ep: int) -> int:
+        """Hosts of ``ep`` ranks."""
+        return -(-ep // self.ranks_per_host)
 
     def share(self, ep: int, heap: list[tuple[float, int]]) -> HbmShare:
         """The processor-sharing state of every host's cores (demand in core-seconds)."""
-        return HbmShare(-(-ep // self.ranks_per_host), self.cores, heap, cap=1.0, eps=1e-15)
+        return HbmShare(self.hosts(ep), self.cores, heap, cap=1.0, eps=1e-15)
 
     def memory(self, ep: int, heap: list[tuple[float, int]]) -> HbmShare | None:
         """The sharing of every host's memory bandwidth (demand in bytes), on the heap's
         second code range; None when ``host_bw`` is 0."""
         if self.host_bw <= 0:
             return None
-        return HbmShare(-(-ep // self.ranks_per_host), self.host_bw, heap, cap=self.core_bw, tag=1)
+        return HbmShare(self.hosts(ep), self.host_bw, heap, cap=self.core_bw, tag=1)
 
 
 END, ISSUE, LINK_DONE, WORK, WAKE = 0, 1, 2, 3, 4  # heap entry codes: (time, CODES * task + code)

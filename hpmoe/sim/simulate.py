@@ -245,12 +245,9 @@ class _ReplayState:
         self.left = [0] * n
         self.rank = g.rank.tolist()
         self.cores = cores
-        self.background = None
         self.host_memory = None
         if cores is not None:
             self.share = cores.share(g.ep, self.heap)
-            if costs.background is not None and costs.background.any():
-                self.background = costs.background.tolist()
         if memory is None:
             self.floor = costs.work.tolist()
             self.shares = [self.share] if cores is not None else []
@@ -329,9 +326,9 @@ class _ReplayState:
         if self.left[i] == 0:
             if self.remote[i]:
                 self.ports.issue(i, now)
-                if self.background is not None and self.background[i] > 0:
+                if self.cores is not None and self.cores.put_cpu > 0:
                     host = self.rank[i] // self.cores.ranks_per_host
-                    self.share.add(host, len(self.start) + i, self.background[i], now)
+                    self.share.add(host, len(self.start) + i, self.cores.put_cpu, now)
             else:
                 self.finish(i, now)
 
