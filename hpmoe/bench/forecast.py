@@ -25,7 +25,7 @@ from ..runtime.transport.base import TransportKind
 from ..runtime.transport.dist import HEADER_TAG
 from ..schedule.auto import saved_profile
 from ..schedule.base import WorkerCounts
-from ..sim.calibrate import WEIGHT_BYTES, KernelGemm
+from ..sim.calibrate import WEIGHT_BYTES, KernelGemm, torch_threads
 from ..sim.forecast import HostCosts, runtime_hardware
 from ..sim.hardware import HardwareModel
 from .overhead import loaded_cost, per_call, process_cpu, wake_latency
@@ -117,9 +117,7 @@ def measure_host_memory(group: dist.ProcessGroup | None, nbytes: int = 256 << 20
     def stream(j: int) -> None:
         src, dst = pairs[j]
         rates[j] = 2.0 * nbytes / per_call(lambda: dst.copy_(src), seconds)[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         for src, dst in pairs:
             dst.copy_(src)
         dist.barrier(group=group)
@@ -128,8 +126,6 @@ def measure_host_memory(group: dist.ProcessGroup | None, nbytes: int = 256 << 20
             w.start()
         for w in workers:
             w.join()
-    finally:
-        torch.set_num_threads(threads)
     total = torch.tensor([sum(rates)], dtype=torch.float64)
     dist.all_reduce(total, group=group)
     return float(total.item())
@@ -226,15 +222,15 @@ class Models:
     """runtime: the cost model of hpmoe's runtime on its transport.  baseline: the
     same with the link the serialized baseline gets from ``all_to_all_single``, no host
     CPU per put (its exchanges run between compute phases, their CPU inside the
-    measured rate), no wake latency (it runs in one thread) and no launch (no executor).  link, a2a: (bytes/s,
-    latency s) of torch.distributed point-to-point and of ``all_to_all_single`` (None
-    for one rank).  host: the runtime's measured costs on this host (``HostCosts``:
-    ``concurrent_share``, the executor's CPU per task and the vector slowdown from
-    ``loaded_cost``, the ``dist`` transport's ``measure_put_cpu``,
-    ``overhead.wake_latency``, each the slowest rank's; ``measure_host_memory``).  probe:
-    the ``ShareProbe`` the share was measured with (this process's, for measuring it
-    again).  The rest are the inputs both models were built from (``at_share`` rebuilds
-    them)."""
+    measured rate), no wake latency (it runs in one thread) and no launch (no
+    executor).  link, a2a: (bytes/s, latency s) of torch.distributed point-to-point and
+    of ``all_to_all_single`` (None for one rank).  host: the runtime's measured costs
+    on this host (``HostCosts``: ``concurrent_share``, the executor's CPU per task, the
+    vector slowdown and the launch from ``loaded_cost``, the ``dist`` transport's
+    ``measure_put_cpu``, ``overhead.wake_latency``, each the slowest rank's;
+    ``measure_host_memory``).  probe: the ``ShareProbe`` the share was measured with
+    (this process's, for measuring it again).  The rest are the inputs both models were
+    built from (``at_share`` rebuilds them)."""
 
     runtime: HardwareModel
     baseline: HardwareModel

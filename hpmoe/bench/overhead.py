@@ -34,6 +34,7 @@ from ..regions.kernels import glu
 from ..runtime.executor import Executor, ExecutorConfig, RegionResult
 from ..runtime.transport.local import LocalTransport
 from ..schedule.base import SchedulePolicy, WorkerCounts, schedule_from_assignment
+from ..sim.calibrate import torch_threads
 from ..spec import Activation
 
 
@@ -187,13 +188,9 @@ def loaded_cost(n: int = 300, repeats: int = 3,
         wall, cpu = time.perf_counter() - t0, process_cpu() - cpu
         launch = max(0.0, wall - float(result.timeline.end.max(initial=0.0)))  # workers: origin to last end
         return (cpu - launch - sum(spent.values())) / (2 * n), spent[TaskKind.SWIGLU] / n, launch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernels' whole CPU is on the calling thread
-    try:
+    with torch_threads(1):  # the kernels' whole CPU is on the calling thread
         alone = per_call(vector, alone_s)[1]
         samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, measure)
-    finally:
-        torch.set_num_threads(threads)
     outside, loaded, launch = (statistics.median(column) for column in zip(*samples, strict=True))
     return LoadedCost(outside_s=max(0.0, outside), vector_slowdown=loaded / max(alone, 1e-12),
                       launch_s=launch)

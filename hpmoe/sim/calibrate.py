@@ -131,7 +131,8 @@ def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1, warmup:
 
 
 @contextlib.contextmanager
-def _torch_threads(threads: int) -> Iterator[None]:
+def torch_threads(threads: int) -> Iterator[None]:
+    """Torch's intra-op threads of this process set to ``threads`` inside, restored after."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -262,7 +263,7 @@ def measure(threads: int = 1, quick: bool = False,
         raise ValueError(f"threads must be a positive int, got {threads!r}")
     plan, gen = (_QUICK if quick else _FULL), torch.Generator().manual_seed(0)
     say = progress or (lambda line: None)
-    with _torch_threads(threads), torch.no_grad():
+    with torch_threads(threads), torch.no_grad():
         kernel_call = _kernel_call(plan)
         say("1/4 GEMM tiles in bf16")
         bf16 = _gemm_grid(torch.bfloat16, plan, kernel_call, gen)
