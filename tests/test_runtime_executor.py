@@ -197,6 +197,23 @@ def test_a_sleeping_waiter_wakes_on_add() -> None:
     assert time.monotonic() - t0 < 60.0 and c.value(0) == 1  # woken, not timed out
 
 
+def test_a_signal_below_the_threshold_does_not_wake_the_waiter() -> None:
+    """Counters.signal counts every add but wakes a sleeper only at ``need``: the
+    sleeper stays asleep through the first two of three signals."""
+    c = Counters.anonymous(1)
+    woke: list[float] = []
+    t = threading.Thread(target=lambda: (c.sleep(0, 0, 60.0), woke.append(time.monotonic())))
+    t.start()
+    time.sleep(0.05)  # the sleeper is in the kernel by now (or finds the value changed)
+    c.signal(0, 0, 3)
+    c.signal(0, 0, 3)
+    time.sleep(0.2)
+    asleep = not woke
+    c.signal(0, 0, 3)
+    t.join(10.0)
+    assert c.value(0) == 3 and asleep and woke  # slept through 1 and 2, woken by 3
+
+
 # ---------------------------------------------------------------------------- plan exchange
 
 @pytest.mark.parametrize("kind", list(RoutingKind))

@@ -54,6 +54,19 @@ class Counters:
             futex.add(self._addr + WORD * i, step)
             n -= step
 
+    def signal(self, i: int, base: int, need: int) -> None:
+        """Add 1 to counter ``i`` and wake its waiters only if that brought its progress
+        since ``base`` to ``need``: a waiter of a many-signal event sleeps through the
+        increments below its threshold instead of waking on each.  No wake-up is lost:
+        a waiter that read the counter before the last add finds it changed when it
+        goes to sleep, and whichever adder reads the reached value wakes the rest."""
+        if not 0 <= i < self.capacity:
+            raise IndexError(f"event {i} outside the {self.capacity} counters")
+        addr = self._addr + WORD * i
+        futex.add(addr, 1, wake=False)
+        if (self.words[i] - base) & MASK >= need:
+            futex.wake(addr)
+
     def sleep(self, i: int, observed: int, timeout_s: float) -> None:
         """Sleep while counter ``i`` still equals ``observed``, at most ``timeout_s``."""
         futex.wait(self._addr + WORD * i, observed, timeout_s)

@@ -3,7 +3,10 @@
 For every task in queue order a worker (1) waits until the task's event counter
 has grown by the event's threshold since the region's snapshot, sleeping on the
 counter's futex with a deadline, (2) runs the kernel, or asks the transport for
-the put, and (3) signals its local events.  There is no barrier inside the
+the put, and (3) signals its local events, waking their waiters only when an
+event reaches its threshold (a waiter on 32 tiles sleeps through the first 31:
+each wake-up is a context switch and a turn of the interpreter lock taken from
+the threads doing work).  There is no barrier inside the
 region.  Torch releases the GIL inside its ops, so matrix and vector workers
 overlap.  Every wait has a deadline; a failed region ends with a ``RegionError``
 whose report says which worker waits on which task and event.
@@ -148,7 +151,7 @@ class _Run:
         """Run queue ``q`` in order (the hot loop)."""
         st, rec = self.states[q], self.records[q]
         wait, need, base = self.program.wait, self.program.threshold, self.base
-        words, add, calls = self.counters.words, self.counters.add, self.calls
+        words, signal, calls = self.counters.words, self.counters.signal, self.calls
         local, clock = self.program.local_signals, time.perf_counter_ns
         try:
             for i in self.program.queues[q].tasks:
@@ -159,8 +162,8 @@ class _Run:
                 t0 = clock()
                 calls[i]()
                 rec.append((i, t0, clock()))  # ends before its signals can start a waiter
-                for e in local[i]:
-                    add(e)
+                for e in local[i]:  # wakes a waiter only at its threshold
+                    signal(e, base[e], need[e])
                 st.running, st.last_done = -1, i
                 st.done += 1
         except BaseException as err:  # reported, never lost: the region fails with it

@@ -3,7 +3,8 @@ primitive the runtime's event counters need.
 
 ``add`` is an atomic fetch-and-add done by the kernel (``FUTEX_WAKE_OP`` with
 ``FUTEX_OP_ADD``) that also wakes every thread sleeping on the word, in any process
-that maps it (the futexes are shared, not ``FUTEX_PRIVATE``).  The locked
+that maps it (the futexes are shared, not ``FUTEX_PRIVATE``), unless told not to;
+``wake`` wakes them alone.  The locked
 read-modify-write is a full memory barrier, so every store the caller made before
 ``add`` (a put's data) is visible to a thread that observes the new value.
 ``wait`` sleeps while the word still holds an expected value, up to a timeout.
@@ -20,8 +21,9 @@ import os
 import platform
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
-_FUTEX_WAIT, _FUTEX_WAKE_OP = 0, 5
+_FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP = 0, 1, 5
 _FUTEX_OP_ADD = 1
+_FUTEX_OP_CMP_LT = 2
 _WAKE_ALL = 0x7FFFFFFF
 MAX_ADD = 2047  # FUTEX_OP's oparg is a signed 12-bit field
 
@@ -42,18 +44,34 @@ def _libc() -> tuple[ctypes.CDLL, int]:
 
 
 _NULL = ctypes.c_void_p(0)
+_IDLE = ctypes.c_int32(0)  # a word no thread sleeps on: the wake of a quiet add goes there
 
 
-def add(addr: int, n: int = 1) -> None:
-    """Atomically add ``n`` (1..2047) to the int32 at ``addr`` and wake its waiters."""
+def add(addr: int, n: int = 1, wake: bool = True) -> None:
+    """Atomically add ``n`` (1..2047) to the int32 at ``addr`` and, with ``wake``,
+    wake its waiters."""
     if not 0 < n <= MAX_ADD:
         raise ValueError(f"futex add n={n} outside [1, {MAX_ADD}]")
     libc, sys_futex = _libc()
     word = ctypes.c_void_p(addr)
     op = (_FUTEX_OP_ADD << 28) | (n << 12)
-    if libc.syscall(sys_futex, word, _FUTEX_WAKE_OP, _WAKE_ALL, _NULL, word, op) < 0:
+    first = word
+    if not wake:
+        # FUTEX_WAKE_OP wakes at least one thread of the first word, and one of the
+        # added word when the old value compares true: aim the first at an idle word,
+        # and compare "old < 0" (a counter past 2**31, whose one spurious wake is harmless)
+        first, op = ctypes.byref(_IDLE), op | (_FUTEX_OP_CMP_LT << 24)
+    if libc.syscall(sys_futex, first, _FUTEX_WAKE_OP, _WAKE_ALL, _NULL, word, op) < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"futex add at {addr:#x}: {os.strerror(err)}")
+
+
+def wake(addr: int) -> None:
+    """Wake every thread sleeping on the int32 at ``addr``."""
+    libc, sys_futex = _libc()
+    if libc.syscall(sys_futex, ctypes.c_void_p(addr), _FUTEX_WAKE, _WAKE_ALL, _NULL, _NULL, 0) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"futex wake at {addr:#x}: {os.strerror(err)}")
 
 
 def wait(addr: int, expected: int, timeout_s: float) -> None:
