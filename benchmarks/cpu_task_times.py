@@ -1,21 +1,26 @@
 """Where the CPU model misses, per task kind: each task's thread CPU time in the runtime
 (every kernel call wrapped in ``time.thread_time``) beside the cost the runtime's model
 gives it (``sim.cost.task_costs(...).work``: the core time the replay asks of it), and
-each rank's process CPU time against its tasks' total.  Two ranks, shared-memory
-transport (or ``--transport dist``), hyperparallel schedule, one line per task kind and rank (medians over the
-iterations after two warm-up ones).  Needs a calibrated profile (``hpmoe calibrate``).
+each rank's process CPU time against its tasks' total; and, inside ``Executor.run``,
+each thread's time on a core and waiting in the run queue (``/proc/self/task/*/schedstat``)
+and how often the workers went to sleep on a counter.  Two ranks, shared-memory
+transport (or ``--transport dist``), hyperparallel schedule (or ``--schedule``), one line
+per task kind and rank (medians over the iterations after two warm-up ones).  Needs a
+calibrated profile (``hpmoe calibrate``).
 
     .venv/bin/python benchmarks/cpu_task_times.py [--preset small] [--tokens 4096] [--iters 8]
-        [--transport shm|dist]
+        [--transport shm|dist] [--schedule serial|hyperparallel|critical-path]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import hpmoe.runtime.counters as counters
 import hpmoe.runtime.executor as executor
 from hpmoe.bench.forecast import agreed_profile
 from hpmoe.bench.runner import BenchConfig, bench_models, make_inputs
@@ -32,7 +38,7 @@ from hpmoe.routing import RoutingKind
 from hpmoe.runtime.forward import ForwardOptions, ForwardRunner
 from hpmoe.runtime.session import RuntimeConfig, Session
 from hpmoe.runtime.transport.base import TransportKind
-from hpmoe.schedule.base import SchedulePolicy, WorkerCounts
+from hpmoe.schedule.base import QUEUE_POLICIES, SchedulePolicy, WorkerCounts
 from hpmoe.sim.cost import task_costs
 from hpmoe.spec import TileSpec, preset
 
@@ -64,6 +70,46 @@ def _counted_block(self, st, task, ev):
 
 
 _block = executor._Run.block
+SLEEPS = [0]  # futex sleeps of the workers (a waiter woken short of its threshold sleeps again)
+_sleep = counters.Counters.sleep
+
+
+def _counted_sleep(self, *args):
+    SLEEPS[0] += 1
+    return _sleep(self, *args)
+
+
+def schedstat() -> dict[int, tuple[int, int]]:
+    """Per thread of this process: (ns on a core, ns runnable in the run queue)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                on_core, queued, _ = map(int, f.read().split())
+        except OSError:  # the thread ended
+            continue
+        out[int(tid)] = (on_core, queued)
+    return out
+
+
+REGION_SCHED: list[dict[str, tuple[float, float]]] = []  # per Executor.run: thread -> (core s, queued s)
+_executor_run = executor.Executor.run
+
+
+def _sched_run(self, *args, **kwargs):
+    """``Executor.run`` with every thread's schedstat taken around it, by thread role."""
+    before = schedstat()
+    try:
+        return _executor_run(self, *args, **kwargs)
+    finally:
+        after, names = schedstat(), {t.native_id: t.name for t in threading.enumerate()}
+        roles: dict[str, tuple[float, float]] = {}
+        for tid, (core, queued) in after.items():
+            core0, queued0 = before.get(tid, (0, 0))
+            role = names.get(tid, "other")  # "other": gloo's and torch's own threads
+            c, q = roles.get(role, (0.0, 0.0))
+            roles[role] = (c + (core - core0) * 1e-9, q + (queued - queued0) * 1e-9)
+        REGION_SCHED.append(roles)
 
 
 def per_kind(kinds: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
@@ -73,9 +119,11 @@ def per_kind(kinds: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
 def rank_main(args: argparse.Namespace) -> None:
     executor.task_calls = _timed_calls
     executor._Run.block = _counted_block
+    executor.Executor.run = _sched_run
+    counters.Counters.sleep = _counted_sleep
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     group = dist.new_group(timeout=timedelta(seconds=60))
-    rt, policy = RuntimeConfig(transport=TransportKind(args.transport)), SchedulePolicy.HYPERPARALLEL
+    rt, policy = RuntimeConfig(transport=TransportKind(args.transport)), SchedulePolicy(args.schedule)
     cfg = BenchConfig(moe=preset(args.preset), tokens=args.tokens, routing=RoutingKind.BALANCED, seed=0,
                       tiles=TileSpec(), runtime=rt, workers=WorkerCounts(1, 1), policy=policy)
     data, rank = make_inputs(cfg, dist.get_world_size(), dist.get_rank()), dist.get_rank()
@@ -87,29 +135,35 @@ def rank_main(args: argparse.Namespace) -> None:
             raise SystemExit("cpu_task_times.py needs a calibrated cpu profile: run `hpmoe calibrate`")
         run = ForwardRunner(s, data.weights, ForwardOptions(tiles=cfg.tiles, policy=policy,
                                                             hardware=models.runtime))
+        REGION_SCHED.clear()
         for _ in range(args.iters + 2):
             s.collectives.barrier("iteration", publish=False)
             p0, u0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
-            m0, b0 = time.thread_time(), BLOCKS[0]
+            m0, b0, z0 = time.thread_time(), BLOCKS[0], SLEEPS[0]
             out = run(data.x, data.routing)
             main_cpu = time.thread_time() - m0
             u1 = resource.getrusage(resource.RUSAGE_SELF)
             kinds = out.schedule.graph.kind[out.program.task_ids]
             cpu = np.array([CPU.get(i, 0.0) for i in range(len(kinds))])
             kernel = (u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt,
-                      u1.ru_nvcsw - u0.ru_nvcsw, u1.ru_nivcsw - u0.ru_nivcsw, main_cpu, BLOCKS[0] - b0)
+                      u1.ru_nvcsw - u0.ru_nvcsw, u1.ru_nivcsw - u0.ru_nivcsw, main_cpu, BLOCKS[0] - b0,
+                      SLEEPS[0] - z0)
             rows.append((time.process_time() - p0, out.times.region_s, per_kind(kinds, cpu), kernel))
         g = out.schedule.graph
         mine = g.rank == rank
         model = per_kind(g.kind[mine], task_costs(g, models.runtime).work[mine])
-    rows = rows[2:]
+    rows, regions = rows[2:], REGION_SCHED[2:]
+    roles = sorted(set().union(*regions))
     doc = {"rank": rank, "share": models.share, "model_s": model,
            "process_cpu_s": statistics.median(r[0] for r in rows),
            "region_s": statistics.median(r[1] for r in rows),
            "task_cpu_s": {k: statistics.median(r[2].get(k, 0.0) for r in rows) for k in model},
            **{name: statistics.median(r[3][i] for r in rows)
               for i, name in enumerate(("system_cpu_s", "page_faults", "voluntary_switches",
-                                        "involuntary_switches", "main_thread_cpu_s", "blocked_waits"))},
+                                        "involuntary_switches", "main_thread_cpu_s", "blocked_waits",
+                                        "futex_sleeps"))},
+           "region_threads_s": {role: [statistics.median(r.get(role, (0.0, 0.0))[k] for r in regions)
+                                       for k in (0, 1)] for role in roles},
            "tasks": int(mine.sum())}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, doc)
@@ -136,7 +190,10 @@ def print_table(parts: list[dict]) -> None:
               f"{d['system_cpu_s'] * 1e3:.1f} ms in the kernel, {d['page_faults']:.0f} page faults, "
               f"{d['voluntary_switches']:.0f} + {d['involuntary_switches']:.0f} context switches "
               f"(voluntary + involuntary); {d['tasks']} tasks, {d['blocked_waits']:.0f} waits found "
-              "their event short")
+              f"their event short, {d['futex_sleeps']:.0f} futex sleeps")
+        threads = ", ".join(f"{role} {core * 1e3:.1f} + {queued * 1e3:.1f}"
+                            for role, (core, queued) in d["region_threads_s"].items() if core + queued > 5e-5)
+        print(f"rank {d['rank']} in the region, ms on a core + ms in the run queue: {threads}")
     print(json.dumps(parts), file=sys.stderr)
 
 
@@ -146,13 +203,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--transport", choices=[t.value for t in TransportKind], default=TransportKind.SHM.value)
+    ap.add_argument("--schedule", choices=[p.value for p in QUEUE_POLICIES],
+                    default=SchedulePolicy.HYPERPARALLEL.value)
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank:
         rank_main(args)
         return
     argv = (sys.executable, __file__, "--rank", "--preset", args.preset, "--tokens",
-            str(args.tokens), "--iters", str(args.iters), "--transport", args.transport)
+            str(args.tokens), "--iters", str(args.iters), "--transport", args.transport,
+            "--schedule", args.schedule)
     sys.exit(launch(LaunchSpec(argv=argv, world=2, timeout_s=1800)).returncode)
 
 
