@@ -55,14 +55,19 @@ class Counters:
             n -= step
 
     def signal(self, i: int, base: int, need: int) -> None:
-        """Add 1 to counter ``i`` and wake its waiters only if that brought its progress
+        """Add 1 to counter ``i`` and wake its waiters only if that brings its progress
         since ``base`` to ``need``: a waiter of a many-signal event sleeps through the
-        increments below its threshold instead of waking on each.  No wake-up is lost:
-        a waiter that read the counter before the last add finds it changed when it
-        goes to sleep, and whichever adder reads the reached value wakes the rest."""
+        increments below its threshold instead of waking on each.  An add that will
+        reach it adds and wakes in one call; one below adds quietly and wakes after all
+        if another adder's add landed meanwhile.  No wake-up is lost: whoever adds last
+        reads the reached value (or wakes with its add), and a sleeper that read an
+        older value finds it changed in the kernel's compare."""
         if not 0 <= i < self.capacity:
             raise IndexError(f"event {i} outside the {self.capacity} counters")
         addr = self._addr + WORD * i
+        if ((self.words[i] - base) & MASK) + 1 >= need:
+            futex.add(addr, 1)
+            return
         futex.add(addr, 1, wake=False)
         if (self.words[i] - base) & MASK >= need:
             futex.wake(addr)
