@@ -204,7 +204,7 @@ def test_a_signal_below_the_threshold_does_not_wake_the_waiter() -> None:
     woke: list[float] = []
     t = threading.Thread(target=lambda: (c.sleep(0, 0, 60.0), woke.append(time.monotonic())))
     t.start()
-    time.sleep(0.05)  # the sleeper is in the kernel by now (or finds the value changed)
+    time.sleep(0.2)  # the sleeper is asleep in the kernel by now
     c.signal(0, 0, 3)
     c.signal(0, 0, 3)
     time.sleep(0.2)
