@@ -15,6 +15,7 @@ calibrated profile (``hpmoe calibrate``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -40,6 +41,7 @@ from hpmoe.runtime.session import RuntimeConfig, Session
 from hpmoe.runtime.transport.base import TransportKind
 from hpmoe.schedule.base import QUEUE_POLICIES, SchedulePolicy, WorkerCounts
 from hpmoe.sim.cost import task_costs
+from hpmoe.sim.forecast import forecast_region
 from hpmoe.spec import TileSpec, preset
 
 CPU: dict[int, float] = {}  # local task index -> thread CPU seconds of its last call
@@ -128,7 +130,7 @@ def rank_main(args: argparse.Namespace) -> None:
                       tiles=TileSpec(), runtime=rt, workers=WorkerCounts(1, 1), policy=policy)
     data, rank = make_inputs(cfg, dist.get_world_size(), dist.get_rank()), dist.get_rank()
     torch.set_num_threads(1)
-    rows = []
+    rows, runs = [], []
     with torch.no_grad(), Session(rt, group) as s:
         models = bench_models(cfg, agreed_profile(group), group)
         if models is None:
@@ -149,6 +151,7 @@ def rank_main(args: argparse.Namespace) -> None:
                       u1.ru_nvcsw - u0.ru_nvcsw, u1.ru_nivcsw - u0.ru_nivcsw, main_cpu, BLOCKS[0] - b0,
                       SLEEPS[0] - z0)
             rows.append((time.process_time() - p0, out.times.region_s, per_kind(kinds, cpu), kernel))
+            runs.append((out.program.task_ids, cpu, out.timeline.origin_ns, out.times.region_s))
         g = out.schedule.graph
         mine = g.rank == rank
         model = per_kind(g.kind[mine], task_costs(g, models.runtime).work[mine])
@@ -165,10 +168,12 @@ def rank_main(args: argparse.Namespace) -> None:
            "region_threads_s": {role: [statistics.median(r.get(role, (0.0, 0.0))[k] for r in regions)
                                        for k in (0, 1)] for role in roles},
            "tasks": int(mine.sum())}
-    parts = [None] * dist.get_world_size()
+    parts, every = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(parts, doc)
+    dist.all_gather_object(every, runs[2:])
     if rank == 0:
         print_table(parts)
+        print_replays(out.schedule, models, every)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -195,6 +200,38 @@ def print_table(parts: list[dict]) -> None:
                             for role, (core, queued) in d["region_threads_s"].items() if core + queued > 5e-5)
         print(f"rank {d['rank']} in the region, ms on a core + ms in the run queue: {threads}")
     print(json.dumps(parts), file=sys.stderr)
+
+
+def print_replays(schedule, models, every: list[list[tuple]]) -> None:
+    """Per timed iteration: the region (its slowest rank) against the forecast on the
+    runtime's model and against a replay of the same schedule on that iteration's own
+    kernel CPU times (each task's core demand: its measured thread CPU time plus the
+    executor's CPU per task; memory not modelled apart, being in the CPU times), both
+    with each rank entering when it did.  The second isolates the model of the cores'
+    sharing, waits and launch from the kernels' speed."""
+    g = schedule.graph
+    hw = dataclasses.replace(models.runtime, shared_hbm=False)
+    base = task_costs(g, hw)
+    model_err, replay_err = [], []
+    for k in range(len(every[0])):
+        cpu = np.zeros(g.num_tasks)
+        for rank_runs in every:
+            ids, seconds, _, _ = rank_runs[k]
+            cpu[ids] = seconds
+        origins = np.array([rank_runs[k][2] for rank_runs in every], dtype=np.float64)
+        entry = (origins - origins.min()) * 1e-9
+        measured = max(rank_runs[k][3] for rank_runs in every)
+        work = cpu + models.host.executor_overhead
+        forecast = forecast_region(schedule, models.runtime, entry=entry)[0]
+        replayed = forecast_region(schedule, hw, entry=entry,
+                                   costs=dataclasses.replace(base, work=work, floor=work))[0]
+        model_err.append(forecast / measured - 1.0)
+        replay_err.append(replayed / measured - 1.0)
+        print(f"iteration {k + 1}: region {measured * 1e3:.1f} ms, forecast {forecast * 1e3:.1f} "
+              f"({model_err[-1]:+.0%}), replay of its kernels' CPU {replayed * 1e3:.1f} "
+              f"({replay_err[-1]:+.0%})")
+    print(f"median error: forecast {statistics.median(model_err):+.1%}, replay of the kernels' CPU "
+          f"{statistics.median(replay_err):+.1%}")
 
 
 def main() -> None:

@@ -96,6 +96,18 @@ def test_forecast_is_the_replay_when_cores_are_modelled():
     assert forecast_region(s, shared)[0] == pytest.approx(20 * US)
 
 
+def test_forecast_replays_the_costs_it_is_given():
+    """The same two tasks on one core with their work set to 4 and 6 µs (as a run's
+    measured kernel times would be) instead of the model's 10 and 10: 10 µs, not 20."""
+    g = build(1, [gemm(10), vec(10)], {})
+    s = by_hand(g, [0, 0])
+    shared = dataclasses.replace(UNIT_HW, host_cores=1.0)
+    model = task_costs(g, shared)
+    given = dataclasses.replace(model, work=np.array([4e-6, 6e-6]), floor=np.array([4e-6, 6e-6]))
+    assert forecast_region(s, shared, costs=model)[0] == pytest.approx(20 * US)
+    assert forecast_region(s, shared, costs=given)[0] == pytest.approx(10 * US)
+
+
 def test_unpermute_traffic_scales_only_unpermute_bytes():
     g = build(1, [vec(0, kind=TaskKind.UNPERMUTE, bytes=1000.0), vec(0, bytes=1000.0)], {})
     hw = dataclasses.replace(UNIT_HW, mem_bw=1e9, host_cores=2.0, unpermute_traffic=3.0)

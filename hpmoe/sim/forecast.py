@@ -22,7 +22,7 @@ from ..ir.graph import TaskGraph
 from ..routing import RoutingPlan
 from ..schedule.base import Schedule, WorkerCounts
 from ..spec import TileSpec
-from .cost import task_costs
+from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel, LinkEntry
 from .simulate import SimResult, simulate
 
@@ -32,21 +32,24 @@ def cores_per_rank(ep: int) -> float:
     return len(os.sched_getaffinity(0)) / ep
 
 
-def forecast_region(schedule: Schedule, hardware: HardwareModel,
-                    entry: np.ndarray | None = None) -> tuple[float, SimResult]:
+def forecast_region(schedule: Schedule, hardware: HardwareModel, entry: np.ndarray | None = None,
+                    costs: TaskCosts | None = None) -> tuple[float, SimResult]:
     """(seconds, replay) of a region: the simulator's makespan, or with ``entry`` ([ep]
     seconds at which each rank entered the region) the longest any rank spent in it (its
     last task's end less its entry); plus ``launch_overhead``.  With ``host_cores`` the
     replay shares the host's cores among every rank's workers; without, the replay's
-    seconds are taken no less than the busiest rank's total work over the cores it owns."""
-    sim = simulate(schedule, hardware, entry=entry)
+    seconds are taken no less than the busiest rank's total work over the cores it owns.
+    ``costs``: the tasks' costs (default ``task_costs(schedule.graph, hardware)``), e.g.
+    measured ones, to replay a run's own kernel times."""
+    costs = task_costs(schedule.graph, hardware) if costs is None else costs
+    sim = simulate(schedule, hardware, costs=costs, entry=entry)
     g, seconds = schedule.graph, sim.makespan
     if entry is not None:
         last = np.zeros(g.ep)
         np.maximum.at(last, sim.timeline.rank, sim.timeline.end)
         seconds = float((last - entry).max())
     if hardware.host_cores <= 0:
-        work = np.bincount(g.rank, weights=task_costs(g, hardware).work, minlength=g.ep)
+        work = np.bincount(g.rank, weights=costs.work, minlength=g.ep)
         seconds = max(seconds, float(work.max(initial=0.0)) / max(1.0, cores_per_rank(g.ep)))
     return seconds + hardware.launch_overhead, sim
 
