@@ -3,7 +3,9 @@
 gives it (``sim.cost.task_costs(...).work``: the core time the replay asks of it), and
 each rank's process CPU time against its tasks' total; and, inside ``Executor.run``,
 each thread's time on a core and waiting in the run queue (``/proc/self/task/*/schedstat``)
-and how often the workers went to sleep on a counter.  Two ranks, shared-memory
+and how often the workers went to sleep on a counter; and per timed iteration, the region
+against its forecast and against a replay on its kernels' own CPU times
+(``print_replays``).  Two ranks, shared-memory
 transport (or ``--transport dist``), hyperparallel schedule (or ``--schedule``), one line
 per task kind and rank (medians over the iterations after two warm-up ones).  Needs a
 calibrated profile (``hpmoe calibrate``).
