@@ -69,7 +69,8 @@ PREDICT_CONFIGS = {
 COLUMNS = ("auto_chosen", "auto_reason", "schedule", "serial_ms", "kernel_by_kernel_ms",
            "serial_same_transport_ms", "runtime_taskflow_ms", "taskflow_ms", "speedup",
            "kernel_by_kernel_speedup", "runtime_speedup", "predicted_taskflow_ms",
-           "measured_taskflow_region_ms", "prediction_error_taskflow", "prediction_error_serial_schedule")
+           "measured_taskflow_region_ms", "prediction_error_taskflow", "prediction_error_serial_schedule",
+           "host_steal_fraction")
 
 
 def bench_runs(name: str, argv: list[str], repeats: int) -> list[dict]:
@@ -109,8 +110,8 @@ def configs(args: argparse.Namespace) -> None:
 
 def predict(args: argparse.Namespace) -> None:
     print("| config | predicted ms | measured ms | error | error range over runs | runs within 15% "
-          "| share during | share before | error with the share before (range) |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|---|")
+          "| share during | share before | error with the share before (range) | steal (range) |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|---|")
     rows = {}
     for name, extra in PREDICT_CONFIGS.items():
         if args.only and name not in args.only:
@@ -128,11 +129,17 @@ def predict(args: argparse.Namespace) -> None:
               f"{_range(runs, 'prediction_error_taskflow')} | {inside} of {len(runs)} | "
               f"{_med(runs, 'cpu_share_during'):.2f} | {_med(runs, 'cpu_share'):.2f} | "
               f"{_error(runs, 'predicted_taskflow_pre_ms')} "
-              f"({_range(runs, 'prediction_error_taskflow_pre')}) |",
+              f"({_range(runs, 'prediction_error_taskflow_pre')}) | {_steal(runs)} |",
               flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _steal(runs: list[dict]) -> str:
+    """The runs' ``host_steal_fraction`` as a percent range ("-" where none was read)."""
+    steal = sorted(r["host_steal_fraction"] for r in runs if "host_steal_fraction" in r)
+    return f"{steal[0]:.1%} to {steal[-1]:.1%}" if steal else "-"
 
 
 def _med(runs: list[dict], key: str) -> float:

@@ -8,7 +8,15 @@ import threading
 import numpy as np
 import pytest
 
-from hpmoe.bench.overhead import EmptyShape, empty_graph, loaded_cost, loaded_graph
+from hpmoe.bench.overhead import (
+    EmptyShape,
+    cpu_ticks,
+    empty_graph,
+    host_ticks,
+    loaded_cost,
+    loaded_graph,
+    steal_fraction,
+)
 from hpmoe.ir.graph import TaskKind, Unit
 
 from .helpers import burn
@@ -56,3 +64,17 @@ def test_loaded_cost_reports_a_vector_kernel_slower_under_load() -> None:
         burn(1e-3 if threading.current_thread() is caller else 3e-3)
     cost = loaded_cost(n=10, repeats=1, kernels=(lambda: burn(1e-3), vector), alone_s=0.02)
     assert cost.vector_slowdown == pytest.approx(3.0, rel=0.05)
+
+
+def test_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings() -> None:
+    """/proc/stat's cpu line: user nice system idle iowait irq softirq steal guest guest_nice.
+    Between the two readings 400 ticks passed, 20 of them stolen: 5%."""
+    before = cpu_ticks("cpu  100 0 50 800 10 0 0 40 7 0")
+    after = cpu_ticks("cpu  300 0 100 930 10 0 0 60 9 0")
+    assert before == (40, 1000) and after == (60, 1400)
+    assert steal_fraction(before, after) == pytest.approx(0.05)
+    assert steal_fraction(None, after) is None and steal_fraction(after, after) is None
+    with pytest.raises(ValueError, match="8 fields"):
+        cpu_ticks("cpu  1 2 3")
+    now = host_ticks()  # this host's own line parses (Linux)
+    assert now is None or 0 <= now[0] <= now[1]

@@ -133,6 +133,32 @@ def process_cpu() -> float:
     return u.ru_utime + u.ru_stime
 
 
+def cpu_ticks(stat_line: str) -> tuple[int, int]:
+    """(steal, total) clock ticks of ``/proc/stat``'s ``cpu`` line: total is user, nice,
+    system, idle, iowait, irq, softirq and steal (guest time is inside user and nice)."""
+    fields = [int(x) for x in stat_line.split()[1:9]]
+    if len(fields) < 8:
+        raise ValueError(f"/proc/stat cpu line has {len(fields)} of 8 fields: {stat_line!r}")
+    return fields[7], sum(fields)
+
+
+def host_ticks() -> tuple[int, int] | None:
+    """``cpu_ticks`` of every CPU of this host so far; None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return cpu_ticks(f.readline())
+    except OSError:
+        return None
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the host's CPU time between two ``host_ticks`` that its hypervisor gave
+    to others (steal); None when either reading is missing or no time passed."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def tile_kernels() -> tuple[Callable[[], object], Callable[[], object]]:
     """(GEMM, SwiGLU) kernels of the loaded graph: a 128 x 512 x 512 bf16 GEMM tile and a
     64 x 768 SwiGLU tile, on buffers of their own."""

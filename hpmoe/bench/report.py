@@ -150,6 +150,7 @@ class BenchReport:
     timeline: Timeline
     predicted_timeline: Timeline | None
     note: str = ""
+    steal: float | None = None  # share of the host's CPU time its hypervisor took over the timed iterations
 
     def to_json(self) -> dict:
         """Flat JSON-ready dict (milliseconds, ratios)."""
@@ -188,4 +189,6 @@ class BenchReport:
             out["all_to_all_measured_gbytes_per_s"] = round(self.a2a[0] / 1e9, 4)
         if self.prediction is not None:
             out |= self.prediction.fields()
+        if self.steal is not None:
+            out["host_steal_fraction"] = round(self.steal, 4)
         return out | ({"note": self.note} if self.note else {})

@@ -59,6 +59,7 @@ from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .forecast import Models, ShareProbe, agreed_models, agreed_profile, slowest_rank
 from .order import iteration_order
+from .overhead import host_ticks, steal_fraction
 from .report import BenchReport, Stats, all_equal, max_abs_diff, measured_timeline, predict
 
 
@@ -275,10 +276,19 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
     default = Variant.RUNTIME if decision is None else _variant(decision.chosen)
     probe = models.probe if config.predict and models is not None else None
+    ticks = host_ticks()
     samples = timed_loop(config.iters, calls, session, "iteration", probe)
+    steal = steal_fraction(ticks, host_ticks())
     samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     session.board.enter("bench: report")
-    return build_report(config, chosen, samples, models, decision, group, note, probe)
+    report = build_report(config, chosen, samples, models, decision, group, note, probe)
+    return dataclasses.replace(report, steal=_max_or_none(steal, group))
+
+
+def _max_or_none(value: float | None, group: dist.ProcessGroup | None) -> float | None:
+    """The largest ``value`` over the group's ranks; None when no rank has one.  Collective."""
+    top = float(slowest_rank(np.array([-1.0 if value is None else value]), group)[0])
+    return None if top < 0 else top
 
 
 def bench_models(config: BenchConfig, profile: HardwareModel | None,
