@@ -110,8 +110,9 @@ def configs(args: argparse.Namespace) -> None:
 
 def predict(args: argparse.Namespace) -> None:
     print("| config | predicted ms | measured ms | error | error range over runs | runs within 15% "
-          "| share during | share before | error with the share before (range) | steal (range) |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|---|---|")
+          "| share during | share before | error with the share before (range) | steal (range) "
+          "| replay on its kernels: error (range) |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|---|---|")
     rows = {}
     for name, extra in PREDICT_CONFIGS.items():
         if args.only and name not in args.only:
@@ -129,7 +130,9 @@ def predict(args: argparse.Namespace) -> None:
               f"{_range(runs, 'prediction_error_taskflow')} | {inside} of {len(runs)} | "
               f"{_med(runs, 'cpu_share_during'):.2f} | {_med(runs, 'cpu_share'):.2f} | "
               f"{_error(runs, 'predicted_taskflow_pre_ms')} "
-              f"({_range(runs, 'prediction_error_taskflow_pre')}) | {_steal(runs)} |",
+              f"({_range(runs, 'prediction_error_taskflow_pre')}) | {_steal(runs)} | "
+              f"{_error(runs, 'replayed_taskflow_on_measured_kernels_ms')} "
+              f"({_range(runs, 'replay_error_taskflow_on_measured_kernels')}) |",
               flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,5 +1,5 @@
 """Where the CPU model misses, per task kind: each task's thread CPU time in the runtime
-(every kernel call wrapped in ``time.thread_time``) beside the cost the runtime's model
+(``RunTimeline.cpu``) beside the cost the runtime's model
 gives it (``sim.cost.task_costs(...).work``: the core time the replay asks of it), and
 each rank's process CPU time against its tasks' total; and, inside ``Executor.run``,
 each thread's time on a core and waiting in the run queue (``/proc/self/task/*/schedstat``)
@@ -17,7 +17,6 @@ calibrated profile (``hpmoe calibrate``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
@@ -43,28 +42,9 @@ from hpmoe.runtime.session import RuntimeConfig, Session
 from hpmoe.runtime.transport.base import TransportKind
 from hpmoe.schedule.base import QUEUE_POLICIES, SchedulePolicy, WorkerCounts
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.forecast import forecast_region
+from hpmoe.sim.forecast import forecast_region, measured_kernel_costs
 from hpmoe.spec import TileSpec, preset
 
-CPU: dict[int, float] = {}  # local task index -> thread CPU seconds of its last call
-
-
-def _timed_calls(program, *args, **kwargs):
-    """``exec.program.task_calls`` with every call's thread CPU time recorded in CPU."""
-    CPU.clear()
-
-    def timed(i, call):
-        def run():
-            t0 = time.thread_time()
-            try:
-                return call()
-            finally:
-                CPU[i] = time.thread_time() - t0
-        return run
-    return [timed(i, c) for i, c in enumerate(_task_calls(program, *args, **kwargs))]
-
-
-_task_calls = executor.task_calls
 BLOCKS = [0]  # waits that found their event short (the worker sleeps), this process
 
 
@@ -121,7 +101,6 @@ def per_kind(kinds: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    executor.task_calls = _timed_calls
     executor._Run.block = _counted_block
     executor.Executor.run = _sched_run
     counters.Counters.sleep = _counted_sleep
@@ -148,7 +127,8 @@ def rank_main(args: argparse.Namespace) -> None:
             main_cpu = time.thread_time() - m0
             u1 = resource.getrusage(resource.RUSAGE_SELF)
             kinds = out.schedule.graph.kind[out.program.task_ids]
-            cpu = np.array([CPU.get(i, 0.0) for i in range(len(kinds))])
+            cpu = np.zeros(len(kinds))
+            cpu[out.timeline.task] = out.timeline.cpu
             kernel = (u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt,
                       u1.ru_nvcsw - u0.ru_nvcsw, u1.ru_nivcsw - u0.ru_nivcsw, main_cpu, BLOCKS[0] - b0,
                       SLEEPS[0] - z0)
@@ -212,8 +192,6 @@ def print_replays(schedule, models, every: list[list[tuple]]) -> None:
     with each rank entering when it did.  The second isolates the model of the cores'
     sharing, waits and launch from the kernels' speed."""
     g = schedule.graph
-    hw = dataclasses.replace(models.runtime, shared_hbm=False)
-    base = task_costs(g, hw)
     model_err, replay_err = [], []
     for k in range(len(every[0])):
         cpu = np.zeros(g.num_tasks)
@@ -223,10 +201,9 @@ def print_replays(schedule, models, every: list[list[tuple]]) -> None:
         origins = np.array([rank_runs[k][2] for rank_runs in every], dtype=np.float64)
         entry = (origins - origins.min()) * 1e-9
         measured = max(rank_runs[k][3] for rank_runs in every)
-        work = cpu + models.host.executor_overhead
         forecast = forecast_region(schedule, models.runtime, entry=entry)[0]
-        replayed = forecast_region(schedule, hw, entry=entry,
-                                   costs=dataclasses.replace(base, work=work, floor=work))[0]
+        hw, costs = measured_kernel_costs(g, models.runtime, cpu, models.host.executor_overhead)
+        replayed = forecast_region(schedule, hw, entry=entry, costs=costs)[0]
         model_err.append(forecast / measured - 1.0)
         replay_err.append(replayed / measured - 1.0)
         print(f"iteration {k + 1}: region {measured * 1e3:.1f} ms, forecast {forecast * 1e3:.1f} "

@@ -43,6 +43,7 @@ from hpmoe.runtime.transport.segment import (
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 
 from .handmade import build, by_hand, gemm, vec
+from .helpers import burn
 
 
 class Log:
@@ -93,6 +94,26 @@ def test_a_waiting_task_runs_after_its_event_and_counters_carry_over_regions() -
     end = dict(zip(tl.task.tolist(), tl.end.tolist(), strict=True))
     assert start[1] >= end[0]
     assert tl.queue.tolist() == [0, 1] and tl.makespan > 0.02
+
+
+class BurnLog(Log):
+    """GEMM tiles sleep 50 ms, SwiGLU tiles burn 50 ms of their thread's CPU."""
+
+    def kernel(self, tile: object, me: object, peer: object, ctx: object) -> None:
+        if tile.kind == TaskKind.GEMM_UP:
+            time.sleep(0.05)
+        else:
+            burn(0.05)
+
+
+def test_the_timeline_records_each_tasks_thread_cpu_not_its_wall_time() -> None:
+    """A sleeping task spends 50 ms of wall time and almost no CPU; a burning one 50 ms
+    of CPU at least."""
+    tl = _run(_chain(), [0, 0], BurnLog()).timeline
+    cpu = dict(zip(tl.task.tolist(), tl.cpu.tolist(), strict=True))
+    wall = dict(zip(tl.task.tolist(), (tl.end - tl.start).tolist(), strict=True))
+    assert wall[0] >= 0.05 and cpu[0] < 0.01
+    assert cpu[1] >= 0.05 and wall[1] >= cpu[1] - 1e-3
 
 
 class GcLog(Log):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..runtime.forward import ForwardOutput
 from ..schedule.auto import AutoDecision
 from ..schedule.base import SchedulePolicy
-from ..sim.forecast import HostCosts, forecast_region
+from ..sim.forecast import HostCosts, forecast_region, measured_kernel_costs
 from ..sim.simulate import SimResult, Timeline
 from .forecast import Models, slowest_rank
 
@@ -45,7 +45,10 @@ class Prediction:
     use; ``taskflow_pre_ms``: the taskflow's forecast with the share measured before
     them instead (what AUTO decided with).  Every forecast is the median over the
     iterations of a replay in which each rank enters the region when it did in that
-    iteration (``entry_skew_ms``: the median of the last rank's delay)."""
+    iteration (``entry_skew_ms``: the median of the last rank's delay).
+    ``taskflow_kernels_ms``: not a forecast but a check of the model around the
+    kernels, the same replays on each iteration's own measured kernel CPU times
+    (``sim.forecast.measured_kernel_costs``)."""
 
     serial_schedule_ms: float
     taskflow_ms: float
@@ -54,6 +57,7 @@ class Prediction:
     share: float
     taskflow_pre_ms: float
     entry_skew_ms: float
+    taskflow_kernels_ms: float
 
     @property
     def errors(self) -> tuple[float, float]:
@@ -63,6 +67,7 @@ class Prediction:
 
     def fields(self) -> dict[str, float]:
         e, pre = self.errors, self.taskflow_pre_ms / self.measured_taskflow_ms - 1.0
+        kernels = self.taskflow_kernels_ms / self.measured_taskflow_ms - 1.0
         return {"predicted_serial_schedule_ms": round(self.serial_schedule_ms, 3),
                 "predicted_taskflow_ms": round(self.taskflow_ms, 3),
                 "measured_serial_schedule_region_ms": round(self.measured_serial_schedule_ms, 3),
@@ -72,25 +77,38 @@ class Prediction:
                 "cpu_share_during": round(self.share, 3),
                 "predicted_taskflow_pre_ms": round(self.taskflow_pre_ms, 3),
                 "prediction_error_taskflow_pre": round(pre, 4),
+                "replayed_taskflow_on_measured_kernels_ms": round(self.taskflow_kernels_ms, 3),
+                "replay_error_taskflow_on_measured_kernels": round(kernels, 4),
                 "region_entry_skew_ms": round(self.entry_skew_ms, 3)}
 
 
 def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float, measured_flow_s: float,
-            models: Models, before: Models,
-            entries: tuple[np.ndarray, np.ndarray]) -> tuple[Prediction, Timeline]:
+            models: Models, before: Models, entries: tuple[np.ndarray, np.ndarray],
+            kernels: np.ndarray) -> tuple[Prediction, Timeline]:
     """Forecast both runtime regions on the runtime's model of ``models``
     (``forecast_region``), and the taskflow's also on ``before``'s, each the median
     over iterations of a replay with that iteration's ``entries`` (serial's, flow's:
-    [iterations, ranks] seconds each rank entered the region after the first);
-    (prediction, the taskflow's simulated timeline of the last iteration)."""
+    [iterations, ranks] seconds each rank entered the region after the first); and
+    replay the taskflow on each iteration's ``kernels`` ([iterations, tasks] kernel CPU
+    seconds); (prediction, the taskflow's simulated timeline of the last iteration)."""
     s = _median_forecast(serial, models, entries[0])[0]
     f, sim = _median_forecast(flow, models, entries[1])
     pre = _median_forecast(flow, before, entries[1])[0]
+    on_kernels = float(np.median([_on_kernels(flow, models, cpu, row)
+                                  for cpu, row in zip(kernels, entries[1], strict=True)]))
     return Prediction(serial_schedule_ms=s * 1e3, taskflow_ms=f * 1e3,
                       measured_serial_schedule_ms=measured_serial_s * 1e3,
                       measured_taskflow_ms=measured_flow_s * 1e3, share=models.share,
                       taskflow_pre_ms=pre * 1e3,
-                      entry_skew_ms=float(np.median(entries[1].max(axis=1))) * 1e3), sim.timeline
+                      entry_skew_ms=float(np.median(entries[1].max(axis=1))) * 1e3,
+                      taskflow_kernels_ms=on_kernels * 1e3), sim.timeline
+
+
+def _on_kernels(out: ForwardOutput, models: Models, cpu: np.ndarray, entry: np.ndarray) -> float:
+    """Seconds of ``out``'s region replayed on kernel CPU times ``cpu`` [tasks], the
+    ranks entering at ``entry``."""
+    hw, costs = measured_kernel_costs(out.schedule.graph, models.runtime, cpu, models.host.executor_overhead)
+    return forecast_region(out.schedule, hw, entry=entry, costs=costs)[0]
 
 
 def _median_forecast(out: ForwardOutput, models: Models, entries: np.ndarray) -> tuple[float, SimResult]:

@@ -134,10 +134,12 @@ class Samples:
     last: dict[str, ForwardOutput]
     probe: list[float]  # ShareProbe windows, one per iteration (seconds per tile call)
     entries: dict[str, list[int]]  # runtime variants: when this rank entered each region (perf_counter_ns)
+    kernels: dict[str, list[tuple[np.ndarray, np.ndarray]]]  # runtime variants: (task ids, kernel CPU s)
 
     @staticmethod
     def empty(names: list[str]) -> Samples:
-        return Samples({n: [] for n in names}, {}, {n: [] for n in names}, {}, [], {n: [] for n in names})
+        return Samples({n: [] for n in names}, {}, {n: [] for n in names}, {}, [], {n: [] for n in names},
+                       {n: [] for n in names})
 
     def record(self, name: str, res: object, seconds: float) -> None:
         if isinstance(res, ForwardOutput):
@@ -145,6 +147,7 @@ class Samples:
             t = res.times
             self.steps[name].append((t.exchange_s, t.schedule_s, t.prepare_s, t.region_s))
             self.entries[name].append(res.timeline.origin_ns)
+            self.kernels[name].append((res.program.task_ids[res.timeline.task], res.timeline.cpu))
         else:
             self.outs[name] = res.out
         self.seconds[name].append(seconds)
@@ -159,6 +162,17 @@ class Samples:
         dist.all_gather_object(parts, self.entries[name], group=group)
         ns = np.array(parts, dtype=np.int64).T
         return (ns - ns.min(axis=1, keepdims=True)) / 1e9
+
+    def kernel_cpu(self, name: str, num_tasks: int, group: dist.ProcessGroup | None) -> np.ndarray:
+        """[iterations, num_tasks] every rank's tasks' kernel CPU seconds in each of
+        ``name``'s regions (``RunTimeline.cpu``; each task runs on one rank).  Collective."""
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, self.kernels[name], group=group)
+        rows = np.zeros((len(self.kernels[name]), num_tasks))
+        for rank_rows in parts:
+            for row, (ids, cpu) in zip(rows, rank_rows, strict=True):
+                row[ids] = cpu
+        return rows
 
     def step_medians(self, name: str, group: dist.ProcessGroup | None) -> dict[str, float]:
         """Median seconds of each step of ``name`` (slowest rank per iteration)."""
@@ -360,8 +374,9 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
     if probe is not None:  # made only with --predict and models
         during = models.at_share(probe.share(s.probe, group), group)
         entries = (s.entry_offsets(sst, group), s.entry_offsets(rt, group))
+        kernels = s.kernel_cpu(rt, s.last[rt].schedule.graph.num_tasks, group)
         prediction, predicted = predict(s.last[sst], s.last[rt], steps[sst]["region"], steps[rt]["region"],
-                                        during, models, entries)
+                                        during, models, entries, kernels)
     out, serial = s.outs, s.outs[Variant.SERIAL.value]
     return BenchReport(
         ep=dist.get_world_size(group), policy=policy, stats=stats, steps=steps,

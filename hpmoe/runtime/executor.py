@@ -139,7 +139,7 @@ class _Run:
         self.counters = transport.counters
         self.base = transport.base.tolist()
         self.states = [WorkerState(q.name, total=len(q.tasks)) for q in program.queues]
-        self.records: list[list[tuple[int, int, int]]] = [[] for _ in program.queues]
+        self.records: list[list[tuple[int, int, int, int]]] = [[] for _ in program.queues]
         self.cause: str | None = None
         self._lock = threading.Lock()
         self._left = len(program.queues)
@@ -152,16 +152,16 @@ class _Run:
         st, rec = self.states[q], self.records[q]
         wait, need, base = self.program.wait, self.program.threshold, self.base
         words, signal, calls = self.counters.words, self.counters.signal, self.calls
-        local, clock = self.program.local_signals, time.perf_counter_ns
+        local, clock, cpu = self.program.local_signals, time.perf_counter_ns, time.thread_time_ns
         try:
             for i in self.program.queues[q].tasks:
                 ev = wait[i]
                 if ev >= 0 and (words[ev] - base[ev]) & MASK < need[ev]:
                     self.block(st, i, ev)
                 st.running = i
-                t0 = clock()
+                t0, c0 = clock(), cpu()
                 calls[i]()
-                rec.append((i, t0, clock()))  # ends before its signals can start a waiter
+                rec.append((i, t0, clock(), cpu() - c0))  # ends before its signals can start a waiter
                 for e in local[i]:  # wakes a waiter only at its threshold
                     signal(e, base[e], need[e])
                 st.running, st.last_done = -1, i

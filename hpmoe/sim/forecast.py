@@ -54,6 +54,21 @@ def forecast_region(schedule: Schedule, hardware: HardwareModel, entry: np.ndarr
     return seconds + hardware.launch_overhead, sim
 
 
+def measured_kernel_costs(graph: TaskGraph, hardware: HardwareModel, kernel_cpu: np.ndarray,
+                          executor_overhead: float) -> tuple[HardwareModel, TaskCosts]:
+    """The model and costs of a replay on a run's own kernels (a check of the model
+    around them, not a forecast): each task's demand on its host's cores is its
+    kernel's measured thread CPU seconds (``kernel_cpu`` [n]) plus the executor's CPU
+    per task; its memory traffic is inside those times, so memory is not shared apart.
+    Links, waits, wake-ups, puts' host CPU and the launch stay ``hardware``'s."""
+    if len(kernel_cpu) != graph.num_tasks or not (np.asarray(kernel_cpu) >= 0).all():
+        raise ValueError(f"kernel_cpu must hold one time >= 0 per task ({graph.num_tasks}), "
+                         f"got {len(kernel_cpu)} values")
+    hw = dataclasses.replace(hardware, shared_hbm=False)
+    work = np.asarray(kernel_cpu, dtype=np.float64) + executor_overhead
+    return hw, dataclasses.replace(task_costs(graph, hw), work=work, floor=work)
+
+
 def sequential_seconds(graph: TaskGraph, hardware: HardwareModel) -> float:
     """Seconds for one thread to run every task of ``graph`` one after another."""
     return float(task_costs(graph, hardware).work.sum())
