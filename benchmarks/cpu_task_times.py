@@ -106,7 +106,8 @@ def rank_main(args: argparse.Namespace) -> None:
     counters.Counters.sleep = _counted_sleep
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     group = dist.new_group(timeout=timedelta(seconds=60))
-    rt, policy = RuntimeConfig(transport=TransportKind(args.transport)), SchedulePolicy(args.schedule)
+    rt = RuntimeConfig(transport=TransportKind(args.transport), thread_cpu=True)
+    policy = SchedulePolicy(args.schedule)
     cfg = BenchConfig(moe=preset(args.preset), tokens=args.tokens, routing=RoutingKind.BALANCED, seed=0,
                       tiles=TileSpec(), runtime=rt, workers=WorkerCounts(1, 1), policy=policy)
     data, rank = make_inputs(cfg, dist.get_world_size(), dist.get_rank()), dist.get_rank()

@@ -65,11 +65,12 @@ class Log:
                       TaskKind.SWIGLU: self.kernel}, puts={}, buffers=object, symmetric_shapes=lambda *a: {})
 
 
-def _run(graph, workers, log: Log, deadline: float = 5.0, repeats: int = 1, transport=None):
+def _run(graph, workers, log: Log, deadline: float = 5.0, repeats: int = 1, transport=None,
+         thread_cpu: bool = False):
     """Run the one-rank ``graph`` ``repeats`` times; returns the last RegionResult."""
     program = compile_program(by_hand(graph, workers), log.region(), 0)
     transport = transport or LocalTransport()
-    executor = Executor(ExecutorConfig(deadline_s=deadline, poll_s=0.01))
+    executor = Executor(ExecutorConfig(deadline_s=deadline, poll_s=0.01, thread_cpu=thread_cpu))
     try:
         for _ in range(repeats):
             transport.begin()
@@ -108,8 +109,9 @@ class BurnLog(Log):
 
 def test_the_timeline_records_each_tasks_thread_cpu_not_its_wall_time() -> None:
     """A sleeping task spends 50 ms of wall time and almost no CPU; a burning one 50 ms
-    of CPU at least."""
-    tl = _run(_chain(), [0, 0], BurnLog()).timeline
+    of CPU at least.  Not asked for, the CPU times are NaN."""
+    assert np.isnan(_run(_chain(), [0, 0], BurnLog()).timeline.cpu).all()
+    tl = _run(_chain(), [0, 0], BurnLog(), thread_cpu=True).timeline
     cpu = dict(zip(tl.task.tolist(), tl.cpu.tolist(), strict=True))
     wall = dict(zip(tl.task.tolist(), (tl.end - tl.start).tolist(), strict=True))
     assert wall[0] >= 0.05 and cpu[0] < 0.01
@@ -273,6 +275,8 @@ def test_bad_configuration_names_the_field() -> None:
         RuntimeConfig(threads=0)
     with pytest.raises(ValueError, match=r"ExecutorConfig.pause_gc must be a bool, got 'no'"):
         ExecutorConfig(pause_gc="no")
+    with pytest.raises(ValueError, match=r"ExecutorConfig.thread_cpu must be a bool, got 1"):
+        RuntimeConfig(thread_cpu=1)
     with pytest.raises(TypeError, match="transport"):
         RuntimeConfig(transport="shm")
     with pytest.raises(ValueError, match="--link="):

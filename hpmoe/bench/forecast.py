@@ -271,7 +271,7 @@ def agreed_models(profile: HardwareModel, runtime: RuntimeConfig, workers: Worke
     probe = ShareProbe(profile, dtype)
     share = concurrent_share(probe, group)  # ends in an all-reduce: the ranks start together
     host_bw = measure_host_memory(group)
-    loaded = loaded_cost()
+    loaded = loaded_cost(thread_cpu=runtime.thread_cpu)
     dist.barrier(group=group)
     wake = wake_latency()
     outside, slowdown, wake, launch = slowest_rank(

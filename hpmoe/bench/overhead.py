@@ -78,13 +78,14 @@ def empty_graph(n: int, shape: EmptyShape) -> tuple[TaskGraph, np.ndarray]:
 
 
 def _repeat(graph: TaskGraph, region: Region, position: np.ndarray, repeats: int,
-            measure: Callable[[Callable[[], RegionResult]], object]) -> list:
+            measure: Callable[[Callable[[], RegionResult]], object], thread_cpu: bool = False) -> list:
     """``measure(run)`` of the one-rank ``graph`` scheduled on one worker per unit in
-    ``position`` order, ``repeats`` times after one warm-up run (which is dropped)."""
+    ``position`` order, ``repeats`` times after one warm-up run (which is dropped), on an
+    executor recording its tasks' thread CPU or not (``ExecutorConfig.thread_cpu``)."""
     sched = schedule_from_assignment(graph, SchedulePolicy.HYPERPARALLEL, WorkerCounts(1, 1),
                                      np.zeros(graph.num_tasks, np.int64), position)
     program = compile_program(sched, region, 0)
-    transport, executor = LocalTransport(), Executor(ExecutorConfig(deadline_s=30.0))
+    transport, executor = LocalTransport(), Executor(ExecutorConfig(deadline_s=30.0, thread_cpu=thread_cpu))
     samples = []
     try:
         for _ in range(repeats + 1):
@@ -187,11 +188,12 @@ class LoadedCost:
 
 def loaded_cost(n: int = 300, repeats: int = 3,
                 kernels: tuple[Callable[[], object], Callable[[], object]] | None = None,
-                alone_s: float = 0.1) -> LoadedCost:
+                alone_s: float = 0.1, thread_cpu: bool = False) -> LoadedCost:
     """Medians over ``repeats`` runs of ``loaded_graph(n)``, whose matrix tasks run
     ``kernels[0]`` and vector tasks ``kernels[1]`` (default ``tile_kernels()``; thread
     CPU time around every kernel), after the vector kernel has run alone for
-    ``alone_s`` seconds.  Run it on every rank at once, as a region runs."""
+    ``alone_s`` seconds, on an executor recording its tasks' thread CPU as the measured
+    regions will (``thread_cpu``).  Run it on every rank at once, as a region runs."""
     gemm, vector = kernels or tile_kernels()
     spent = {TaskKind.GEMM_UP: 0.0, TaskKind.SWIGLU: 0.0}  # each kind runs on one worker thread
 
@@ -216,7 +218,7 @@ def loaded_cost(n: int = 300, repeats: int = 3,
         return (cpu - launch - sum(spent.values())) / (2 * n), spent[TaskKind.SWIGLU] / n, launch
     with torch_threads(1):  # the kernels' whole CPU is on the calling thread
         alone = per_call(vector, alone_s)[1]
-        samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, measure)
+        samples = _repeat(graph, region, np.concatenate([np.arange(n)] * 2), repeats, measure, thread_cpu)
     outside, loaded, launch = (statistics.median(column) for column in zip(*samples, strict=True))
     return LoadedCost(outside_s=max(0.0, outside), vector_slowdown=loaded / max(alone, 1e-12),
                       launch_s=launch)

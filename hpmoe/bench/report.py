@@ -57,7 +57,7 @@ class Prediction:
     share: float
     taskflow_pre_ms: float
     entry_skew_ms: float
-    taskflow_kernels_ms: float
+    taskflow_kernels_ms: float | None
 
     @property
     def errors(self) -> tuple[float, float]:
@@ -67,7 +67,6 @@ class Prediction:
 
     def fields(self) -> dict[str, float]:
         e, pre = self.errors, self.taskflow_pre_ms / self.measured_taskflow_ms - 1.0
-        kernels = self.taskflow_kernels_ms / self.measured_taskflow_ms - 1.0
         return {"predicted_serial_schedule_ms": round(self.serial_schedule_ms, 3),
                 "predicted_taskflow_ms": round(self.taskflow_ms, 3),
                 "measured_serial_schedule_region_ms": round(self.measured_serial_schedule_ms, 3),
@@ -77,9 +76,14 @@ class Prediction:
                 "cpu_share_during": round(self.share, 3),
                 "predicted_taskflow_pre_ms": round(self.taskflow_pre_ms, 3),
                 "prediction_error_taskflow_pre": round(pre, 4),
-                "replayed_taskflow_on_measured_kernels_ms": round(self.taskflow_kernels_ms, 3),
-                "replay_error_taskflow_on_measured_kernels": round(kernels, 4),
-                "region_entry_skew_ms": round(self.entry_skew_ms, 3)}
+                "region_entry_skew_ms": round(self.entry_skew_ms, 3)} | self._kernel_fields()
+
+    def _kernel_fields(self) -> dict[str, float]:
+        if self.taskflow_kernels_ms is None:
+            return {}
+        return {"replayed_taskflow_on_measured_kernels_ms": round(self.taskflow_kernels_ms, 3),
+                "replay_error_taskflow_on_measured_kernels":
+                    round(self.taskflow_kernels_ms / self.measured_taskflow_ms - 1.0, 4)}
 
 
 def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float, measured_flow_s: float,
@@ -90,18 +94,19 @@ def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float
     over iterations of a replay with that iteration's ``entries`` (serial's, flow's:
     [iterations, ranks] seconds each rank entered the region after the first); and
     replay the taskflow on each iteration's ``kernels`` ([iterations, tasks] kernel CPU
-    seconds); (prediction, the taskflow's simulated timeline of the last iteration)."""
+    seconds; not when NaN, i.e. not recorded); (prediction, the taskflow's simulated
+    timeline of the last iteration)."""
     s = _median_forecast(serial, models, entries[0])[0]
     f, sim = _median_forecast(flow, models, entries[1])
     pre = _median_forecast(flow, before, entries[1])[0]
-    on_kernels = float(np.median([_on_kernels(flow, models, cpu, row)
-                                  for cpu, row in zip(kernels, entries[1], strict=True)]))
+    on_kernels = None if np.isnan(kernels).any() else float(np.median(
+        [_on_kernels(flow, models, cpu, row) for cpu, row in zip(kernels, entries[1], strict=True)])) * 1e3
     return Prediction(serial_schedule_ms=s * 1e3, taskflow_ms=f * 1e3,
                       measured_serial_schedule_ms=measured_serial_s * 1e3,
                       measured_taskflow_ms=measured_flow_s * 1e3, share=models.share,
                       taskflow_pre_ms=pre * 1e3,
                       entry_skew_ms=float(np.median(entries[1].max(axis=1))) * 1e3,
-                      taskflow_kernels_ms=on_kernels * 1e3), sim.timeline
+                      taskflow_kernels_ms=on_kernels), sim.timeline
 
 
 def _on_kernels(out: ForwardOutput, models: Models, cpu: np.ndarray, entry: np.ndarray) -> float:

@@ -89,7 +89,8 @@ def _workers(text: str) -> WorkerCounts:
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     """The benchmark the arguments describe (validates them)."""
-    runtime = RuntimeConfig(transport=_transport(args), deadline_s=args.deadline, threads=args.threads)
+    runtime = RuntimeConfig(transport=_transport(args), deadline_s=args.deadline, threads=args.threads,
+                            thread_cpu=args.predict)  # --predict replays the regions on their own kernels
     return BenchConfig(
         moe=preset(args.preset, DTYPES[args.dtype]), tokens=args.tokens,
         routing=RoutingKind(args.routing), seed=args.seed,

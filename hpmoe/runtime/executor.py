@@ -44,12 +44,15 @@ class ExecutorConfig:
     for aborts (bounds how fast a failure elsewhere stops it).  threads: torch
     intra-op threads of each worker (OpenMP's thread count is per calling thread,
     so each worker sets it; GEMM results depend on it bitwise).  pause_gc: hold the
-    cyclic garbage collector off while the region runs (``gc_paused``)."""
+    cyclic garbage collector off while the region runs (``gc_paused``).  thread_cpu:
+    record each task's worker-thread CPU time (``RunTimeline.cpu``; two clock reads a
+    task, about 2 µs here, hence off unless asked for; off: NaN)."""
 
     deadline_s: float = 60.0
     poll_s: float = 0.05
     threads: int = 1
     pause_gc: bool = True
+    thread_cpu: bool = False
 
     def __post_init__(self) -> None:
         for name in ("deadline_s", "poll_s"):
@@ -58,8 +61,9 @@ class ExecutorConfig:
                 raise ValueError(f"ExecutorConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.threads, int) or self.threads <= 0:
             raise ValueError(f"ExecutorConfig.threads must be a positive int, got {self.threads!r}")
-        if not isinstance(self.pause_gc, bool):
-            raise ValueError(f"ExecutorConfig.pause_gc must be a bool, got {self.pause_gc!r}")
+        for name in ("pause_gc", "thread_cpu"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ExecutorConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 class _GcPause:
@@ -104,6 +108,11 @@ def pause_s(config: ExecutorConfig) -> float:
     rank resumed after SIGSTOP does not blame itself (its peers have their own
     deadlines)."""
     return max(1.0, 20 * config.poll_s)
+
+
+def _no_clock() -> int:
+    """The CPU clock of a region that does not record it (``RunTimeline.cpu`` NaN)."""
+    return 0
 
 
 @dataclass(frozen=True)
@@ -152,7 +161,8 @@ class _Run:
         st, rec = self.states[q], self.records[q]
         wait, need, base = self.program.wait, self.program.threshold, self.base
         words, signal, calls = self.counters.words, self.counters.signal, self.calls
-        local, clock, cpu = self.program.local_signals, time.perf_counter_ns, time.thread_time_ns
+        local, clock = self.program.local_signals, time.perf_counter_ns
+        cpu = time.thread_time_ns if self.config.thread_cpu else _no_clock
         try:
             for i in self.program.queues[q].tasks:
                 ev = wait[i]
@@ -284,7 +294,8 @@ class Executor:
         if run.cause is not None:
             raise RegionError(run.report(elapsed))
         names = tuple(q.name for q in program.queues)
-        return RegionResult(timeline_from_records(program.rank, run.records, origin, names), elapsed)
+        timeline = timeline_from_records(program.rank, run.records, origin, names, self.config.thread_cpu)
+        return RegionResult(timeline, elapsed)
 
     def _await(self, run: _Run) -> None:
         """Wait for the workers; fail the region when no task finishes for

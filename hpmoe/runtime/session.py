@@ -37,13 +37,15 @@ class RuntimeConfig:
     (and longest stretch without progress).  poll_s: abort-check interval.
     threads: torch intra-op threads per worker.  check_weights: every region's
     agreement includes a checksum of the weights (a debug switch: it reads every
-    weight byte per region)."""
+    weight byte per region).  thread_cpu: record each task's worker-thread CPU time
+    (``ExecutorConfig.thread_cpu``)."""
 
     transport: TransportKind = TransportKind.SHM
     deadline_s: float = 60.0
     poll_s: float = 0.05
     threads: int = 1
     check_weights: bool = False
+    thread_cpu: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportKind):
@@ -51,7 +53,7 @@ class RuntimeConfig:
         self.executor_config()  # validates deadline_s, poll_s, threads
 
     def executor_config(self) -> ExecutorConfig:
-        return ExecutorConfig(self.deadline_s, self.poll_s, self.threads)
+        return ExecutorConfig(self.deadline_s, self.poll_s, self.threads, thread_cpu=self.thread_cpu)
 
 
 class Session:
