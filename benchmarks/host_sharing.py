@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import time
 
 import torch
 
 from hpmoe.bench.forecast import ShareProbe, measure_put_cpu
+from hpmoe.bench.overhead import per_call
 from hpmoe.schedule.auto import saved_profile
 from hpmoe.sim.hardware import HardwareModel
 from hpmoe.testing import spawn_gloo
@@ -47,11 +47,7 @@ def _copy_rate(out: mp.Queue, nbytes: int, seconds: float) -> None:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        dst.copy_(src)
-        n += 1
-    out.put(2 * nbytes * n / (time.perf_counter() - t0))
+    out.put(2 * nbytes / per_call(lambda: dst.copy_(src), seconds)[0])
 
 
 def copy_rates(processes: int, nbytes: int = 256 << 20, seconds: float = 1.5) -> list[float]:

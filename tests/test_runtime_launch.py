@@ -50,6 +50,8 @@ def test_bench_spawns_its_ranks_and_writes_both_traces(tmp_path: Path) -> None:
     assert report["predicted_taskflow_ms"] > 0 and "prediction_error_taskflow" in report
     assert report["cpu_share_during"] > 0 and report["predicted_taskflow_pre_ms"] > 0
     assert "put_cpu_us" not in report
+    assert report["replayed_taskflow_on_measured_kernels_ms"] > 0  # --predict records the kernels' CPU
+    assert 0.0 <= report["host_steal_fraction"] <= 1.0
     for name in ("trace.json", "predicted-trace.json"):
         events = json.loads((out / name).read_text())["traceEvents"]
         assert any(e.get("ph") == "X" for e in events)

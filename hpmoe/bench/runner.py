@@ -295,8 +295,8 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     steal = steal_fraction(ticks, host_ticks())
     samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     session.board.enter("bench: report")
-    report = build_report(config, chosen, samples, models, decision, group, note, probe)
-    return dataclasses.replace(report, steal=_max_or_none(steal, group))
+    return build_report(config, chosen, samples, models, decision, group, note, probe,
+                        _max_or_none(steal, group))
 
 
 def _max_or_none(value: float | None, group: dist.ProcessGroup | None) -> float | None:
@@ -362,10 +362,11 @@ def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy]
 
 def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models: Models | None,
                  decision: AutoDecision | None, group: dist.ProcessGroup | None, note: str,
-                 probe: ShareProbe | None = None) -> BenchReport:
+                 probe: ShareProbe | None = None, steal: float | None = None) -> BenchReport:
     """Reduce every rank's samples into the report (collective).  The prediction is made
     twice: with the share ``probe`` measured between the timed iterations, and with the
-    share measured before them (the models AUTO decided with)."""
+    share measured before them (the models AUTO decided with).  ``steal``: the host's
+    steal over the timed iterations (``BenchReport.steal``)."""
     names = [v.value for v in Variant]
     sst, rt = Variant.SERIAL_SAME_TRANSPORT.value, Variant.RUNTIME.value
     stats = {n: Stats.of(slowest_rank(np.array(s.seconds[n]), group)) for n in names}
@@ -386,4 +387,4 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         candidate=s.last[rt].schedule.candidate or None, link=models.link if models else None,
         a2a=models.a2a if models else None, host=models.host if models else None,
         decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
-        predicted_timeline=predicted, note=note)
+        predicted_timeline=predicted, note=note, steal=steal)

@@ -40,7 +40,7 @@ class RunTimeline:
 
 
 def timeline_from_records(rank: int, records: list[list[tuple[int, int, int, int]]], origin_ns: int,
-                          queue_names: tuple[str, ...], thread_cpu: bool = True) -> RunTimeline:
+                          queue_names: tuple[str, ...], thread_cpu: bool) -> RunTimeline:
     """Build a ``RunTimeline`` from per-queue (task, start_ns, end_ns, cpu_ns) records;
     without ``thread_cpu`` the CPU times were not read and are NaN."""
     rows = [(t, q, s, e, c) for q, rec in enumerate(records) for t, s, e, c in rec]
