@@ -118,8 +118,10 @@ def test_a_replay_on_measured_kernels_charges_their_cpu_plus_the_executors():
                                       np.array([3e-6, 5e-6]), 1e-6)
     assert not hw.shared_hbm
     assert forecast_region(s, hw, costs=costs)[0] == pytest.approx(10 * US)
-    with pytest.raises(ValueError, match="kernel_cpu"):
+    with pytest.raises(ValueError, match=r"one time per task \(2\), got 1"):
         measured_kernel_costs(g, hw, np.array([3e-6]), 1e-6)
+    with pytest.raises(ValueError, match=r"kernel_cpu\[1\] must be >= 0 seconds, got nan"):
+        measured_kernel_costs(g, hw, np.array([3e-6, np.nan]), 1e-6)
 
 
 def test_unpermute_traffic_scales_only_unpermute_bytes():

@@ -61,9 +61,11 @@ def measured_kernel_costs(graph: TaskGraph, hardware: HardwareModel, kernel_cpu:
     kernel's measured thread CPU seconds (``kernel_cpu`` [n]) plus the executor's CPU
     per task; its memory traffic is inside those times, so memory is not shared apart.
     Links, waits, wake-ups, puts' host CPU and the launch stay ``hardware``'s."""
-    if len(kernel_cpu) != graph.num_tasks or not (np.asarray(kernel_cpu) >= 0).all():
-        raise ValueError(f"kernel_cpu must hold one time >= 0 per task ({graph.num_tasks}), "
-                         f"got {len(kernel_cpu)} values")
+    if len(kernel_cpu) != graph.num_tasks:
+        raise ValueError(f"kernel_cpu must hold one time per task ({graph.num_tasks}), got {len(kernel_cpu)}")
+    bad = np.flatnonzero(~(np.asarray(kernel_cpu) >= 0))
+    if len(bad):
+        raise ValueError(f"kernel_cpu[{bad[0]}] must be >= 0 seconds, got {float(kernel_cpu[bad[0]])}")
     hw = dataclasses.replace(hardware, shared_hbm=False)
     work = np.asarray(kernel_cpu, dtype=np.float64) + executor_overhead
     return hw, dataclasses.replace(task_costs(graph, hw), work=work, floor=work)
