@@ -158,6 +158,29 @@ def test_calibrate_quick_gives_positive_finite_figures(tmp_path) -> None:
     assert load_profile(save_profile(hw, tmp_path / "cpu.json")) == hw
 
 
+def test_calibration_rounds_see_a_slow_spell_on_every_figure_alike(monkeypatch) -> None:
+    """Six benchmarks of 1, 2 or 3 ms a call, in batches of 5, 2 or 1 calls (each batch plus
+    its untimed call: 6 ms), on a clock only they advance; every call 3x slower in a spell
+    over the middle 30% of the calibration.  Timed one after another, the spell would
+    cover most rounds of two benchmarks; timed in rounds it covers at most 5 of the 11
+    rounds of each, so every median is exact."""
+    calibrate_module = hpmoe.sim.calibrate
+    clock, spell = [0.0], [math.inf, math.inf]
+
+    def bench(seconds: float, inner: int) -> calibrate_module._Bench:
+        def call() -> None:
+            clock[0] += seconds * (3.0 if spell[0] <= clock[0] < spell[1] else 1.0)
+        return calibrate_module._Bench(call, inner)
+
+    monkeypatch.setattr(calibrate_module, "time", argparse.Namespace(perf_counter=lambda: clock[0]))
+    seconds = [1e-3, 2e-3, 3e-3] * 2
+    benches = [bench(t, inner) for t, inner in zip(seconds, [5, 2, 1] * 2, strict=True)]
+    calibrate_module._round_medians(benches, repeats=11)
+    spell[:] = [0.35 * clock[0], 0.65 * clock[0]]
+    clock[0] = 0.0
+    assert calibrate_module._round_medians(benches, repeats=11) == pytest.approx(seconds)
+
+
 def test_model_from_turns_measurements_into_overhead_and_unpermute_traffic() -> None:
     """The unpermute took 100 µs past the 10 µs GEMM call on 128 tokens x 10 rows x 256 x 2 B =
     655,360 counted bytes; at 6.5536 GB/s that is 655,360 B moved: a factor 1; 200 µs: 2."""

@@ -6,8 +6,7 @@ Plan of ``calibrate``:
      fp32, called as the GEMM kernel calls them (a row slice of the input, an expert's
      weight columns transposed, a column slice of the output), the weights cycling through
      experts that together exceed the last-level cache, the kernel's call cost (step 5)
-     taken out; median of repeats after warm-up.  The best tile is the model's peak and
-     the grid its ``gemm_shapes``;
+     taken out.  The best tile is the model's peak and the grid its ``gemm_shapes``;
   3. memory bandwidth: a large ``Tensor.copy_`` (bytes read + bytes written per second);
   4. elementwise rate: the SwiGLU kernel, ``silu(h[:, :F]) * h[:, F:]`` into a [128, F] tile
      of a [128, 2F] bf16 one (F = 1024);
@@ -17,7 +16,9 @@ Plan of ``calibrate``:
      byte the lowering counts (``unpermute_traffic``);
   6. link: a put (``copy_`` into a /dev/shm-backed tensor + an int32 counter bump) of 64 B
      and of a large payload; latency = small put - task cost, bandwidth = the size slope.
-Timings are medians of repeats; nothing here is asserted on in tests.
+Steps 2-5 are timed together in rounds (every figure once a round, the median over
+rounds), so that a slow spell of the host slows them alike; the puts are medians of
+repeats of their own.  Nothing here is asserted on in tests.
 """
 
 from __future__ import annotations
@@ -141,16 +142,28 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _expert_weights(k: int, dtype: torch.dtype, weight_bytes: int, gen: torch.Generator) -> torch.Tensor:
+    """Random experts x 512 x ``k`` weights in ``dtype``: as many experts (at least 2) as
+    span ``weight_bytes``."""
+    experts = max(2, -(-weight_bytes // (GEMM_N * k * dtype.itemsize)))
+    return torch.randn(experts, GEMM_N, k, generator=gen).to(dtype)
+
+
 class KernelGemm:
     """An m x 512 x k GEMM tile in ``dtype`` called as the GEMM kernel calls it (rows of
     the input, an expert's weight rows transposed, columns of an output twice as wide),
     each call on the next of experts whose weights together span ``weight_bytes`` (so
-    that they come from memory, as a large layer's do)."""
+    that they come from memory, as a large layer's do).  ``weights`` (experts x 512 x k
+    in ``dtype``) are used instead of making new ones: tiles of one depth share them."""
 
-    def __init__(self, m: int, k: int, dtype: torch.dtype, weight_bytes: int, gen: torch.Generator) -> None:
-        self.experts = max(2, -(-weight_bytes // (GEMM_N * k * dtype.itemsize)))
+    def __init__(self, m: int, k: int, dtype: torch.dtype, weight_bytes: int, gen: torch.Generator,
+                 weights: torch.Tensor | None = None) -> None:
+        self.w = _expert_weights(k, dtype, weight_bytes, gen) if weights is None else weights
+        if self.w.shape[1:] != (GEMM_N, k) or self.w.dtype != dtype:
+            raise ValueError(f"weights has shape {tuple(self.w.shape)} and dtype {self.w.dtype}, "
+                             f"expected (experts, {GEMM_N}, {k}) in {dtype}")
+        self.experts = self.w.shape[0]
         self.x = torch.randn(m, k, generator=gen).to(dtype)
-        self.w = torch.randn(self.experts, GEMM_N, k, generator=gen).to(dtype)
         self.out = torch.empty(m, 2 * GEMM_N, dtype=dtype)
         self.flops, self.turn = 2.0 * m * GEMM_N * k, 0
 
@@ -163,38 +176,63 @@ class KernelGemm:
         return max(seconds - call_cost, 0.5 * seconds)
 
 
-def _gemm_flops(m: int, k: int, dtype: torch.dtype, plan: _Plan, call_cost: float,
-                gen: torch.Generator) -> float:
-    """FLOP/s of a ``KernelGemm`` tile; ``call_cost`` seconds per call are not compute."""
-    tile = KernelGemm(m, k, dtype, plan.weight_bytes, gen)
-    inner = max(1, min(64, int(2e-3 * 1e11 / tile.flops)))
-    return tile.flops / tile.compute_seconds(_median_time(tile, plan.repeats, inner=inner), call_cost)
+@dataclass(frozen=True)
+class _Bench:
+    """A micro-benchmark: ``fn`` timed in batches of ``inner`` calls."""
+
+    fn: Callable[[], object]
+    inner: int = 1
 
 
-def _gemm_grid(dtype: torch.dtype, plan: _Plan, call_cost: float, gen: torch.Generator) -> tuple[float, ...]:
-    """``_gemm_flops`` at every (rows, depth) of the plan, row-major."""
-    return tuple(_gemm_flops(m, k, dtype, plan, call_cost, gen) for m in plan.gemm_rows for k in plan.gemm_ks)
+def _round_medians(benches: list[_Bench], repeats: int) -> list[float]:
+    """Median seconds of one call of each bench, timed in rounds: each of ``repeats``
+    rounds (after an untimed one) times a batch of every bench in turn, each batch after
+    one untimed call (its operands hot, as when timed alone).  A slow spell of the host
+    then slows every figure alike instead of the ones timed during it: the models use
+    the figures relative to one another (the bench rescales them by a share it measures)."""
+    batches: list[list[float]] = [[] for _ in benches]
+    for round_ in range(repeats + 1):
+        for bench, times in zip(benches, batches, strict=True):
+            bench.fn()
+            t0 = time.perf_counter()
+            for _ in range(bench.inner):
+                bench.fn()
+            if round_ > 0:
+                times.append((time.perf_counter() - t0) / bench.inner)
+    return [statistics.median(times) for times in batches]
 
 
-def _copy_bw(plan: _Plan) -> float:
-    """Bytes/s (read + write) of ``dst.copy_(src)`` on ``plan.copy_bytes`` bytes."""
+def _grid_tiles(dtype: torch.dtype, plan: _Plan, gen: torch.Generator) -> list[KernelGemm]:
+    """A ``KernelGemm`` at every (rows, depth) of the plan, row-major; the tiles of one
+    depth share their weights."""
+    weights = {k: _expert_weights(k, dtype, plan.weight_bytes, gen) for k in plan.gemm_ks}
+    return [KernelGemm(m, k, dtype, plan.weight_bytes, gen, weights[k])
+            for m in plan.gemm_rows for k in plan.gemm_ks]
+
+
+def _gemm_bench(tile: KernelGemm) -> _Bench:
+    """``tile`` in batches of about 2 ms at 100 GFLOP/s (1 to 64 calls)."""
+    return _Bench(tile, max(1, min(64, int(2e-3 * 1e11 / tile.flops))))
+
+
+def _copy_bench(plan: _Plan) -> _Bench:
+    """``dst.copy_(src)`` on ``plan.copy_bytes`` bytes."""
     src = torch.ones(plan.copy_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return 2.0 * plan.copy_bytes / _median_time(lambda: dst.copy_(src), plan.repeats)
+    return _Bench(lambda: dst.copy_(src))
 
 
-def _swiglu_flops(plan: _Plan, gen: torch.Generator) -> float:
-    """FLOP/s of the SwiGLU kernel (``regions.kernels.glu``: ``silu(h[:, :F]) * h[:, F:]``
-    into its output tile, the kernel itself) on one bf16 SwiGLU tile."""
+def _swiglu_bench(gen: torch.Generator) -> _Bench:
+    """The SwiGLU kernel (``regions.kernels.glu``: ``silu(h[:, :F]) * h[:, F:]`` into its
+    output tile, the kernel itself) on one bf16 SWIGLU_TILE."""
     rows, f = SWIGLU_TILE
     h = torch.randn(rows, 2 * f, generator=gen).to(torch.bfloat16)
     out = torch.empty(rows, f, dtype=torch.bfloat16)
-    seconds = _median_time(lambda: glu(h, out, Activation.SILU), plan.repeats)
-    return SWIGLU_FLOPS_PER_ELEMENT * out.numel() / seconds
+    return _Bench(lambda: glu(h, out, Activation.SILU))
 
 
-def _unpermute(plan: _Plan, gen: torch.Generator) -> float:
-    """Seconds of the forward unpermute kernel (``regions.kernels``) on one bf16 UNPERMUTE_TILE:
+def _unpermute_bench(gen: torch.Generator) -> _Bench:
+    """The forward unpermute kernel (``regions.kernels``) on one bf16 UNPERMUTE_TILE:
     gather each token's k rows, sum them weighted in fp32 with the shared expert's row."""
     m, k, h = UNPERMUTE_TILE
     comb = torch.randn(m * k, h, generator=gen).to(torch.bfloat16)
@@ -204,7 +242,7 @@ def _unpermute(plan: _Plan, gen: torch.Generator) -> float:
 
     def kernel() -> None:
         out[:] = topk_sum(comb[pos], w, shared, torch.bfloat16)
-    return _median_time(kernel, plan.repeats, inner=10)
+    return _Bench(kernel, inner=10)
 
 
 def unpermute_traffic(m: CpuMeasurements) -> float:
@@ -215,19 +253,18 @@ def unpermute_traffic(m: CpuMeasurements) -> float:
     return max(1.0, (m.unpermute - (m.kernel_call or m.tiny_op)) * m.copy_bw / counted)
 
 
-def _kernel_call(plan: _Plan) -> float:
-    """Seconds of the forward GEMM kernel's calls (``regions.kernels``: slice the input rows,
-    the expert's weight columns and the output tile, ``torch.mm`` into it) on a 1 x 1 tile."""
+def _kernel_call_bench(plan: _Plan) -> _Bench:
+    """The forward GEMM kernel's calls (``regions.kernels``: slice the input rows, the
+    expert's weight columns and the output tile, ``torch.mm`` into it) on a 1 x 1 tile."""
     x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(2, 8, 8, dtype=torch.bfloat16)
     out = torch.empty(4, 8, dtype=torch.bfloat16)
-    return _median_time(lambda: torch.mm(x[0:1], w[1, 0:1].t(), out=out[0:1, 0:1]), plan.repeats,
-                        inner=plan.tiny_calls)
+    return _Bench(lambda: torch.mm(x[0:1], w[1, 0:1].t(), out=out[0:1, 0:1]), inner=plan.tiny_calls)
 
 
-def _tiny_op(plan: _Plan) -> float:
-    """Seconds per one-element ``torch.add`` called from Python."""
+def _tiny_op_bench(plan: _Plan) -> _Bench:
+    """A one-element ``torch.add`` called from Python."""
     a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)
-    return _median_time(lambda: torch.add(a, b, out=c), plan.repeats, inner=plan.tiny_calls)
+    return _Bench(lambda: torch.add(a, b, out=c), inner=plan.tiny_calls)
 
 
 def _time_puts(buf: memoryview, plan: _Plan) -> tuple[float, float]:
@@ -264,19 +301,22 @@ def measure(threads: int = 1, quick: bool = False,
     plan, gen = (_QUICK if quick else _FULL), torch.Generator().manual_seed(0)
     say = progress or (lambda line: None)
     with torch_threads(threads), torch.no_grad():
-        kernel_call = _kernel_call(plan)
-        say("1/4 GEMM tiles in bf16")
-        bf16 = _gemm_grid(torch.bfloat16, plan, kernel_call, gen)
-        say("2/4 GEMM tiles in fp32")
-        fp32 = _gemm_grid(torch.float32, plan, kernel_call, gen)
-        say("3/4 copies, SwiGLU, per-task cost")
-        copy_bw, swiglu, tiny = _copy_bw(plan), _swiglu_flops(plan, gen), _tiny_op(plan)
-        unpermute = _unpermute(plan, gen)
-        say("4/4 shared-memory puts")
+        say("1/2 GEMM tiles in bf16 and fp32, copies, SwiGLU, per-task costs (in rounds)")
+        tiles = _grid_tiles(torch.bfloat16, plan, gen) + _grid_tiles(torch.float32, plan, gen)
+        scalars = [_kernel_call_bench(plan), _tiny_op_bench(plan), _copy_bench(plan), _swiglu_bench(gen),
+                   _unpermute_bench(gen)]
+        seconds = _round_medians(scalars + [_gemm_bench(tile) for tile in tiles], plan.repeats)
+        kernel_call, tiny, copy, swiglu, unpermute = seconds[:len(scalars)]
+        rates = [tile.flops / tile.compute_seconds(t, kernel_call)
+                 for tile, t in zip(tiles, seconds[len(scalars):], strict=True)]
+        say("2/2 shared-memory puts")
         put_small, put_bw = _put_figures(plan)
+    half = len(tiles) // 2
     return CpuMeasurements(threads=threads, quick=quick, gemm_rows=plan.gemm_rows, gemm_ks=plan.gemm_ks,
-                           gemm_bf16=bf16, gemm_fp32=fp32, copy_bw=copy_bw, swiglu_flops=swiglu, tiny_op=tiny,
-                           put_small=put_small, put_bw=put_bw, unpermute=unpermute,
+                           gemm_bf16=tuple(rates[:half]), gemm_fp32=tuple(rates[half:]),
+                           copy_bw=2.0 * plan.copy_bytes / copy,
+                           swiglu_flops=SWIGLU_FLOPS_PER_ELEMENT * SWIGLU_TILE[0] * SWIGLU_TILE[1] / swiglu,
+                           tiny_op=tiny, put_small=put_small, put_bw=put_bw, unpermute=unpermute,
                            kernel_call=kernel_call)
 
 
