@@ -181,6 +181,16 @@ def test_calibration_rounds_see_a_slow_spell_on_every_figure_alike(monkeypatch) 
     assert calibrate_module._round_medians(benches, repeats=11) == pytest.approx(seconds)
 
 
+def test_kernel_gemm_shares_weights_of_its_own_depth_and_dtype_only() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.zeros(3, 512, 64, dtype=torch.bfloat16)
+    tile = hpmoe.sim.calibrate.KernelGemm(4, 64, torch.bfloat16, 1 << 16, gen, weights)
+    assert tile.w is weights and tile.experts == 3
+    for k, dtype in ((128, torch.bfloat16), (64, torch.float32)):
+        with pytest.raises(ValueError, match=r"weights has shape \(3, 512, 64\)"):
+            hpmoe.sim.calibrate.KernelGemm(4, k, dtype, 1 << 16, gen, weights)
+
+
 def test_model_from_turns_measurements_into_overhead_and_unpermute_traffic() -> None:
     """The unpermute took 100 µs past the 10 µs GEMM call on 128 tokens x 10 rows x 256 x 2 B =
     655,360 counted bytes; at 6.5536 GB/s that is 655,360 B moved: a factor 1; 200 µs: 2."""
