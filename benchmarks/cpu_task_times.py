@@ -42,7 +42,7 @@ from hpmoe.runtime.session import RuntimeConfig, Session
 from hpmoe.runtime.transport.base import TransportKind
 from hpmoe.schedule.base import QUEUE_POLICIES, SchedulePolicy, WorkerCounts
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.forecast import forecast_region, measured_kernel_costs
+from hpmoe.sim.forecast import forecast_region, replay_on_kernels
 from hpmoe.spec import TileSpec, preset
 
 BLOCKS = [0]  # waits that found their event short (the worker sleeps), this process
@@ -203,8 +203,7 @@ def print_replays(schedule, models, every: list[list[tuple]]) -> None:
         entry = (origins - origins.min()) * 1e-9
         measured = max(rank_runs[k][3] for rank_runs in every)
         forecast = forecast_region(schedule, models.runtime, entry=entry)[0]
-        hw, costs = measured_kernel_costs(g, models.runtime, cpu, models.host.executor_overhead)
-        replayed = forecast_region(schedule, hw, entry=entry, costs=costs)[0]
+        replayed = replay_on_kernels(schedule, models.runtime, cpu, models.host.executor_overhead, entry)
         model_err.append(forecast / measured - 1.0)
         replay_err.append(replayed / measured - 1.0)
         print(f"iteration {k + 1}: region {measured * 1e3:.1f} ms, forecast {forecast * 1e3:.1f} "

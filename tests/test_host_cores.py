@@ -13,7 +13,7 @@ from hpmoe.regions.kernels import FORWARD
 from hpmoe.schedule import WorkerCounts
 from hpmoe.schedule.auto import kernel_by_kernel_forecast
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.forecast import HostCosts, core_share, forecast_region, measured_kernel_costs, runtime_hardware
+from hpmoe.sim.forecast import HostCosts, core_share, forecast_region, replay_on_kernels, runtime_hardware
 from hpmoe.sim.hardware import cpu_nominal
 from hpmoe.sim.simulate import simulate
 
@@ -110,18 +110,18 @@ def test_forecast_replays_the_costs_it_is_given():
 
 def test_a_replay_on_measured_kernels_charges_their_cpu_plus_the_executors():
     """Kernels measured at 3 and 5 µs of CPU, 1 µs of executor CPU per task, one core:
-    demands 4 + 6, the region 10 µs, whatever the model's costs (10 + 10) say; memory
-    is inside the measured times, so not shared apart."""
-    g = build(1, [gemm(10), vec(10)], {})
+    demands 4 + 6, the region 10 µs, whatever the model's costs (10 + 10, and 1 kB each
+    from a shared 1 MB/s memory: 1 ms) say; memory is inside the measured times, so not
+    shared apart."""
+    g = build(1, [gemm(10, bytes=1e3), vec(10, bytes=1e3)], {})
     s = by_hand(g, [0, 0])
-    hw, costs = measured_kernel_costs(g, dataclasses.replace(UNIT_HW, host_cores=1.0),
-                                      np.array([3e-6, 5e-6]), 1e-6)
-    assert not hw.shared_hbm
-    assert forecast_region(s, hw, costs=costs)[0] == pytest.approx(10 * US)
+    hw = dataclasses.replace(UNIT_HW, host_cores=1.0, mem_bw=1e6, shared_hbm=True)
+    assert forecast_region(s, hw)[0] >= 1e-3
+    assert replay_on_kernels(s, hw, np.array([3e-6, 5e-6]), 1e-6) == pytest.approx(10 * US)
     with pytest.raises(ValueError, match=r"one time per task \(2\), got 1"):
-        measured_kernel_costs(g, hw, np.array([3e-6]), 1e-6)
+        replay_on_kernels(s, hw, np.array([3e-6]), 1e-6)
     with pytest.raises(ValueError, match=r"kernel_cpu\[1\] must be >= 0 seconds, got nan"):
-        measured_kernel_costs(g, hw, np.array([3e-6, np.nan]), 1e-6)
+        replay_on_kernels(s, hw, np.array([3e-6, np.nan]), 1e-6)
 
 
 def test_unpermute_traffic_scales_only_unpermute_bytes():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..runtime.forward import ForwardOutput
 from ..schedule.auto import AutoDecision
 from ..schedule.base import SchedulePolicy
-from ..sim.forecast import HostCosts, forecast_region, measured_kernel_costs
+from ..sim.forecast import HostCosts, forecast_region, replay_on_kernels
 from ..sim.simulate import SimResult, Timeline
 from .forecast import Models, slowest_rank
 
@@ -48,7 +48,7 @@ class Prediction:
     iteration (``entry_skew_ms``: the median of the last rank's delay).
     ``taskflow_kernels_ms``: not a forecast but a check of the model around the
     kernels, the same replays on each iteration's own measured kernel CPU times
-    (``sim.forecast.measured_kernel_costs``)."""
+    (``sim.forecast.replay_on_kernels``)."""
 
     serial_schedule_ms: float
     taskflow_ms: float
@@ -100,20 +100,14 @@ def predict(serial: ForwardOutput, flow: ForwardOutput, measured_serial_s: float
     f, sim = _median_forecast(flow, models, entries[1])
     pre = _median_forecast(flow, before, entries[1])[0]
     on_kernels = None if np.isnan(kernels).any() else float(np.median(
-        [_on_kernels(flow, models, cpu, row) for cpu, row in zip(kernels, entries[1], strict=True)])) * 1e3
+        [replay_on_kernels(flow.schedule, models.runtime, cpu, models.host.executor_overhead, row)
+         for cpu, row in zip(kernels, entries[1], strict=True)])) * 1e3
     return Prediction(serial_schedule_ms=s * 1e3, taskflow_ms=f * 1e3,
                       measured_serial_schedule_ms=measured_serial_s * 1e3,
                       measured_taskflow_ms=measured_flow_s * 1e3, share=models.share,
                       taskflow_pre_ms=pre * 1e3,
                       entry_skew_ms=float(np.median(entries[1].max(axis=1))) * 1e3,
                       taskflow_kernels_ms=on_kernels), sim.timeline
-
-
-def _on_kernels(out: ForwardOutput, models: Models, cpu: np.ndarray, entry: np.ndarray) -> float:
-    """Seconds of ``out``'s region replayed on kernel CPU times ``cpu`` [tasks], the
-    ranks entering at ``entry``."""
-    hw, costs = measured_kernel_costs(out.schedule.graph, models.runtime, cpu, models.host.executor_overhead)
-    return forecast_region(out.schedule, hw, entry=entry, costs=costs)[0]
 
 
 def _median_forecast(out: ForwardOutput, models: Models, entries: np.ndarray) -> tuple[float, SimResult]:

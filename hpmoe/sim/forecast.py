@@ -54,13 +54,14 @@ def forecast_region(schedule: Schedule, hardware: HardwareModel, entry: np.ndarr
     return seconds + hardware.launch_overhead, sim
 
 
-def measured_kernel_costs(graph: TaskGraph, hardware: HardwareModel, kernel_cpu: np.ndarray,
-                          executor_overhead: float) -> tuple[HardwareModel, TaskCosts]:
-    """The model and costs of a replay on a run's own kernels (a check of the model
-    around them, not a forecast): each task's demand on its host's cores is its
-    kernel's measured thread CPU seconds (``kernel_cpu`` [n]) plus the executor's CPU
-    per task; its memory traffic is inside those times, so memory is not shared apart.
-    Links, waits, wake-ups, puts' host CPU and the launch stay ``hardware``'s."""
+def replay_on_kernels(schedule: Schedule, hardware: HardwareModel, kernel_cpu: np.ndarray,
+                      executor_overhead: float, entry: np.ndarray | None = None) -> float:
+    """``forecast_region``'s seconds on a run's own kernels (a check of the model around
+    them, not a forecast): each task's demand on its host's cores is its kernel's
+    measured thread CPU seconds (``kernel_cpu`` [n]) plus the executor's CPU per task;
+    its memory traffic is inside those times, so memory is not shared apart.  Links,
+    waits, wake-ups, puts' host CPU and the launch stay ``hardware``'s."""
+    graph = schedule.graph
     if len(kernel_cpu) != graph.num_tasks:
         raise ValueError(f"kernel_cpu must hold one time per task ({graph.num_tasks}), got {len(kernel_cpu)}")
     bad = np.flatnonzero(~(np.asarray(kernel_cpu) >= 0))
@@ -68,7 +69,8 @@ def measured_kernel_costs(graph: TaskGraph, hardware: HardwareModel, kernel_cpu:
         raise ValueError(f"kernel_cpu[{bad[0]}] must be >= 0 seconds, got {float(kernel_cpu[bad[0]])}")
     hw = dataclasses.replace(hardware, shared_hbm=False)
     work = np.asarray(kernel_cpu, dtype=np.float64) + executor_overhead
-    return hw, dataclasses.replace(task_costs(graph, hw), work=work, floor=work)
+    costs = dataclasses.replace(task_costs(graph, hw), work=work, floor=work)
+    return forecast_region(schedule, hw, entry=entry, costs=costs)[0]
 
 
 def sequential_seconds(graph: TaskGraph, hardware: HardwareModel) -> float:
