@@ -34,19 +34,28 @@ def relative_rates(profile_path: str, shapes: list[tuple[int, int]], rounds: int
     return [r / ratios[0] for r in ratios]
 
 
+def shape(text: str) -> tuple[int, int]:
+    """``MxK`` (e.g. ``128x512``) as (M, K), both positive."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--shapes takes MxK with positive M and K, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default=None, help="profile path (default: the saved cpu profile)")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="MxK tiles; the first is the reference")
+    ap.add_argument("--shapes", nargs="+", type=shape, default=[shape(s) for s in SHAPES],
+                    help="MxK tiles; the first is the reference")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--repeat", type=int, default=3, help="measurements, one line each")
     args = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     torch.set_num_threads(1)
     path = args.profile or str(default_profile_path())
     for _ in range(args.repeat):
-        rel = relative_rates(path, shapes, args.rounds)
-        print(" ".join(f"{m}x512x{k}: {r:.3f}" for (m, k), r in zip(shapes, rel, strict=True)), flush=True)
+        rel = relative_rates(path, args.shapes, args.rounds)
+        line = " ".join(f"{m}x512x{k}: {r:.3f}" for (m, k), r in zip(args.shapes, rel, strict=True))
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
