@@ -1,8 +1,19 @@
-"""Two-tier link shaping: the tc commands of each veth end, and bad specs named."""
+"""Emulated hosts: the tc commands of each veth end, bad specs named, and the name
+service each namespace sees."""
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from hpmoe.launch.netns import LinkSpec, Topology, tier_commands
+from hpmoe.launch.launcher import left_by
+from hpmoe.launch.netns import LinkSpec, Topology, name_service_files, tier_commands
+
+needs_namespaces = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "unshare")),
+    reason="network namespaces need root, ip, tc and unshare")
 
 
 def test_other_nodes_go_to_the_inter_node_class():
@@ -26,3 +37,37 @@ def test_bad_two_tier_specs_are_named():
     with pytest.raises(ValueError, match="needs an inter-node rate"):
         LinkSpec("2gbit", ranks_per_node=2)
     assert LinkSpec("2gbit").node(5) == 0 and LinkSpec("2gbit", "1gbit", 4).node(5) == 1
+
+
+def test_every_namespace_names_every_rank_and_looks_names_up_in_files_only():
+    topo = Topology(token="0" * 8, hub="h", ranks=("a", "b", "c"), link=LinkSpec("1gbit"))
+    files = name_service_files(topo)
+    hosts = files["hosts"].splitlines()
+    assert [f"{topo.address(r)} {topo.host_name(r)}" for r in range(3)] == hosts[-3:]
+    assert [x for x in files["nsswitch.conf"].splitlines() if x.startswith("hosts:")] == ["hosts: files"]
+    assert "nameserver" not in files["resolv.conf"]
+
+
+# A machine whose resolver no namespace can reach, and whose hosts file names no rank:
+# without the namespaces' own files, c10d's reverse lookup of each peer fails (EAI_AGAIN)
+# and every rank warns "The hostname of the client socket cannot be retrieved".
+_UNRESOLVING = """printf 'nameserver 192.0.2.53\\noptions timeout:1 attempts:1\\n' > "$1/resolv.conf"
+printf '127.0.0.1 localhost\\n' > "$1/hosts"
+printf 'hosts: files dns\\n' > "$1/nsswitch.conf"
+for f in resolv.conf hosts nsswitch.conf; do mount --bind "$1/$f" "/etc/$f"; done
+shift; exec "$@"
+"""
+
+
+@needs_namespaces
+def test_ranks_in_namespaces_print_nothing_where_the_machine_cannot_resolve_their_names(tmp_path):
+    bench = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", "--preset", "tiny", "--tokens", "32",
+             "--tile-rows", "8", "--gemm-rows", "8", "--gemm-cols", "16", "--warmup", "1", "--iters", "2",
+             "--schedule", "hyperparallel", "--deadline", "10", "--link", "1gbit"]
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _UNRESOLVING, "sh",
+            str(tmp_path), *bench]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=180)  # unshare and sh exec: proc.pid is the launcher's
+    assert proc.returncode == 0, err
+    assert all(x.startswith("hpmoe bench: ") for x in err.splitlines()), err
+    assert left_by(proc.pid) == [], "namespaces or their /etc/netns files outlived the job"

@@ -9,6 +9,13 @@ Needs root, ``ip`` and ``tc``.  Namespaces are named ``hpm-p<pid>-<token>-...``
 (the creating process, unique per run) and deleted by ``delete_topology`` — also
 after a partial creation — or, when that process died first, by
 ``sweep_stale_namespaces``.
+
+Each namespace also gets its own name-service files in ``/etc/netns/NAME/``, which
+``ip netns exec`` mounts over ``/etc``: a hosts file naming every rank's address and an
+nsswitch that looks host names up in files only.  Without them a rank asks the
+machine's resolver, which a namespace cannot reach: c10d's reverse lookup of each
+peer's address then fails (EAI_AGAIN) and every rank warns "The hostname of the client
+socket cannot be retrieved", depending on how the machine resolves names.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..runtime.transport.segment import pid_alive
 
@@ -25,6 +33,7 @@ _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
 _SCALE = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 IFNAME = "eth0"  # each rank's interface inside its namespace
 SUBNET = "10.77.0"
+NETNS_ETC = Path("/etc/netns")  # per-namespace /etc files that ``ip netns exec`` mounts
 
 
 def _rate_bytes(rate: str) -> float:
@@ -89,6 +98,10 @@ class Topology:
     def address(rank: int) -> str:
         return f"{SUBNET}.{rank + 1}"
 
+    @staticmethod
+    def host_name(rank: int) -> str:
+        return f"hpmoe-rank{rank}"
+
     def exec_prefix(self, rank: int) -> list[str]:
         """argv prefix that runs a command inside rank ``rank``'s namespace."""
         return ["ip", "netns", "exec", self.ranks[rank]]
@@ -142,6 +155,7 @@ def create_topology(world: int, link: LinkSpec, token: str) -> Topology:
                     ranks=tuple(f"{prefix}-r{r}" for r in range(world)), link=link)
     try:
         _run("ip", "netns", "add", topo.hub)
+        _write_name_service(topo, topo.hub)
         _run("ip", "-n", topo.hub, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", topo.hub, "link", "set", "br0", "up")
         for r in range(world):
@@ -155,6 +169,7 @@ def create_topology(world: int, link: LinkSpec, token: str) -> Topology:
 def _add_rank(topo: Topology, r: int) -> None:
     ns, port = topo.ranks[r], f"p{r}"
     _run("ip", "netns", "add", ns)
+    _write_name_service(topo, ns)
     _run("ip", "-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", port, "netns", topo.hub)
     _run("ip", "-n", ns, "addr", "add", f"{topo.address(r)}/24", "dev", IFNAME)
     for dev in ("lo", IFNAME):
@@ -170,21 +185,58 @@ def _add_rank(topo: Topology, r: int) -> None:
             _run("ip", "netns", "exec", where, "tc", *cmd)
 
 
+def name_service_files(topo: Topology) -> dict[str, str]:
+    """The ``/etc`` files every namespace of ``topo`` sees: ``hosts`` is the machine's
+    plus each rank's address, ``nsswitch.conf`` the machine's with host names looked up
+    in files only, and ``resolv.conf`` names no server (none is reachable from there)."""
+    hosts = ["127.0.0.1 localhost", "::1 localhost", *_lines("/etc/hosts")]
+    hosts += [f"{topo.address(r)} {topo.host_name(r)}" for r in range(len(topo.ranks))]
+    nss = [x for x in _lines("/etc/nsswitch.conf") if not x.strip().startswith("hosts:")]
+    nss.append("hosts: files")
+    return {"hosts": "\n".join(hosts) + "\n", "nsswitch.conf": "\n".join(nss) + "\n",
+            "resolv.conf": "# emulated host of an hpmoe job: every rank is in /etc/hosts\n"}
+
+
+def _lines(path: str) -> list[str]:
+    p = Path(path)
+    return p.read_text(errors="replace").splitlines() if p.is_file() else []
+
+
+def _write_name_service(topo: Topology, ns: str) -> None:
+    where = NETNS_ETC / ns
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        for name, text in name_service_files(topo).items():
+            (where / name).write_text(text)
+    except OSError as e:
+        raise TopologyError(f"cannot write {where}: {e.strerror} (--link needs root)") from None
+
+
+def _delete(ns: str) -> None:
+    subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+
+
 def delete_topology(topo: Topology) -> list[str]:
-    """Delete every namespace of ``topo`` that exists; returns the names deleted."""
+    """Delete every namespace of ``topo`` that exists, with its ``/etc/netns`` files;
+    returns the names deleted."""
     existing = set(list_namespaces())
     gone = []
     for ns in (*topo.ranks, topo.hub):
-        if ns in existing:
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+        if ns in existing or (NETNS_ETC / ns).exists():
+            _delete(ns)
             gone.append(ns)
     return gone
 
 
 def list_namespaces(prefix: str = "hpm-") -> list[str]:
-    """Names of network namespaces starting with ``prefix``."""
+    """Names of network namespaces starting with ``prefix``, and of those whose
+    ``/etc/netns`` files are left."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+    names = {line.split()[0] for line in out.splitlines() if line.startswith(prefix)}
+    if NETNS_ETC.is_dir():
+        names |= {p.name for p in NETNS_ETC.iterdir() if p.name.startswith(prefix)}
+    return sorted(names)
 
 
 _OWNER = re.compile(r"^hpm-p(\d+)-[0-9a-f]{8}-(hub|r\d+)$")
@@ -199,6 +251,6 @@ def sweep_stale_namespaces() -> list[str]:
     for ns in list_namespaces():
         m = _OWNER.match(ns)
         if m and not pid_alive(int(m.group(1))):
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+            _delete(ns)
             gone.append(ns)
     return gone
