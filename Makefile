@@ -1,4 +1,6 @@
-# Both targets create .venv on first use. torch is pinned to the CPU build.
+# Both targets create .venv on first use.  torch is pinned here to the CPU build (a looser
+# spec downloads a CUDA build of several GB) and Triton to the release whose interpreter the
+# GPU tests run in; pyproject.toml declares the ranges hpmoe supports.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +10,7 @@ BIN := $(VENV)/bin
 $(BIN)/hpmoe: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 triton==3.8.0
 	$(BIN)/pip install -q -e '.[dev,gpu]'
 	touch $@
 
