@@ -19,6 +19,7 @@ import json
 import numpy as np
 import torch
 
+from hpmoe.machine import record
 from hpmoe.regions import RegionKind, region
 from hpmoe.regions.dedup import dedup_factor
 from hpmoe.routing import _mask_groups, plan_routing
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    record()
     moe = dataclasses.replace(preset(args.preset))
     for hw in args.hardware:
         for ep in args.eps:

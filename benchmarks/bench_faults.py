@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from hpmoe.launch.launcher import LaunchSpec, launch, left_by, sweep_stale_all
+from hpmoe.machine import record
 from hpmoe.runtime.transport.heap import HeapNeed, SymmetricHeap
 from hpmoe.runtime.transport.segment import SHM_DIR, create_segment, new_token, segment_name, sweep
 
@@ -151,6 +152,7 @@ def agreement_cost(reps: int = 201) -> None:
 
 
 def main() -> None:
+    record()
     agreement_cost()
     for transport in ("shm", "dist"):
         rank_cases("inputs", transport)

@@ -51,6 +51,7 @@ from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
 from hpmoe.gpu.calibrate import calibrate, calibrated_hardware
 from hpmoe.gpu.pack import pack_tasks
 from hpmoe.gpu.runner import DeviceProgram
+from hpmoe.machine import machine
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
 from hpmoe.sim.hardware import hardware_preset
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     peak, bw = device_peaks(a.reps)
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version(), "peak_tflops": peak / 1e12,
-            "copy_gbs": bw / 1e9,
+            "copy_gbs": bw / 1e9, "machine": machine().to_json(),
             "tokens": TOKENS, "tiles": dataclasses.asdict(TILES), "command": " ".join(sys.argv)}
     rows: list[dict] = []
     for name, spec in shapes(dev).items():

@@ -24,6 +24,7 @@ import json
 import torch
 
 from hpmoe.ir.graph import TaskGraph, TaskKind
+from hpmoe.machine import record
 from hpmoe.regions import RegionKind, region
 from hpmoe.routing import RoutingKind, plan_routing, ranks_per_token, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule, serial_schedule
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    record()
     for ep in args.eps:
         r = row(ep, args.tokens, args.hardware, args.ranks_per_node, args.seed)
         print(json.dumps(r) if args.json else "  ".join(f"{k}={v}" for k, v in r.items()), flush=True)

@@ -12,6 +12,7 @@ import argparse
 import statistics
 import time
 
+from hpmoe.machine import record
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.spec import ParallelSpec, TileSpec, preset
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--eps", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    record()
     moe, tiles = preset(args.preset), TileSpec()
     print(f"{'ep':>4} {'routing':>8} {'plan ms':>8} {'1 rank ms':>10} {'tasks/rank':>10} "
           f"{'all ranks ms':>12} "

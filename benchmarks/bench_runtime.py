@@ -34,6 +34,7 @@ import subprocess
 import sys
 
 from hpmoe.bench.overhead import EmptyShape, loaded_cost, seconds_per_task
+from hpmoe.machine import record
 
 
 def overhead(args: argparse.Namespace) -> None:
@@ -180,6 +181,7 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=[])
     p.add_argument("--out", default=None)
     args = ap.parse_args()
+    record()
     {"overhead": overhead, "configs": configs, "predict": predict}[args.what](args)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from hpmoe.machine import record
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, schedule
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--routing", nargs="+", default=[RoutingKind.BALANCED.value])
     ap.add_argument("--hardware", default="ascend-a3")
     args = ap.parse_args()
+    record()
     moe, hw = preset(args.preset), hardware_preset(args.hardware)
     print(f"{'ep':>3} {'routing':>8} {'policy':>14} {'tasks':>7} {'lower s':>8} {'schedule s':>10} "
           f"{'simulate s':>10} {'total s':>8} {'makespan us':>12}")

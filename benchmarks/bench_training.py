@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from hpmoe import refs
+from hpmoe.machine import record
 from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
@@ -211,6 +212,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(_measure_child(*a.child, s)))
         return
+    record()
     where = (f"{s.tokens} tokens per rank, EP {s.ep} processes on the runtime" if s.ep
              else f"{s.tokens} tokens, virtual EP {s.virtual_ep}")
     print(f"{s.preset} {s.dtype}, {s.layers} layer(s), {where}, "

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hpmoe.bench.forecast import slowest_rank
 from hpmoe.launch.launcher import LaunchSpec, launch
 from hpmoe.launch.netns import LinkSpec
+from hpmoe.machine import record
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.runtime import ForwardOptions, ForwardRunner, RuntimeConfig, Session, TransportKind
 from hpmoe.schedule import SchedulePolicy
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rank-body", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    record()
     if args.rank_body:
         rank_body(args)
         return

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from hpmoe.bench.order import iteration_order
+from hpmoe.machine import record
 from hpmoe.nn.hf import randomize_moe_, tiny_deepseek_v3_config, tiny_qwen3_moe_config
 from hpmoe.nn.layer import MoE
 
@@ -127,6 +128,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    record()
     rows = []
     for name in args.cases.split(","):
         tokens = args.small_tokens if name == "small" else args.qwen_tokens

@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import hpmoe
+from hpmoe.machine import record
 from hpmoe.spec import preset
 
 
@@ -33,6 +34,7 @@ def kept_after_forward(layer: torch.nn.Module, x: torch.Tensor, checkpointed: bo
 
 
 if __name__ == "__main__":
+    record()
     spec = preset("small", torch.float32)
     layer = hpmoe.MoE(spec, virtual_ep=2)
     x = torch.randn(1024, spec.hidden, requires_grad=True)

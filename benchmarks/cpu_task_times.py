@@ -36,6 +36,7 @@ from hpmoe.bench.forecast import agreed_profile
 from hpmoe.bench.runner import BenchConfig, bench_models, make_inputs
 from hpmoe.ir.graph import TaskKind
 from hpmoe.launch.launcher import LaunchSpec, launch
+from hpmoe.machine import record
 from hpmoe.routing import RoutingKind
 from hpmoe.runtime.forward import ForwardOptions, ForwardRunner
 from hpmoe.runtime.session import RuntimeConfig, Session
@@ -223,6 +224,7 @@ def main() -> None:
                     default=SchedulePolicy.HYPERPARALLEL.value)
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    record()
     if args.rank:
         rank_main(args)
         return

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from hpmoe.machine import record
+
 N, EXPERTS = 512, 48
 
 
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--as", dest="name", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    record()
     if args.name:
         one(args.k, args.name)
         return

@@ -20,6 +20,7 @@ import torch
 
 from hpmoe.bench.forecast import ShareProbe, measure_put_cpu
 from hpmoe.bench.overhead import per_call
+from hpmoe.machine import record
 from hpmoe.schedule.auto import saved_profile
 from hpmoe.sim.hardware import HardwareModel
 from hpmoe.testing import spawn_gloo
@@ -73,7 +74,9 @@ def copy() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["puts", "copy"])
-    {"puts": puts, "copy": copy}[p.parse_args().what]()
+    what = p.parse_args().what
+    record()
+    {"puts": puts, "copy": copy}[what]()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from hpmoe.machine import record
 from hpmoe.sim.calibrate import WEIGHT_BYTES, KernelGemm, _gemm_bench, _round_medians
 from hpmoe.sim.hardware import default_profile_path, load_profile
 
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--repeat", type=int, default=3, help="measurements, one line each")
     args = ap.parse_args()
+    record()
     torch.set_num_threads(1)
     path = args.profile or str(default_profile_path())
     for _ in range(args.repeat):

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import transformers
 
+from hpmoe.machine import record
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("deepseek_v3", "qwen3_moe")
 REPO_FILES = (
@@ -232,6 +234,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None, help="write {test: [plain, hpmoe]} here")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     a = p.parse_args()
+    record()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="hpmoe-hfsuite-"))
     tree = assemble(a.sdist, a.repo, a.rev, work)
     plain = run(tree, False, a.virtual_ep, a.path, a.pytest_args)

@@ -6,10 +6,12 @@ models' predictions, the error and what was fitted to what.
 
 from __future__ import annotations
 
+from hpmoe.machine import record
 from hpmoe.sim.validate import checks
 
 
 def main() -> None:
+    record()
     print("| measurement | source | measured | model | error | fitted |")
     print("|---|---|---:|---:|---:|---|")
     for c in checks():

@@ -13,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpmoe.cli.bench import summary
 from hpmoe.launch.netns import list_namespaces
+from hpmoe.machine import default_cpu_dtype, machine
 from hpmoe.runtime.transport.segment import SHM_DIR
 from hpmoe.sim.hardware import save_profile
 
@@ -58,9 +60,13 @@ def test_bench_spawns_its_ranks_and_writes_both_traces(tmp_path: Path) -> None:
     assert report["trace"] == str(out / "trace.json")
     assert _undocumented(report) == []
     text = summary(report)
-    assert text.startswith("hpmoe bench: tiny, 24 tokens/rank, EP 2, bf16, balanced routing, transport shm")
+    dtype, why = default_cpu_dtype()  # --dtype auto: what this CPU computes natively
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    assert text.startswith(f"hpmoe bench: tiny, 24 tokens/rank, EP 2, {name}, balanced routing, transport")
+    assert report["dtype"] == name and report["dtype_auto"] == why and f"dtype auto: {why}" in text
+    assert report["machine"] == machine().to_json() and f"machine: {machine().line()}" in text
     assert f"speedup {report['speedup']:.2f}x" in text and str(out / "gantt.png") in text
-    assert len(text.splitlines()) <= 9
+    assert len(text.splitlines()) <= 12
 
 
 def _undocumented(report: dict) -> list[str]:

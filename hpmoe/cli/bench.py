@@ -20,6 +20,7 @@ from ..bench.report import BenchReport
 from ..bench.runner import STEP_NAMES, BenchConfig, run_bench
 from ..launch.launcher import LaunchSpec, launch
 from ..launch.netns import LinkSpec
+from ..machine import Machine, machine
 from ..routing import RoutingKind
 from ..runtime.collective import CollectiveError
 from ..runtime.faults import Fault
@@ -30,7 +31,7 @@ from ..runtime.transport.segment import SegmentError
 from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.trace import write_gantt, write_trace
 from ..spec import TileSpec, preset
-from .common import DTYPES, add_layer_args, emit, require_plotting
+from .common import DTYPES, add_layer_args, dtype_choice, emit, require_plotting
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
             "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
@@ -92,7 +93,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     runtime = RuntimeConfig(transport=_transport(args), deadline_s=args.deadline, threads=args.threads,
                             thread_cpu=args.predict)  # --predict replays the regions on their own kernels
     return BenchConfig(
-        moe=preset(args.preset, DTYPES[args.dtype]), tokens=args.tokens,
+        moe=preset(args.preset, DTYPES[dtype_choice(args.dtype, on_this_cpu=True)[0]]), tokens=args.tokens,
         routing=RoutingKind(args.routing), seed=args.seed,
         tiles=TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols),
         runtime=runtime, workers=_workers(args.workers),
@@ -157,8 +158,10 @@ def _rank_main(args: argparse.Namespace, config: BenchConfig) -> int:
 
 
 def _print(args: argparse.Namespace, config: BenchConfig, report: BenchReport, world: int) -> None:
+    dtype, why = dtype_choice(args.dtype, on_this_cpu=True)
     head = {"preset": args.preset, "tokens_per_rank": args.tokens, "routing": args.routing,
-            "dtype": args.dtype, "transport": config.runtime.transport.value,
+            "dtype": dtype, "dtype_auto": why, "machine": machine().to_json(),
+            "transport": config.runtime.transport.value,
             "link": args.link, "workers": args.workers, "threads": args.threads,
             "warmup": args.warmup, "iters": args.iters}
     files = _write_traces(Path(args.trace), report, args) if args.trace else {}
@@ -187,10 +190,16 @@ def summary(doc: dict) -> str:
         f"  speedup {doc['speedup']:.2f}x (hpmoe ran {ran}); the runtime schedule alone: "
         f"{doc['runtime_speedup']:.2f}x over the baseline, "
         f"{doc['runtime_speedup_over_serial_schedule']:.2f}x over the serial schedule",
+        f"  hpmoe default over kernel by kernel (the strongest baseline here): "
+        f"{doc['kernel_by_kernel_ms'] / doc['taskflow_ms']:.2f}x",
         f"  runtime steps, median ms: {steps}",
         f"  max |hpmoe - baseline| {doc['max_abs_diff']:.3g}; runtime bitwise equal across schedules: "
         f"{'yes' if doc['bitwise_equal_serial_schedule'] else 'NO'}",
     ]
+    if doc.get("dtype_auto"):
+        lines.append(f"  dtype auto: {doc['dtype_auto']}")
+    if doc.get("machine"):
+        lines.append(f"  machine: {Machine(**doc['machine']).line()}")
     if doc.get("note"):
         lines.append(f"  note: {doc['note']}")
     files = [doc[k] for k in ("trace", "gantt", "predicted_trace", "predicted_gantt") if k in doc]
@@ -202,7 +211,7 @@ def summary(doc: dict) -> str:
 def _write_traces(out: Path, report: BenchReport, args: argparse.Namespace) -> dict:
     """Measured (and predicted) timelines as Perfetto JSON and Gantt PNGs."""
     files = {}
-    layer = f"{args.preset}, EP {report.ep}, {args.tokens} tokens/rank, {args.dtype}"
+    layer = f"{args.preset}, EP {report.ep}, {args.tokens} tokens/rank, {dtype_choice(args.dtype, True)[0]}"
     for prefix, timeline in (("", report.timeline), ("predicted-", report.predicted_timeline)):
         if timeline is None:
             continue

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..machine import default_cpu_dtype
 from ..routing import RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
 from ..spec import PRESETS, DispatchMode, MoESpec, ParallelSpec, TileSpec, preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+AUTO = "auto"
 
 
 def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) -> None:
@@ -23,7 +25,9 @@ def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) 
     p.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
     p.add_argument("--routing", default=RoutingKind.BALANCED.value,
                    choices=[k.value for k in RoutingKind], help="synthetic routing pattern")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activations and expert weights")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPES)],
+                   help="activations and expert weights; auto: bf16 on a modelled accelerator and "
+                        "where this CPU computes bf16 natively, else fp32")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and inputs")
     p.add_argument("--tile-rows", type=int, default=128, help="rows per vector tile")
     p.add_argument("--gemm-rows", type=int, default=128, help="rows per GEMM tile (0: whole expert)")
@@ -49,8 +53,20 @@ class Layer:
     ranks_per_token: float  # mean distinct ranks a token's top-k experts live on
 
 
+def dtype_choice(name: str, on_this_cpu: bool) -> tuple[str, str | None]:
+    """``--dtype`` with ``auto`` resolved: on a modelled accelerator bf16, on this CPU
+    what it computes natively.  (name, why) where auto chose on this CPU, else (name, None)."""
+    if name != AUTO:
+        return name, None
+    if not on_this_cpu:
+        return "bf16", None
+    dtype, why = default_cpu_dtype()
+    return next(n for n, d in DTYPES.items() if d == dtype), why
+
+
 def layer_from_args(args: argparse.Namespace) -> Layer:
-    moe = preset(args.preset, DTYPES[args.dtype])
+    dtype, _ = dtype_choice(args.dtype, on_this_cpu=getattr(args, "hardware", None) == "cpu")
+    moe = preset(args.preset, DTYPES[dtype])
     par = ParallelSpec(ep=args.ep, tokens_per_rank=args.tokens, nodes=args.nodes)
     par.local_experts(moe)
     kind = RoutingKind(args.routing)

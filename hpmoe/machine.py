@@ -1,0 +1,92 @@
+"""The machine a figure came from: CPU model, vector capability, cores, whether it
+computes bf16 natively, and the software versions; and the dtype a CPU run should
+default to.
+
+CPUs differ more than their names say: with AVX-512-BF16 or AMX a one-thread bf16 GEMM
+runs faster than fp32, with AVX2 only torch emulates bf16 about 60x slower than fp32,
+so a bf16 figure there measures the emulation, not hpmoe."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512-BF16, AMX), arm64 (FEAT_BF16)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a benchmark records next to its figures."""
+
+    cpu: str  # model name from /proc/cpuinfo (platform.processor() elsewhere)
+    capability: str  # torch.backends.cpu.get_cpu_capability(): AVX2, AVX512, ...
+    cores: int  # cores this process may run on
+    native_bf16: bool
+    python: str
+    torch: str
+    numpy: str
+    triton: str | None
+    hpmoe: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        bf16 = "native bf16" if self.native_bf16 else "no native bf16"
+        return (f"{self.cpu} ({self.capability}, {bf16}), {self.cores} cores; "
+                f"python {self.python}, torch {self.torch}")
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name, feature flags) from /proc/cpuinfo; ('', set()) where there is none."""
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return "", set()
+    model, flags = "", set()
+    for line in path.read_text(errors="replace").splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model") and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> Machine:
+    """This machine, as ``Machine``."""
+    model, flags = _cpuinfo()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return Machine(cpu=model or platform.processor() or platform.machine(),
+                   capability=torch.backends.cpu.get_cpu_capability(), cores=cores,
+                   native_bf16=any(f in flags for f in _BF16_FLAGS), python=platform.python_version(),
+                   torch=torch.__version__, numpy=_version("numpy") or "?", triton=_version("triton"),
+                   hpmoe=_version("hpmoe") or "checkout")
+
+
+def default_cpu_dtype(m: Machine | None = None) -> tuple[torch.dtype, str]:
+    """bf16 where this CPU computes it natively, else fp32; with the reason, to print."""
+    m = m or machine()
+    if m.native_bf16:
+        return torch.bfloat16, f"bf16: this CPU computes it natively ({m.capability})"
+    return torch.float32, (f"fp32: this CPU ({m.capability}) has no native bf16, where torch emulates "
+                           "bf16 GEMMs ~60x slower than fp32 (ask for --dtype bf16 to measure that)")
+
+
+def record() -> None:
+    """Print this machine as one JSON line, ``{"machine": {...}}``: every benchmark's
+    output starts with it, so each figure says which CPU and versions it came from."""
+    print(json.dumps({"machine": machine().to_json()}), flush=True)
