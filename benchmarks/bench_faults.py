@@ -1,4 +1,4 @@
-"""Time to diagnosis of each failure the runtime must report (docs/PERFORMANCE.md).
+"""Time to diagnosis of each failure the runtime must report (docs/lab/2026-measurements.md).
 
     flock /tmp/hpmoe-bench.lock python benchmarks/bench_faults.py   # from the repository root
 

@@ -28,12 +28,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from hpmoe import refs
-from hpmoe.machine import record
+from hpmoe.machine import default_cpu_dtype, record
 from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
@@ -120,7 +120,7 @@ class Setting:
     (per worker)."""
 
     preset: str = "small"
-    dtype: str = "bf16"
+    dtype: str = "auto"  # bf16 where this CPU computes it natively, else fp32
     tokens: int = 4096
     layers: int = 1
     virtual_ep: int = 2
@@ -213,6 +213,10 @@ def main() -> None:
         print(json.dumps(_measure_child(*a.child, s)))
         return
     record()
+    if s.dtype == "auto":
+        dtype, why = default_cpu_dtype()
+        s = replace(s, dtype="bf16" if dtype is torch.bfloat16 else "fp32")
+        print(f"dtype {why}")
     where = (f"{s.tokens} tokens per rank, EP {s.ep} processes on the runtime" if s.ep
              else f"{s.tokens} tokens, virtual EP {s.virtual_ep}")
     print(f"{s.preset} {s.dtype}, {s.layers} layer(s), {where}, "
