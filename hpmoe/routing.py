@@ -76,6 +76,18 @@ def check_hidden(x: object, spec: MoESpec, name: str = "x") -> None:
         raise ValueError(f"{name} has {kind} at row {row}")
 
 
+def input_error(x: object, routing: Routing, spec: MoESpec) -> BaseException | None:
+    """What is wrong with this rank's ``x`` ([T, H] spec.dtype) and ``routing``
+    ([T, k]), or None: a rank's verdict on its own input, for the agreement that opens
+    a distributed call."""
+    try:
+        check_hidden(x, spec)
+        check_routing(routing, spec, x.shape[0])
+    except (ValueError, TypeError) as err:
+        return err
+    return None
+
+
 # ---------------------------------------------------------------------------- gates
 
 def route(x: torch.Tensor, weights: ExpertWeights) -> Routing:

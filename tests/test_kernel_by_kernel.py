@@ -124,16 +124,19 @@ def test_the_autograd_node_saves_through_save_for_backward() -> None:
 
 
 def _ranks(rank: int, world: int, kind: RoutingKind) -> dict:
-    return {dtype: _rank(rank, world, dtype, kind) for dtype in (torch.float32, torch.bfloat16)}
+    from hpmoe.runtime import Session
+
+    with Session() as session:
+        return {dtype: _rank(rank, world, dtype, kind, session.collectives)
+                for dtype in (torch.float32, torch.bfloat16)}
 
 
-def _rank(rank: int, world: int, dtype: torch.dtype, kind: RoutingKind) -> dict:
+def _rank(rank: int, world: int, dtype: torch.dtype, kind: RoutingKind, coll) -> dict:
     tokens = 12
     x, routing, w = _inputs(dtype, kind, tokens, ep=world)
     mine = slice(rank * tokens, (rank + 1) * tokens)
     local = Routing(routing.ids[mine].contiguous(), routing.weights[mine].contiguous())
-    out, state = kbk_forward(x[mine].contiguous(), local, w, group=dist.group.WORLD, pool=ArenaPool(),
-                             save=True)
+    out, state = kbk_forward(x[mine].contiguous(), local, w, coll=coll, pool=ArenaPool(), save=True)
     base = serialized_ep_forward(x[mine].contiguous(), w, local)
     dy = ((torch.arange(world * tokens)[:, None] % 5 + 1.0) / 5 * torch.ones(1, w.spec.hidden)).to(dtype)
     g = kbk_backward(state, dy[mine].contiguous())

@@ -318,7 +318,8 @@ def _auto_ranks(rank, world):
     x, dy = _data(spec, 12)
     shares = (t.reshape(world, -1, spec.hidden)[rank] for t in (x, dy))
     result = _run(layer, *shares)
-    return result, layer.decision(6).chosen, layer._session
+    session = layer._session
+    return result, layer.decision(6).chosen, (session.regions, session.calls)
 
 
 def test_auto_on_an_ep_group_matches_one_process():
@@ -326,7 +327,9 @@ def test_auto_on_an_ep_group_matches_one_process():
     spec = preset("tiny")
     x, dy = _data(spec, 12)
     want = _run(MoE(spec, ExpertWeights.random(spec, 1)), x, dy)
-    assert all(r[2] is None for r in results)  # the kernel-by-kernel path opens no runtime session
+    # kernel by kernel: no runtime region ran, but the forward and the backward each
+    # opened with the session's agreement
+    assert all(r[2] == (0, 2) for r in results), [r[2] for r in results]
     torch.testing.assert_close(torch.stack([r[0][0] for r in results]), want[0])
     for name, grad in want[2].items():
         torch.testing.assert_close(sum(r[0][2][name] for r in results), grad, msg=name)

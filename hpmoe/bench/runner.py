@@ -215,7 +215,7 @@ def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: Ha
     calls: Calls = {Variant.SERIAL.value: lambda: serialized_ep_forward(data.x, data.weights, data.routing,
                                                                         group),
                     Variant.KERNEL_BY_KERNEL.value: lambda: Output(kbk_forward(
-                        data.x, data.routing, data.weights, group, pool)[0]),
+                        data.x, data.routing, data.weights, session.collectives, pool)[0]),
                     Variant.SERIAL_SAME_TRANSPORT.value: lambda: serial(data.x, data.routing)}
     return calls | {runtime_name(p): runtime(runner(p)) for p in policies}
 

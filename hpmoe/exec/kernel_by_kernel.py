@@ -8,7 +8,8 @@ whole.  It is the path ``SchedulePolicy.AUTO`` falls back to when no taskflow pa
 
 Forward, per rank (one process runs the whole batch as one rank, whatever virtual_ep):
   1. permute: stable sort of the T*k (token, slot) rows by global expert, one gather;
-  2. dispatch (ep > 1): counts and rows over ``all_to_all_single``, then one gather
+  2. dispatch (ep > 1): counts and rows over ``all_to_all_single`` (each under the
+     session's deadline: ``runtime.collective.Collectives``), then one gather
      into expert-major order (expert, then source rank: global token order per expert);
   3. experts: GEMM up per expert into one [M, 2F] buffer, the gated activation
      (``spec.activation``), GEMM down;
@@ -32,19 +33,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from ..refs import inverse_permutation
 from ..regions.backward_kernels import glu_backward
+from ..regions.base import RegionKind
 from ..regions.kernels import glu
 from ..routing import Routing, check_hidden, check_routing
 from ..spec import Activation, MoESpec
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
 from .exact_backward import Gradients
+
+if TYPE_CHECKING:  # the runtime loads on first distributed use, never by ``import hpmoe``
+    from ..runtime.collective import Collectives
+    from ..runtime.session import Session
+    from ..spec import TileSpec
 
 Segments = list[tuple[int, int, int]]  # (local expert, first row, end row) of non-empty experts
 
@@ -140,30 +146,30 @@ class Permutation:
 
 @dataclass(frozen=True)
 class Exchange:
-    """The all-to-all of an EP group: send / recv [ep, L] int64 rows per (peer, local
-    expert); regroup: [R] int64, the dispatch-order row of each expert-major row;
-    unregroup: its inverse."""
+    """The all-to-all of an EP group (``coll``: its deadline-bounded collectives): send /
+    recv [ep, L] int64 rows per (peer, local expert); regroup: [R] int64, the
+    dispatch-order row of each expert-major row; unregroup: its inverse."""
 
-    group: Any
+    coll: Collectives
     send: torch.Tensor
     recv: torch.Tensor
     regroup: torch.Tensor
     unregroup: torch.Tensor
 
     @staticmethod
-    def of(send: torch.Tensor, group: Any) -> Exchange:
+    def of(send: torch.Tensor, coll: Collectives) -> Exchange:
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=group)
+        coll.all_to_all(recv, send.contiguous(), None, None, "kernel by kernel: count exchange")
         ep, local = recv.shape
         key = (torch.arange(local) * ep + torch.arange(ep)[:, None]).reshape(-1)  # [s, e] -> e*ep + s
         regroup = torch.argsort(torch.repeat_interleave(key, recv.reshape(-1)), stable=True)
-        return Exchange(group, send, recv, regroup, inverse_permutation(regroup))
+        return Exchange(coll, send, recv, regroup, inverse_permutation(regroup))
 
     def dispatch(self, rows: torch.Tensor, arena: Arena, keep: Arena, tag: str) -> torch.Tensor:
         """rows [T*k, H] in sorted order -> [R, H] received rows, expert-major (in ``keep``)."""
         got = arena.take(tag + "recv", (int(self.recv.sum()), rows.shape[1]), rows.dtype)
-        dist.all_to_all_single(got, rows, self.recv.sum(1).tolist(), self.send.sum(1).tolist(),
-                               group=self.group)
+        self.coll.all_to_all(got, rows, self.recv.sum(1).tolist(), self.send.sum(1).tolist(),
+                             f"kernel by kernel: {tag}dispatch")
         xs = keep.take(tag + "xs", tuple(got.shape), got.dtype)
         return torch.index_select(got, 0, self.regroup, out=xs)
 
@@ -173,16 +179,16 @@ class Exchange:
         out = torch.index_select(rows, 0, self.unregroup, out=arena.take(tag + "send", tuple(rows.shape),
                                                                            rows.dtype))
         back = keep.take(tag + "back", (int(self.send.sum()), rows.shape[1]), rows.dtype)
-        dist.all_to_all_single(back, out, self.send.sum(1).tolist(), self.recv.sum(1).tolist(),
-                               group=self.group)
+        self.coll.all_to_all(back, out, self.send.sum(1).tolist(), self.recv.sum(1).tolist(),
+                             f"kernel by kernel: {tag}combine")
         return back
 
     def local_rows(self) -> list[int]:
         return self.recv.sum(0).tolist()
 
 
-def _group_size(group: Any) -> int:
-    return dist.get_world_size(group) if group is not None else 1
+def _group_size(coll: Collectives | None) -> int:
+    return coll.world if coll is not None else 1
 
 
 # ---------------------------------------------------------------------------- combine
@@ -304,32 +310,43 @@ class KernelByKernelState:
         return replace(self, **dict(zip(self.TENSORS, tensors[:n], strict=True)), weights=weights)
 
 
-def _local_slice(weights: ExpertWeights, group: Any) -> slice:
-    ep = _group_size(group)
+def _local_slice(weights: ExpertWeights, coll: Collectives | None) -> slice:
+    ep = _group_size(coll)
     if weights.spec.experts % ep:
         raise ValueError(f"EP group size {ep} does not divide MoESpec.experts={weights.spec.experts}")
     local = weights.spec.experts // ep
-    rank = dist.get_rank(group) if group is not None else 0
+    rank = coll.rank if coll is not None else 0
     return slice(rank * local, (rank + 1) * local)
 
 
-def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, group: Any = None,
+def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None = None,
                 pool: ArenaPool | None = None, save: bool = False, recompute: bool = False
                 ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
     tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
 
-    group: the EP process group (None: one process, every expert here); every rank
-    calls collectively.  pool: where scratch buffers come from (None: fresh ones); saved
+    coll: the EP group's deadline-bounded collectives (a runtime ``Session``'s; None:
+    one process, every expert here); every rank calls collectively.  pool: where scratch
+    buffers come from (None: fresh ones), given back however the call ends; saved
     tensors are always fresh ones.  recompute: save no gated-activation outputs."""
     spec = weights.spec
     check_hidden(x, spec)
     check_routing(routing, spec, x.shape[0])
     arena = pool.acquire() if pool is not None else Arena()
-    keep = Arena() if save else arena
-    mine, k, act = _local_slice(weights, group), spec.top_k, spec.activation
-    perm = Permutation.of(routing.ids, spec.experts, _group_size(group))
-    exchange = Exchange.of(perm.send, group) if _group_size(group) > 1 else None
+    try:
+        return _forward(x, routing, weights, coll, arena, Arena() if save else arena, save, recompute)
+    finally:
+        if pool is not None:
+            pool.release(arena)
+
+
+def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None,
+             arena: Arena, keep: Arena, save: bool, recompute: bool
+             ) -> tuple[torch.Tensor, KernelByKernelState | None]:
+    spec = weights.spec
+    mine, k, act = _local_slice(weights, coll), spec.top_k, spec.activation
+    perm = Permutation.of(routing.ids, spec.experts, _group_size(coll))
+    exchange = Exchange.of(perm.send, coll) if _group_size(coll) > 1 else None
     rows_from = arena if exchange is not None else keep  # in one process the rows are xs
     rows = torch.index_select(x, 0, perm.order // k,
                               out=rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype))
@@ -342,8 +359,6 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, group
         shared = (weights.shared_w13[None], weights.shared_w2[None])
         sh, sa, sy = experts_forward(x, segments([x.shape[0]]), *shared, act, keep, "s.")
     out = weighted_sum(y, perm.pos, routing.weights, sy, arena)
-    if pool is not None:
-        pool.release(arena)
     if not save:
         return out, None
     drop = recompute
@@ -355,10 +370,18 @@ def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool
     """Gradients of ``kbk_forward`` given dout [T, H]: dx [T, H], dweights [T, k] fp32,
     full-size dw13 [E, 2F, H] / dw2 [E, H, F] (this rank's experts; zeros for other
     ranks' experts), this rank's shared-expert gradients.  Collective with a group."""
-    s, w = state, state.weights
     arena = pool.acquire() if pool is not None else Arena()
-    group = s.exchange.group if s.exchange is not None else None
-    mine, dtype, act = _local_slice(w, group), w.spec.dtype, w.spec.activation
+    try:
+        return _backward(state, dout, arena)
+    finally:
+        if pool is not None:
+            pool.release(arena)
+
+
+def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradients:
+    w = s.weights
+    mine = _local_slice(w, s.exchange.coll if s.exchange is not None else None)
+    dtype, act = w.spec.dtype, w.spec.activation
     g = dout.to(torch.float32)
     dweights, drows = weighted_sum_backward(g, s.y, s.perm.pos, s.topk_weights, arena)
     dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
@@ -373,8 +396,6 @@ def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool
                                      w.shared_w2[None], act, sg, arena, "s.")
         dsw13, dsw2 = sg.dw13[0], sg.dw2[0]
     dx = slot_sum(dxs, s.perm.pos, dx_shared, arena)
-    if pool is not None:
-        pool.release(arena)
     return Gradients(dx=dx, dweights=dweights, dw13=grads.dw13, dw2=grads.dw2, dshared_w13=dsw13,
                      dshared_w2=dsw2)
 
@@ -394,22 +415,31 @@ def _weight_buffer(w: torch.Tensor, mine: slice) -> torch.Tensor:
 @dataclass(frozen=True)
 class KernelByKernelCall:
     """Non-tensor inputs of one call: the spec (dtype: the compute dtype), ids [T, k]
-    int64 global expert ids, the EP group (None: one process), the layer's arena pool,
-    whether backward recomputes the gated activations, and whether grad mode was on at
-    the call (inside ``forward`` it is always off, and ``ctx.needs_input_grad`` ignores
-    it: without this an inference forward would save activations it never frees early)."""
+    int64 global expert ids, the runtime session of a distributed layer (None: one
+    process) and its tiles (fingerprinted in the backward's agreement), the layer's
+    arena pool, whether backward recomputes the gated activations, and whether grad mode
+    was on at the call (inside ``forward`` it is always off, and ``ctx.needs_input_grad``
+    ignores it: without this an inference forward would save activations it never frees
+    early)."""
 
     spec: MoESpec
     ids: torch.Tensor
-    group: Any = None
+    session: Session | None = None
+    tiles: TileSpec | None = None
     pool: ArenaPool | None = None
     recompute: bool = False
     grad: bool = True
 
+    @property
+    def coll(self) -> Collectives | None:
+        return self.session.collectives if self.session is not None else None
+
 
 class KernelByKernelFunction(torch.autograd.Function):
     """The kernel-by-kernel region as one autograd node; inputs as ``nn.layer.MoEFunction``:
-    x [T, H], topk weights [T, k] fp32, w13, w2, shared_w13 | None, shared_w2 | None, call."""
+    x [T, H], topk weights [T, k] fp32, w13, w2, shared_w13 | None, shared_w2 | None, call.
+    Distributed, the caller opened the forward with the session's agreement; the
+    backward opens with its own (every rank's verdict on its dout)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -419,7 +449,7 @@ class KernelByKernelFunction(torch.autograd.Function):
             None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
         weights = ExpertWeights.routed(call.spec, w13, w2, shared_w13, shared_w2)
         save = call.grad and any(ctx.needs_input_grad[:6])
-        out, state = kbk_forward(x, Routing(call.ids, topk_weights), weights, call.group, call.pool, save,
+        out, state = kbk_forward(x, Routing(call.ids, topk_weights), weights, call.coll, call.pool, save,
                                  call.recompute)
         if state is not None:
             ctx.save_for_backward(*state.tensors())
@@ -431,5 +461,8 @@ class KernelByKernelFunction(torch.autograd.Function):
         call: KernelByKernelCall = ctx.call
         state = ctx.state.with_tensors(ctx.saved_tensors, call.spec)
         ctx.state = None
+        if call.session is not None:
+            error = None if bool(torch.isfinite(dout).all()) else ValueError("dy has NaN or inf")
+            call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dout.shape[0], error)
         g = kbk_backward(state, dout.contiguous(), call.pool)
         return g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2, None

@@ -44,8 +44,9 @@ from ..exec.exact import DEFAULT_TILES, execute_forward
 from ..exec.exact_backward import Gradients, execute_backward, execute_backward_dedup
 from ..exec.kernel_by_kernel import KernelByKernelCall, KernelByKernelFunction
 from ..regions.backward_kernels import SavedActivations
+from ..regions.base import RegionKind
 from ..regions.dedup_backward_kernels import DedupSaved
-from ..routing import Routing, RoutingPlan, route
+from ..routing import Routing, RoutingPlan, input_error, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape
 from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.hardware import HardwareModel, cpu_nominal
@@ -357,7 +358,12 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, self.spec.hidden)
         if self.family is None:
             w = self.expert_weights()
-            routing = route(x.to(w.spec.dtype), w)
+            try:
+                routing = route(x.to(w.spec.dtype), w)
+            except (ValueError, TypeError) as err:  # every rank must hear of it, in step
+                if self.options.distributed:
+                    self._open_call(x.shape[0], w, err)
+                raise
             out = self._region(x, routing.ids, routing.weights)
         else:
             out = self._block_forward(x)
@@ -391,13 +397,23 @@ class MoE(nn.Module):
         dtype = _compute_dtype(x, w.spec.dtype)
         if dtype != w.spec.dtype:
             w = _cast(w, dtype)
-        group = self.options.group
-        padded = _padded_tokens(x.shape[0], self.options.virtual_ep, group)
-        xp, idp, wp = _pad(x.to(dtype), ids.to(torch.int64), topk_weights.float(), padded, w.spec,
-                          self.options.virtual_ep, group)
+        o, xc, ids, topk_weights = self.options, x.to(dtype), ids.to(torch.int64), topk_weights.float()
+        if o.distributed:
+            counts = self._open_call(x.shape[0], w, input_error(xc, Routing(ids, topk_weights), w.spec))
+            padded = max(max(counts), 1)
+        else:
+            padded = max(-(-x.shape[0] // o.virtual_ep), 1) * o.virtual_ep
+        xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
             out = self._run(xp, idp, wp, w)
         return out[:x.shape[0]].to(x.dtype)
+
+    def _open_call(self, tokens: int, w: ExpertWeights, error: BaseException | None) -> list[int]:
+        """The agreement that opens every distributed call, before any other collective
+        of it: what the call is (dtype, sizes, tiles) and each rank's verdict on its own
+        input.  Every rank raises the same named error when one objects; else returns
+        every rank's token count."""
+        return self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error)
 
     def _run(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
              w: ExpertWeights) -> torch.Tensor:
@@ -410,7 +426,8 @@ class MoE(nn.Module):
         options = self._taskflow_options(x.shape[0], w.spec.dtype)
         if options is None:
             grad = torch.is_grad_enabled()
-            call = KernelByKernelCall(w.spec, ids, o.group, self._arenas, o.recompute, grad)
+            call = KernelByKernelCall(w.spec, ids, self.session() if o.distributed else None, o.tiles,
+                                      self._arenas, o.recompute, grad)
             return KernelByKernelFunction.apply(*tensors, call)
         call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session())
         return MoEFunction.apply(*tensors, call)
@@ -430,7 +447,7 @@ class MoE(nn.Module):
             return self._decisions.decide(shape, o.tiles, o.hardware)
         shape = RoutingShape(spec, dist.get_world_size(o.group), tokens, backward)
         workers = WorkerCounts.from_hardware(o.rank_hardware)
-        return self._decisions.decide(shape, o.tiles, o.hardware, workers, o.group)
+        return self._decisions.decide(shape, o.tiles, o.hardware, workers, self.session().collectives)
 
     def _taskflow_options(self, tokens: int, dtype: torch.dtype) -> RegionOptions | None:
         """The taskflow's options for a call computing in ``dtype``, or None for the
@@ -467,14 +484,6 @@ def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
 
     return ExpertWeights(replace(w.spec, dtype=dtype), w.router, w.router_bias, cast(w.w13), cast(w.w2),
                          cast(w.shared_w13), cast(w.shared_w2))
-
-
-def _padded_tokens(tokens: int, virtual_ep: int, group: Any) -> int:
-    """Tokens per call after padding: a multiple of virtual_ep in one process, the largest
-    count of the EP group on every rank of it; at least one token per rank."""
-    if group is None:
-        return max(-(-tokens // virtual_ep), 1) * virtual_ep
-    return max(max(token_counts(tokens, group)), 1)
 
 
 def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, spec: MoESpec,
@@ -608,14 +617,6 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
 
 
 # ---------------------------------------------------------------------------- distributed
-
-
-def token_counts(tokens: int, group: Any) -> list[int]:
-    """The number of tokens every rank of ``group`` holds (a collective)."""
-    mine = torch.tensor([tokens], dtype=torch.int64)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return [int(p) for p in parts]
 
 
 def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,

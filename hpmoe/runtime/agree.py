@@ -99,23 +99,26 @@ def mismatch(prints: list[Fingerprint]) -> str | None:
     return None
 
 
-def agree(coll: Collectives, what: str, mine: Fingerprint, error: BaseException | None) -> None:
+def agree(coll: Collectives, what: str, mine: Fingerprint, error: BaseException | None,
+          count: int = 0) -> list[int]:
     """Exchange fingerprints and verdicts (collective, under the deadline); raise
-    ``InputRejected`` or ``MismatchError`` on every rank when any rank objects."""
+    ``InputRejected`` or ``MismatchError`` on every rank when any rank objects.
+    ``count``: a figure ranks may differ on (their token counts), returned per rank."""
     n = len(_FIELDS)
-    row = np.zeros(1 + n + REASON_BYTES // 8, np.int64)
-    row[0], row[1:1 + n] = error is not None, [getattr(mine, f.name) for f in _FIELDS]
+    row = np.zeros(2 + n + REASON_BYTES // 8, np.int64)
+    row[0], row[1], row[2:2 + n] = error is not None, count, [getattr(mine, f.name) for f in _FIELDS]
     if error is not None:
         reason = str(error).encode()[:REASON_BYTES]
-        row[1 + n:].view(np.uint8)[:len(reason)] = np.frombuffer(reason, np.uint8)
+        row[2 + n:].view(np.uint8)[:len(reason)] = np.frombuffer(reason, np.uint8)
     table = coll.all_gather(torch.from_numpy(row), what).numpy()
     if table[:, 0].any():
         reasons = [f"rank {r} rejected its input: {_reason(table[r])}" for r in np.flatnonzero(table[:, 0])]
         raise InputRejected("; ".join(reasons)) from error
-    if (table[:, 1:1 + n] != table[0, 1:1 + n]).any():
-        diff = mismatch([Fingerprint(*table[r, 1:1 + n].tolist()) for r in range(coll.world)])
+    if (table[:, 2:2 + n] != table[0, 2:2 + n]).any():
+        diff = mismatch([Fingerprint(*table[r, 2:2 + n].tolist()) for r in range(coll.world)])
         raise MismatchError(f"ranks disagree on '{what}': {diff}")
+    return table[:, 1].tolist()
 
 
 def _reason(row: np.ndarray) -> str:
-    return row[1 + len(_FIELDS):].tobytes().rstrip(b"\0").decode(errors="replace")
+    return row[2 + len(_FIELDS):].tobytes().rstrip(b"\0").decode(errors="replace")

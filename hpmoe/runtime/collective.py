@@ -75,7 +75,7 @@ class Collectives:
 
     def __init__(self, group: dist.ProcessGroup | None, board: Board, deadline_s: float):
         self.group, self.board, self.deadline_s = group, board, deadline_s
-        self.world = dist.get_world_size(group)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather(self, tensor: torch.Tensor, what: str, publish: bool = True) -> torch.Tensor:
         """[world, *tensor.shape]: every rank's ``tensor`` (same shape and dtype
@@ -84,6 +84,23 @@ class Collectives:
         mine = self.board.enter(what, publish)
         self._wait(dist.all_gather(parts, tensor.contiguous(), group=self.group, async_op=True), mine, what)
         return torch.stack(parts)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
+                   in_splits: list[int] | None, what: str) -> None:
+        """``all_to_all_single`` of ``inp`` into ``out`` (rows per peer: the splits;
+        None: equal), announced with the next heartbeat."""
+        mine = self.board.enter(what, publish=False)
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        self._wait(work, mine, what)
+
+    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
+        """Group rank 0's ``data`` on every rank (the others pass None): its length,
+        then its bytes, in two all-gathers."""
+        mine = torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([mine.numel()]), f"{what}: size", publish=False)
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        padded[:mine.numel()] = mine
+        return bytes(self.all_gather(padded, what, publish=False)[0, :int(sizes[0, 0])].numpy())
 
     def barrier(self, what: str, publish: bool = True) -> None:
         mine = self.board.enter(what, publish)

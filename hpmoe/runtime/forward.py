@@ -25,7 +25,7 @@ from ..regions.base import Region, RegionKind
 from ..regions.dedup import make_dedup_layout
 from ..regions.dedup_kernels import DedupBuffers, DedupContext, dedup_region
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
-from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
+from ..routing import Routing, RoutingPlan, input_error, plan_routing
 from ..schedule.base import Schedule, SchedulePolicy
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
@@ -98,7 +98,7 @@ class ForwardRunner:
         marks = [time.perf_counter()]
         tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else -1
         kind = RegionKind.FORWARD_DEDUP if self.dedup else RegionKind.FORWARD
-        n = s.agree(kind, self.weights, tokens, tiles, input_error(x, routing, spec))
+        n = s.agree(kind, self.weights, tokens, tiles, region_input_error(x, routing, spec))
         if fault is not None:
             fault.before_exchange(s.rank, n)
         par = ParallelSpec(ep=s.world, tokens_per_rank=tokens, nodes=self.options.nodes)
@@ -145,16 +145,12 @@ class ForwardRunner:
         return schedule
 
 
-def input_error(x: object, routing: Routing, spec: MoESpec) -> BaseException | None:
-    """What is wrong with this rank's ``x`` ([T, H]) and ``routing`` ([T, k]), or None."""
-    try:
-        check_hidden(x, spec)
-        if x.shape[0] == 0:
-            raise ValueError("x has no tokens (0 rows)")
-        check_routing(routing, spec, x.shape[0])
-    except (ValueError, TypeError) as err:
-        return err
-    return None
+def region_input_error(x: object, routing: Routing, spec: MoESpec) -> BaseException | None:
+    """``routing.input_error``, and a region needs at least one token."""
+    error = input_error(x, routing, spec)
+    if error is None and x.shape[0] == 0:
+        return ValueError("x has no tokens (0 rows)")
+    return error
 
 
 def rank_context(weights: ExpertWeights, plan: RoutingPlan, routing: Routing, rank: int) -> RankContext:

@@ -71,7 +71,7 @@ class Session:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         store = dist.distributed_c10d._get_default_store()
         hello = _hello(store, group, self.rank, self.world, self.config.deadline_s)
-        self.session, self.regions = hello.token, 0
+        self.session, self.regions, self.calls = hello.token, 0, 0
         beat = min(BEAT_S, self.config.deadline_s / 4)  # a stopped peer looks silent before any deadline
         self.board = Board(store, hello.prefix, self.rank, self.world, beat)
         self.collectives = Collectives(group, self.board, self.config.deadline_s)
@@ -91,6 +91,17 @@ class Session:
         mine = Fingerprint.of(kind, weights, tokens, tiles, self.config.check_weights)
         agree(self.collectives, f"{kind.name.lower()} region {self.regions}: agreement", mine, error)
         return self.regions
+
+    def open_call(self, kind: RegionKind, weights: ExpertWeights, tiles: TileSpec, tokens: int,
+                  error: BaseException | None = None) -> list[int]:
+        """Open call number ``calls + 1`` of a layer, before any other collective of it:
+        agree on what it is (ranks may hold different numbers of ``tokens``) and on every
+        rank's input (``error``: this rank's objection).  Raises as ``agree`` on every
+        rank; returns every rank's token count."""
+        self.calls += 1
+        mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights)
+        what = f"{kind.name.lower()} call {self.calls}: agreement"
+        return agree(self.collectives, what, mine, error, tokens)
 
     def _make_transport(self, hello: _Hello) -> Transport:
         if self.config.transport is TransportKind.LOCAL:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import pickle
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from ..regions.backward import lower_backward
 from ..regions.dedup import lower_dedup
@@ -38,6 +37,9 @@ from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
 from .base import SchedulePolicy, WorkerCounts
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
+
+if TYPE_CHECKING:  # the runtime loads on first distributed use
+    from ..runtime.collective import Collectives
 
 MIN_GAIN = 1.05  # a taskflow must be forecast this much faster than the fallback
 
@@ -212,13 +214,13 @@ class DecisionCache:
         self._decisions: dict[tuple, AutoDecision] = {}
 
     def decide(self, shape: RoutingShape, tiles: TileSpec, hardware: HardwareModel | None,
-               workers: WorkerCounts | None = None, group: Any = None) -> AutoDecision:
-        """The cached decision, or ``layer_decision``'s (collective over ``group``: every
+               workers: WorkerCounts | None = None, coll: Collectives | None = None) -> AutoDecision:
+        """The cached decision, or ``layer_decision``'s (collective over ``coll``: every
         rank must ask for the same shape); ``hardware`` None: the saved cpu profile."""
         key = (shape, tiles, hardware, workers)
         if key not in self._decisions:
             model = hardware if hardware is not None else saved_profile()
-            self._decisions[key] = layer_decision(shape, tiles, model, workers, group)
+            self._decisions[key] = layer_decision(shape, tiles, model, workers, coll)
         return self._decisions[key]
 
     def __len__(self) -> int:
@@ -303,12 +305,12 @@ def shape_plan(shape: RoutingShape) -> RoutingPlan:
 
 
 def layer_decision(shape: RoutingShape, tiles: TileSpec, hardware: HardwareModel | None,
-                   workers: WorkerCounts | None = None, group: Any = None) -> AutoDecision:
+                   workers: WorkerCounts | None = None, coll: Collectives | None = None) -> AutoDecision:
     """AUTO's decision for a layer: one process (``workers`` None) or the multi-rank
-    runtime with ``workers`` per rank; group rank 0 decides and every rank of
-    ``group`` gets its decision (collective when ``group`` is given)."""
+    runtime with ``workers`` per rank; with ``coll`` (an EP group's deadline-bounded
+    collectives) group rank 0 decides and every rank gets its decision."""
     decision = None
-    if group is None or dist.get_rank(group) == 0:
+    if coll is None or coll.rank == 0:
         if hardware is None:
             decision = no_model()
         elif shape.tokens_per_rank == 0:
@@ -318,8 +320,7 @@ def layer_decision(shape: RoutingShape, tiles: TileSpec, hardware: HardwareModel
             forecasts = (auto_forecasts(plan, tiles, hardware, shape.backward) if workers is None else
                          runtime_forecasts(plan, tiles, hardware, workers, shape.backward))
             decision = decide(forecasts)
-    if group is None:
+    if coll is None:
         return decision
-    box = [decision]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    return box[0]
+    shared = coll.broadcast_bytes(pickle.dumps(decision) if coll.rank == 0 else None, "AUTO decision")
+    return pickle.loads(shared)

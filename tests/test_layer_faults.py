@@ -1,0 +1,98 @@
+"""Every distributed layer call opens with one agreement, on the default path (AUTO
+without a profile: kernel by kernel) as on the runtime taskflow: a rank's bad input
+(a NaN, an expert id out of range) or ranks that disagree on dtype end every rank
+with the same named error, and the next call starts in step; a rank stopped before
+an exchange ends its peer with a stall report naming it within the deadline."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpmoe.launch.launcher import LaunchSpec, launch
+from hpmoe.nn.layer import MoE
+from hpmoe.runtime import RuntimeConfig
+from hpmoe.runtime.transport.segment import job_segments
+from hpmoe.schedule import SchedulePolicy
+from hpmoe.spec import preset
+from hpmoe.testing import spawn_gloo
+from hpmoe.weights import ExpertWeights
+
+from .helpers import TINY_TILES
+from .layer_fault_rank import DEADLINE as STALL_DEADLINE
+
+DEADLINE = 3.0
+PATHS = [SchedulePolicy.AUTO, SchedulePolicy.HYPERPARALLEL]  # AUTO: kernel by kernel (no profile)
+TOKENS = 6
+
+
+def _layer(policy: SchedulePolicy, dtype: torch.dtype = torch.float32) -> MoE:
+    spec = preset("tiny", dtype)
+    return MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, tiles=TINY_TILES,
+               schedule=policy, runtime=RuntimeConfig(deadline_s=DEADLINE))
+
+
+def _x(world: int) -> torch.Tensor:
+    return torch.randn(world * TOKENS, preset("tiny").hidden, generator=torch.Generator().manual_seed(3))
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as err:  # what each rank raised, compared across ranks by the test
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _bad_inputs_then_a_clean_step(rank: int, world: int, policy: SchedulePolicy) -> dict:
+    layer, x = _layer(policy), _x(world)
+    mine = x[rank * TOKENS:(rank + 1) * TOKENS].clone().requires_grad_()
+    nan = mine.detach().clone()
+    if rank == 1:
+        nan[5, 0] = float("nan")
+    ids = torch.zeros(TOKENS, layer.spec.top_k, dtype=torch.int64)
+    ids[2, 1] = 99 if rank == 0 else 0
+    weights = torch.full((TOKENS, layer.spec.top_k), 0.5)
+    zeros = torch.zeros_like(nan)
+    got = {"nan": _error(lambda: layer(nan)), "ids": _error(lambda: layer._region(zeros, ids, weights))}
+    out = layer(mine)
+    out.backward(torch.ones_like(out))
+    got |= {"out": out.detach(), "dx": mine.grad}
+    bf16 = _layer(policy, torch.bfloat16 if rank == 1 else torch.float32)
+    got["dtype"] = _error(lambda: bf16(mine.detach()))
+    layer.close()
+    bf16.close()
+    return got
+
+
+@pytest.mark.parametrize("policy", PATHS, ids=lambda p: p.value)
+def test_bad_input_on_one_rank_is_named_on_every_rank_and_the_next_step_runs_in_step(policy):
+    ranks = spawn_gloo(_bad_inputs_then_a_clean_step, 2, policy, timeout=180)
+    for key, want in (("nan", "rank 1 rejected its input: x has NaN at row 5"),
+                      ("ids", "rank 0 rejected its input: routing.ids contains expert id 99, outside [0, 8)"),
+                      ("dtype", "dtype differs: rank 0 float32, rank 1 bfloat16")):
+        assert ranks[0][key] == ranks[1][key], key
+        assert want in ranks[0][key], ranks[0][key]
+    assert ranks[0]["nan"].startswith("InputRejected") and ranks[0]["dtype"].startswith("MismatchError")
+    whole = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), tiles=TINY_TILES)
+    x = _x(2).requires_grad_()
+    out = whole(x)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), out.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([r["dx"] for r in ranks]), x.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", PATHS, ids=lambda p: p.value)
+def test_a_stopped_rank_is_named_by_its_peer_within_the_deadline(policy):
+    argv = (sys.executable, "-m", "tests.layer_fault_rank", policy.value)
+    result = launch(LaunchSpec(argv=argv, world=2, capture=True, timeout_s=90.0, grace_s=STALL_DEADLINE + 8))
+    assert job_segments(result.job) == []
+    stalled, peer = result.ranks[1], result.ranks[0]
+    assert stalled.stopped and peer.returncode == 1, peer.stderr
+    line = next(x for x in peer.stderr.splitlines() if x.startswith("diagnosed after "))
+    assert "CollectiveError" in line and "rank 1 did not arrive" in line and "agreement" in line, line
+    assert float(line.split()[2]) < STALL_DEADLINE + 5.0
+    assert "(stopped or hung)" in peer.stderr
