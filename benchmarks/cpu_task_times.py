@@ -35,13 +35,13 @@ import hpmoe.runtime.executor as executor
 from hpmoe.bench.forecast import agreed_profile
 from hpmoe.bench.runner import BenchConfig, bench_models, make_inputs
 from hpmoe.ir.graph import TaskKind
+from hpmoe.ir.schedule import QUEUE_POLICIES, SchedulePolicy, WorkerCounts
 from hpmoe.launch.launcher import LaunchSpec, launch
 from hpmoe.machine import record
 from hpmoe.routing import RoutingKind
 from hpmoe.runtime.forward import ForwardOptions, ForwardRunner
 from hpmoe.runtime.session import RuntimeConfig, Session
 from hpmoe.runtime.transport.base import TransportKind
-from hpmoe.schedule.base import QUEUE_POLICIES, SchedulePolicy, WorkerCounts
 from hpmoe.sim.cost import task_costs
 from hpmoe.sim.forecast import forecast_region, replay_on_kernels
 from hpmoe.spec import TileSpec, preset

@@ -5,11 +5,13 @@ Pipeline: ``MoESpec`` → ``route`` → ``plan_routing`` → ``lower_forward`` (
 with every EP rank virtual in one process.
 """
 
-from .exec.exact import execute_forward, moe_forward
+from .engine import moe_forward
+from .exec.exact import execute_forward
 from .exec.exact_backward import execute_backward, moe_forward_backward
 from .ir.analysis import GraphError
 from .ir.graph import TaskGraph, TaskKind, Unit
 from .ir.verify import verify_graph
+from .nn.hf import weights_from_hf
 from .nn.layer import MoE
 from .nn.replace import replace_moe_blocks
 from .regions.backward import lower_backward
@@ -22,5 +24,5 @@ __all__ = [
     "MoE", "execute_backward", "lower_backward", "moe_forward_backward", "replace_moe_blocks",
     "ExpertWeights", "GateKind", "GraphError", "MoESpec", "ParallelSpec", "Routing", "RoutingKind",
     "RoutingPlan", "TaskGraph", "TaskKind", "TileSpec", "Unit", "execute_forward", "lower_forward",
-    "moe_forward", "plan_routing", "preset", "route", "synthetic_routing", "verify_graph",
+    "moe_forward", "plan_routing", "preset", "route", "synthetic_routing", "verify_graph", "weights_from_hf",
 ]

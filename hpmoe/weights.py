@@ -86,12 +86,6 @@ class ExpertWeights:
             shared_w2=draw(spec.hidden, fs, fan_in=fs) if fs else None,
         )
 
-    @staticmethod
-    def from_hf(module: torch.nn.Module) -> ExpertWeights:
-        """Read a transformers ``DeepseekV3MoE`` or ``Qwen3MoeSparseMoeBlock``."""
-        from .nn.hf import weights_from_hf
-
-        return weights_from_hf(module)
 
 
 def _check_tensor(name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from hpmoe.ir.schedule import SchedulePolicy
 from hpmoe.schedule.auto import (
     BASELINE,
     KERNEL_BY_KERNEL,
@@ -18,7 +19,6 @@ from hpmoe.schedule.auto import (
     auto_forecasts,
     decide,
 )
-from hpmoe.schedule.base import SchedulePolicy
 from hpmoe.sim.hardware import PROFILE_ENV, hardware_preset
 from hpmoe.spec import TileSpec, preset
 

@@ -9,6 +9,7 @@ import torch
 import hpmoe
 from hpmoe import refs
 from hpmoe.exec.exact import execute_forward
+from hpmoe.nn.hf import weights_from_hf
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.spec import ParallelSpec, preset
@@ -105,7 +106,7 @@ def test_matches_transformers_blocks(make):
     config = getattr(hf, f"tiny_{make}_config")()
     block = (DeepseekV3MoE if make == "deepseek_v3" else Qwen3MoeSparseMoeBlock)(config).float()
     hf.randomize_moe_(block, seed=7)
-    w = ExpertWeights.from_hf(block)
+    w = weights_from_hf(block)
     x = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         expected = block(x).view(8, -1)

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from hpmoe.ir.analysis import GraphError, completion_levels, random_order
+from hpmoe.ir.analysis import GraphError, completion_levels
 from hpmoe.ir.graph import UNIT_OF_KIND, TaskKind, Unit
-from hpmoe.ir.verify import verify_graph
+from hpmoe.ir.verify import random_order, verify_graph
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 

@@ -18,7 +18,6 @@ from hpmoe.nn.hf import (
 from hpmoe.refs import dense_moe
 from hpmoe.routing import route
 from hpmoe.spec import GateKind, MoESpec, preset
-from hpmoe.weights import ExpertWeights
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
@@ -67,7 +66,7 @@ def test_weights_of_a_whole_model_layer(make) -> None:
     config = make()
     model = transformers.AutoModelForCausalLM.from_config(config)
     block = model.model.layers[0].mlp
-    w = ExpertWeights.from_hf(block)
+    w = weights_from_hf(block)
     assert w.spec == spec_from_hf(config, torch.float32)
     assert w.w13.data_ptr() == block.experts.gate_up_proj.data_ptr()
     assert w.w2.data_ptr() == block.experts.down_proj.data_ptr()

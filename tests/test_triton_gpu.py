@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from hpmoe.exec.exact import moe_forward  # noqa: E402
+from hpmoe.engine import moe_forward  # noqa: E402
 from hpmoe.exec.exact_backward import moe_forward_backward  # noqa: E402
 from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # noqa: E402
 from hpmoe.gpu.runner import DeviceProgram  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hpmoe.exec.exact import moe_forward  # noqa: E402
+from hpmoe.engine import moe_forward  # noqa: E402
 from hpmoe.exec.exact_backward import moe_forward_backward  # noqa: E402
 from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # noqa: E402
 from hpmoe.gpu.buffers import buffer_space  # noqa: E402

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..ir.schedule import WorkerCounts
 from ..runtime.session import RuntimeConfig
 from ..runtime.transport.base import TransportKind
 from ..runtime.transport.dist import HEADER_TAG
 from ..schedule.auto import saved_profile
-from ..schedule.base import WorkerCounts
 from ..sim.calibrate import WEIGHT_BYTES, KernelGemm, torch_threads
 from ..sim.forecast import HostCosts, runtime_hardware
 from ..sim.hardware import HardwareModel

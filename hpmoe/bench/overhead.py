@@ -29,11 +29,11 @@ import torch
 
 from ..exec.program import compile_program
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from ..ir.schedule import SchedulePolicy, WorkerCounts, schedule_from_assignment
 from ..regions.base import Region
 from ..regions.kernels import glu
 from ..runtime.executor import Executor, ExecutorConfig, RegionResult
 from ..runtime.transport.local import LocalTransport
-from ..schedule.base import SchedulePolicy, WorkerCounts, schedule_from_assignment
 from ..sim.calibrate import torch_threads
 from ..spec import Activation
 

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..ir.schedule import SchedulePolicy
 from ..runtime.forward import ForwardOutput
 from ..schedule.auto import AutoDecision
-from ..schedule.base import SchedulePolicy
 from ..sim.forecast import HostCosts, forecast_region, replay_on_kernels
 from ..sim.simulate import SimResult, Timeline
 from .forecast import Models, slowest_rank

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..exec.arena import ArenaPool
 from ..exec.kernel_by_kernel import kbk_forward
+from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..launch.netns import LinkSpec
 from ..refs import serialized_ep_forward
 from ..routing import Routing, RoutingKind, synthetic_routing
@@ -52,7 +53,6 @@ from ..schedule.auto import (
     kernel_by_kernel_forecast,
     no_model,
 )
-from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.forecast import forecast_region
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec

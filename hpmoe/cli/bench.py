@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..bench.report import BenchReport
 from ..bench.runner import STEP_NAMES, BenchConfig, run_bench
+from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..launch.launcher import LaunchSpec, launch
 from ..launch.netns import LinkSpec
 from ..machine import Machine, machine
@@ -28,7 +29,6 @@ from ..runtime.forensics import RegionError
 from ..runtime.session import JOB_ENV, RuntimeConfig
 from ..runtime.transport.base import TransportKind
 from ..runtime.transport.segment import SegmentError
-from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.trace import write_gantt, write_trace
 from ..spec import TileSpec, preset
 from .common import DTYPES, add_layer_args, dtype_choice, emit, require_plotting

@@ -18,23 +18,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ir.analysis import GraphError, random_order
+from ..ir.analysis import GraphError
 from ..ir.graph import TaskGraph
+from ..ir.verify import random_order
 from ..regions.base import Region
 from ..regions.dedup import make_dedup_layout
 from ..regions.dedup_kernels import DedupBuffers, DedupContext, dedup_region
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
-from ..schedule.auto import PROCESS_DECISIONS, DecisionCache, Path, RoutingShape
-from ..schedule.base import SchedulePolicy
-from ..sim.hardware import HardwareModel
-from ..spec import DispatchMode, ParallelSpec, TileSpec, require_per_expert
+from ..spec import DispatchMode, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
-from .backend import Backend, as_backend
 from .program import PeerView, rank_program, task_calls
 
 DEFAULT_TILES = TileSpec()
-_TRITON = "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, PARTIAL_SUM)"
 Order = Sequence[int] | np.ndarray | int | None
 
 
@@ -120,37 +116,3 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
         contexts = [RankContext.build(weights, plan, routing, r) for r in range(ep)]
     run_graph(graph, region, buffers, contexts, order)
     return ForwardResult(out=torch.cat([b.out for b in buffers]), buffers=buffers, plan=plan, graph=graph)
-
-
-def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int = 1,
-                tiles: TileSpec = DEFAULT_TILES, order: Order = None,
-                backend: Backend | str = Backend.EXACT, policy: SchedulePolicy = SchedulePolicy.AUTO,
-                hardware: HardwareModel | None = None, decisions: DecisionCache | None = None
-                ) -> torch.Tensor:
-    """Routed plus shared-expert output [N, H] of the MoE layer of ``ep`` expert-parallel
-    ranks in one process.
-
-    policy: AUTO (default, with ``order`` None) runs what ``schedule.auto`` forecasts
-    faster for this routing shape on ``hardware`` (default: the saved cpu profile; none:
-    the kernel-by-kernel path), decided once per routing shape and kept in ``decisions``
-    (default: ``schedule.auto.PROCESS_DECISIONS``);
-    SERIAL (or any ``order``) runs the tile task graph (see ``execute_forward``).
-    ``backend="triton"``: one persistent Triton kernel on ``x.device`` (``hpmoe.gpu``);
-    ``order`` is then not used and must be None."""
-    if as_backend(backend) is Backend.TRITON:
-        if order is not None:
-            raise ValueError(f"order={order!r}: the triton backend runs a schedule, not a task order")
-        require_per_expert(tiles, _TRITON)
-        from ..gpu.backend import triton_forward
-        return triton_forward(x, weights, routing, ep, tiles).out
-    if policy not in (SchedulePolicy.AUTO, SchedulePolicy.SERIAL):
-        raise ValueError(f"policy={policy!r}: in one process, AUTO or SERIAL (the task graph)")
-    if policy is SchedulePolicy.AUTO and order is None:
-        check_hidden(x, weights.spec)
-        shape = RoutingShape.one_process(weights.spec, ep, x.shape[0])
-        cache = decisions if decisions is not None else PROCESS_DECISIONS
-        if cache.decide(shape, tiles, hardware).chosen.path is not Path.TASKFLOW:
-            from .kernel_by_kernel import kbk_forward
-
-            return kbk_forward(x, routing, weights)[0]
-    return execute_forward(x, weights, routing, ep, tiles, order).out

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ir.analysis import random_order
 from ..ir.graph import TaskGraph
+from ..ir.verify import random_order
 from ..regions.backward_kernels import (
     BACKWARD,
     BACKWARD_RECOMPUTE,

@@ -19,10 +19,10 @@ import torch
 
 from ..ir.analysis import gather_csr
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit, task_columns, tiles_of
+from ..ir.schedule import Schedule
 from ..regions.base import Kernel, PutSpec, Region
 from ..routing import RoutingPlan
 from ..schedule import SchedulePolicy, schedule, verify_schedule
-from ..schedule.base import Schedule
 from ..sim.hardware import HardwareModel
 from ..spec import TileSpec
 

@@ -42,7 +42,7 @@ from .core import (
     schedule,
 )
 from .pack import pack
-from .runner import DeviceProgram, KernelConfig, RunInfo
+from .runner import DeviceProgram, KernelConfig, RunInfo, device_workers
 
 INTERPRETER_WORKERS = WorkerCounts(matrix=2, vector=2)
 
@@ -94,7 +94,6 @@ def region_schedule(graph: TaskGraph, options: TritonOptions, device: torch.devi
     hw = options.hardware or hardware_preset("h100")
     workers = options.workers
     if device.type == "cuda":
-        from .residency import device_workers
         workers = device_workers(graph, hw, device, dtype, options.config, workers)
     elif workers is None:
         workers = INTERPRETER_WORKERS

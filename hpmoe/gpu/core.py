@@ -10,12 +10,12 @@ from ..exec.exact import DEFAULT_TILES
 from ..exec.exact_backward import Gradients
 from ..ir.analysis import GraphError
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
+from ..ir.schedule import Schedule, WorkerCounts
 from ..regions.backward import lower_backward
 from ..regions.forward import lower_forward
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
 from ..runtime.forensics import HangReport, RegionError, WorkerReport, WorkerStatus
 from ..schedule import SchedulePolicy, schedule, verify_schedule
-from ..schedule.base import Schedule, WorkerCounts
 from ..sim.cost import gemm_dims, task_costs
 from ..sim.hardware import HardwareModel, LinkEntry, hardware_preset
 from ..sim.simulate import Timeline

@@ -3,7 +3,7 @@
 A persistent kernel whose programs wait on each other is deadlock-free only if every
 program is resident: a program spinning on an event must not keep the program that
 would signal it from being scheduled.  The schedule's deadlock proof
-(``schedule.verify``) assumes exactly that, so the backend sizes the schedule to the
+(``ir.schedule_verify``) assumes exactly that, so the backend sizes the schedule to the
 resident count and refuses a program that needs more:
 
     resident = SMs x min(register limit, thread limit, shared-memory limit, block limit)
@@ -92,16 +92,3 @@ def split_workers(graph: TaskGraph, hardware: HardwareModel, per_rank: int) -> W
     share = matrix / (matrix + vector) if matrix + vector > 0 else 0.5
     m = int(np.clip(round(per_rank * share), 1, per_rank - 1))
     return WorkerCounts(matrix=m, vector=per_rank - m)
-
-
-def device_workers(graph: TaskGraph, hardware: HardwareModel, device: torch.device, dtype: torch.dtype,
-                   config: object, workers: WorkerCounts | None) -> WorkerCounts:
-    """Workers per rank on a CUDA ``device``: the given ones if they fit, else as many as
-    stay resident (split by the cost model)."""
-    from .runner import compiled_resources
-
-    resident = resident_programs(compiled_resources(device, dtype, config), SMLimits.of(device))
-    if workers is None:
-        workers = split_workers(graph, hardware, resident // graph.ep)
-    check_resident(graph.ep * workers.per_rank, resident)
-    return workers

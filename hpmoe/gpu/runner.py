@@ -29,9 +29,19 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from .core import GraphError, HangReport, RegionError, Timeline, WorkerReport, WorkerStatus
+from .core import (
+    GraphError,
+    HangReport,
+    HardwareModel,
+    RegionError,
+    TaskGraph,
+    Timeline,
+    WorkerCounts,
+    WorkerReport,
+    WorkerStatus,
+)
 from .pack import PackedProgram
-from .residency import KernelResources, SMLimits, check_resident, resident_programs
+from .residency import KernelResources, SMLimits, check_resident, resident_programs, split_workers
 
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -332,3 +342,14 @@ def compiled_resources(device: torch.device, dtype: torch.dtype,
     kernel = device_module(False).taskflow_kernel
     launch = launch_options(config)
     return kernel_resources(kernel.warmup(*args, grid=(1,), **meta, **launch))
+
+
+def device_workers(graph: TaskGraph, hardware: HardwareModel, device: torch.device, dtype: torch.dtype,
+                   config: object, workers: WorkerCounts | None) -> WorkerCounts:
+    """Workers per rank on a CUDA ``device``: the given ones if they fit, else as many as
+    stay resident (split by the cost model)."""
+    resident = resident_programs(compiled_resources(device, dtype, config), SMLimits.of(device))
+    if workers is None:
+        workers = split_workers(graph, hardware, resident // graph.ep)
+    check_resident(graph.ep * workers.per_rank, resident)
+    return workers

@@ -88,30 +88,6 @@ def task_levels(graph: TaskGraph) -> np.ndarray:
     return level
 
 
-def random_order(graph: TaskGraph, seed: int) -> np.ndarray:
-    """A uniformly shuffled valid execution order (one task at a time)."""
-    rng = np.random.default_rng(seed)
-    wait, signals = graph.wait_global(), graph.signals_global()
-    w = waiters(wait, graph.num_events)
-    count = np.zeros(graph.num_events, np.int64)
-    ready = list(np.flatnonzero(ready_at_start(wait, graph.threshold)))
-    order = []
-    while ready:
-        j = int(rng.integers(len(ready)))
-        ready[j], ready[-1] = ready[-1], ready[j]
-        t = ready.pop()
-        order.append(t)
-        for ev in signals[graph.sig_ptr[t]:graph.sig_ptr[t + 1]]:
-            count[ev] += 1
-            if count[ev] == graph.threshold[ev]:
-                ready.extend(w.task[w.ptr[ev]:w.ptr[ev + 1]])
-    if len(order) != graph.num_tasks:
-        from .verify import verify_graph
-
-        verify_graph(graph)  # raises GraphError naming the cause
-    return np.asarray(order, np.int64)
-
-
 def level_groups(graph: TaskGraph) -> list[np.ndarray]:
     """Task ids per completion level, first level first."""
     level = task_levels(graph)

@@ -5,14 +5,15 @@ The check runs the graph "infinitely wide": level by level, every task whose eve
 has reached its threshold completes and signals.  Tasks that never run are then
 explained: either their event cannot collect enough signals (unreachable
 threshold) or they wait, through a chain of unfinished signallers, on themselves
-(a cycle).
+(a cycle).  ``random_order`` draws one valid order, or raises the check's diagnosis
+when none exists.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .analysis import GraphError, completion_levels
+from .analysis import GraphError, completion_levels, ready_at_start, waiters
 from .graph import TaskGraph
 
 
@@ -78,3 +79,25 @@ def _find_cycle(stuck: np.ndarray, wait: np.ndarray, level: np.ndarray, sig_ptr:
         path.append(("event", ev))
         t = producers[ev]
     return path[seen[t]:] + [("task", t)]
+
+
+def random_order(graph: TaskGraph, seed: int) -> np.ndarray:
+    """A uniformly shuffled valid execution order (one task at a time)."""
+    rng = np.random.default_rng(seed)
+    wait, signals = graph.wait_global(), graph.signals_global()
+    w = waiters(wait, graph.num_events)
+    count = np.zeros(graph.num_events, np.int64)
+    ready = list(np.flatnonzero(ready_at_start(wait, graph.threshold)))
+    order = []
+    while ready:
+        j = int(rng.integers(len(ready)))
+        ready[j], ready[-1] = ready[-1], ready[j]
+        t = ready.pop()
+        order.append(t)
+        for ev in signals[graph.sig_ptr[t]:graph.sig_ptr[t + 1]]:
+            count[ev] += 1
+            if count[ev] == graph.threshold[ev]:
+                ready.extend(w.task[w.ptr[ev]:w.ptr[ev + 1]])
+    if len(order) != graph.num_tasks:
+        verify_graph(graph)  # raises GraphError naming the cause
+    return np.asarray(order, np.int64)

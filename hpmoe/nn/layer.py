@@ -43,12 +43,12 @@ from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, execute_forward
 from ..exec.exact_backward import Gradients, execute_backward, execute_backward_dedup
 from ..exec.kernel_by_kernel import KernelByKernelCall, KernelByKernelFunction
+from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..regions.backward_kernels import SavedActivations
 from ..regions.base import RegionKind
 from ..regions.dedup_backward_kernels import DedupSaved
 from ..routing import Routing, RoutingPlan, input_error, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape
-from ..schedule.base import SchedulePolicy, WorkerCounts
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights

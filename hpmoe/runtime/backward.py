@@ -20,6 +20,7 @@ import torch
 
 from ..exec.exact_backward import Gradients
 from ..exec.program import RankProgram, compile_program, compile_region
+from ..ir.schedule import Schedule
 from ..regions.backward_kernels import (
     BACKWARD,
     BACKWARD_RECOMPUTE,
@@ -36,7 +37,6 @@ from ..regions.dedup_backward_kernels import (
     dedup_backward_region,
 )
 from ..routing import Routing, RoutingPlan
-from ..schedule.base import Schedule
 from ..spec import DispatchMode
 from ..weights import ExpertWeights
 from .forward import ForwardOptions

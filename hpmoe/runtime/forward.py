@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from ..exec.program import RankProgram, compile_program, compile_region
+from ..ir.schedule import Schedule, SchedulePolicy
 from ..regions.base import Region, RegionKind
 from ..regions.dedup import make_dedup_layout
 from ..regions.dedup_kernels import DedupBuffers, DedupContext, dedup_region
 from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
 from ..routing import Routing, RoutingPlan, input_error, plan_routing
-from ..schedule.base import Schedule, SchedulePolicy
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights

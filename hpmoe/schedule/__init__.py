@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 from ..ir.graph import TaskGraph
+from ..ir.schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
+from ..ir.schedule_verify import verify_schedule
 from ..sim.hardware import HardwareModel
-from .base import QUEUE_POLICIES, Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .critical_path import Candidate, critical_path_candidates, critical_path_schedule
 from .hyperparallel import hyperparallel_schedule, paper_tiles
 from .serial import serial_schedule
-from .verify import verify_schedule
 
 
 def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) -> Schedule:

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..regions.backward import lower_backward
 from ..regions.dedup import lower_dedup
 from ..regions.dedup_backward import lower_dedup_backward
@@ -34,7 +35,6 @@ from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
 from ..sim.forecast import forecast_region, kernel_by_kernel_tiles, sequential_seconds
 from ..sim.hardware import HardwareModel, load_profile
 from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
-from .base import SchedulePolicy, WorkerCounts
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
 

@@ -33,14 +33,14 @@ import numpy as np
 
 from ..ir.analysis import GraphError, bottom_levels, initially_ready
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
+from ..ir.schedule import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
+from ..ir.schedule_verify import require_all_ranks
 from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
 from ..sim.hardware import HardwareModel, LinkDirection
 from ..sim.resources import CODES, END, ISSUE, LINK_DONE, HostCores, LinkPorts, MemorySystem
 from ..sim.simulate import makespan
-from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
-from .verify import require_all_ranks
 
 _COMBINE_KINDS = np.array([PUT_DIRECTION.get(k) is LinkDirection.COMBINE for k in TaskKind])
 

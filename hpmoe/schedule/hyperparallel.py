@@ -14,9 +14,9 @@ import numpy as np
 
 from ..ir.analysis import task_levels
 from ..ir.graph import IS_PUT, TaskGraph, Unit
+from ..ir.schedule import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from ..sim.hardware import HardwareModel
 from ..spec import TileSpec
-from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 
 PAPER_TILE_ROWS = 128  # the paper's token tile of dispatch/combine puts and SwiGLU
 

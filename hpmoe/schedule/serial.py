@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind
-from .base import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
+from ..ir.schedule import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from .hyperparallel import deal_round_robin, stagger
 
 SHARED_KINDS = frozenset({TaskKind.SHARED_UP, TaskKind.SHARED_SWIGLU, TaskKind.SHARED_DOWN,

@@ -20,8 +20,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind
+from ..ir.schedule import Schedule, WorkerCounts
 from ..routing import RoutingPlan
-from ..schedule.base import Schedule, WorkerCounts
 from ..schedule.serial import serial_schedule
 
 PAPER_OUTSIDE = frozenset({TaskKind.PERMUTE, TaskKind.UNPERMUTE, TaskKind.SHARED_UP,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir.graph import TaskGraph
+from ..ir.schedule import Schedule, WorkerCounts
 from ..routing import RoutingPlan
-from ..schedule.base import Schedule, WorkerCounts
 from ..spec import TileSpec
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel, LinkEntry

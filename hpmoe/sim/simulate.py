@@ -52,8 +52,8 @@ import numpy as np
 
 from ..ir.analysis import GraphError, bottom_levels, top_levels
 from ..ir.graph import TaskGraph, Unit
-from ..schedule.base import Schedule, SchedulePolicy, WorkerCounts
-from ..schedule.verify import require_all_ranks, verify_schedule
+from ..ir.schedule import Schedule, SchedulePolicy, WorkerCounts
+from ..ir.schedule_verify import require_all_ranks, verify_schedule
 from .cost import TaskCosts, task_costs
 from .hardware import HardwareModel
 from .memory import LruCache

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..ir.graph import TaskKind, Unit
-from ..schedule.base import WorkerCounts
+from ..ir.schedule import WorkerCounts
 from .simulate import Timeline
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from ...exec.program import PeerView, RankProgram
+from ...ir.schedule import Schedule
 from ...regions.base import Region
 from ...routing import RoutingPlan
-from ...schedule.base import Schedule
 from ...spec import TileSpec
 from ..counters import Counters
 

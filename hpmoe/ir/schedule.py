@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..ir.graph import TaskGraph, Unit
+from .graph import TaskGraph, Unit
 
 if TYPE_CHECKING:
     from ..sim.hardware import HardwareModel

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.analysis import GraphError, gather_csr
-from ..ir.graph import TaskGraph, Unit
-from ..ir.verify import check_deadlock
-from .base import Schedule, queue_id
+from .analysis import GraphError, gather_csr
+from .graph import TaskGraph, Unit
+from .schedule import Schedule, queue_id
+from .verify import check_deadlock
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""hpmoe's modules import one another without a circle: every import counts, also one
+inside a function and a package's ``__init__`` that importing a submodule runs; only
+imports under ``if TYPE_CHECKING:`` are left out.  And ``import hpmoe`` loads no runtime."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hpmoe"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> list[str]:
+    """The hpmoe modules ``node`` (in ``module``) imports, each with its parent packages."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        package = module if modules[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+        base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+        stem = ".".join(base + ([node.module] if node.module else []))
+        names = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
+    out = set()
+    for name in names:
+        while name and name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        parts = name.split(".")
+        out |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)} & modules.keys()
+    out.discard(module)
+    return sorted(t for t in out if not module.startswith(t + "."))  # a module's own packages run first
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in typing_only:
+                graph[module] |= set(_targets(module, node, modules))
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_finder_sees_a_circle_through_a_function_level_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_hpmoe_has_no_import_circle() -> None:
+    graph = import_graph()
+    assert "hpmoe.gpu.backend" in graph["hpmoe.engine"]  # an import inside a function counts
+    assert circles(graph) == []
+
+
+def test_import_hpmoe_loads_no_runtime() -> None:
+    probe = "import sys, hpmoe; print(sorted(m for m in sys.modules if m.startswith('hpmoe.runtime')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
