@@ -17,14 +17,19 @@ from ...spec import Activation, MoESpec
 from . import (
     deepseek_v2,
     deepseek_v3,
+    deepseek_v32,
     dots1,
     ernie4_5_moe,
+    flex_olmo,
     glm4_moe,
     gpt_oss,
     granitemoe,
     granitemoeshared,
     hunyuan_v1_moe,
+    jamba,
+    kimi_linear,
     llama4,
+    minimax,
     mixtral,
     olmoe,
     phimoe,
@@ -55,6 +60,11 @@ FAMILIES: tuple[Family, ...] = tuple(
         qwen3_vl_moe,
         gpt_oss,
         llama4,
+        deepseek_v32,
+        minimax,
+        kimi_linear,
+        jamba,
+        flex_olmo,
     )
 )
 
