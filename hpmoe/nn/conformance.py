@@ -48,7 +48,16 @@ def tiny_model(family: Family, seed: int = 0, **overrides) -> nn.Module:
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        for _, b in _state_buffers(model):  # routers' score-correction biases and the like
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model
+
+
+def _state_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The floating-point buffers of ``model`` that its state dict holds (not those a
+    module derives, such as rotary frequencies)."""
+    state = model.state_dict(keep_vars=True)
+    return [(n, b) for n, b in model.named_buffers() if n in state and b.is_floating_point()]
 
 
 def run_model(model: nn.Module, ids: torch.Tensor, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor | None,

@@ -311,6 +311,8 @@ class MoE(nn.Module):
             moe.add_module(name, child)
         if family.jitter:
             setattr(moe, family.jitter, getattr(module, family.jitter))
+        for name, buf in module.named_buffers(recurse=False):  # the very tensors, under their names
+            moe.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
         moe._setup(layout.spec, family, layout.fused_shared, checked)
         return moe
 
@@ -378,7 +380,7 @@ class MoE(nn.Module):
         amp = getattr(self, fam.jitter) if fam.jitter else 0.0
         if self.training and amp > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - amp, 1.0 + amp)
-        _, weights, ids = getattr(self, fam.router)(x)
+        _, weights, ids = getattr(self, fam.router)(x, *(getattr(self, a) for a in fam.router_args))
         region = runs_region(self.experts)  # config._experts_implementation == "hpmoe"
         out = self._region(x, ids, weights) if region else self.experts(x, ids, weights)
         shared = getattr(self, fam.shared) if fam.shared and not (region and self.fused_shared) else None

@@ -33,6 +33,8 @@ class Family:
     shared_gate: attribute of a ``Linear(H, 1)`` whose sigmoid scales ``shared`` per token
       (Qwen2-MoE, Qwen3-Next); such a shared expert runs beside the region.
     jitter: block attribute holding the training-time input jitter amplitude (Mixtral).
+    router_args: block attributes passed to the router after ``x`` (MiniMax-M2: the
+      block's score-correction bias buffer).
     refused: None, or the feature of the block that the region does not compute.
     config / model: transformers class names of the family's config and causal LM.
     tiny: overrides that make ``config`` a tiny test model (no download).
@@ -48,6 +50,7 @@ class Family:
     shared: str | None = None
     shared_gate: str | None = None
     jitter: str | None = None
+    router_args: tuple[str, ...] = ()
     refused: str | None = None
 
     def block_class(self) -> type[nn.Module]:
