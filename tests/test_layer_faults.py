@@ -2,11 +2,14 @@
 without a profile: kernel by kernel) as on the runtime taskflow: a rank's bad input
 (a NaN, an expert id out of range) or ranks that disagree on dtype end every rank
 with the same named error, and the next call starts in step; a rank stopped before
-an exchange ends its peer with a stall report naming it within the deadline."""
+an exchange ends its peer with a stall report naming it within the deadline.  (Ranks
+whose layers differ in hidden size cannot build the same input; top-k stands for a shape
+the fingerprint compares.)"""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,8 +66,12 @@ def _bad_inputs_then_a_clean_step(rank: int, world: int, policy: SchedulePolicy)
     got |= {"out": out.detach(), "dx": mine.grad}
     bf16 = _layer(policy, torch.bfloat16 if rank == 1 else torch.float32)
     got["dtype"] = _error(lambda: bf16(mine.detach()))
-    layer.close()
-    bf16.close()
+    spec = replace(preset("tiny"), top_k=3 if rank == 1 else 2)
+    other = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, tiles=TINY_TILES,
+                schedule=policy, runtime=RuntimeConfig(deadline_s=DEADLINE))
+    got["shape"] = _error(lambda: other(mine.detach()))
+    for m in (layer, bf16, other):
+        m.close()
     return got
 
 
@@ -73,10 +80,12 @@ def test_bad_input_on_one_rank_is_named_on_every_rank_and_the_next_step_runs_in_
     ranks = spawn_gloo(_bad_inputs_then_a_clean_step, 2, policy, timeout=180)
     for key, want in (("nan", "rank 1 rejected its input: x has NaN at row 5"),
                       ("ids", "rank 0 rejected its input: routing.ids contains expert id 99, outside [0, 8)"),
-                      ("dtype", "dtype differs: rank 0 float32, rank 1 bfloat16")):
+                      ("dtype", "dtype differs: rank 0 float32, rank 1 bfloat16"),
+                      ("shape", "top_k differs: rank 0 2, rank 1 3")):
         assert ranks[0][key] == ranks[1][key], key
         assert want in ranks[0][key], ranks[0][key]
     assert ranks[0]["nan"].startswith("InputRejected") and ranks[0]["dtype"].startswith("MismatchError")
+    assert ranks[0]["shape"].startswith("MismatchError")
     whole = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), tiles=TINY_TILES)
     x = _x(2).requires_grad_()
     out = whole(x)
