@@ -191,7 +191,7 @@ def plan_routing(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec) -> RoutingP
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(x.shape[0], x.shape[1] + 1, dtype=torch.int64)
+    out = torch.zeros(x.shape[0], x.shape[1] + 1, dtype=torch.int64, device=x.device)
     torch.cumsum(x, dim=1, out=out[:, 1:])
     return out
 
@@ -214,13 +214,13 @@ def synthetic_routing(kind: RoutingKind, moe: MoESpec, par: ParallelSpec, seed: 
     n, k, e = par.ep * par.tokens_per_rank, moe.top_k, moe.experts
     g = torch.Generator().manual_seed(seed)
     if kind is RoutingKind.BALANCED:
-        start = torch.randint(0, e, (1,), generator=g)
-        ids = (start + torch.arange(n * k).view(n, k)) % e
+        start = torch.randint(0, e, (1,), generator=g, device=g.device)
+        ids = (start + torch.arange(n * k, device=g.device).view(n, k)) % e
     elif kind is RoutingKind.GROUPED:
         ids = _grouped_top_k(moe, n, g)
     else:
         ids = _sample_distinct(_log_popularity(kind, moe, par, g), n, k, g)
-    w = torch.rand(n, k, generator=g) + 0.1
+    w = torch.rand(n, k, generator=g, device=g.device) + 0.1
     w = w / w.sum(dim=1, keepdim=True) * moe.routed_scaling
     return Routing(ids=ids.to(torch.int64), weights=w)
 
@@ -230,7 +230,7 @@ def _grouped_top_k(moe: MoESpec, n: int, g: torch.Generator) -> torch.Tensor:
     from i.i.d. uniform scores: each token keeps the experts of its ``top_groups`` best
     groups out of ``groups`` (group score: sum of its top-2 scores under a sigmoid gate,
     its best score under softmax)."""
-    scores = torch.rand(n, moe.experts, generator=g)
+    scores = torch.rand(n, moe.experts, generator=g, device=g.device)
     return torch.topk(_mask_groups(scores, moe), moe.top_k, dim=-1).indices
 
 
@@ -244,9 +244,9 @@ def ranks_per_token(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec) -> float
 def _log_popularity(kind: RoutingKind, moe: MoESpec, par: ParallelSpec,
                     g: torch.Generator) -> torch.Tensor:
     e, k = moe.experts, moe.top_k
-    logp = torch.zeros(e)
+    logp = torch.zeros(e, device=g.device)
     if kind is RoutingKind.ZIPF:
-        rank = torch.randperm(e, generator=g).double() + 1
+        rank = torch.randperm(e, generator=g, device=g.device).double() + 1
         logp = (-1.2 * rank.log()).float()
     elif kind is RoutingKind.HOT:
         logp[0] = 1e4  # always picked first
@@ -267,5 +267,6 @@ def _need_allowed(k: int, allowed: int, kind: RoutingKind) -> None:
 
 def _sample_distinct(logp: torch.Tensor, n: int, k: int, g: torch.Generator) -> torch.Tensor:
     """k distinct experts per token, drawn ∝ exp(logp) (Gumbel top-k), best first."""
-    gumbel = -torch.log(-torch.log(torch.rand(n, logp.numel(), generator=g).clamp_min(1e-12)))
+    u = torch.rand(n, logp.numel(), generator=g, device=g.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-12)))
     return torch.topk(logp + gumbel, k, dim=1).indices

@@ -50,7 +50,7 @@ def test_expert_gemms_give_grouped_mm_bits() -> None:
     a, w13, w2 = (torch.randn(shape).bfloat16() for shape in ((11, 16), (3, 48, 16), (3, 16, 24)))
     counts = [4, 0, 7]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    h, act, y = experts_forward(a, segments(counts), w13, w2, Activation.SILU, Arena(), "")
+    h, act, y = experts_forward(a, segments(counts), w13, w2, Activation.SILU, Arena("cpu"), "")
     assert torch.equal(h, F.grouped_mm(a, w13.transpose(1, 2), offs=offs))
     assert torch.equal(y, F.grouped_mm(act, w2.transpose(1, 2), offs=offs))
 
@@ -79,8 +79,8 @@ def test_scratch_is_reused_across_steps_and_saved_tensors_are_not_scratch() -> N
     pool = ArenaPool()
     first, held = kbk_forward(x, routing, w, pool=pool, save=True)
     assert len(pool) == 1  # scratch is back in the pool while the activations are held
-    scratch = {b.untyped_storage().data_ptr() for b in pool.acquire().buffers()}
-    pool.release(pool.acquire())
+    scratch = {b.untyped_storage().data_ptr() for b in pool.acquire("cpu").buffers()}
+    pool.release(pool.acquire("cpu"))
     saved = [t for t in held.tensors()[:len(held.TENSORS) - 2] if t is not None]
     assert not scratch & {t.untyped_storage().data_ptr() for t in saved}
     dy = torch.ones_like(first)

@@ -16,9 +16,10 @@ import torch
 
 
 class Arena:
-    """Named flat buffers, grown on demand and reused by later ``take`` calls."""
+    """Named flat buffers on ``device``, grown on demand and reused by later ``take`` calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -27,7 +28,7 @@ class Arena:
         n = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < n:
-            buf = torch.empty(n, dtype=dtype)
+            buf = torch.empty(n, dtype=dtype, device=self.device)
             self._buffers[name] = buf
         return buf[:n].view(shape)
 
@@ -46,8 +47,11 @@ class ArenaPool:
     def __init__(self) -> None:
         self._idle: list[Arena] = []
 
-    def acquire(self) -> Arena:
-        return self._idle.pop() if self._idle else Arena()
+    def acquire(self, device: torch.device | str) -> Arena:
+        """An idle arena on ``device``, or a new one."""
+        device = torch.device(device)
+        mine = [i for i, a in enumerate(self._idle) if a.device == device]
+        return self._idle.pop(mine[-1]) if mine else Arena(device)
 
     def release(self, arena: Arena) -> None:
         if all(a is not arena for a in self._idle):

@@ -161,7 +161,8 @@ class Exchange:
         recv = torch.empty_like(send)
         coll.all_to_all(recv, send.contiguous(), None, None, "kernel by kernel: count exchange")
         ep, local = recv.shape
-        key = (torch.arange(local) * ep + torch.arange(ep)[:, None]).reshape(-1)  # [s, e] -> e*ep + s
+        key = (torch.arange(local, device=recv.device) * ep
+               + torch.arange(ep, device=recv.device)[:, None]).reshape(-1)  # [s, e] -> e*ep + s
         regroup = torch.argsort(torch.repeat_interleave(key, recv.reshape(-1)), stable=True)
         return Exchange(coll, send, recv, regroup, inverse_permutation(regroup))
 
@@ -231,7 +232,7 @@ def _accumulator(arena: Arena, shape: tuple[int, int], dtype: torch.dtype) -> to
     """The fp32 sum buffer of a result in ``dtype``: from the arena unless the result
     is fp32 itself (``Tensor.to`` would then return the arena's buffer to the caller)."""
     if dtype == torch.float32:
-        return torch.empty(shape, dtype=torch.float32)
+        return torch.empty(shape, dtype=torch.float32, device=arena.device)
     return arena.take("acc", shape, torch.float32)
 
 
@@ -240,7 +241,7 @@ def weighted_sum_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
     """Gradients of ``weighted_sum`` given g [T, H] fp32: (dw [T, k] fp32, drows
     [T*k, H] rows.dtype in sorted order, arena)."""
     t, k = pos.shape
-    dw = torch.empty(t, k, dtype=torch.float32)
+    dw = torch.empty(t, k, dtype=torch.float32, device=g.device)
     tmp = arena.take("tmp", tuple(g.shape), torch.float32)
     picked = arena.take("picked", tuple(g.shape), rows.dtype)
     drows = arena.take("drows", tuple(rows.shape), rows.dtype)
@@ -332,9 +333,9 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
     spec = weights.spec
     check_hidden(x, spec)
     check_routing(routing, spec, x.shape[0])
-    arena = pool.acquire() if pool is not None else Arena()
+    arena = pool.acquire(x.device) if pool is not None else Arena(x.device)
     try:
-        return _forward(x, routing, weights, coll, arena, Arena() if save else arena, save, recompute)
+        return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute)
     finally:
         if pool is not None:
             pool.release(arena)
@@ -370,7 +371,7 @@ def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool
     """Gradients of ``kbk_forward`` given dout [T, H]: dx [T, H], dweights [T, k] fp32,
     full-size dw13 [E, 2F, H] / dw2 [E, H, F] (this rank's experts; zeros for other
     ranks' experts), this rank's shared-expert gradients.  Collective with a group."""
-    arena = pool.acquire() if pool is not None else Arena()
+    arena = pool.acquire(dout.device) if pool is not None else Arena(dout.device)
     try:
         return _backward(state, dout, arena)
     finally:

@@ -341,8 +341,8 @@ class MoE(nn.Module):
         whose router module routes), w13 [E, 2F, H], w2 [E, H, F], shared_w13 = cat(gate, up)."""
         w13 = self.experts.gate_up_proj
         spec = replace(self.spec, dtype=w13.dtype)
-        router = torch.zeros((), dtype=torch.float32).expand(spec.experts, spec.hidden)
-        bias = torch.zeros(spec.experts, dtype=torch.float32)
+        router = torch.zeros((), dtype=torch.float32, device=w13.device).expand(spec.experts, spec.hidden)
+        bias = torch.zeros(spec.experts, dtype=torch.float32, device=w13.device)
         if self.family is None:
             router = self.gate.weight.float()
             b = getattr(self.gate, "e_score_correction_bias", None)
@@ -498,7 +498,7 @@ def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, 
         return x, ids, weights
     ranks = virtual_ep if group is None else dist.get_world_size(group)
     local = max(spec.experts // ranks, 1)
-    pos = torch.arange(n, total)
+    pos = torch.arange(n, total, device=ids.device)
     owner = pos // (total // ranks) if group is None else torch.full_like(pos, dist.get_rank(group))
     pad_ids = (owner * local).clamp(max=spec.experts - 1).unsqueeze(1).expand(total - n, k)
     return (torch.cat([x, x.new_zeros(total - n, x.shape[1])]), torch.cat([ids, pad_ids]),
