@@ -15,6 +15,7 @@ from torch import nn
 
 from ...spec import Activation, MoESpec
 from . import (
+    dbrx,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -27,8 +28,10 @@ from . import (
     granitemoeshared,
     hunyuan_v1_moe,
     jamba,
+    jetmoe,
     kimi_linear,
     llama4,
+    longcat_flash,
     minimax,
     minimax_m2,
     mixtral,
@@ -67,6 +70,9 @@ FAMILIES: tuple[Family, ...] = tuple(
         kimi_linear,
         jamba,
         flex_olmo,
+        longcat_flash,
+        jetmoe,
+        dbrx,
     )
 )
 
