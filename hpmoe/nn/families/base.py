@@ -82,6 +82,9 @@ TINY: dict[str, Any] = dict(
     head_dim=16,
     max_position_embeddings=64,
     tie_word_embeddings=False,
+    pad_token_id=0,  # special tokens inside the 64-token vocabulary (some defaults are not)
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 

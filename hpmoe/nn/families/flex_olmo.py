@@ -8,5 +8,5 @@ FAMILY = Family(
     block="FlexOlmoSparseMoeBlock",
     config="FlexOlmoConfig",
     model="FlexOlmoForCausalLM",
-    tiny=dict(num_experts=8, num_experts_per_tok=2, pad_token_id=0, bos_token_id=None, eos_token_id=None),
+    tiny=dict(num_experts=8, num_experts_per_tok=2),
 )

@@ -10,8 +10,7 @@ FAMILY = Family(
     block="JetMoeMoE",
     config="JetMoeConfig",
     model="JetMoeForCausalLM",
-    tiny=dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=16, pad_token_id=0, bos_token_id=None,
-              eos_token_id=None),
+    tiny=dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=16),
     router="router",
     refused="input_linear/output_linear experts with a shared output bias (and attention experts, JetMoeMoA)",
 )

@@ -9,7 +9,7 @@ FAMILY = Family(
     block="MiniMaxM2SparseMoeBlock",
     config="MiniMaxM2Config",
     model="MiniMaxM2ForCausalLM",
-    tiny=dict(num_local_experts=8, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None),
+    tiny=dict(num_local_experts=8, num_experts_per_tok=2),
     jitter="jitter_noise",
     router_args=("e_score_correction_bias",),
 )
