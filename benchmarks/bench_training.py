@@ -33,7 +33,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from hpmoe import refs
-from hpmoe.machine import default_cpu_dtype, record
+from hpmoe.cli.common import dtype_choice
+from hpmoe.machine import record
 from hpmoe.nn.layer import MoE, RegionState
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
@@ -213,9 +214,9 @@ def main() -> None:
         print(json.dumps(_measure_child(*a.child, s)))
         return
     record()
-    if s.dtype == "auto":
-        dtype, why = default_cpu_dtype()
-        s = replace(s, dtype="bf16" if dtype is torch.bfloat16 else "fp32")
+    dtype, why = dtype_choice(s.dtype, on_this_cpu=True)
+    s = replace(s, dtype=dtype)
+    if why:
         print(f"dtype {why}")
     where = (f"{s.tokens} tokens per rank, EP {s.ep} processes on the runtime" if s.ep
              else f"{s.tokens} tokens, virtual EP {s.virtual_ep}")

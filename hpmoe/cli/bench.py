@@ -164,7 +164,8 @@ def _print(args: argparse.Namespace, config: BenchConfig, report: BenchReport, w
             "transport": config.runtime.transport.value,
             "link": args.link, "workers": args.workers, "threads": args.threads,
             "warmup": args.warmup, "iters": args.iters}
-    files = _write_traces(Path(args.trace), report, args) if args.trace else {}
+    layer = f"{args.preset}, EP {report.ep}, {args.tokens} tokens/rank, {dtype}"
+    files = _write_traces(Path(args.trace), report, layer) if args.trace else {}
     doc = head | report.to_json() | files
     if args.json:
         emit(doc, True)
@@ -208,10 +209,9 @@ def summary(doc: dict) -> str:
     return "\n".join(lines + ["  (every figure: --json; its fields are described in docs/bench-json.md)"])
 
 
-def _write_traces(out: Path, report: BenchReport, args: argparse.Namespace) -> dict:
-    """Measured (and predicted) timelines as Perfetto JSON and Gantt PNGs."""
+def _write_traces(out: Path, report: BenchReport, layer: str) -> dict:
+    """Measured (and predicted) timelines as Perfetto JSON and Gantt PNGs titled ``layer``."""
     files = {}
-    layer = f"{args.preset}, EP {report.ep}, {args.tokens} tokens/rank, {dtype_choice(args.dtype, True)[0]}"
     for prefix, timeline in (("", report.timeline), ("predicted-", report.predicted_timeline)):
         if timeline is None:
             continue
