@@ -37,6 +37,14 @@ class Machine:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def fingerprint(self) -> str:
+        """The hardware alone (what a tuned choice is valid for): CPU, capability, cores."""
+        return f"{self.cpu} | {self.capability} | {self.cores} cores"
+
+    def versions(self) -> dict[str, str | None]:
+        """The software a tuned choice was measured with."""
+        return {"hpmoe": self.hpmoe, "torch": self.torch, "triton": self.triton}
+
     def line(self) -> str:
         bf16 = "native bf16" if self.native_bf16 else "no native bf16"
         return (f"{self.cpu} ({self.capability}, {bf16}), {self.cores} cores; "

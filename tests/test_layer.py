@@ -13,6 +13,7 @@ from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
+from hpmoe.schedule.tune import Budget
 from hpmoe.sim.hardware import cpu_nominal, hardware_preset
 from hpmoe.spec import Activation, GateKind, MoESpec, preset
 from hpmoe.testing import spawn_gloo
@@ -312,27 +313,38 @@ def test_auto_decides_in_the_dtype_the_layer_computes_in():
     assert modelled(layer.to(torch.bfloat16)) == bf16
 
 
-def _auto_ranks(rank, world):
+def _auto_ranks(rank, world, steps):
     spec = preset("tiny")
     layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)
     x, dy = _data(spec, 12)
-    shares = (t.reshape(world, -1, spec.hidden)[rank] for t in (x, dy))
-    result = _run(layer, *shares)
-    session = layer._session
-    return result, layer.decision(6).chosen, (session.regions, session.calls)
+    shares = [t.reshape(world, -1, spec.hidden)[rank] for t in (x, dy)]
+    results = []
+    for _ in range(steps):
+        layer.zero_grad()
+        results.append(_run(layer, *shares))
+    tuned = layer.tuned(6, backward=True)
+    layer.close()
+    return results, tuned
 
 
-def test_auto_on_an_ep_group_matches_one_process():
-    results = spawn_gloo(_auto_ranks, 2, timeout=120)
+def test_auto_on_an_ep_group_tunes_and_every_step_matches_one_process():
+    """Without a model AUTO measures its candidates on real steps: every step (whichever
+    candidate ran it) matches one process, and both ranks settle on the same winner
+    within the budget."""
+    steps = Budget().max_steps + 2
+    results = spawn_gloo(_auto_ranks, 2, steps, timeout=300)
     spec = preset("tiny")
     x, dy = _data(spec, 12)
     want = _run(MoE(spec, ExpertWeights.random(spec, 1)), x, dy)
-    # kernel by kernel: no runtime region ran, but the forward and the backward each
-    # opened with the session's agreement
-    assert all(r[2] == (0, 2) for r in results), [r[2] for r in results]
-    torch.testing.assert_close(torch.stack([r[0][0] for r in results]), want[0])
-    for name, grad in want[2].items():
-        torch.testing.assert_close(sum(r[0][2][name] for r in results), grad, msg=name)
+    for step in range(steps):
+        got = [r[0][step] for r in results]
+        torch.testing.assert_close(torch.stack([g[0] for g in got]), want[0])
+        torch.testing.assert_close(torch.stack([g[1] for g in got]), want[1])
+        for name, grad in want[2].items():
+            torch.testing.assert_close(sum(g[2][name] for g in got), grad, msg=name)
+    tuned = [r[1] for r in results]
+    assert tuned[0] is not None and tuned[0] == tuned[1]
+    assert 0 < tuned[0].steps <= Budget().max_steps and tuned[0].source == "measured"
 
 
 def test_auto_runs_the_taskflow_when_it_is_forecast_to_pay(monkeypatch):

@@ -4,7 +4,7 @@ in the simulator's ``Timeline`` type."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -168,6 +168,8 @@ class BenchReport:
     predicted_timeline: Timeline | None
     note: str = ""
     steal: float | None = None  # share of the host's CPU time its hypervisor took over the timed iterations
+    tuning: dict = field(default_factory=dict)  # AUTO's tuning (``bench.runner.Tuned.to_json``)
+    sweep: dict[str, Stats] = field(default_factory=dict)  # every candidate of the tuning space, by name
 
     def to_json(self) -> dict:
         """Flat JSON-ready dict (milliseconds, ratios)."""
@@ -208,4 +210,18 @@ class BenchReport:
             out |= self.prediction.fields()
         if self.steal is not None:
             out["host_steal_fraction"] = round(self.steal, 4)
-        return out | ({"note": self.note} if self.note else {})
+        return out | self.tuning | self._sweep() | ({"note": self.note} if self.note else {})
+
+    def _sweep(self) -> dict:
+        """The exhaustive sweep: each candidate's median and fastest, the best by median,
+        and the default's ratio to it (best / default: above 1, the default is faster)."""
+        if not self.sweep:
+            return {}
+        best = min(self.sweep, key=lambda n: self.sweep[n].median_ms)
+        fastest = min(s.min_ms for s in self.sweep.values())
+        default = self.stats["taskflow"]
+        return {"sweep": {n: {"ms": round(s.median_ms, 3), "min_ms": round(s.min_ms, 3)}
+                          for n, s in self.sweep.items()},
+                "sweep_best": best, "sweep_best_ms": round(self.sweep[best].median_ms, 3),
+                "default_over_sweep_best": round(self.sweep[best].median_ms / default.median_ms, 3),
+                "default_over_sweep_best_fastest": round(fastest / default.min_ms, 3)}

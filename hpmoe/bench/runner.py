@@ -34,6 +34,7 @@ from ..exec.arena import ArenaPool
 from ..exec.kernel_by_kernel import kbk_forward
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..launch.netns import LinkSpec
+from ..machine import machine
 from ..refs import serialized_ep_forward
 from ..routing import Routing, RoutingKind, synthetic_routing
 from ..runtime.collective import CollectiveError
@@ -53,6 +54,8 @@ from ..schedule.auto import (
     kernel_by_kernel_forecast,
     no_model,
 )
+from ..schedule.tune import KERNEL_BY_KERNEL_KNOBS, Budget, Knobs, Space, TuneKey, TuneResult, Tuning
+from ..schedule.tuner import shared_lookup
 from ..sim.forecast import forecast_region
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
@@ -93,6 +96,7 @@ class BenchConfig:
     predict: bool = False
     cache_schedules: bool = False
     fault: Fault | None = None
+    sweep: bool = False  # also time every candidate of the tuning space (``schedule.tune.Space.every``)
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.iters <= 0:
@@ -189,8 +193,8 @@ def candidate_policies(policy: SchedulePolicy,
     and a note."""
     if profile is None:
         if policy in (SchedulePolicy.AUTO, SchedulePolicy.CRITICAL_PATH):
-            return [SchedulePolicy.HYPERPARALLEL], ("no cpu profile (run `hpmoe calibrate`): "
-                                                   "runtime schedule hyperparallel; AUTO: kernel by kernel")
+            return [SchedulePolicy.HYPERPARALLEL], ("no cpu profile: nothing forecast; AUTO chose by "
+                                                   "measuring (the tuning fields)")
         return [policy], ""
     if policy is SchedulePolicy.AUTO:
         return [SchedulePolicy.CRITICAL_PATH, SchedulePolicy.HYPERPARALLEL], ""
@@ -285,10 +289,21 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     warm = timed_loop(config.warmup, every, session, "warm-up")
     session.board.enter("bench: decision")
     decision = _decide(warm, models, policies, group) if config.policy is SchedulePolicy.AUTO else None
-    chosen = _runtime_policy(decision, policies)
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
-    calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
-    default = Variant.RUNTIME if decision is None else _variant(decision.chosen)
+    tuned = None
+    if config.policy is SchedulePolicy.AUTO:
+        first = _model_knobs(decision, config.tiles) if models is not None else None
+        knob = KnobCalls(config, session, data, hardware, every[Variant.KERNEL_BY_KERNEL.value])
+        tuned = tune(config, session, knob, first)
+        flow = _runtime_knobs(tuned.result, config.tiles)
+        chosen, calls[Variant.RUNTIME.value] = flow.policy, knob(flow)
+        default = Variant.RUNTIME if tuned.result.winner.path is Path.TASKFLOW else Variant.KERNEL_BY_KERNEL
+        if config.sweep:
+            calls |= {sweep_name(k): knob(k) for k in tuned.space.every()}
+    else:
+        chosen = policies[0]
+        calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
+        default = Variant.RUNTIME
     probe = models.probe if config.predict and models is not None else None
     ticks = host_ticks()
     samples = timed_loop(config.iters, calls, session, "iteration", probe)
@@ -296,7 +311,105 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     session.board.enter("bench: report")
     return build_report(config, chosen, samples, models, decision, group, note, probe,
-                        _max_or_none(steal, group))
+                        _max_or_none(steal, group), tuned)
+
+
+# ---------------------------------------------------------------------------- tuning
+
+
+def sweep_name(knobs: Knobs) -> str:
+    return f"sweep:{knobs.name}"
+
+
+class KnobCalls:
+    """The bench's call of each candidate of the tuning space, made once on first use:
+    the kernel-by-kernel variant's call, or a runtime ``ForwardRunner`` with the
+    candidate's policy, tiles and worker threads (rates of ``hardware``)."""
+
+    def __init__(self, config: BenchConfig, session: Session, data: Inputs, hardware: HardwareModel,
+                 kernel_by_kernel: Callable[[], object]):
+        self.config, self.session, self.data, self.hardware = config, session, data, hardware
+        self.calls: dict[Knobs, Callable[[], object]] = {KERNEL_BY_KERNEL_KNOBS: kernel_by_kernel}
+
+    def __call__(self, knobs: Knobs) -> Callable[[], object]:
+        if knobs not in self.calls:
+            hw = dataclasses.replace(self.hardware, matrix_workers=knobs.workers.matrix,
+                                     vector_workers=knobs.workers.vector)
+            runner = ForwardRunner(self.session, self.data.weights, ForwardOptions(
+                tiles=knobs.tiles, policy=knobs.policy, hardware=hw,
+                cache_schedules=self.config.cache_schedules))
+            self.calls[knobs] = lambda: runner(self.data.x, self.data.routing, self.config.fault)
+        return self.calls[knobs]
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """The bench's tuning: its key, space, result and notes (stale cache entries)."""
+
+    key: TuneKey
+    space: Space
+    result: TuneResult
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        r = self.result
+        here = r.source == "measured"  # a cached choice cost this run nothing
+        out = {"tune_winner": r.winner.name, "tune_winner_ms": round(r.winner_s * 1e3, 3),
+               "tune_runner_up": r.runner_up.name if r.runner_up else None,
+               "tune_gain_over_runner_up": round(r.gain_over_runner_up, 3),
+               "tune_steps": r.steps if here else 0, "tune_seconds": round(r.seconds, 3) if here else 0.0,
+               "tune_source": r.source,
+               "tune_max_steps": Budget().max_steps}
+        return out | ({"tune_note": "; ".join(self.notes)} if self.notes else {})
+
+
+def bench_key(config: BenchConfig, world: int) -> TuneKey:
+    """The tuning key of a bench (forward only; its shaped link is the runtime's network)."""
+    return TuneKey.of(machine().fingerprint(), config.moe, world, 1, config.runtime.tuning_network,
+                      config.tokens, False)
+
+
+def tune(config: BenchConfig, session: Session, knob: KnobCalls, first: Knobs | None = None,
+         use_cache: bool = True) -> Tuned:
+    """AUTO's tuning of the bench's forward (collective): the cached choice (group rank
+    0's cache) or ``schedule.tune.Tuning`` fed each step's slowest-rank seconds."""
+    key, space = bench_key(config, session.world), Space.around(config.tiles, TileSpec(), 1)
+    notes: list[str] = []
+    cached = None
+    if use_cache:
+        cached = shared_lookup(key, session.collectives, machine().versions(), notes.append)
+    if cached is not None:
+        return Tuned(key, space, cached, tuple(notes))
+    tuning = Tuning(space, Budget(), first)
+    coll = session.collectives
+    while tuning.result is None:
+        k = tuning.next()
+        call = knob(k)
+        coll.barrier(f"tuning step {tuning.steps + 1}: barrier before {k.name}", publish=False)
+        session.board.enter(f"tuning step {tuning.steps + 1}: {k.name}", publish=False)
+        t0 = time.perf_counter()
+        call()
+        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        tuning.observe(k, float(coll.all_gather(mine, "tuning step time", publish=False).max()))
+    return Tuned(key, space, tuning.result, tuple(notes))
+
+
+def _model_knobs(decision: AutoDecision | None, tiles: TileSpec) -> Knobs | None:
+    """The model's choice as knobs (the tuner measures it first)."""
+    if decision is None or not decision.forecasts:
+        return None
+    if decision.chosen.path is not Path.TASKFLOW:
+        return KERNEL_BY_KERNEL_KNOBS
+    return dataclasses.replace(Space.around(tiles, TileSpec(), 1).default(), policy=decision.chosen.policy)
+
+
+def _runtime_knobs(result: TuneResult, tiles: TileSpec) -> Knobs:
+    """What the report's runtime taskflow runs: the winner, else the runner-up, when a
+    taskflow; else the space's default taskflow."""
+    for k in (result.winner, result.runner_up):
+        if k is not None and k.path is Path.TASKFLOW:
+            return k
+    return Space.around(tiles, TileSpec(), 1).default()
 
 
 def _max_or_none(value: float | None, group: dist.ProcessGroup | None) -> float | None:
@@ -362,7 +475,8 @@ def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy]
 
 def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models: Models | None,
                  decision: AutoDecision | None, group: dist.ProcessGroup | None, note: str,
-                 probe: ShareProbe | None = None, steal: float | None = None) -> BenchReport:
+                 probe: ShareProbe | None = None, steal: float | None = None,
+                 tuned: Tuned | None = None) -> BenchReport:
     """Reduce every rank's samples into the report (collective).  The prediction is made
     twice: with the share ``probe`` measured between the timed iterations, and with the
     share measured before them (the models AUTO decided with).  ``steal``: the host's
@@ -370,6 +484,8 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
     names = [v.value for v in Variant]
     sst, rt = Variant.SERIAL_SAME_TRANSPORT.value, Variant.RUNTIME.value
     stats = {n: Stats.of(slowest_rank(np.array(s.seconds[n]), group)) for n in names}
+    sweep = {n.removeprefix("sweep:"): Stats.of(slowest_rank(np.array(s.seconds[n]), group))
+             for n in s.seconds if n.startswith("sweep:")}
     steps = {n: s.step_medians(n, group) for n in (sst, rt)}
     prediction, predicted = None, None
     if probe is not None:  # made only with --predict and models
@@ -387,4 +503,5 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         candidate=s.last[rt].schedule.candidate or None, link=models.link if models else None,
         a2a=models.a2a if models else None, host=models.host if models else None,
         decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
-        predicted_timeline=predicted, note=note, steal=steal)
+        predicted_timeline=predicted, note=note, steal=steal,
+        tuning=tuned.to_json() if tuned is not None else {}, sweep=sweep)

@@ -29,7 +29,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 # Subcommand modules of this package; each defines add_parser(subparsers) that sets
 # ``run`` (args -> exit code) as the parser default.
-COMMANDS = ("info", "calibrate", "demo", "simulate", "reproduce", "trace", "bench")
+COMMANDS = ("info", "calibrate", "demo", "simulate", "reproduce", "trace", "bench", "tune")
 
 
 def version() -> str:

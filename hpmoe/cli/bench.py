@@ -13,6 +13,7 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -36,7 +37,7 @@ from .common import DTYPES, add_layer_args, dtype_choice, emit, require_plotting
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
             "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
             "trace", "link")
-_FLAGS = ("json", "predict", "cache_schedules")
+_FLAGS = ("json", "predict", "cache_schedules", "sweep")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,9 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", choices=[TransportKind.SHM.value, TransportKind.DIST.value], default=None,
                    help="shm (one host) or dist (torch.distributed p2p); default shm, dist with --link")
     p.add_argument("--schedule", choices=[s.value for s in SchedulePolicy], default="auto",
-                   help="what the default ('taskflow' in the report) runs; auto: AUTO forecasts the "
-                        "runtime schedules (their per-step scheduling time included), the kernel-by-kernel "
-                        "path and the serialized baseline, and runs the fastest")
+                   help="what the default ('taskflow' in the report) runs; auto: AUTO measures the "
+                        "candidates of its search space (path, schedule, workers, tiles, dispatch) on the "
+                        "bench's forward and runs the fastest, or takes the choice `hpmoe tune` saved")
     p.add_argument("--link", default=None, metavar="RATE",
                    help="run ranks in network namespaces joined by links shaped to RATE (e.g. 2gbit)")
     p.add_argument("--workers", default="1,1", help="matrix,vector worker threads per rank")
@@ -60,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed iterations (medians over them)")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--predict", action="store_true", help="also replay the schedules on the cpu model")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time every candidate AUTO's tuning chooses among (the exhaustive sweep; "
+                        "the JSON's sweep fields)")
     p.add_argument("--cache-schedules", action="store_true",
                    help="reuse schedules when token counts repeat (they do here: same inputs)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -90,8 +94,9 @@ def _workers(text: str) -> WorkerCounts:
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     """The benchmark the arguments describe (validates them)."""
+    # --predict replays the regions on their own kernels; the link is the tuning key's network
     runtime = RuntimeConfig(transport=_transport(args), deadline_s=args.deadline, threads=args.threads,
-                            thread_cpu=args.predict)  # --predict replays the regions on their own kernels
+                            thread_cpu=args.predict, network=args.link or "")
     return BenchConfig(
         moe=preset(args.preset, DTYPES[dtype_choice(args.dtype, on_this_cpu=True)[0]]), tokens=args.tokens,
         routing=RoutingKind(args.routing), seed=args.seed,
@@ -100,7 +105,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         policy=SchedulePolicy(args.schedule),
         warmup=args.warmup, iters=args.iters,
         link=LinkSpec(args.link) if args.link else None, predict=args.predict,
-        cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None)
+        cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None,
+        sweep=args.sweep)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,15 +115,21 @@ def run(args: argparse.Namespace) -> int:
         require_plotting("hpmoe bench --trace (gantt.png)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank_main(args, config)
+    return launch_ranks("bench", args, config.moe.experts, config.link, _rank_argv(args))
+
+
+def launch_ranks(command: str, args: argparse.Namespace, experts: int, link: LinkSpec | None,
+                 argv: list[str]) -> int:
+    """Run ``hpmoe COMMAND ARGV`` as ``--ep`` local ranks (in shaped namespaces with a link)."""
     ep = 2 if args.ep is None else args.ep
-    if ep <= 0 or config.moe.experts % ep:
-        raise ValueError(f"--ep={ep} must be a positive divisor of the {config.moe.experts} experts")
-    spec = LaunchSpec(argv=(sys.executable, "-m", "hpmoe", "bench", *_rank_argv(args)), world=ep,
-                      link=config.link, timeout_s=args.timeout, grace_s=args.deadline + 10.0)
+    if ep <= 0 or experts % ep:
+        raise ValueError(f"--ep={ep} must be a positive divisor of the {experts} experts")
+    spec = LaunchSpec(argv=(sys.executable, "-m", "hpmoe", command, *argv), world=ep,
+                      link=link, timeout_s=args.timeout, grace_s=args.deadline + 10.0)
     result = launch(spec)
     if not result.ok:
         codes = {r.rank: r.returncode for r in result.ranks}
-        print(f"hpmoe bench: ranks failed, exit codes {codes}", file=sys.stderr)
+        print(f"hpmoe {command}: ranks failed, exit codes {codes}", file=sys.stderr)
     return result.returncode
 
 
@@ -131,27 +143,39 @@ def _rank_argv(args: argparse.Namespace) -> list[str]:
     return out + [f"--{name.replace('_', '-')}" for name in _FLAGS if getattr(args, name)]
 
 
-def _rank_main(args: argparse.Namespace, config: BenchConfig) -> int:
-    """One rank: join the gloo group, benchmark, rank 0 prints.  A failed region
-    prints its diagnosis and exits at once (peers are told; nothing is left behind)."""
+def join_group(args: argparse.Namespace, link: LinkSpec | None) -> dist.ProcessGroup:
+    """This launched (or torchrun) rank joins the gloo group; the group of every rank,
+    whose collectives time out at ``--deadline``."""
     world = int(os.environ["WORLD_SIZE"])
     if args.ep is not None and args.ep != world:
         raise ValueError(f"--ep={args.ep} but WORLD_SIZE={world}")
-    if config.link is not None and JOB_ENV not in os.environ:
-        raise ValueError("--link is for `hpmoe bench` starting its own ranks, not for torchrun")
+    if link is not None and JOB_ENV not in os.environ:
+        raise ValueError("--link is for hpmoe starting its own ranks, not for torchrun")
     # rendezvous waits for ranks that start late; every collective after it has the deadline
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(60.0, 2 * args.deadline)))
-    group = dist.new_group(timeout=timedelta(seconds=args.deadline))
+    return dist.new_group(timeout=timedelta(seconds=args.deadline))
+
+
+def rank_failed(err: BaseException) -> NoReturn:
+    """Print a failed rank's diagnosis and exit at once (peers are told; nothing is left
+    behind)."""
+    if isinstance(err, RegionError | CollectiveError):
+        _rank_exit(str(err))
+    if isinstance(err, SegmentError):
+        _rank_exit(f"hpmoe runtime: rank {dist.get_rank()} stopped: {err}")
+    _rank_exit(f"hpmoe runtime: rank {dist.get_rank()} stopped: {type(err).__name__}: {err}")
+
+
+def _rank_main(args: argparse.Namespace, config: BenchConfig) -> int:
+    """One rank: join the gloo group, benchmark, rank 0 prints.  A failed region
+    prints its diagnosis and exits at once."""
+    group = join_group(args, config.link)
     try:
         report = run_bench(config, group)
-    except (RegionError, CollectiveError) as err:
-        _rank_exit(str(err))
-    except SegmentError as err:
-        _rank_exit(f"hpmoe runtime: rank {dist.get_rank()} stopped: {err}")
-    except RuntimeError as err:  # a collective that failed because a peer died
-        _rank_exit(f"hpmoe runtime: rank {dist.get_rank()} stopped: {type(err).__name__}: {err}")
+    except (RegionError, CollectiveError, SegmentError, RuntimeError) as err:  # RuntimeError: a peer died
+        rank_failed(err)
     if dist.get_rank() == 0:
-        _print(args, config, report, world)
+        _print(args, config, report, dist.get_world_size())
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -180,7 +204,8 @@ def summary(doc: dict) -> str:
                 f"{doc[f'{name}_p75_ms']:.3f}, {doc['iters']} iterations)")
 
     link = f", link {doc['link']}" if doc.get("link") else ""
-    ran = f"AUTO chose {doc['auto']}" if doc.get("auto") else f"the {doc['schedule']} schedule on the runtime"
+    ran = f"AUTO chose {doc['tune_winner']}" if doc.get("tune_winner") else \
+        f"the {doc['schedule']} schedule on the runtime"
     steps = ", ".join(f"{k} {doc[f'runtime_taskflow_{k}_ms']:.3f}" for k in STEP_NAMES)
     lines = [
         f"hpmoe bench: {doc['preset']}, {doc['tokens_per_rank']} tokens/rank, EP {doc['ep']}, "
@@ -197,6 +222,16 @@ def summary(doc: dict) -> str:
         f"  max |hpmoe - baseline| {doc['max_abs_diff']:.3g}; runtime bitwise equal across schedules: "
         f"{'yes' if doc['bitwise_equal_serial_schedule'] else 'NO'}",
     ]
+    if doc.get("tune_winner"):
+        cost = (f"{doc['tune_steps']} tuning steps, {doc['tune_seconds']:.2f} s, "
+                f"at most {doc['tune_max_steps']}"
+                if doc["tune_source"] == "measured" else "from the tuning cache, no tuning step")
+        lines.append(f"  AUTO measured: {doc['tune_winner']} ({cost}); runner-up {doc['tune_runner_up']}, "
+                     f"{doc['tune_gain_over_runner_up']:.2f}x slower")
+    if doc.get("sweep_best"):
+        lines.append(f"  exhaustive sweep ({len(doc['sweep'])} candidates): best {doc['sweep_best']} "
+                     f"{doc['sweep_best_ms']:.3f} ms; default / best {doc['default_over_sweep_best']:.2f} "
+                     f"(fastest iterations {doc['default_over_sweep_best_fastest']:.2f})")
     if doc.get("dtype_auto"):
         lines.append(f"  dtype auto: {doc['dtype_auto']}")
     if doc.get("machine"):
@@ -223,7 +258,7 @@ def _write_traces(out: Path, report: BenchReport, layer: str) -> dict:
     return files
 
 
-def _rank_exit(message: str) -> None:
+def _rank_exit(message: str) -> NoReturn:
     """Print ``message`` as one line in a single write (ranks share the launcher's
     stderr, so a print's separate newline could interleave with a peer's line), then
     exit at once: pending gloo work of a failed region must not block the exit."""

@@ -42,6 +42,7 @@ from ..regions.backward_kernels import glu_backward
 from ..regions.base import RegionKind
 from ..regions.kernels import glu
 from ..routing import Routing, check_hidden, check_routing
+from ..schedule.tuner import timed
 from ..spec import Activation, MoESpec
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
@@ -50,6 +51,7 @@ from .exact_backward import Gradients
 if TYPE_CHECKING:  # the runtime loads on first distributed use, never by ``import hpmoe``
     from ..runtime.collective import Collectives
     from ..runtime.session import Session
+    from ..schedule.tuner import Trial
     from ..spec import TileSpec
 
 Segments = list[tuple[int, int, int]]  # (local expert, first row, end row) of non-empty experts
@@ -430,6 +432,7 @@ class KernelByKernelCall:
     pool: ArenaPool | None = None
     recompute: bool = False
     grad: bool = True
+    trial: Trial | None = None  # the tuner's trial of this call: the backward's seconds go into it
 
     @property
     def coll(self) -> Collectives | None:
@@ -464,7 +467,8 @@ class KernelByKernelFunction(torch.autograd.Function):
         call: KernelByKernelCall = ctx.call
         state = ctx.state.with_tensors(ctx.saved_tensors, call.spec)
         ctx.state = None
-        if call.session is not None:
-            call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dout.shape[0])
-        g = kbk_backward(state, dout.contiguous(), call.pool)
+        with timed(call.trial):
+            if call.session is not None:
+                call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dout.shape[0])
+            g = kbk_backward(state, dout.contiguous(), call.pool)
         return g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2, None

@@ -31,6 +31,7 @@ Execution:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,9 @@ from ..regions.backward_kernels import SavedActivations
 from ..regions.base import RegionKind
 from ..regions.dedup_backward_kernels import DedupSaved
 from ..routing import Routing, RoutingPlan, input_error, route
-from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape
+from ..schedule.auto import AutoDecision, Candidate, DecisionCache, Path, RoutingShape, saved_profile
+from ..schedule.tune import KERNEL_BY_KERNEL_KNOBS, Knobs, Space, TuneKey, TuneResult
+from ..schedule.tuner import Trial, Tuner, timed
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
@@ -114,11 +117,21 @@ class RegionOptions:
       (the layer opens a runtime ``Session`` on it at its first forward, configured by
       ``runtime``); or a runtime ``Session`` shared between layers.
     virtual_ep: EP ranks simulated in one process (must be 1 with an ep_group).
-    schedule: ``SchedulePolicy.AUTO`` (default): per routing shape, whichever of the
-      taskflow and the kernel-by-kernel path (``exec.kernel_by_kernel``: grouped GEMMs per
-      phase, all-to-all over the ep_group) is forecast faster on ``hardware`` (else the
-      calibrated profile of ``hpmoe calibrate``; with neither, the kernel-by-kernel path);
-      see ``MoE.decision``.  Otherwise the taskflow: with an ep_group, the runtime's
+    schedule: ``SchedulePolicy.AUTO`` (default).  With an ep_group and no ``hardware``,
+      AUTO measures (``schedule.tune``): per key (machine, layer, EP group and network,
+      dtype, tokens per rank to a power of two, with or without backward) the first calls
+      try the candidates — the kernel-by-kernel path (``exec.kernel_by_kernel``: grouped
+      GEMMs per phase, all-to-all over the ep_group) and the taskflow under each schedule
+      policy, worker split, tile rows and dispatch mode (tiles only when left at their
+      default) — every call a real step; the slowest rank's times decide, every rank runs
+      the same winner from then on, and the choice is saved in the tuning cache
+      (``hpmoe tune --show``) for later processes; see ``MoE.tuned``.  Candidates differ
+      in rounding only by path and dispatch mode, so bits can differ between runs until
+      the choice is cached: pin ``schedule`` for bitwise-reproducible runs.  With
+      ``hardware`` (or in one process), whichever of the taskflow and the kernel-by-kernel
+      path is forecast faster on ``hardware`` (else the calibrated profile of
+      ``hpmoe calibrate``; in one process with neither, the kernel-by-kernel path); see
+      ``MoE.decision``.  Otherwise the taskflow: with an ep_group, the runtime's
       ``SchedulePolicy`` (None: HYPERPARALLEL); in one process, the exact executors' task
       order: None (task-id order) or an int seeding a random valid order — every order
       gives the same bits.  Under ``torch.compile`` (one process) AUTO decides on the saved
@@ -287,6 +300,7 @@ class MoE(nn.Module):
         self._session = options.session
         self._owns_session = False
         self._decisions = DecisionCache()
+        self._tuner = Tuner()
         self._arenas = ArenaPool()
 
     @classmethod
@@ -412,27 +426,34 @@ class MoE(nn.Module):
 
     def _open_call(self, tokens: int, w: ExpertWeights, error: BaseException | None) -> list[int]:
         """The agreement that opens every distributed call, before any other collective
-        of it: what the call is (dtype, sizes, tiles) and each rank's verdict on its own
-        input.  Every rank raises the same named error when one objects; else returns
-        every rank's token count."""
-        return self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error)
+        of it: what the call is (dtype, sizes, tiles, the tuning history) and each rank's
+        verdict on its own input; it also carries each rank's time of the previous call
+        (the tuner's trial).  Every rank raises the same named error when one objects;
+        else returns every rank's token count."""
+        trial, micros = self._tuner.report()
+        table = self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error,
+                                         (trial, micros), self._tuner.digest())
+        self._tuner.observe(table[:, 1].tolist(), table[:, 2].tolist(), self.session().rank)
+        return table[:, 0].tolist()
 
     def _run(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
              w: ExpertWeights) -> torch.Tensor:
-        """The region on padded inputs, on the path AUTO chose or the options fix."""
+        """The region on padded inputs, on the path AUTO chose (or is trying) or the
+        options fix; a tuning trial is timed here and in the backward."""
         o = self.options
         tensors = (x, topk_weights, w.w13, w.w2, w.shared_w13, w.shared_w2)
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
-        options = self._taskflow_options(x.shape[0], w.spec.dtype)
-        if options is None:
-            grad = torch.is_grad_enabled()
-            call = KernelByKernelCall(w.spec, ids, self.session() if o.distributed else None, o.tiles,
-                                      self._arenas, o.recompute, grad)
-            return KernelByKernelFunction.apply(*tensors, call)
-        call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session())
-        return MoEFunction.apply(*tensors, call)
+        options, trial = self._choose(x.shape[0], w.spec.dtype)
+        with timed(trial):
+            if options is None:
+                grad = torch.is_grad_enabled()
+                call = KernelByKernelCall(w.spec, ids, self.session() if o.distributed else None, o.tiles,
+                                          self._arenas, o.recompute, grad, trial)
+                return KernelByKernelFunction.apply(*tensors, call)
+            call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session(), trial=trial)
+            return MoEFunction.apply(*tensors, call)
 
     def decision(self, tokens: int, backward: bool | None = None,
                  dtype: torch.dtype | None = None) -> AutoDecision:
@@ -451,18 +472,64 @@ class MoE(nn.Module):
         workers = WorkerCounts.from_hardware(o.rank_hardware)
         return self._decisions.decide(shape, o.tiles, o.hardware, workers, self.session().collectives)
 
-    def _taskflow_options(self, tokens: int, dtype: torch.dtype) -> RegionOptions | None:
-        """The taskflow's options for a call computing in ``dtype``, or None for the
-        kernel-by-kernel path."""
+    def tuned(self, tokens: int, backward: bool | None = None,
+              dtype: torch.dtype | None = None) -> TuneResult | None:
+        """What AUTO's tuning settled on for ``tokens`` tokens per rank (after padding),
+        with the backward when ``backward`` (default: grad mode is on), computing in
+        ``dtype`` (default: the parameters'): the winner, its time, the runner-up, the
+        kernel-by-kernel path's time and the tuning's cost; None while it is still tuning
+        (or the layer does not tune: one process, a fixed schedule, an explicit
+        ``hardware`` model)."""
+        if not self.options.distributed:
+            return None
+        return self._tuner.result(self._tune_key(tokens, backward, dtype))
+
+    def _tune_key(self, tokens: int, backward: bool | None, dtype: torch.dtype | None) -> TuneKey:
+        o = self.options
+        spec = replace(self.spec, dtype=dtype or self.experts.gate_up_proj.dtype)
+        backward = torch.is_grad_enabled() if backward is None else backward
+        network = self.session().config.tuning_network
+        return self._tuner.key(spec, dist.get_world_size(o.group), o.nodes, network, tokens, backward)
+
+    def _choose(self, tokens: int, dtype: torch.dtype) -> tuple[RegionOptions | None, Trial | None]:
+        """The taskflow's options for a call computing in ``dtype`` (None: the
+        kernel-by-kernel path) and the tuning trial it is (None: not tuning).  AUTO with
+        an ep_group and no explicit ``hardware`` measures (``schedule.tune``); otherwise
+        the model decides (``decision``)."""
         o = self.options
         if o.schedule is not SchedulePolicy.AUTO or o.backend is Backend.TRITON:
-            return o
+            return o, None
+        if o.distributed and o.hardware is None:
+            space = Space.around(o.tiles, DEFAULT_TILES, o.nodes)
+            key = self._tune_key(tokens, None, dtype)
+            first = None
+            if key not in self._tuner.results() and saved_profile() is not None:
+                first = self._model_knobs(self.decision(tokens, dtype=dtype).chosen, space)
+            trial = self._tuner.start(key, space, self.session().collectives, first)
+            return self._knob_options(trial.knobs), trial
         chosen = self.decision(tokens, dtype=dtype).chosen
         if chosen.path is not Path.TASKFLOW:
-            return None
+            return None, None
         if o.distributed:
-            return replace(o, schedule=chosen.policy)
-        return replace(o, schedule=None, hardware=None)  # task-id order; AUTO's model has served
+            return replace(o, schedule=chosen.policy), None
+        return replace(o, schedule=None, hardware=None), None  # task-id order; AUTO's model has served
+
+    @staticmethod
+    def _model_knobs(chosen: Candidate, space: Space) -> Knobs:
+        if chosen.path is not Path.TASKFLOW:
+            return KERNEL_BY_KERNEL_KNOBS
+        d = space.default()
+        return replace(d, policy=chosen.policy)
+
+    def _knob_options(self, knobs: Knobs) -> RegionOptions | None:
+        """The options that run ``knobs`` (None: the kernel-by-kernel path); the worker
+        threads are the rank model's (the saved profile's rates, else nominal ones)."""
+        if knobs.path is not Path.TASKFLOW:
+            return None
+        base = saved_profile() or cpu_nominal()
+        w = knobs.workers
+        hw = dataclasses.replace(base, matrix_workers=w.matrix, vector_workers=w.vector)
+        return replace(self.options, schedule=knobs.policy, tiles=knobs.tiles, hardware=hw)
 
     def extra_repr(self) -> str:
         o = self.options
@@ -518,6 +585,7 @@ class RegionCall:
     ids: torch.Tensor
     options: RegionOptions
     session: Session | None = None
+    trial: Trial | None = None  # the tuner's trial of this call: the backward's seconds go into it
 
 
 @dataclass
@@ -536,6 +604,7 @@ class RegionState:
     session: Session | None = None
     device: Any = None  # the triton backend's forward (its arena holds the saved activations)
     nbytes: int = 0
+    trial: Trial | None = None
 
     def saved_bytes(self) -> int:
         """Bytes of the saved activations (the input x excluded)."""
@@ -579,7 +648,7 @@ class MoEFunction(torch.autograd.Function):
         routing = Routing(ids=call.ids, weights=topk_weights)
         run = _dist_forward if call.options.distributed else _virtual_forward
         out, state = run(x, weights, routing, call)
-        tensors, ctx.state = state.pack()
+        tensors, ctx.state = replace(state, trial=call.trial).pack()
         ctx.save_for_backward(*tensors)
         return out
 
@@ -588,7 +657,8 @@ class MoEFunction(torch.autograd.Function):
         state: RegionState = ctx.state.unpack(ctx.saved_tensors)
         dy = dout.to(state.weights.spec.dtype).contiguous()
         run = _dist_backward if state.options.distributed else _virtual_backward
-        g = run(state, dy)
+        with timed(state.trial):
+            g = run(state, dy)
         return g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2, None
 
 

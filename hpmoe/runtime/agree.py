@@ -5,13 +5,15 @@ A rank whose input is bad does not raise at once: it joins the all-gather with a
 flag and its reason (first 256 bytes), so every rank learns of it in the same
 collective and raises ``InputRejected`` ("rank 1 rejected its input: x has NaN at
 row 17").  Otherwise any field on which ranks differ (dtype, tokens, hidden size,
-experts, tiles, region kind, and the weight checksum when it is on) ends every rank
+experts, tiles, region kind, the tuning history's digest, and the weight checksum when
+it is on) ends every rank
 with ``MismatchError`` naming the field and each rank's value.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -50,15 +52,16 @@ class Fingerprint:
     gemm_rows: int
     gemm_cols: int
     weights_crc: int = UNCHECKED
+    tuning: int = 0  # digest of the layer's tuning history (``schedule.tuner.Tuner.digest``)
 
     @staticmethod
     def of(kind: RegionKind, weights: ExpertWeights, tokens: int, tiles: TileSpec,
-           checksum: bool) -> Fingerprint:
+           checksum: bool, tuning: int = 0) -> Fingerprint:
         s = weights.spec
         return Fingerprint(region=_KINDS.index(kind) + 1, dtype=dtype_code(s.dtype), tokens=tokens,
                            hidden=s.hidden, experts=s.experts, top_k=s.top_k, tile_rows=tiles.rows,
                            gemm_rows=tiles.gemm_rows, gemm_cols=tiles.gemm_cols,
-                           weights_crc=weights_checksum(weights) if checksum else UNCHECKED)
+                           weights_crc=weights_checksum(weights) if checksum else UNCHECKED, tuning=tuning)
 
 
 _FIELDS = fields(Fingerprint)
@@ -100,25 +103,29 @@ def mismatch(prints: list[Fingerprint]) -> str | None:
 
 
 def agree(coll: Collectives, what: str, mine: Fingerprint, error: BaseException | None,
-          count: int = 0) -> list[int]:
+          figures: Sequence[int] = ()) -> np.ndarray:
     """Exchange fingerprints and verdicts (collective, under the deadline); raise
     ``InputRejected`` or ``MismatchError`` on every rank when any rank objects.
-    ``count``: a figure ranks may differ on (their token counts), returned per rank."""
-    n = len(_FIELDS)
-    row = np.zeros(2 + n + REASON_BYTES // 8, np.int64)
-    row[0], row[1], row[2:2 + n] = error is not None, count, [getattr(mine, f.name) for f in _FIELDS]
+    ``figures``: numbers ranks may differ on (their token counts, their times of the
+    last call), returned as [world, len(figures)] int64."""
+    n, m = len(_FIELDS), len(figures)
+    row = np.zeros(1 + m + n + REASON_BYTES // 8, np.int64)
+    row[0], row[1:1 + m], row[1 + m:1 + m + n] = error is not None, figures, [getattr(mine, f.name)
+                                                                             for f in _FIELDS]
     if error is not None:
         reason = str(error).encode()[:REASON_BYTES]
-        row[2 + n:].view(np.uint8)[:len(reason)] = np.frombuffer(reason, np.uint8)
+        row[1 + m + n:].view(np.uint8)[:len(reason)] = np.frombuffer(reason, np.uint8)
     table = coll.all_gather(torch.from_numpy(row), what).numpy()
     if table[:, 0].any():
-        reasons = [f"rank {r} rejected its input: {_reason(table[r])}" for r in np.flatnonzero(table[:, 0])]
+        reasons = [f"rank {r} rejected its input: {_reason(table[r, 1 + m + n:])}"
+                   for r in np.flatnonzero(table[:, 0])]
         raise InputRejected("; ".join(reasons)) from error
-    if (table[:, 2:2 + n] != table[0, 2:2 + n]).any():
-        diff = mismatch([Fingerprint(*table[r, 2:2 + n].tolist()) for r in range(coll.world)])
+    prints = table[:, 1 + m:1 + m + n]
+    if (prints != prints[0]).any():
+        diff = mismatch([Fingerprint(*prints[r].tolist()) for r in range(coll.world)])
         raise MismatchError(f"ranks disagree on '{what}': {diff}")
-    return table[:, 1].tolist()
+    return table[:, 1:1 + m]
 
 
-def _reason(row: np.ndarray) -> str:
-    return row[2 + len(_FIELDS):].tobytes().rstrip(b"\0").decode(errors="replace")
+def _reason(tail: np.ndarray) -> str:
+    return tail.tobytes().rstrip(b"\0").decode(errors="replace")

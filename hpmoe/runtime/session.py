@@ -7,12 +7,13 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
 import torch.distributed as dist
 
 from ..spec import TileSpec
@@ -38,7 +39,9 @@ class RuntimeConfig:
     threads: torch intra-op threads per worker.  check_weights: every region's
     agreement includes a checksum of the weights (a debug switch: it reads every
     weight byte per region).  thread_cpu: record each task's worker-thread CPU time
-    (``ExecutorConfig.thread_cpu``)."""
+    (``ExecutorConfig.thread_cpu``).  network: a label for the network between the ranks
+    (e.g. ``1gbit``), part of the key of AUTO's tuned choices (``hpmoe bench --link`` sets
+    it): the same layer on another network is tuned anew."""
 
     transport: TransportKind = TransportKind.SHM
     deadline_s: float = 60.0
@@ -46,11 +49,19 @@ class RuntimeConfig:
     threads: int = 1
     check_weights: bool = False
     thread_cpu: bool = False
+    network: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.network, str):
+            raise TypeError(f"RuntimeConfig.network must be a str, got {self.network!r}")
         if not isinstance(self.transport, TransportKind):
             raise TypeError(f"RuntimeConfig.transport must be a TransportKind, got {self.transport!r}")
         self.executor_config()  # validates deadline_s, poll_s, threads
+
+    @property
+    def tuning_network(self) -> str:
+        """The transport and network of a tuning key: ``shm``, ``dist``, ``dist 1gbit``."""
+        return f"{self.transport.value} {self.network}".strip()
 
     def executor_config(self) -> ExecutorConfig:
         return ExecutorConfig(self.deadline_s, self.poll_s, self.threads, thread_cpu=self.thread_cpu)
@@ -93,15 +104,17 @@ class Session:
         return self.regions
 
     def open_call(self, kind: RegionKind, weights: ExpertWeights, tiles: TileSpec, tokens: int,
-                  error: BaseException | None = None) -> list[int]:
+                  error: BaseException | None = None, figures: Sequence[int] = (),
+                  tuning: int = 0) -> np.ndarray:
         """Open call number ``calls + 1`` of a layer, before any other collective of it:
-        agree on what it is (ranks may hold different numbers of ``tokens``) and on every
+        agree on what it is (ranks may hold different numbers of ``tokens``; ``tuning``:
+        the digest of the layer's tuning history, equal on ranks in step) and on every
         rank's input (``error``: this rank's objection).  Raises as ``agree`` on every
-        rank; returns every rank's token count."""
+        rank; returns [world, 1 + len(figures)]: every rank's token count and ``figures``."""
         self.calls += 1
-        mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights)
+        mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning)
         what = f"{kind.name.lower()} call {self.calls}: agreement"
-        return agree(self.collectives, what, mine, error, tokens)
+        return agree(self.collectives, what, mine, error, (tokens, *figures))
 
     def _make_transport(self, hello: _Hello) -> Transport:
         if self.config.transport is TransportKind.LOCAL:

@@ -1,0 +1,92 @@
+"""AUTO's tuned default path against the exhaustive sweep of its own search space, kernel
+by kernel and the serialized baseline: one `hpmoe bench --sweep` per row, with no cpu
+profile on disk and an empty tuning cache (each row tunes from nothing).
+
+    .venv/bin/python benchmarks/bench_tune.py [--iters 30] [--warmup 3] [--only ROW ...]
+        [--out results.jsonl]
+
+Rows: presets tiny and small x transports shm and dist x 256, 1024 and 4096 tokens per
+rank, and small with 1024 tokens over shaped links of 1gbit and 500mbit (root).  Prints
+a markdown table; per row, by median and by fastest iteration (in brackets):
+default / sweep best (1.00: as fast as the best; the acceptance asks >= 0.95), default
+over kernel by kernel, default over the serialized baseline, and the tuning's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hpmoe.machine import record
+
+ROWS = {f"{p}-{t}-{n}": ["--preset", p, "--transport", t, "--tokens", str(n)]
+        for p in ("tiny", "small") for t in ("shm", "dist") for n in (256, 1024, 4096)}
+ROWS |= {f"small-link-{rate}-1024": ["--preset", "small", "--tokens", "1024", "--link", rate]
+         for rate in ("1gbit", "500mbit")}
+
+
+def bench(argv: list[str], iters: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="hpmoe-bench-tune-") as tmp:
+        env = {**os.environ, "HPMOE_PROFILE": str(Path(tmp) / "no-profile.json"),
+               "HPMOE_TUNE_CACHE": str(Path(tmp) / "tune.json")}
+        cmd = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", "--dtype", "fp32", "--sweep", "--json",
+               "--iters", str(iters), "--warmup", str(warmup), *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def row(name: str, d: dict) -> dict:
+    """The figures of one row: ratios by median and by fastest iteration."""
+    best = d["sweep"][d["sweep_best"]]
+    fastest = min(s["min_ms"] for s in d["sweep"].values())
+    return {"row": name, "winner": d["tune_winner"], "default_ms": d["taskflow_ms"],
+            "default_min_ms": d["taskflow_min_ms"], "sweep_best": d["sweep_best"],
+            "sweep_best_ms": best["ms"],
+            "sweep_fastest_ms": fastest,
+            "vs_best": d["default_over_sweep_best"], "vs_best_fastest": d["default_over_sweep_best_fastest"],
+            "vs_kbk": d["kernel_by_kernel_ms"] / d["taskflow_ms"],
+            "vs_kbk_fastest": d["kernel_by_kernel_min_ms"] / d["taskflow_min_ms"],
+            "vs_serial": d["speedup"], "vs_serial_fastest": d["serial_min_ms"] / d["taskflow_min_ms"],
+            "tune_steps": d["tune_steps"], "tune_seconds": d["tune_seconds"],
+            "max_steps": d["tune_max_steps"],
+            "steal": d.get("host_steal_fraction")}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| row | tuned winner | default / sweep best | over kernel by kernel | over serialized | "
+           "tuning steps (s) |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['row']} | {r['winner']} | {r['vs_best']:.2f} ({r['vs_best_fastest']:.2f}) | "
+                   f"{r['vs_kbk']:.2f}x ({r['vs_kbk_fastest']:.2f}x) | {r['vs_serial']:.2f}x "
+                   f"({r['vs_serial_fastest']:.2f}x) | {r['tune_steps']} ({r['tune_seconds']:.1f}) |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--only", nargs="*", choices=sorted(ROWS), default=None)
+    p.add_argument("--out", default=None, help="append each row's JSON (figures and the bench's report)")
+    args = p.parse_args()
+    record()
+    rows = []
+    for name in args.only or ROWS:
+        report = bench(ROWS[name], args.iters, args.warmup)
+        rows.append(row(name, report))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps({"figures": rows[-1], "report": report}) + "\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

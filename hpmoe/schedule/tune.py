@@ -1,0 +1,370 @@
+"""AUTO by measuring: the ways to run a distributed region (a typed search space), and
+the tuner that runs them on real calls, keeps the slowest rank's time of each and
+commits every rank to the fastest.
+
+Knobs (``Knobs``): the path (the taskflow on the runtime, or kernel by kernel), and for
+the taskflow its scheduling policy, worker threads per rank and tiles (token rows per
+tile and per GEMM tile, dispatch per expert or per rank).  Which knobs change rounding:
+the path and the dispatch mode (``Knobs.rounding``: candidates with the same value
+compute the same bits; tests/test_tune.py checks it).  The tiles' rows do not: every
+task computes whole rows, and a row's result does not depend on which rows share its
+tile.  The bf16 partial sums are not a knob: they trade accuracy, not time alone.
+
+The tuner (``Tuning``, one per ``TuneKey``) is a pure function of the times it is told:
+every rank feeds it the same slowest-rank times (the layer's call agreement carries
+them; the bench all-gathers them), so every rank runs the same candidate at the same
+call and commits the same winner whatever its own clock said.  Order: the candidates
+in ``Space.order`` (the model's choice first where there is one), then the combination
+of every knob change that beat the default on its own.  Each candidate gets
+``Budget.warmup`` calls not scored, then ``Budget.trials`` scored ones (its score: the
+fastest); one scored call slower than ``Budget.slow_factor`` times the best score so
+far drops it.  Every call is a real step whose output is used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+from dataclasses import dataclass, field, replace
+
+from ..ir.schedule import SchedulePolicy, WorkerCounts
+from ..spec import DispatchMode, MoESpec, TileSpec
+from .auto import Path
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One way to run the region: ``path`` and, for the taskflow only, its policy,
+    worker threads per rank and tiles."""
+
+    path: Path
+    policy: SchedulePolicy | None = None
+    workers: WorkerCounts | None = None
+    tiles: TileSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.path not in (Path.TASKFLOW, Path.KERNEL_BY_KERNEL):
+            raise ValueError(f"Knobs.path must be taskflow or kernel-by-kernel, got {self.path!r}")
+        flow = (self.policy, self.workers, self.tiles)
+        if self.path is Path.TASKFLOW:
+            if (not isinstance(self.policy, SchedulePolicy) or self.policy is SchedulePolicy.AUTO
+                    or not isinstance(self.workers, WorkerCounts) or not isinstance(self.tiles, TileSpec)):
+                raise ValueError(f"Knobs {flow!r}: a taskflow needs a concrete SchedulePolicy, "
+                                 "WorkerCounts and a TileSpec")
+        elif flow != (None, None, None):
+            raise ValueError(f"Knobs {flow!r}: the kernel-by-kernel path takes no taskflow knobs")
+
+    @property
+    def name(self) -> str:
+        if self.path is Path.KERNEL_BY_KERNEL:
+            return self.path.value
+        t = self.tiles
+        return (f"taskflow:{self.policy.value} workers {self.workers.matrix},{self.workers.vector} "
+                f"rows {t.rows}/{t.gemm_rows} {t.dispatch.value}")
+
+    @property
+    def rounding(self) -> tuple:
+        """Candidates with equal ``rounding`` compute bitwise-equal results."""
+        if self.path is Path.KERNEL_BY_KERNEL:
+            return (self.path,)
+        return (self.path, self.tiles.dispatch, self.tiles.partial_dtype)
+
+    def to_json(self) -> dict:
+        if self.path is Path.KERNEL_BY_KERNEL:
+            return {"path": self.path.value}
+        t = self.tiles
+        return {"path": self.path.value, "policy": self.policy.value,
+                "workers": [self.workers.matrix, self.workers.vector],
+                "tiles": {"rows": t.rows, "gemm_rows": t.gemm_rows, "gemm_cols": t.gemm_cols,
+                          "gemm_splits": t.gemm_splits, "dispatch": t.dispatch.value}}
+
+    @staticmethod
+    def from_json(doc: dict) -> Knobs:
+        path = Path(doc["path"])
+        if path is Path.KERNEL_BY_KERNEL:
+            return KERNEL_BY_KERNEL_KNOBS
+        t = doc["tiles"]
+        tiles = TileSpec(rows=t["rows"], gemm_rows=t["gemm_rows"], gemm_cols=t["gemm_cols"],
+                         gemm_splits=t["gemm_splits"], dispatch=DispatchMode(t["dispatch"]))
+        return Knobs(path, SchedulePolicy(doc["policy"]), WorkerCounts(*doc["workers"]), tiles)
+
+
+KERNEL_BY_KERNEL_KNOBS = Knobs(Path.KERNEL_BY_KERNEL)
+
+
+@dataclass(frozen=True)
+class Space:
+    """The taskflow's knob values (the first of each: the default) around ``tiles``; the
+    kernel-by-kernel path is always in the space.  ``rows`` sets a tile's token rows and
+    a GEMM tile's rows together; ``fixed_tiles`` keeps ``tiles`` as given (a user's
+    explicit tiling is not tuned)."""
+
+    tiles: TileSpec = TileSpec()
+    policies: tuple[SchedulePolicy, ...] = (SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH)
+    workers: tuple[WorkerCounts, ...] = (WorkerCounts(1, 1), WorkerCounts(1, 2))
+    rows: tuple[int, ...] = (128, 256)
+    dispatch: tuple[DispatchMode, ...] = (DispatchMode.PER_EXPERT, DispatchMode.PER_RANK)
+    fixed_tiles: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("policies", "workers", "rows", "dispatch"):
+            if not getattr(self, name):
+                raise ValueError(f"Space.{name} must hold at least one value")
+        if SchedulePolicy.AUTO in self.policies:
+            raise ValueError("Space.policies must be concrete policies, not AUTO")
+
+    @staticmethod
+    def around(tiles: TileSpec, default_tiles: TileSpec, nodes: int) -> Space:
+        """The space of a layer whose options hold ``tiles``: tiles are tuned only when the
+        user left them at ``default_tiles``, and the dispatch only on one node."""
+        if tiles != default_tiles or nodes > 1:
+            return Space(tiles=tiles, rows=(tiles.rows,), dispatch=(tiles.dispatch,), fixed_tiles=True)
+        return Space(tiles=tiles)
+
+    def _tiles(self, rows: int, dispatch: DispatchMode) -> TileSpec:
+        if self.fixed_tiles:
+            return self.tiles
+        return replace(self.tiles, rows=rows, gemm_rows=rows, dispatch=dispatch)
+
+    def knobs(self, policy: SchedulePolicy, workers: WorkerCounts, rows: int,
+              dispatch: DispatchMode) -> Knobs:
+        return Knobs(Path.TASKFLOW, policy, workers, self._tiles(rows, dispatch))
+
+    def default(self) -> Knobs:
+        return self.knobs(self.policies[0], self.workers[0], self.rows[0], self.dispatch[0])
+
+    def every(self) -> list[Knobs]:
+        """Every candidate (the exhaustive sweep), the kernel-by-kernel path first."""
+        grid = itertools.product(self.policies, self.workers, self.rows, self.dispatch)
+        return [KERNEL_BY_KERNEL_KNOBS, *dict.fromkeys(self.knobs(*values) for values in grid)]
+
+    def order(self, first: Knobs | None = None) -> list[Knobs]:
+        """What the tuner measures, in order: ``first`` (the model's choice) if given, the
+        default taskflow, the kernel-by-kernel path, then the default with one knob changed."""
+        d = self.default()
+        singles = [self.knobs(p, d.workers, d.tiles.rows, d.tiles.dispatch) for p in self.policies[1:]]
+        singles += [self.knobs(d.policy, w, d.tiles.rows, d.tiles.dispatch) for w in self.workers[1:]]
+        singles += [self.knobs(d.policy, d.workers, r, d.tiles.dispatch) for r in self.rows[1:]]
+        singles += [self.knobs(d.policy, d.workers, d.tiles.rows, m) for m in self.dispatch[1:]]
+        head = [first] if first is not None else []
+        return list(dict.fromkeys([*head, d, KERNEL_BY_KERNEL_KNOBS, *singles]))
+
+    def combine(self, wins: list[Knobs]) -> Knobs | None:
+        """The default with every knob that ``wins`` (single changes) changed; None unless
+        two or more changes combine."""
+        flows = [k for k in wins if k.path is Path.TASKFLOW]
+        if len(flows) < 2:
+            return None
+        base = _parts(self.default())
+        pick = dict(base)
+        for k in flows:
+            pick |= {name: value for name, value in _parts(k).items() if value != base[name]}
+        return self.knobs(**pick)
+
+
+def _parts(k: Knobs) -> dict:
+    return {"policy": k.policy, "workers": k.workers, "rows": k.tiles.rows, "dispatch": k.tiles.dispatch}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Calls per candidate: ``warmup`` unscored then ``trials`` scored; a scored call over
+    ``slow_factor`` x the best score so far drops the candidate; at most ``candidates``
+    candidates per key.  Worst case per key: ``max_steps``."""
+
+    warmup: int = 1
+    trials: int = 2
+    slow_factor: float = 2.0
+    candidates: int = 8
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.trials < 1 or self.candidates < 1 or not self.slow_factor > 1.0:
+            raise ValueError(f"Budget{(self.warmup, self.trials, self.slow_factor, self.candidates)}: "
+                             "warmup >= 0, trials >= 1, slow_factor > 1, candidates >= 1")
+
+    @property
+    def max_steps(self) -> int:
+        return self.candidates * (self.warmup + self.trials)
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    """What a tuned choice depends on: the machine (``Machine.fingerprint``), the layer,
+    the EP group (size, nodes, transport), the compute dtype, the tokens per rank rounded
+    up to a power of two, and whether the backward runs too."""
+
+    machine: str
+    moe: str
+    ep: int
+    nodes: int
+    transport: str
+    dtype: str
+    tokens: int
+    backward: bool
+
+    @staticmethod
+    def of(machine: str, moe: MoESpec, ep: int, nodes: int, transport: str, tokens: int,
+           backward: bool) -> TuneKey:
+        layer = (f"H{moe.hidden} F{moe.ffn} E{moe.experts} k{moe.top_k} S{moe.shared_ffn} "
+                 f"{moe.activation.value} {moe.gate.value}")
+        return TuneKey(machine, layer, ep, nodes, transport, str(moe.dtype).removeprefix("torch."),
+                       bucket(tokens), backward)
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def bucket(tokens: int) -> int:
+    """Tokens per rank rounded up to a power of two (0 stays 0)."""
+    return 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """A key's committed choice: the winner and its score (the fastest scored call's
+    slowest-rank seconds), the runner-up, the kernel-by-kernel path's score (None when
+    not measured), the tuning steps and their seconds, and where it came from."""
+
+    winner: Knobs
+    winner_s: float
+    runner_up: Knobs | None
+    runner_up_s: float | None
+    kernel_by_kernel_s: float | None
+    steps: int
+    seconds: float
+    source: str = "measured"  # or "cache"
+
+    @property
+    def gain_over_runner_up(self) -> float:
+        return self.runner_up_s / self.winner_s if self.runner_up_s and self.winner_s > 0 else 1.0
+
+    def describe(self) -> str:
+        parts = [f"{self.winner.name} ({self.source}; {self.winner_s * 1e3:.3f} ms"]
+        if self.runner_up is not None:
+            parts.append(f"runner-up {self.runner_up.name} {self.runner_up_s * 1e3:.3f} ms, "
+                         f"{self.gain_over_runner_up:.2f}x")
+        if self.kernel_by_kernel_s is not None:
+            parts.append(f"kernel by kernel {self.kernel_by_kernel_s * 1e3:.3f} ms")
+        parts.append(f"{self.steps} tuning steps, {self.seconds:.2f} s)")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"winner": self.winner.to_json(), "winner_s": self.winner_s,
+                "runner_up": self.runner_up.to_json() if self.runner_up else None,
+                "runner_up_s": self.runner_up_s, "kernel_by_kernel_s": self.kernel_by_kernel_s,
+                "steps": self.steps, "seconds": self.seconds, "source": self.source}
+
+    @staticmethod
+    def from_json(doc: dict, source: str = "cache") -> TuneResult:
+        up = doc.get("runner_up")
+        return TuneResult(Knobs.from_json(doc["winner"]), float(doc["winner_s"]),
+                          Knobs.from_json(up) if up else None, doc.get("runner_up_s"),
+                          doc.get("kernel_by_kernel_s"), int(doc["steps"]), float(doc["seconds"]), source)
+
+
+@dataclass
+class Tuning:
+    """The search for one key.  ``next()`` names the candidate the next call runs;
+    ``observe(knobs, seconds)`` records a finished call's slowest-rank seconds (calls
+    may finish one behind: a call issued before the previous one's time is known).
+    ``result`` is set once every candidate ran (or was dropped) and every time is in."""
+
+    space: Space
+    budget: Budget = field(default_factory=Budget)
+    first: Knobs | None = None
+    result: TuneResult | None = None
+    steps: int = 0
+    seconds: float = 0.0
+    _order: list[Knobs] = field(default_factory=list)
+    _issued: dict[Knobs, int] = field(default_factory=dict)
+    _seen: dict[Knobs, list[float]] = field(default_factory=dict)
+    _dropped: set[Knobs] = field(default_factory=set)
+    _combined: bool = False
+
+    def __post_init__(self) -> None:
+        self._order = self.space.order(self.first)[:self.budget.candidates]
+
+    @staticmethod
+    def committed(result: TuneResult) -> Tuning:
+        """A tuning that is already done (a cached result)."""
+        return Tuning(Space(), result=result)
+
+    def next(self) -> Knobs:
+        if self.result is not None:
+            return self.result.winner
+        for k in self._order:
+            if k not in self._dropped and self._issued.get(k, 0) < self.budget.warmup + self.budget.trials:
+                self._issued[k] = self._issued.get(k, 0) + 1
+                return k
+        best = self._best()  # waiting for the last time: run the best so far, scored too
+        self._issued[best] = self._issued.get(best, 0) + 1
+        return best
+
+    def observe(self, knobs: Knobs, seconds: float) -> None:
+        if self.result is not None or not math.isfinite(seconds) or seconds < 0:
+            return
+        self.steps += 1
+        self.seconds += seconds
+        seen = self._seen.setdefault(knobs, [])
+        seen.append(seconds)
+        scored = seen[self.budget.warmup:]
+        best = self._best_score()
+        if scored and best is not None and scored[-1] > self.budget.slow_factor * best:
+            self._dropped.add(knobs)
+        self._maybe_combine()
+        if self._pending() == 0 and self._all_issued():
+            self.result = self._result()
+
+    def _score(self, knobs: Knobs) -> float | None:
+        scored = self._seen.get(knobs, [])[self.budget.warmup:]
+        return min(scored) if scored else None
+
+    def _best_score(self) -> float | None:
+        scores = [s for k in self._order if (s := self._score(k)) is not None]
+        return min(scores) if scores else None
+
+    def _best(self) -> Knobs:
+        ranked = self._ranked()
+        return ranked[0] if ranked else self._order[0]
+
+    def _ranked(self) -> list[Knobs]:
+        """Scored candidates, fastest first (ties: the earlier in order)."""
+        scored = [k for k in self._order if self._score(k) is not None]
+        return sorted(scored, key=lambda k: (self._score(k), self._order.index(k)))
+
+    def _pending(self) -> int:
+        return sum(self._issued.values()) - self.steps
+
+    def _all_issued(self) -> bool:
+        need = self.budget.warmup + self.budget.trials
+        return all(k in self._dropped or self._issued.get(k, 0) >= need for k in self._order)
+
+    def _maybe_combine(self) -> None:
+        """Once every single change has its score, queue their combination (the default
+        with every change that beat it), if there is room and it is new."""
+        if self._combined or not self._all_issued() or self._pending():
+            return
+        self._combined = True
+        d = self.space.default()
+        base = self._score(d)
+        wins = [k for k in self._order if k != d and base is not None
+                and (s := self._score(k)) is not None and s < base]
+        both = self.space.combine(wins)
+        if both is not None and both not in self._order and len(self._order) < self.budget.candidates:
+            self._order.append(both)
+
+    def _result(self) -> TuneResult:
+        ranked = self._ranked()
+        if not ranked:  # nothing scored (every time non-finite): the default order's head
+            return TuneResult(self._order[0], math.nan, None, None, None, self.steps, self.seconds)
+        win, up = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        return TuneResult(win, self._score(win), up, self._score(up) if up else None,
+                          self._score(KERNEL_BY_KERNEL_KNOBS), self.steps, self.seconds)
+
+    def digest(self) -> int:
+        """A 31-bit digest of what this tuning has been told (ranks that were told the
+        same times have the same digest): part of every call's agreement."""
+        text = repr((sorted((k.name, v) for k, v in self._seen.items()),
+                     self.result.winner.name if self.result else None))
+        return zlib.crc32(text.encode()) >> 1

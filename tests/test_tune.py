@@ -1,0 +1,260 @@
+"""AUTO by measuring: the tuner against hand-fed times, the cache, and on two ranks the
+agreement on one winner, the cache's reuse and the bits each candidate claims."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpmoe.ir.schedule import SchedulePolicy, WorkerCounts
+from hpmoe.machine import machine
+from hpmoe.nn.layer import MoE
+from hpmoe.schedule.auto import Path
+from hpmoe.schedule.tune import (
+    KERNEL_BY_KERNEL_KNOBS,
+    Budget,
+    Knobs,
+    Space,
+    TuneKey,
+    TuneResult,
+    Tuning,
+    bucket,
+)
+from hpmoe.schedule.tune_cache import CACHE_ENV, TuneCache
+from hpmoe.schedule.tuner import Tuner
+from hpmoe.spec import DispatchMode, TileSpec, preset
+from hpmoe.testing import spawn_gloo
+from hpmoe.weights import ExpertWeights
+
+SPACE = Space()
+
+
+def _feed(tuning: Tuning, seconds: dict[Knobs, float], limit: int = 100) -> list[Knobs]:
+    """Run ``tuning`` to its result on fixed per-candidate times; the candidates it ran."""
+    ran = []
+    while tuning.result is None and len(ran) < limit:
+        k = tuning.next()
+        ran.append(k)
+        tuning.observe(k, seconds[k])
+    return ran
+
+
+def _times(default: float = 1.0, **by_name: float) -> dict[Knobs, float]:
+    return {k: by_name.get(k.name, default) for k in SPACE.every()}
+
+
+def test_the_space_holds_the_kernel_by_kernel_path_and_every_taskflow_combination():
+    every = SPACE.every()
+    assert every[0] == KERNEL_BY_KERNEL_KNOBS and len(every) == 1 + 2 * 2 * 2 * 2 == len(set(every))
+    order = SPACE.order()
+    assert order[:2] == [SPACE.default(), KERNEL_BY_KERNEL_KNOBS] and len(order) == 6
+    assert all(k in every for k in order)
+    for k in every:
+        assert Knobs.from_json(json.loads(json.dumps(k.to_json()))) == k
+
+
+def test_a_user_tiling_is_not_tuned():
+    mine = TileSpec(rows=16, gemm_rows=16, gemm_cols=8)
+    space = Space.around(mine, TileSpec(), nodes=1)
+    assert {k.tiles for k in space.every() if k.path is Path.TASKFLOW} == {mine}
+    assert {k.tiles.dispatch for k in Space.around(TileSpec(), TileSpec(), nodes=2).every()
+            if k.tiles} == {DispatchMode.PER_EXPERT}
+
+
+def test_knobs_are_checked():
+    with pytest.raises(ValueError, match="concrete SchedulePolicy"):
+        Knobs(Path.TASKFLOW, SchedulePolicy.AUTO, WorkerCounts(1, 1), TileSpec())
+    with pytest.raises(ValueError, match="takes no taskflow knobs"):
+        Knobs(Path.KERNEL_BY_KERNEL, SchedulePolicy.SERIAL)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        Budget(trials=0)
+
+
+def test_the_fastest_wins_warm_up_calls_are_not_scored_and_the_budget_holds():
+    fast = SPACE.knobs(SchedulePolicy.HYPERPARALLEL, WorkerCounts(1, 2), 128, DispatchMode.PER_EXPERT)
+    times = _times(1.0, **{fast.name: 0.5, KERNEL_BY_KERNEL_KNOBS.name: 0.8})
+    tuning, seen, ran = Tuning(SPACE), set(), []
+    while tuning.result is None:
+        k = tuning.next()
+        ran.append(k)
+        tuning.observe(k, times[k] if k in seen else 50.0)  # a first call is slow: not scored
+        seen.add(k)
+    r = tuning.result
+    assert r.winner == fast and r.winner_s == 0.5 and r.runner_up == KERNEL_BY_KERNEL_KNOBS
+    assert r.kernel_by_kernel_s == 0.8 and r.gain_over_runner_up == pytest.approx(1.6)
+    assert r.steps == len(ran) <= Budget().max_steps
+    assert tuning.next() == fast  # settled: the winner from now on
+
+
+def test_a_candidate_slower_than_twice_the_best_is_dropped_after_one_scored_call():
+    slow = SPACE.knobs(SchedulePolicy.CRITICAL_PATH, WorkerCounts(1, 1), 128, DispatchMode.PER_EXPERT)
+    ran = _feed(Tuning(SPACE), _times(1.0, **{slow.name: 2.5}))
+    assert ran.count(slow) == 2  # one warm-up, one scored call, dropped
+    assert ran.count(SPACE.default()) == 3
+
+
+def test_single_changes_that_win_are_combined():
+    d = SPACE.default()
+    rows = SPACE.knobs(d.policy, d.workers, 256, d.tiles.dispatch)
+    rank = SPACE.knobs(d.policy, d.workers, 128, DispatchMode.PER_RANK)
+    both = SPACE.knobs(d.policy, d.workers, 256, DispatchMode.PER_RANK)
+    ran = _feed(Tuning(SPACE), _times(1.0, **{rows.name: 0.9, rank.name: 0.8, both.name: 0.6}))
+    assert both in ran and ran[-1] == both
+
+
+def test_a_model_choice_is_measured_first_and_times_told_alike_give_one_result():
+    first = SPACE.knobs(SchedulePolicy.CRITICAL_PATH, WorkerCounts(1, 1), 256, DispatchMode.PER_RANK)
+    a, b = Tuning(SPACE, first=first), Tuning(SPACE, first=first)
+    times = _times(1.0, **{first.name: 0.7})
+    assert _feed(a, times) == _feed(b, times)
+    assert a.next() == first and a.result == b.result and a.digest() == b.digest()
+    assert a.digest() != Tuning(SPACE).digest()
+
+
+def test_token_counts_share_a_key_per_power_of_two():
+    assert [bucket(n) for n in (0, 1, 2, 3, 5, 1024, 1025)] == [0, 1, 2, 4, 8, 1024, 2048]
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def _key(**changes) -> TuneKey:
+    base = TuneKey.of("cpu A | AVX2 | 2 cores", preset("tiny"), 2, 1, "shm", 300, True)
+    return TuneKey(**(vars(base) | changes))
+
+
+RESULT = TuneResult(KERNEL_BY_KERNEL_KNOBS, 0.01, SPACE.default(), 0.02, 0.01, 12, 0.3)
+VERSIONS = {"hpmoe": "1", "torch": "2.13.0", "triton": None}
+
+
+def test_the_cache_returns_its_entry_and_ignores_stale_ones_with_a_note(tmp_path):
+    cache = TuneCache(tmp_path / "tune.json")
+    assert cache.lookup(_key(), VERSIONS).result is None
+    cache.store(_key(), VERSIONS, RESULT)
+    hit = cache.lookup(_key(), VERSIONS)
+    assert hit.result.winner == RESULT.winner and hit.result.source == "cache" and hit.note is None
+    stale = cache.lookup(_key(), VERSIONS | {"torch": "2.14.0"})
+    assert stale.result is None and "torch 2.13.0" in stale.note and "torch 2.14.0" in stale.note
+    other = cache.lookup(_key(machine="cpu B | AVX512 | 8 cores"), VERSIONS)
+    assert other.result is None and "another machine (cpu A" in other.note
+    assert cache.lookup(_key(tokens=1024), VERSIONS) == type(hit)(None, None)  # another shape: no note
+    cache.store(_key(), VERSIONS, RESULT)  # replaces, does not add
+    assert len(cache.entries()) == 1
+
+
+def test_a_damaged_cache_file_is_named(tmp_path):
+    path = tmp_path / "tune.json"
+    path.write_text('{"format": 1, "entries": [{"key": {}}]}')
+    with pytest.raises(ValueError, match=CACHE_ENV):
+        TuneCache(path).lookup(_key(), VERSIONS)
+
+
+# ---------------------------------------------------------------------------- ranks
+
+TOKENS = 300  # per rank: more than one tile of 128 and of 256 rows
+
+
+def _layer_steps(rank, world, steps, skew):
+    """``steps`` forward/backward steps of an AUTO layer; with ``skew`` each rank's clock
+    disagrees: rank 0 reports every taskflow call a second slower, rank 1 every
+    kernel-by-kernel call (alone, each would pick the other's loser)."""
+    if skew:
+        report = Tuner.report
+
+        def skewed(self):
+            trial = self._open
+            if trial is not None and (trial.knobs.path is Path.KERNEL_BY_KERNEL) == (rank == 1):
+                trial.seconds += 1.0
+            return report(self)
+
+        Tuner.report = skewed
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(TOKENS, spec.hidden, generator=g, requires_grad=True)
+    outs = []
+    for _ in range(steps):
+        layer.zero_grad()
+        x.grad = None
+        out = layer(x)
+        out.backward(torch.ones_like(out))
+        outs.append((out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    result = layer.tuned(TOKENS, backward=True)
+    history = {k.name: v for t in layer._tuner._keys.values() for k, v in t._seen.items()}
+    layer.close()
+    return result, history, outs
+
+
+def test_ranks_commit_to_one_winner_even_when_their_clocks_disagree():
+    results = spawn_gloo(_layer_steps, 2, Budget().max_steps + 2, True, timeout=300)
+    (r0, h0, _), (r1, h1, _) = results
+    assert r0 is not None and r0 == r1 and h0 == h1  # the same history: every rank's max
+    assert r0.winner_s > 1.0  # the slowest rank's clock: every candidate carries a skewed second
+
+
+def test_a_stale_entry_is_ignored_and_a_second_process_reuses_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "tune.json"))
+    key = Tuner().key(preset("tiny"), 2, 1, "shm", TOKENS, True)
+    TuneCache().store(key, machine().versions() | {"torch": "0.0"}, RESULT)  # measured with another torch
+    first, _, _ = spawn_gloo(_layer_steps, 2, Budget().max_steps + 2, False, timeout=300)[0]
+    assert first is not None and first.source == "measured"
+    entry = [e for e in TuneCache().entries() if e.versions == machine().versions()]
+    assert len(entry) == 1 and entry[0].key == key and len(TuneCache().entries()) == 2
+    again, history, _ = spawn_gloo(_layer_steps, 2, 2, False, timeout=300)[0]
+    assert again.source == "cache" and again.winner == first.winner and history == {}
+
+
+def _pinned_steps(rank, world, knobs_docs, folder):
+    """One step of an AUTO layer per knobs, its cache naming them the winner."""
+    spec, out = preset("tiny"), []
+    key = Tuner().key(spec, world, 1, "shm", TOKENS, True)
+    for i, doc in enumerate(knobs_docs):
+        os.environ[CACHE_ENV] = os.path.join(folder, f"tune-{i}.json")
+        if rank == 0:
+            pinned = TuneResult(Knobs.from_json(doc), 1.0, None, None, None, 0, 0.0)
+            TuneCache().store(key, machine().versions(), pinned)
+        dist.barrier()
+        out.append(_layer_steps(rank, world, 1, False)[2][0])
+    return out
+
+
+def test_candidates_that_claim_the_same_rounding_compute_the_same_bits(tmp_path):
+    every = SPACE.every()
+    runs = spawn_gloo(_pinned_steps, 2, [k.to_json() for k in every], str(tmp_path), timeout=300)
+    by_rounding: dict[tuple, list] = {}
+    for i, knobs in enumerate(every):
+        by_rounding.setdefault(knobs.rounding, []).append((knobs.name, [runs[r][i] for r in (0, 1)]))
+    assert len(by_rounding) == 3  # kernel by kernel; taskflow per expert; taskflow per rank
+    for group in by_rounding.values():
+        (name0, ref), rest = group[0], group[1:]
+        for name, got in rest:
+            for rank in (0, 1):
+                assert torch.equal(got[rank][0], ref[rank][0]), (name, name0, "out")
+                assert torch.equal(got[rank][1], ref[rank][1]), (name, name0, "dx")
+                for p, grad in ref[rank][2].items():
+                    assert torch.equal(got[rank][2][p], grad), (name, name0, p)
+
+
+def _hpmoe(*argv: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "hpmoe", *argv], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_hpmoe_tune_saves_a_choice_that_bench_reuses_without_tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "tune.json"))
+    layer = ["--ep", "2", "--preset", "tiny", "--tokens", "64", "--dtype", "fp32", "--deadline", "30",
+             "--json"]
+    tuned = json.loads(_hpmoe("tune", *layer, "--forward-only").stdout.splitlines()[-1])["tuned"][0]
+    assert tuned["source"] == "measured" and 0 < tuned["steps"] <= Budget().max_steps
+    report = json.loads(_hpmoe("bench", *layer, "--iters", "2", "--warmup", "1").stdout.splitlines()[-1])
+    assert report["tune_source"] == "cache" and report["tune_steps"] == 0
+    assert report["tune_winner"] == Knobs.from_json(tuned["winner"]).name
+    shown = _hpmoe("tune", "--show").stdout
+    assert "1 entries" in shown and f"| {report['tune_winner']} |" in shown and "| yes |" in shown
