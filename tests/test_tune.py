@@ -3,6 +3,7 @@ agreement on one winner, the cache's reuse and the bits each candidate claims.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -258,3 +259,27 @@ def test_hpmoe_tune_saves_a_choice_that_bench_reuses_without_tuning(tmp_path, mo
     assert report["tune_winner"] == Knobs.from_json(tuned["winner"]).name
     shown = _hpmoe("tune", "--show").stdout
     assert "1 entries" in shown and f"| {report['tune_winner']} |" in shown and "| yes |" in shown
+
+
+def _first_tried(rank, world, profile):
+    os.environ["HPMOE_PROFILE"] = profile
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)
+    x = torch.randn(TOKENS, spec.hidden)
+    with torch.no_grad():
+        for _ in range(2):  # the second call's agreement carries the first's time
+            layer(x)
+    tuning = next(iter(layer._tuner._keys.values()))
+    chosen = layer.decision(TOKENS, backward=False).chosen
+    layer.close()
+    return next(iter(tuning._seen)), chosen
+
+
+def test_with_a_saved_profile_the_model_choice_is_measured_first(tmp_path):
+    from hpmoe.sim.hardware import save_profile
+
+    from .handmade import UNIT_HW
+
+    profile = save_profile(dataclasses.replace(UNIT_HW, name="cpu"), tmp_path / "cpu.json")
+    for first, chosen in spawn_gloo(_first_tried, 2, str(profile), timeout=120):
+        assert first.path is chosen.path and (first.policy is None or first.policy is chosen.policy)

@@ -290,7 +290,7 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     session.board.enter("bench: decision")
     decision = _decide(warm, models, policies, group) if config.policy is SchedulePolicy.AUTO else None
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
-    tuned = None
+    tuned, aliases = None, {}  # aliases: a sweep candidate that already runs as a variant is not run twice
     if config.policy is SchedulePolicy.AUTO:
         first = _model_knobs(decision, config.tiles) if models is not None else None
         knob = KnobCalls(config, session, data, hardware, every[Variant.KERNEL_BY_KERNEL.value])
@@ -299,7 +299,9 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
         chosen, calls[Variant.RUNTIME.value] = flow.policy, knob(flow)
         default = Variant.RUNTIME if tuned.result.winner.path is Path.TASKFLOW else Variant.KERNEL_BY_KERNEL
         if config.sweep:
-            calls |= {sweep_name(k): knob(k) for k in tuned.space.every()}
+            aliases = {sweep_name(KERNEL_BY_KERNEL_KNOBS): Variant.KERNEL_BY_KERNEL.value,
+                       sweep_name(flow): Variant.RUNTIME.value}
+            calls |= {sweep_name(k): knob(k) for k in tuned.space.every() if sweep_name(k) not in aliases}
     else:
         chosen = policies[0]
         calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
@@ -309,6 +311,8 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     samples = timed_loop(config.iters, calls, session, "iteration", probe)
     steal = steal_fraction(ticks, host_ticks())
     samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
+    for name, to in aliases.items():
+        samples.alias(name, to)
     session.board.enter("bench: report")
     return build_report(config, chosen, samples, models, decision, group, note, probe,
                         _max_or_none(steal, group), tuned)

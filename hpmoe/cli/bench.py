@@ -204,7 +204,7 @@ def summary(doc: dict) -> str:
                 f"{doc[f'{name}_p75_ms']:.3f}, {doc['iters']} iterations)")
 
     link = f", link {doc['link']}" if doc.get("link") else ""
-    ran = f"AUTO chose {doc['tune_winner']}" if doc.get("tune_winner") else \
+    ran = f"AUTO's choice, {doc['tune_winner']}" if doc.get("tune_winner") else \
         f"the {doc['schedule']} schedule on the runtime"
     steps = ", ".join(f"{k} {doc[f'runtime_taskflow_{k}_ms']:.3f}" for k in STEP_NAMES)
     lines = [

@@ -49,7 +49,7 @@ from ..regions.backward_kernels import SavedActivations
 from ..regions.base import RegionKind
 from ..regions.dedup_backward_kernels import DedupSaved
 from ..routing import Routing, RoutingPlan, input_error, route
-from ..schedule.auto import AutoDecision, Candidate, DecisionCache, Path, RoutingShape, saved_profile
+from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
 from ..schedule.tune import KERNEL_BY_KERNEL_KNOBS, Knobs, Space, TuneKey, TuneResult
 from ..schedule.tuner import Trial, Tuner, timed
 from ..sim.hardware import HardwareModel, cpu_nominal
@@ -252,6 +252,8 @@ class RegionOptions:
 
 # ---------------------------------------------------------------------------- module
 
+_UNREAD = object()  # a layer's saved profile before it is read
+
 
 class MoE(nn.Module):
     """A routed + shared MoE-FFN layer whose region runs as tile taskflows.
@@ -301,6 +303,7 @@ class MoE(nn.Module):
         self._owns_session = False
         self._decisions = DecisionCache()
         self._tuner = Tuner()
+        self._profile: Any = _UNREAD
         self._arenas = ArenaPool()
 
     @classmethod
@@ -502,9 +505,7 @@ class MoE(nn.Module):
         if o.distributed and o.hardware is None:
             space = Space.around(o.tiles, DEFAULT_TILES, o.nodes)
             key = self._tune_key(tokens, None, dtype)
-            first = None
-            if key not in self._tuner.results() and saved_profile() is not None:
-                first = self._model_knobs(self.decision(tokens, dtype=dtype).chosen, space)
+            first = None if self._tuner.knows(key) else self._model_first(tokens, dtype, space)
             trial = self._tuner.start(key, space, self.session().collectives, first)
             return self._knob_options(trial.knobs), trial
         chosen = self.decision(tokens, dtype=dtype).chosen
@@ -514,19 +515,28 @@ class MoE(nn.Module):
             return replace(o, schedule=chosen.policy), None
         return replace(o, schedule=None, hardware=None), None  # task-id order; AUTO's model has served
 
-    @staticmethod
-    def _model_knobs(chosen: Candidate, space: Space) -> Knobs:
+    def _model_first(self, tokens: int, dtype: torch.dtype, space: Space) -> Knobs | None:
+        """What the saved profile forecasts fastest (the tuner measures it first); None
+        without one."""
+        if self._rank_model() is None:
+            return None
+        chosen = self.decision(tokens, dtype=dtype).chosen
         if chosen.path is not Path.TASKFLOW:
             return KERNEL_BY_KERNEL_KNOBS
-        d = space.default()
-        return replace(d, policy=chosen.policy)
+        return replace(space.default(), policy=chosen.policy)
+
+    def _rank_model(self) -> HardwareModel | None:
+        """The saved cpu profile, read once per layer (None when there is none)."""
+        if self._profile is _UNREAD:
+            self._profile = saved_profile()
+        return self._profile
 
     def _knob_options(self, knobs: Knobs) -> RegionOptions | None:
         """The options that run ``knobs`` (None: the kernel-by-kernel path); the worker
         threads are the rank model's (the saved profile's rates, else nominal ones)."""
         if knobs.path is not Path.TASKFLOW:
             return None
-        base = saved_profile() or cpu_nominal()
+        base = self._rank_model() or cpu_nominal()
         w = knobs.workers
         hw = dataclasses.replace(base, matrix_workers=w.matrix, vector_workers=w.vector)
         return replace(self.options, schedule=knobs.policy, tiles=knobs.tiles, hardware=hw)

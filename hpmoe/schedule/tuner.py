@@ -113,6 +113,10 @@ class Tuner:
         self._open = Trial(self._calls, key, self._keys[key].next())
         return self._open
 
+    def knows(self, key: TuneKey) -> bool:
+        """Whether a call of ``key`` has started (its tuning exists)."""
+        return key in self._keys
+
     def result(self, key: TuneKey) -> TuneResult | None:
         tuning = self._keys.get(key)
         return tuning.result if tuning is not None else None
