@@ -35,6 +35,7 @@ from ..exec.kernel_by_kernel import kbk_forward
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..launch.netns import LinkSpec
 from ..machine import machine
+from ..placement import place_on_load
 from ..refs import serialized_ep_forward
 from ..routing import Routing, RoutingKind, synthetic_routing
 from ..runtime.collective import CollectiveError
@@ -97,6 +98,7 @@ class BenchConfig:
     cache_schedules: bool = False
     fault: Fault | None = None
     sweep: bool = False  # also time every candidate of the tuning space (``schedule.tune.Space.every``)
+    balance: int | None = None  # redundant slots of a placement planned on the batch's load (0: re-pack only)
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.iters <= 0:
@@ -114,16 +116,21 @@ class Inputs:
 
 
 def make_inputs(config: BenchConfig, world: int, rank: int) -> Inputs:
-    """The same global batch on every rank (from ``config.seed``); this rank's slice."""
+    """The same global batch on every rank (from ``config.seed``); this rank's slice.
+    Under ``config.balance`` the routing and weights are the physical layer's (one expert
+    per slot of the placement planned on this batch's load)."""
     moe, t = config.moe, config.tokens
     par = ParallelSpec(ep=world, tokens_per_rank=t)
     par.local_experts(moe)
     g = torch.Generator().manual_seed(config.seed)
     x = torch.randn(world * t, moe.hidden, generator=g).to(moe.dtype)
+    weights = ExpertWeights.random(moe, seed=config.seed)
     r = synthetic_routing(config.routing, moe, par, seed=config.seed)
+    if config.balance is not None:
+        r, _, placement = place_on_load(r, moe, par, config.balance)
+        weights = placement.physical_weights(weights)
     mine = slice(rank * t, (rank + 1) * t)
     routing = Routing(r.ids[mine].contiguous(), r.weights[mine].contiguous())
-    weights = ExpertWeights.random(moe, seed=config.seed)
     return Inputs(x=x[mine].contiguous(), routing=routing, weights=weights)
 
 
@@ -367,17 +374,19 @@ class Tuned:
         return out | ({"tune_note": "; ".join(self.notes)} if self.notes else {})
 
 
-def bench_key(config: BenchConfig, world: int) -> TuneKey:
-    """The tuning key of a bench (forward only; its shaped link is the runtime's network)."""
-    return TuneKey.of(machine().fingerprint(), config.moe, world, 1, config.runtime.tuning_network,
-                      config.tokens, False)
+def bench_key(config: BenchConfig, moe: MoESpec, world: int) -> TuneKey:
+    """The tuning key of a bench of layer ``moe`` (forward only; its shaped link is the
+    runtime's network)."""
+    return TuneKey.of(machine().fingerprint(), moe, world, 1, config.runtime.tuning_network, config.tokens,
+                      False)
 
 
 def tune(config: BenchConfig, session: Session, knob: KnobCalls, first: Knobs | None = None,
          use_cache: bool = True) -> Tuned:
     """AUTO's tuning of the bench's forward (collective): the cached choice (group rank
     0's cache) or ``schedule.tune.Tuning`` fed each step's slowest-rank seconds."""
-    key, space = bench_key(config, session.world), Space.around(config.tiles, TileSpec(), 1)
+    key = bench_key(config, knob.data.weights.spec, session.world)
+    space = Space.around(config.tiles, TileSpec(), 1)
     notes: list[str] = []
     cached = None
     if use_cache:

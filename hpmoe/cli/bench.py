@@ -32,11 +32,11 @@ from ..runtime.transport.base import TransportKind
 from ..runtime.transport.segment import SegmentError
 from ..sim.trace import write_gantt, write_trace
 from ..spec import TileSpec, preset
-from .common import DTYPES, add_layer_args, dtype_choice, emit, require_plotting
+from .common import DTYPES, add_layer_args, balance_redundant, dtype_choice, emit, require_plotting
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
             "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
-            "trace", "link")
+            "trace", "link", "balance")
 _FLAGS = ("json", "predict", "cache_schedules", "sweep")
 
 
@@ -106,7 +106,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, iters=args.iters,
         link=LinkSpec(args.link) if args.link else None, predict=args.predict,
         cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None,
-        sweep=args.sweep)
+        sweep=args.sweep, balance=balance_redundant(args.balance))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,7 +186,7 @@ def _print(args: argparse.Namespace, config: BenchConfig, report: BenchReport, w
     head = {"preset": args.preset, "tokens_per_rank": args.tokens, "routing": args.routing,
             "dtype": dtype, "dtype_auto": why, "machine": machine().to_json(),
             "transport": config.runtime.transport.value,
-            "link": args.link, "workers": args.workers, "threads": args.threads,
+            "link": args.link, "balance": args.balance, "workers": args.workers, "threads": args.threads,
             "warmup": args.warmup, "iters": args.iters}
     layer = f"{args.preset}, EP {report.ep}, {args.tokens} tokens/rank, {dtype}"
     files = _write_traces(Path(args.trace), report, layer) if args.trace else {}

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..machine import default_cpu_dtype
-from ..routing import RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
+from ..placement import Placement, place_on_load
+from ..routing import Routing, RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
 from ..spec import PRESETS, DispatchMode, MoESpec, ParallelSpec, TileSpec, preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -38,12 +39,17 @@ def add_layer_args(p: argparse.ArgumentParser, tokens: int = 4096, ep: int = 8) 
                         "per-node: per (token, node) between nodes through a relay (--nodes)")
     p.add_argument("--partial-dtype", default="fp32", choices=sorted(DTYPES),
                    help="wire dtype of the per-rank partial sums (--dispatch per-rank, per-node)")
+    p.add_argument("--balance", default="none", metavar="none|migrate|replicate:R",
+                   help="expert placement planned on the routing's own per-expert load (hpmoe.placement): "
+                        "migrate re-packs the experts onto ranks, replicate:R also adds R replicas of the "
+                        "most loaded ones")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 @dataclass(frozen=True)
 class Layer:
-    """What the layer arguments describe."""
+    """What the layer arguments describe; with a placement, ``moe`` and ``plan`` are the
+    physical layer's (one expert per slot)."""
 
     moe: MoESpec
     par: ParallelSpec
@@ -51,6 +57,28 @@ class Layer:
     routing: RoutingKind
     plan: RoutingPlan
     ranks_per_token: float  # mean distinct ranks a token's top-k experts live on
+    placement: Placement | None = None
+
+
+def balance_redundant(text: str) -> int | None:
+    """``--balance``: None (no placement), or the redundant slots (0 for ``migrate``)."""
+    if text == "none":
+        return None
+    if text == "migrate":
+        return 0
+    kind, _, count = text.partition(":")
+    if kind != "replicate" or not count.isdigit() or int(count) <= 0:
+        raise ValueError(f"--balance={text!r} must be none, migrate or replicate:R with R > 0")
+    return int(count)
+
+
+def placed(text: str, routing: Routing, moe: MoESpec,
+           par: ParallelSpec) -> tuple[Routing, MoESpec, Placement | None]:
+    """The routing and layer the region computes under ``--balance`` (``place_on_load``)."""
+    redundant = balance_redundant(text)
+    if redundant is None:
+        return routing, moe, None
+    return place_on_load(routing, moe, par, redundant)
 
 
 def dtype_choice(name: str, on_this_cpu: bool) -> tuple[str, str | None]:
@@ -70,12 +98,13 @@ def layer_from_args(args: argparse.Namespace) -> Layer:
     par = ParallelSpec(ep=args.ep, tokens_per_rank=args.tokens, nodes=args.nodes)
     par.local_experts(moe)
     kind = RoutingKind(args.routing)
-    routing = synthetic_routing(kind, moe, par, seed=args.seed)
+    drawn = synthetic_routing(kind, moe, par, seed=args.seed)
+    routing, moe, placement = placed(getattr(args, "balance", "none"), drawn, moe, par)
     tiles = TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols,
                      dispatch=DispatchMode(getattr(args, "dispatch", DispatchMode.PER_EXPERT.value)),
                      partial_dtype=DTYPES[getattr(args, "partial_dtype", "fp32")])
     return Layer(moe=moe, par=par, tiles=tiles, routing=kind, plan=plan_routing(routing.ids, moe, par),
-                 ranks_per_token=ranks_per_token(routing.ids, moe, par))
+                 ranks_per_token=ranks_per_token(routing.ids, moe, par), placement=placement)
 
 
 def require_plotting(what: str) -> None:

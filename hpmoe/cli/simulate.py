@@ -129,6 +129,8 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
         "candidate": sim.schedule.candidate or args.schedule,
         "tiles": {"rows": tiles.rows, "gemm_rows": tiles.gemm_rows, "gemm_cols": tiles.gemm_cols},
         "nodes": sim.layer.par.nodes,
+        "balance": getattr(args, "balance", "none"),
+        "expert_slots": sim.layer.moe.experts,
         "ranks_per_token": round(sim.layer.ranks_per_token, 4),
         "dispatch": tiles.dispatch.value,
         "link_bytes": link_bytes_per_rank(sim.graph),

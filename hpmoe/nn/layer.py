@@ -35,6 +35,7 @@ import dataclasses
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,6 +46,7 @@ from ..exec.exact import DEFAULT_TILES, execute_forward
 from ..exec.exact_backward import Gradients, execute_backward, execute_backward_dedup
 from ..exec.kernel_by_kernel import KernelByKernelCall, KernelByKernelFunction
 from ..ir.schedule import SchedulePolicy, WorkerCounts
+from ..placement import Placement, plan_placement, rank_loads
 from ..regions.backward_kernels import SavedActivations
 from ..regions.base import RegionKind
 from ..regions.dedup_backward_kernels import DedupSaved
@@ -147,6 +149,8 @@ class RegionOptions:
       it); only ``DispatchMode.PER_NODE`` relays between them.
     runtime: ``RuntimeConfig`` of the session the layer opens.
     hardware: the cost model of AUTO and of the CRITICAL_PATH scheduler.
+    rebalance_every: every that many training calls (grad mode on), ``MoE.rebalance``
+      with ``redundant`` extra replicas (0: never; a collective over the ep_group).
     backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
       persistent Triton kernel on the input's device; ``schedule`` is then a
       ``SchedulePolicy``, AUTO and None meaning HYPERPARALLEL).
@@ -161,9 +165,15 @@ class RegionOptions:
     hardware: HardwareModel | None = None
     backend: Backend | str = Backend.EXACT
     nodes: int = 1
+    rebalance_every: int = 0
+    redundant: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", as_backend(self.backend))
+        for name in ("rebalance_every", "redundant"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.virtual_ep, int) or isinstance(self.virtual_ep, bool) or self.virtual_ep <= 0:
             raise ValueError(f"virtual_ep must be a positive int, got {self.virtual_ep!r}")
         if not isinstance(self.recompute, bool):
@@ -253,6 +263,8 @@ class RegionOptions:
 # ---------------------------------------------------------------------------- module
 
 _UNREAD = object()  # a layer's saved profile before it is read
+LOAD_DECAY = 0.9  # of the measured per-expert load, per call
+MIN_REBALANCE_GAIN = 1.05  # a new placement must lower the busiest rank's predicted load this much
 
 
 class MoE(nn.Module):
@@ -274,7 +286,7 @@ class MoE(nn.Module):
                  schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO, recompute: bool = False,
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
                  hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact",
-                 nodes: int = 1):
+                 nodes: int = 1, rebalance_every: int = 0, redundant: int = 0):
         super().__init__()
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
@@ -289,7 +301,7 @@ class MoE(nn.Module):
         self.shared_experts = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
         self._setup(spec, None, "shared_experts" if fs else None,
                     RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware,
-                                  backend, nodes))
+                                  backend, nodes, rebalance_every, redundant))
 
     def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
                options: RegionOptions) -> None:
@@ -303,6 +315,9 @@ class MoE(nn.Module):
         self._owns_session = False
         self._decisions = DecisionCache()
         self._tuner = Tuner()
+        self._placement: Placement | None = None
+        self._load = np.zeros(spec.experts)
+        self._calls = 0
         self._profile: Any = _UNREAD
         self._arenas = ArenaPool()
 
@@ -417,11 +432,18 @@ class MoE(nn.Module):
         if dtype != w.spec.dtype:
             w = _cast(w, dtype)
         o, xc, ids, topk_weights = self.options, x.to(dtype), ids.to(torch.int64), topk_weights.float()
+        n = x.shape[0]
         if o.distributed:
-            counts = self._open_call(x.shape[0], w, input_error(xc, Routing(ids, topk_weights), w.spec))
-            padded = max(max(counts), 1)
+            counts = self._open_call(n, w, input_error(xc, Routing(ids, topk_weights), w.spec))
+            padded, rank = max(max(counts), 1), self.session().rank
+            token_rank, first = torch.full((n,), rank), sum(counts[:rank])
         else:
-            padded = max(-(-x.shape[0] // o.virtual_ep), 1) * o.virtual_ep
+            padded = max(-(-n // o.virtual_ep), 1) * o.virtual_ep
+            token_rank, first = torch.arange(n) // (padded // o.virtual_ep), 0
+        self._measure_load(ids)
+        if self._placement is not None:  # the physical layer: one expert per slot
+            ids = self._placement.physical_ids(ids, token_rank, first + torch.arange(n))
+            w = self._placement.physical_weights(w)
         xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
             out = self._run(xp, idp, wp, w)
@@ -434,8 +456,9 @@ class MoE(nn.Module):
         (the tuner's trial).  Every rank raises the same named error when one objects;
         else returns every rank's token count."""
         trial, micros = self._tuner.report()
+        layout = self._placement.digest() if self._placement is not None else 0
         table = self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error,
-                                         (trial, micros), self._tuner.digest())
+                                         (trial, micros), self._tuner.digest(), layout)
         self._tuner.observe(table[:, 1].tolist(), table[:, 2].tolist(), self.session().rank)
         return table[:, 0].tolist()
 
@@ -458,6 +481,67 @@ class MoE(nn.Module):
             call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session(), trial=trial)
             return MoEFunction.apply(*tensors, call)
 
+    # ------------------------------------------------------------------ placement
+
+    @property
+    def placement(self) -> Placement | None:
+        """Which physical slot holds which expert (``hpmoe.placement``); None: expert ``e``
+        on rank ``e // (E / ep)``.  Set it (the same on every rank) or let ``rebalance``
+        plan it; every rank keeps full-size parameters and optimizer state, so a new
+        placement moves nothing."""
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: Placement | None) -> None:
+        o = self.options
+        ranks = dist.get_world_size(o.group) if o.distributed else o.virtual_ep
+        if placement is not None:
+            if not isinstance(placement, Placement):
+                raise TypeError(f"placement must be a Placement, got {type(placement).__name__}")
+            if (placement.experts, placement.ranks, placement.nodes) != (self.spec.experts, ranks, o.nodes):
+                raise ValueError(f"placement is for {placement.experts} experts on {placement.ranks} ranks, "
+                                 f"{placement.nodes} nodes; the layer has {self.spec.experts} experts on "
+                                 f"{ranks} ranks, {o.nodes} nodes")
+            if placement.is_identity:
+                placement = None
+        self._placement = placement
+
+    def expert_load(self) -> np.ndarray:
+        """[E] this rank's measured routed rows per expert: an exponential moving average
+        over calls (``LOAD_DECAY`` per call)."""
+        return self._load.copy()
+
+    def rebalance(self, redundant: int = 0, min_gain: float = MIN_REBALANCE_GAIN) -> Placement | None:
+        """Plan a placement from the measured load of every rank (collective over the
+        ep_group): ``redundant`` extra replicas of the most loaded experts, packed onto
+        ranks (``plan_placement``).  Adopted only when it lowers the busiest rank's
+        predicted load (``rank_loads``) by ``min_gain`` or more; returns the placement in
+        effect."""
+        load = torch.from_numpy(self._load)
+        if self.options.distributed:
+            load = self.session().collectives.all_gather(load, "rebalance: expert load").sum(0)
+        o = self.options
+        ranks = dist.get_world_size(o.group) if o.distributed else o.virtual_ep
+        plan = plan_placement(load.numpy(), ranks, redundant, o.nodes)
+        now = self._placement or Placement.identity(self.spec.experts, ranks, o.nodes)
+        if rank_loads(now, load.numpy()).max() >= min_gain * rank_loads(plan, load.numpy()).max():
+            self.placement = plan
+        return self._placement
+
+    def _measure_load(self, ids: torch.Tensor) -> None:
+        rows = torch.bincount(ids.detach().flatten().cpu(), minlength=self.spec.experts).double().numpy()
+        self._load = LOAD_DECAY * self._load + (1.0 - LOAD_DECAY) * rows
+        self._calls += 1
+        every = self.options.rebalance_every
+        if every and self._calls % every == 0 and torch.is_grad_enabled():
+            self.rebalance(self.options.redundant)
+
+    def _region_spec(self, dtype: torch.dtype | None) -> MoESpec:
+        """The layer the region computes in ``dtype`` (default: the parameters'): one
+        expert per physical slot under a placement."""
+        spec = replace(self.spec, dtype=dtype or self.experts.gate_up_proj.dtype)
+        return self._placement.physical_spec(spec) if self._placement is not None else spec
+
     def decision(self, tokens: int, backward: bool | None = None,
                  dtype: torch.dtype | None = None) -> AutoDecision:
         """AUTO's decision for ``tokens`` tokens per call after padding (this rank's, with
@@ -466,7 +550,7 @@ class MoE(nn.Module):
         Made at the first call of each shape (collective over the ep_group: group rank 0
         forecasts and broadcasts), then cached."""
         o = self.options
-        spec = replace(self.spec, dtype=dtype or self.experts.gate_up_proj.dtype)
+        spec = self._region_spec(dtype)
         backward = torch.is_grad_enabled() if backward is None else backward
         if not o.distributed:
             shape = RoutingShape.one_process(spec, o.virtual_ep, tokens, backward)
@@ -489,7 +573,7 @@ class MoE(nn.Module):
 
     def _tune_key(self, tokens: int, backward: bool | None, dtype: torch.dtype | None) -> TuneKey:
         o = self.options
-        spec = replace(self.spec, dtype=dtype or self.experts.gate_up_proj.dtype)
+        spec = self._region_spec(dtype)
         backward = torch.is_grad_enabled() if backward is None else backward
         network = self.session().config.tuning_network
         return self._tuner.key(spec, dist.get_world_size(o.group), o.nodes, network, tokens, backward)

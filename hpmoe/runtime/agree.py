@@ -5,8 +5,8 @@ A rank whose input is bad does not raise at once: it joins the all-gather with a
 flag and its reason (first 256 bytes), so every rank learns of it in the same
 collective and raises ``InputRejected`` ("rank 1 rejected its input: x has NaN at
 row 17").  Otherwise any field on which ranks differ (dtype, tokens, hidden size,
-experts, tiles, region kind, the tuning history's digest, and the weight checksum when
-it is on) ends every rank
+experts, tiles, region kind, the digests of the tuning history and of the expert
+placement, and the weight checksum when it is on) ends every rank
 with ``MismatchError`` naming the field and each rank's value.
 """
 
@@ -53,15 +53,17 @@ class Fingerprint:
     gemm_cols: int
     weights_crc: int = UNCHECKED
     tuning: int = 0  # digest of the layer's tuning history (``schedule.tuner.Tuner.digest``)
+    placement: int = 0  # digest of the layer's expert placement (``Placement.digest``; 0: none)
 
     @staticmethod
     def of(kind: RegionKind, weights: ExpertWeights, tokens: int, tiles: TileSpec,
-           checksum: bool, tuning: int = 0) -> Fingerprint:
+           checksum: bool, tuning: int = 0, placement: int = 0) -> Fingerprint:
         s = weights.spec
         return Fingerprint(region=_KINDS.index(kind) + 1, dtype=dtype_code(s.dtype), tokens=tokens,
                            hidden=s.hidden, experts=s.experts, top_k=s.top_k, tile_rows=tiles.rows,
                            gemm_rows=tiles.gemm_rows, gemm_cols=tiles.gemm_cols,
-                           weights_crc=weights_checksum(weights) if checksum else UNCHECKED, tuning=tuning)
+                           weights_crc=weights_checksum(weights) if checksum else UNCHECKED, tuning=tuning,
+                           placement=placement)
 
 
 _FIELDS = fields(Fingerprint)

@@ -105,14 +105,15 @@ class Session:
 
     def open_call(self, kind: RegionKind, weights: ExpertWeights, tiles: TileSpec, tokens: int,
                   error: BaseException | None = None, figures: Sequence[int] = (),
-                  tuning: int = 0) -> np.ndarray:
+                  tuning: int = 0, placement: int = 0) -> np.ndarray:
         """Open call number ``calls + 1`` of a layer, before any other collective of it:
-        agree on what it is (ranks may hold different numbers of ``tokens``; ``tuning``:
-        the digest of the layer's tuning history, equal on ranks in step) and on every
+        agree on what it is (ranks may hold different numbers of ``tokens``; ``tuning``
+        and ``placement``: digests of the layer's tuning history and expert placement,
+        equal on ranks in step) and on every
         rank's input (``error``: this rank's objection).  Raises as ``agree`` on every
         rank; returns [world, 1 + len(figures)]: every rank's token count and ``figures``."""
         self.calls += 1
-        mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning)
+        mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning, placement)
         what = f"{kind.name.lower()} call {self.calls}: agreement"
         return agree(self.collectives, what, mine, error, (tokens, *figures))
 

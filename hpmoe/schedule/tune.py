@@ -17,8 +17,10 @@ call and commits the same winner whatever its own clock said.  Order: the candid
 in ``Space.order`` (the model's choice first where there is one), then the combination
 of every knob change that beat the default on its own.  Each candidate gets
 ``Budget.warmup`` calls not scored, then ``Budget.trials`` scored ones (its score: the
-fastest); one scored call slower than ``Budget.slow_factor`` times the best score so
-far drops it.  Every call is a real step whose output is used.
+fastest), in rounds over the candidates (a slow spell of the host, or a candidate's
+cache left warm by its own last call, favours none); one scored call slower than
+``Budget.slow_factor`` times the best score so far drops it.  Every call is a real step
+whose output is used.
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ class Budget:
     candidates per key.  Worst case per key: ``max_steps``."""
 
     warmup: int = 1
-    trials: int = 2
+    trials: int = 3
     slow_factor: float = 2.0
     candidates: int = 8
 
@@ -293,10 +295,12 @@ class Tuning:
     def next(self) -> Knobs:
         if self.result is not None:
             return self.result.winner
-        for k in self._order:
-            if k not in self._dropped and self._issued.get(k, 0) < self.budget.warmup + self.budget.trials:
-                self._issued[k] = self._issued.get(k, 0) + 1
-                return k
+        need = self.budget.warmup + self.budget.trials
+        open_ = [k for k in self._order if k not in self._dropped and self._issued.get(k, 0) < need]
+        if open_:  # round robin: the fewest calls first, so a slow spell of the host spreads over them all
+            k = min(open_, key=lambda c: self._issued.get(c, 0))
+            self._issued[k] = self._issued.get(k, 0) + 1
+            return k
         best = self._best()  # waiting for the last time: run the best so far, scored too
         self._issued[best] = self._issued.get(best, 0) + 1
         return best

@@ -1,0 +1,205 @@
+"""Expert placement as data: which logical expert each physical slot holds, which
+replica each token uses, and the planner that replicates hot experts and packs the
+slots onto ranks (DeepSeek's EPLB: greedy replication of the expert with the highest
+load per replica, then balanced packing; hierarchical over nodes).
+
+A ``Placement`` turns a logical layer into a physical one that every stage reads
+unchanged: ``physical_spec`` (``experts`` = slots), ``physical_ids`` (each (token,
+expert) pair mapped to one replica) and ``physical_weights`` (each slot's weights are
+its logical expert's, gathered differentiably, so autograd sums the replicas' gradients
+into the logical expert's).  Rank ``r`` holds slots ``[r * S, (r + 1) * S)``, as it
+holds experts without a placement.  The identity placement is today's layout.
+
+A token's replica: one on the token's own rank if there is one; else one on its node
+(``nodes`` > 1); else replica ``(token + slot) mod count`` of its expert's replicas — a
+fixed function of the token's global index, so the result never depends on timing.
+Every replica computes the same bits as its logical expert's row would (a row's GEMM
+does not depend on which rows share its tile; tests/test_placement.py checks the output
+and every gradient against the identity placement).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from .routing import Routing
+from .spec import MoESpec, ParallelSpec
+from .weights import ExpertWeights
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``phy2log[s]``: the logical expert physical slot ``s`` holds; ``ranks`` ranks of
+    ``len(phy2log) // ranks`` slots each, ``nodes`` nodes of ``ranks // nodes`` ranks."""
+
+    phy2log: tuple[int, ...]
+    experts: int
+    ranks: int
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        p = len(self.phy2log)
+        if self.ranks <= 0 or p % self.ranks or self.nodes <= 0 or self.ranks % self.nodes:
+            raise ValueError(f"Placement of {p} slots on ranks={self.ranks}, nodes={self.nodes}: ranks must "
+                             "divide the slots and nodes the ranks")
+        held = set(self.phy2log)
+        if held != set(range(self.experts)):
+            missing = sorted(set(range(self.experts)) - held)
+            extra = sorted(held - set(range(self.experts)))
+            raise ValueError(f"Placement.phy2log must hold every expert of 0..{self.experts - 1} and no "
+                             f"other: missing {missing[:8]}, out of range {extra[:8]}")
+
+    @staticmethod
+    def identity(experts: int, ranks: int, nodes: int = 1) -> Placement:
+        return Placement(tuple(range(experts)), experts, ranks, nodes)
+
+    @property
+    def slots(self) -> int:
+        return len(self.phy2log)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.slots // self.ranks
+
+    @property
+    def is_identity(self) -> bool:
+        return self.phy2log == tuple(range(self.experts))
+
+    def digest(self) -> int:
+        """31 bits of ``phy2log`` (part of every call's agreement: ranks must place alike)."""
+        return zlib.crc32(np.array(self.phy2log, np.int64).tobytes()) >> 1
+
+    def replicas(self) -> np.ndarray:
+        """[experts] replicas of each logical expert."""
+        return np.bincount(np.array(self.phy2log), minlength=self.experts)
+
+    def slot_rank(self) -> np.ndarray:
+        """[slots] the rank holding each slot."""
+        return np.arange(self.slots) // self.slots_per_rank
+
+    def physical_spec(self, moe: MoESpec) -> MoESpec:
+        """The layer the region computes: one expert per slot (routing is done: no groups)."""
+        if moe.experts != self.experts:
+            raise ValueError(f"Placement is for {self.experts} experts, the layer has {moe.experts}")
+        return replace(moe, experts=self.slots, groups=1, top_groups=1)
+
+    def physical_ids(self, ids: torch.Tensor, token_rank: torch.Tensor,
+                     token_index: torch.Tensor) -> torch.Tensor:
+        """ids [N, k] logical -> [N, k] physical slots for tokens on ranks ``token_rank``
+        [N] with global indices ``token_index`` [N] (see the module doc)."""
+        if self.is_identity:
+            return ids
+        choices, counts = (torch.as_tensor(t, device=ids.device) for t in self._choices)
+        rank = token_rank.to(ids.device).unsqueeze(1).expand_as(ids)
+        salt = torch.arange(ids.shape[1], device=ids.device)
+        pick = (token_index.to(ids.device).unsqueeze(1) + salt) % counts[ids, rank]
+        return choices[ids, rank, pick]
+
+    @functools.cached_property
+    def _choices(self) -> tuple[np.ndarray, np.ndarray]:
+        """[E, ranks, R] the replicas a token on each rank may use (padded) and [E, ranks]
+        how many: the one on its rank, else those on its node, else all."""
+        where, rpn = self.slot_rank(), self.ranks // self.nodes
+        slots = [[s for s, x in enumerate(self.phy2log) if x == e] for e in range(self.experts)]
+        lists = [[[s for s in mine if where[s] == r][:1] or [s for s in mine if where[s] // rpn == r // rpn]
+                  or mine for r in range(self.ranks)] for mine in slots]
+        width = max(len(c) for row in lists for c in row)
+        choices = np.zeros((self.experts, self.ranks, width), np.int64)
+        counts = np.zeros((self.experts, self.ranks), np.int64)
+        for e, row in enumerate(lists):
+            for r, c in enumerate(row):
+                choices[e, r, :len(c)], counts[e, r] = c, len(c)
+        return choices, counts
+
+    def physical_weights(self, w: ExpertWeights) -> ExpertWeights:
+        """The region's weights: each slot's are its logical expert's (a differentiable
+        gather); the router is done with (``ExpertWeights.routed``)."""
+        index = torch.tensor(self.phy2log, device=w.w13.device)
+        return ExpertWeights.routed(self.physical_spec(w.spec), w.w13.index_select(0, index),
+                                    w.w2.index_select(0, index), w.shared_w13, w.shared_w2)
+
+
+# ---------------------------------------------------------------------------- planner
+
+
+def replicate(load: np.ndarray, slots: int, most: int) -> np.ndarray:
+    """Replicas per expert for ``slots`` slots: one each, then one more for the expert
+    with the highest load per replica until the slots are used (EPLB's greedy), at most
+    ``most`` each (a token uses the replica on its own rank: two on one rank would
+    share its tokens with neither gaining)."""
+    load = np.asarray(load, np.float64)
+    if not len(load) <= slots <= len(load) * most:
+        raise ValueError(f"slots={slots} must be between the {len(load)} experts and {most} replicas of each")
+    counts = np.ones(len(load), np.int64)
+    for _ in range(slots - len(load)):
+        per = np.where(counts < most, load / counts, -1.0)
+        counts[int(np.argmax(per))] += 1
+    return counts
+
+
+def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int = 1) -> Placement:
+    """The placement of ``len(load)`` experts with ``redundant`` extra replicas on ``ranks``
+    ranks (``nodes`` nodes): replicate the most loaded experts (``replicate``), then pack
+    the replicas heaviest first onto the least loaded node, and within it onto the least
+    loaded rank, with a free slot and, where possible, no replica of the same expert
+    (balanced packing, hierarchical over nodes).  Raises ``ValueError`` naming the field
+    when the slots do not divide over the ranks."""
+    load = np.asarray(load, np.float64)
+    experts, slots = len(load), len(load) + redundant
+    if redundant < 0 or ranks <= 0 or slots % ranks or nodes <= 0 or ranks % nodes:
+        raise ValueError(f"redundant={redundant}: the {experts} experts plus the redundant slots must divide "
+                         f"over ranks={ranks} (nodes={nodes} dividing the ranks)")
+    if not np.isfinite(load).all() or (load < 0).any():
+        raise ValueError("load must be finite and >= 0 for every expert")
+    counts = replicate(load, slots, ranks)
+    items = sorted(((load[e] / counts[e], e) for e in range(experts) for _ in range(counts[e])),
+                   key=lambda item: (-item[0], item[1]))
+    per_rank, rpn = slots // ranks, ranks // nodes
+    node_of = _pack(items, nodes, per_rank * rpn)
+    held: list[list[int]] = [[] for _ in range(ranks)]
+    rank_load = np.zeros(ranks)
+    for (share, e), node in zip(items, node_of, strict=True):
+        options = [r for r in range(node * rpn, (node + 1) * rpn) if len(held[r]) < per_rank]
+        fresh = [r for r in options if e not in held[r]] or options
+        r = min(fresh, key=lambda q: (rank_load[q], q))
+        held[r].append(e)
+        rank_load[r] += share
+    return Placement(tuple(e for mine in held for e in sorted(mine)), experts, ranks, nodes)
+
+
+def _pack(items: list[tuple[float, int]], bins: int, capacity: int) -> list[int]:
+    """The bin (node) of each (load, expert) item: heaviest first onto the least loaded
+    bin with room, one not holding that expert yet where there is one."""
+    fill, load, held, out = [0] * bins, np.zeros(bins), [set() for _ in range(bins)], []
+    for share, e in items:
+        room = [b for b in range(bins) if fill[b] < capacity]
+        b = min([b for b in room if e not in held[b]] or room, key=lambda q: (load[q], q))
+        fill[b] += 1
+        load[b] += share
+        held[b].add(e)
+        out.append(b)
+    return out
+
+
+def rank_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
+    """[ranks] each rank's load when an expert's load splits evenly over its replicas."""
+    load = np.asarray(load, np.float64)
+    share = load[list(placement.phy2log)] / placement.replicas()[list(placement.phy2log)]
+    return np.bincount(placement.slot_rank(), weights=share, minlength=placement.ranks)
+
+
+def place_on_load(routing: Routing, moe: MoESpec, par: ParallelSpec,
+                  redundant: int) -> tuple[Routing, MoESpec, Placement]:
+    """A placement planned on ``routing``'s own per-expert load (every rank's tokens, in
+    rank order) and the physical routing and layer under it: what a benchmark or a
+    simulation balances with the load it measures."""
+    load = torch.bincount(routing.ids.flatten(), minlength=moe.experts).double().numpy()
+    placement = plan_placement(load, par.ep, redundant, par.nodes)
+    tokens = torch.arange(routing.ids.shape[0])
+    ids = placement.physical_ids(routing.ids, tokens // par.tokens_per_rank, tokens)
+    return Routing(ids, routing.weights), placement.physical_spec(moe), placement

@@ -1,0 +1,174 @@
+"""Expert placement: the planner against hand-made loads, the token-to-replica rule, and
+layers under a placement against the same layers without one (outputs, every
+gradient, Adam steps with a rebalance in the middle, on virtual and real ranks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpmoe.nn.layer import MoE
+from hpmoe.placement import Placement, plan_placement, rank_loads, replicate
+from hpmoe.spec import preset
+from hpmoe.testing import spawn_gloo
+from hpmoe.weights import ExpertWeights
+
+HOT = np.array([100.0, 1, 1, 1, 1, 1, 1, 1])
+
+
+def test_the_identity_placement_is_every_expert_in_order():
+    p = Placement.identity(8, 2)
+    assert p.is_identity and p.slots_per_rank == 4 and list(p.slot_rank()) == [0] * 4 + [1] * 4
+    ids = torch.tensor([[0, 5], [7, 1]])
+    assert p.physical_ids(ids, torch.tensor([0, 1]), torch.arange(2)) is ids
+
+
+def test_a_placement_must_hold_every_expert_once_at_least_and_divide_over_ranks():
+    with pytest.raises(ValueError, match=r"missing \[3\]"):
+        Placement((0, 1, 2, 2), 4, 2)
+    with pytest.raises(ValueError, match="ranks must divide the slots"):
+        Placement((0, 1, 2), 3, 2)
+    with pytest.raises(ValueError, match="redundant=1"):
+        plan_placement(HOT, 2, 1)
+    with pytest.raises(ValueError, match="finite"):
+        plan_placement(np.array([1.0, np.nan]), 2)
+
+
+def test_the_planner_replicates_the_hot_expert_on_every_rank_and_balances_the_ranks():
+    assert list(replicate(HOT, 10, most=2)) == [2, 2, 1, 1, 1, 1, 1, 1]
+    p = plan_placement(HOT, 2, 2)
+    assert sorted(p.phy2log) == sorted([*range(8), 0, 1]) and p.slots_per_rank == 5
+    holders = p.slot_rank()[np.array(p.phy2log) == 0]
+    assert sorted(holders) == [0, 1]  # one replica per rank, never two on one
+    before, after = rank_loads(Placement.identity(8, 2), HOT), rank_loads(p, HOT)
+    assert before.max() == 103 and after.max() == pytest.approx(53.5) and after.sum() == pytest.approx(107)
+
+
+def test_migration_alone_repacks_without_replicas():
+    load = np.array([9.0, 8, 1, 1, 7, 6, 1, 1])  # the two heaviest pairs share a rank
+    p = plan_placement(load, 2, 0)
+    assert p.slots == 8 and rank_loads(p, load).max() < rank_loads(Placement.identity(8, 2), load).max()
+
+
+def test_hierarchical_packing_keeps_a_node_replica_within_reach():
+    load = np.arange(16, dtype=float)[::-1] ** 2
+    p = plan_placement(load, 4, 4, nodes=2)
+    node_of = p.slot_rank() // 2
+    for e in range(16):
+        where = node_of[np.array(p.phy2log) == e]
+        assert len(where) == len(set(where)) or len(where) > 2  # replicas spread over the nodes first
+
+
+def test_a_token_uses_its_own_rank_replica_else_spreads_by_its_index():
+    p = Placement((0, 1, 2, 0, 3, 4), 5, 2)  # expert 0 on both ranks, the rest once
+    ids = torch.tensor([[0, 3]] * 4)
+    ranks = torch.tensor([0, 0, 1, 1])
+    phys = p.physical_ids(ids, ranks, torch.arange(4))
+    assert phys[:, 0].tolist() == [0, 0, 3, 3]  # the replica on the token's rank
+    assert phys[:, 1].tolist() == [4, 4, 4, 4]  # the only replica of expert 3
+    far = Placement((1, 2, 3, 0, 0, 4), 5, 2)  # expert 0 only on rank 1, twice
+    spread = far.physical_ids(torch.zeros(6, 1, dtype=torch.long), torch.zeros(6, dtype=torch.long),
+                              torch.arange(6))
+    assert spread.flatten().tolist() == [3, 4, 3, 4, 3, 4]
+
+
+# ---------------------------------------------------------------------------- layers
+
+SPEC = preset("tiny", torch.float32)
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _hot_batch(tokens, seed=0):
+    """Random tokens and output gradients."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, SPEC.hidden, generator=g), torch.randn(tokens, SPEC.hidden, generator=g)
+
+
+def _hot_weights():
+    """Every token picks expert 0 (its selection bias is large), as in ``--routing hot``."""
+    w = ExpertWeights.random(SPEC, 1)
+    bias = w.router_bias.clone()
+    bias[0] = 5.0
+    return ExpertWeights(SPEC, w.router, bias, w.w13, w.w2, w.shared_w13, w.shared_w2)
+
+
+def _step(layer, x, dy):
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(dy)
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _close(a, b):
+    torch.testing.assert_close(a[0], b[0], **TOL)
+    torch.testing.assert_close(a[1], b[1], **TOL)
+    for name in b[2]:
+        torch.testing.assert_close(a[2][name], b[2][name], **TOL, msg=name)
+
+
+def test_a_replicated_layer_computes_what_the_plain_layer_does():
+    x, dy = _hot_batch(64)
+    plain = MoE(SPEC, _hot_weights(), virtual_ep=2)
+    placed = MoE(SPEC, _hot_weights(), virtual_ep=2)
+    want = _step(plain, x, dy)
+    _close(_step(placed, x, dy), want)  # its first call measures the load
+    assert placed.expert_load()[0] == placed.expert_load().max() > 0
+    placed.zero_grad()
+    assert placed.rebalance(redundant=2) is not None
+    assert list(placed.placement.replicas()).count(2) == 2 and placed.placement.replicas()[0] == 2
+    _close(_step(placed, x, dy), want)
+
+
+def _adam(layer, rebalance_at, steps=5):
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    for i in range(steps):
+        if i == rebalance_at:
+            layer.rebalance(redundant=2, min_gain=1.0)
+        x, dy = _hot_batch(48, seed=i)
+        opt.zero_grad()
+        (layer(x) * dy).sum().backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in layer.named_parameters()}
+
+
+def test_five_adam_steps_with_a_rebalance_in_the_middle_equal_five_without():
+    want = _adam(MoE(SPEC, _hot_weights(), virtual_ep=2), rebalance_at=None)
+    moved = MoE(SPEC, _hot_weights(), virtual_ep=2)
+    got = _adam(moved, rebalance_at=2)
+    assert moved.placement is not None
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, **TOL, msg=name)
+
+
+def test_a_placement_for_another_layout_is_refused():
+    layer = MoE(SPEC, virtual_ep=2)
+    with pytest.raises(ValueError, match="on 4 ranks"):
+        layer.placement = Placement.identity(SPEC.experts, 4)
+    with pytest.raises(ValueError, match="rebalance_every must be an int >= 0"):
+        MoE(SPEC, rebalance_every=-1)
+
+
+def _ranks_step(rank, world, rebalance):
+    layer = MoE(SPEC, _hot_weights(), ep_group=dist.group.WORLD, schedule=None)
+    x, dy = _hot_batch(64)
+    mine = slice(rank * 32, (rank + 1) * 32)
+    _step(layer, x[mine], dy[mine])  # measures the load
+    layer.zero_grad()
+    placement = layer.rebalance(redundant=2) if rebalance else None
+    result = _step(layer, x[mine], dy[mine])
+    layer.close()
+    return result, placement
+
+
+@pytest.mark.parametrize("rebalance", [False, True])
+def test_ranks_under_a_shared_placement_equal_one_process(rebalance):
+    results = spawn_gloo(_ranks_step, 2, rebalance, timeout=120)
+    x, dy = _hot_batch(64)
+    want = _step(MoE(SPEC, _hot_weights()), x, dy)
+    placements = [r[1] for r in results]
+    assert placements[0] == placements[1] and (placements[0] is not None) == rebalance
+    got = (torch.cat([r[0][0] for r in results]), torch.cat([r[0][1] for r in results]),
+           {n: sum(r[0][2][n] for r in results) for n in want[2]})  # gradients: all-reduced, as DDP does
+    _close(got, want)
