@@ -4,6 +4,10 @@ gradient, Adam steps with a rebalance in the middle, on virtual and real ranks).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +176,35 @@ def test_ranks_under_a_shared_placement_equal_one_process(rebalance):
     got = (torch.cat([r[0][0] for r in results]), torch.cat([r[0][1] for r in results]),
            {n: sum(r[0][2][n] for r in results) for n in want[2]})  # gradients: all-reduced, as DDP does
     _close(got, want)
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def _simulate(capsys, *extra):
+    from hpmoe.cli import main
+
+    assert main(["simulate", "--preset", "small", "--ep", "4", "--tokens", "256", "--dtype", "fp32",
+                 "--hardware", "h100", "--routing", "hot", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_with_replicas_shortens_a_hot_step_and_says_what_it_placed(capsys):
+    plain = _simulate(capsys)
+    placed = _simulate(capsys, "--balance", "replicate:4")
+    assert plain["expert_slots"] == 16 and placed["expert_slots"] == 20 and placed["balance"] == "replicate:4"
+    assert placed["makespan_us"] < plain["makespan_us"]
+    from hpmoe.cli import main
+
+    assert main(["simulate", "--preset", "small", "--ep", "4", "--balance", "replicate:3"]) == 2
+    assert "redundant=3" in capsys.readouterr().err  # 19 slots cannot divide over 4 ranks
+
+
+def test_bench_with_a_placement_runs_the_physical_layer(tmp_path):
+    argv = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", "--preset", "tiny", "--tokens", "32",
+            "--routing", "hot", "--balance", "replicate:2", "--iters", "2", "--warmup", "1", "--json",
+            "--dtype", "fp32", "--deadline", "30"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["balance"] == "replicate:2" and report["max_abs_diff"] < 1e-4

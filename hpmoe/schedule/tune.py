@@ -17,8 +17,9 @@ call and commits the same winner whatever its own clock said.  Order: the candid
 in ``Space.order`` (the model's choice first where there is one), then the combination
 of every knob change that beat the default on its own.  Each candidate gets
 ``Budget.warmup`` calls not scored, then ``Budget.trials`` scored ones (its score: the
-fastest), in rounds over the candidates (a slow spell of the host, or a candidate's
-cache left warm by its own last call, favours none); one scored call slower than
+fastest), in rounds over the candidates, each round in another order (a slow spell of
+the host, a candidate's cache left warm by its own last call, or the worker threads a
+taskflow leaves behind, favours or burdens none); one scored call slower than
 ``Budget.slow_factor`` times the best score so far drops it.  Every call is a real step
 whose output is used.
 """
@@ -297,13 +298,24 @@ class Tuning:
             return self.result.winner
         need = self.budget.warmup + self.budget.trials
         open_ = [k for k in self._order if k not in self._dropped and self._issued.get(k, 0) < need]
-        if open_:  # round robin: the fewest calls first, so a slow spell of the host spreads over them all
-            k = min(open_, key=lambda c: self._issued.get(c, 0))
+        if open_:
+            k = self._in_round(open_)
             self._issued[k] = self._issued.get(k, 0) + 1
             return k
         best = self._best()  # waiting for the last time: run the best so far, scored too
         self._issued[best] = self._issued.get(best, 0) + 1
         return best
+
+    def _in_round(self, open_: list[Knobs]) -> Knobs:
+        """The next candidate of the current round (the fewest calls so far): round ``r``
+        takes the candidates rotated by ``r``, reversed in odd rounds, so a slow spell of
+        the host spreads over them all and none always runs right after the same
+        neighbour (a taskflow's worker threads linger and slow what follows)."""
+        r = min(self._issued.get(k, 0) for k in open_)
+        n = len(self._order)
+        turn = [self._order[(i + r) % n] for i in range(n)]
+        turn = turn[::-1] if r % 2 else turn
+        return next(k for k in turn if k in open_ and self._issued.get(k, 0) == r)
 
     def observe(self, knobs: Knobs, seconds: float) -> None:
         if self.result is not None or not math.isfinite(seconds) or seconds < 0:
