@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import hpmoe.sim.calibrate
-from hpmoe.sim.calibrate import add_calibrate_parser, calibrate
+from hpmoe.cli import calibrate as calibrate_cli
+from hpmoe.sim.calibrate import calibrate
 from hpmoe.sim.hardware import (
     PROFILE_ENV,
     GemmShape,
@@ -207,19 +208,19 @@ def test_model_from_turns_measurements_into_overhead_and_unpermute_traffic() -> 
 
 def test_calibrate_parser() -> None:
     parser = argparse.ArgumentParser(prog="hpmoe")
-    add_calibrate_parser(parser.add_subparsers(dest="command"))
+    calibrate_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["calibrate", "--out", "p.json", "--quick", "--json"])
     assert (args.out, args.quick, args.json, args.threads) == ("p.json", True, True, 1)
-    assert args.func.__name__ == "run_calibrate"
+    assert args.run is calibrate_cli.run
 
 
 def test_run_calibrate_saves_and_prints(tmp_path, monkeypatch, capsys) -> None:
     hw = dataclasses.replace(hardware_preset("h100"), name="cpu")
-    monkeypatch.setattr(hpmoe.sim.calibrate, "calibrate", lambda **kwargs: hw)
+    monkeypatch.setattr(calibrate_cli, "calibrate", lambda **kwargs: hw)
     parser = argparse.ArgumentParser(prog="hpmoe")
-    add_calibrate_parser(parser.add_subparsers(dest="command"))
+    calibrate_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["calibrate", "--out", str(tmp_path / "p.json"), "--json"])
-    assert args.func(args) == 0
+    assert args.run(args) == 0
     printed = tmp_path / "printed.json"  # `hpmoe calibrate --json > printed.json` is a profile
     printed.write_text(capsys.readouterr().out)
     assert load_profile(printed) == hw

@@ -95,7 +95,7 @@ def test_the_fastest_wins_warm_up_calls_are_not_scored_and_the_budget_holds():
 
 def test_a_candidate_slower_than_twice_the_best_is_dropped_after_one_scored_call():
     slow = SPACE.knobs(SchedulePolicy.CRITICAL_PATH, WorkerCounts(1, 1), 128, DispatchMode.PER_EXPERT)
-    ran = _feed(Tuning(SPACE), _times(1.0, **{slow.name: 2.5}))
+    ran = _feed(Tuning(SPACE, Budget(final=0)), _times(1.0, **{slow.name: 2.5}))
     assert ran.count(slow) == 2  # one warm-up, one scored call, dropped
     assert ran.count(SPACE.default()) == Budget().warmup + Budget().trials
 
@@ -283,3 +283,13 @@ def test_with_a_saved_profile_the_model_choice_is_measured_first(tmp_path):
     profile = save_profile(dataclasses.replace(UNIT_HW, name="cpu"), tmp_path / "cpu.json")
     for first, chosen in spawn_gloo(_first_tried, 2, str(profile), timeout=120):
         assert first.path is chosen.path and (first.policy is None or first.policy is chosen.policy)
+
+
+def test_the_two_fastest_race_on_when_they_are_close_and_not_otherwise():
+    kbk = KERNEL_BY_KERNEL_KNOBS
+    close = _feed(Tuning(SPACE), _times(1.0, **{kbk.name: 0.95}))
+    need = Budget().warmup + Budget().trials
+    assert close.count(kbk) == need + Budget().final  # raced the default taskflow (within 20%)
+    assert close.count(SPACE.default()) >= need + Budget().final - 1  # ties: the earlier candidate races
+    far = _feed(Tuning(SPACE), _times(1.0, **{kbk.name: 0.5}))
+    assert far.count(kbk) == need and len(far) <= Budget().max_steps

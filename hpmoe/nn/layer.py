@@ -247,6 +247,11 @@ class RegionOptions:
         return self.hardware if self.hardware is not None else cpu_nominal()
 
     @property
+    def ranks(self) -> int:
+        """EP ranks: the ep_group's size, else ``virtual_ep``."""
+        return dist.get_world_size(self.group) if self.distributed else self.virtual_ep
+
+    @property
     def group(self) -> Any:
         """The torch.distributed group of the EP ranks (None in one process)."""
         session = self.session
@@ -305,8 +310,8 @@ class MoE(nn.Module):
 
     def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
                options: RegionOptions) -> None:
-        ep = dist.get_world_size(options.group) if options.distributed else options.virtual_ep
-        ParallelSpec(ep=ep, tokens_per_rank=1, nodes=options.nodes).local_experts(spec)  # raises, naming them
+        # raises, naming them
+        ParallelSpec(ep=options.ranks, tokens_per_rank=1, nodes=options.nodes).local_experts(spec)
         self.spec = spec
         self.family = family
         self.fused_shared = fused_shared
@@ -493,8 +498,7 @@ class MoE(nn.Module):
 
     @placement.setter
     def placement(self, placement: Placement | None) -> None:
-        o = self.options
-        ranks = dist.get_world_size(o.group) if o.distributed else o.virtual_ep
+        o, ranks = self.options, self.options.ranks
         if placement is not None:
             if not isinstance(placement, Placement):
                 raise TypeError(f"placement must be a Placement, got {type(placement).__name__}")
@@ -521,9 +525,8 @@ class MoE(nn.Module):
         if self.options.distributed:
             load = self.session().collectives.all_gather(load, "rebalance: expert load").sum(0)
         o = self.options
-        ranks = dist.get_world_size(o.group) if o.distributed else o.virtual_ep
-        plan = plan_placement(load.numpy(), ranks, redundant, o.nodes)
-        now = self._placement or Placement.identity(self.spec.experts, ranks, o.nodes)
+        plan = plan_placement(load.numpy(), o.ranks, redundant, o.nodes)
+        now = self._placement or Placement.identity(self.spec.experts, o.ranks, o.nodes)
         if rank_loads(now, load.numpy()).max() >= min_gain * rank_loads(plan, load.numpy()).max():
             self.placement = plan
         return self._placement
@@ -555,7 +558,7 @@ class MoE(nn.Module):
         if not o.distributed:
             shape = RoutingShape.one_process(spec, o.virtual_ep, tokens, backward)
             return self._decisions.decide(shape, o.tiles, o.hardware)
-        shape = RoutingShape(spec, dist.get_world_size(o.group), tokens, backward)
+        shape = RoutingShape(spec, o.ranks, tokens, backward)
         workers = WorkerCounts.from_hardware(o.rank_hardware)
         return self._decisions.decide(shape, o.tiles, o.hardware, workers, self.session().collectives)
 
@@ -576,7 +579,7 @@ class MoE(nn.Module):
         spec = self._region_spec(dtype)
         backward = torch.is_grad_enabled() if backward is None else backward
         network = self.session().config.tuning_network
-        return self._tuner.key(spec, dist.get_world_size(o.group), o.nodes, network, tokens, backward)
+        return self._tuner.key(spec, o.ranks, o.nodes, network, tokens, backward)
 
     def _choose(self, tokens: int, dtype: torch.dtype) -> tuple[RegionOptions | None, Trial | None]:
         """The taskflow's options for a call computing in ``dtype`` (None: the

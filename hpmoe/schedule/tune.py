@@ -20,8 +20,9 @@ of every knob change that beat the default on its own.  Each candidate gets
 fastest), in rounds over the candidates, each round in another order (a slow spell of
 the host, a candidate's cache left warm by its own last call, or the worker threads a
 taskflow leaves behind, favours or burdens none); one scored call slower than
-``Budget.slow_factor`` times the best score so far drops it.  Every call is a real step
-whose output is used.
+``Budget.slow_factor`` times the best score so far drops it.  Then, when the two
+fastest are within ``Budget.close`` of each other, they race on for ``Budget.final``
+more scored calls each.  Every call is a real step whose output is used.
 """
 
 from __future__ import annotations
@@ -174,21 +175,27 @@ def _parts(k: Knobs) -> dict:
 class Budget:
     """Calls per candidate: ``warmup`` unscored then ``trials`` scored; a scored call over
     ``slow_factor`` x the best score so far drops the candidate; at most ``candidates``
-    candidates per key.  Worst case per key: ``max_steps``."""
+    candidates per key; then, when the runner-up's score is within ``close`` (a fraction)
+    of the winner's, ``final`` more scored calls of each.  Worst case per key:
+    ``max_steps``."""
 
     warmup: int = 1
     trials: int = 3
     slow_factor: float = 2.0
     candidates: int = 8
+    final: int = 4
+    close: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.warmup < 0 or self.trials < 1 or self.candidates < 1 or not self.slow_factor > 1.0:
+        if (self.warmup < 0 or self.trials < 1 or self.candidates < 1 or not self.slow_factor > 1.0
+                or self.final < 0 or not self.close >= 0):
             raise ValueError(f"Budget{(self.warmup, self.trials, self.slow_factor, self.candidates)}: "
-                             "warmup >= 0, trials >= 1, slow_factor > 1, candidates >= 1")
+                             "warmup >= 0, trials >= 1, slow_factor > 1, candidates >= 1, final >= 0, "
+                             "close >= 0")
 
     @property
     def max_steps(self) -> int:
-        return self.candidates * (self.warmup + self.trials)
+        return self.candidates * (self.warmup + self.trials) + 2 * self.final
 
 
 @dataclass(frozen=True)
@@ -284,6 +291,8 @@ class Tuning:
     _seen: dict[Knobs, list[float]] = field(default_factory=dict)
     _dropped: set[Knobs] = field(default_factory=set)
     _combined: bool = False
+    _final: dict[Knobs, int] = field(default_factory=dict)  # extra scored calls of the two finalists
+    _raced: bool = False
 
     def __post_init__(self) -> None:
         self._order = self.space.order(self.first)[:self.budget.candidates]
@@ -296,8 +305,7 @@ class Tuning:
     def next(self) -> Knobs:
         if self.result is not None:
             return self.result.winner
-        need = self.budget.warmup + self.budget.trials
-        open_ = [k for k in self._order if k not in self._dropped and self._issued.get(k, 0) < need]
+        open_ = [k for k in self._order if k not in self._dropped and self._issued.get(k, 0) < self._need(k)]
         if open_:
             k = self._in_round(open_)
             self._issued[k] = self._issued.get(k, 0) + 1
@@ -329,6 +337,7 @@ class Tuning:
         if scored and best is not None and scored[-1] > self.budget.slow_factor * best:
             self._dropped.add(knobs)
         self._maybe_combine()
+        self._maybe_race()
         if self._pending() == 0 and self._all_issued():
             self.result = self._result()
 
@@ -352,9 +361,22 @@ class Tuning:
     def _pending(self) -> int:
         return sum(self._issued.values()) - self.steps
 
+    def _need(self, knobs: Knobs) -> int:
+        return self.budget.warmup + self.budget.trials + self._final.get(knobs, 0)
+
     def _all_issued(self) -> bool:
-        need = self.budget.warmup + self.budget.trials
-        return all(k in self._dropped or self._issued.get(k, 0) >= need for k in self._order)
+        return all(k in self._dropped or self._issued.get(k, 0) >= self._need(k) for k in self._order)
+
+    def _maybe_race(self) -> None:
+        """Once the search is done, the two fastest race on: ``Budget.final`` more scored
+        calls each, alternating, when the runner-up is within ``Budget.close`` of the
+        winner (under a noisy host three calls cannot tell 10% apart)."""
+        if self._raced or not self._combined or not self._all_issued() or self._pending():
+            return
+        self._raced = True
+        ranked = self._ranked()
+        if len(ranked) > 1 and self._score(ranked[1]) < (1.0 + self.budget.close) * self._score(ranked[0]):
+            self._final = {ranked[0]: self.budget.final, ranked[1]: self.budget.final}
 
     def _maybe_combine(self) -> None:
         """Once every single change has its score, queue their combination (the default

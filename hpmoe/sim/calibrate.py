@@ -23,11 +23,8 @@ repeats of their own.  Nothing here is asserted on in tests.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,14 +41,12 @@ from hpmoe.sim.hardware import (
     LinkEntry,
     default_profile_path,
     load_profile,
-    profile_document,
     save_profile,
 )
 from hpmoe.spec import Activation
 
 __all__ = ["CpuMeasurements", "measure", "model_from", "calibrate", "save_profile", "load_profile",
-           "default_profile_path", "add_calibrate_parser", "run_calibrate", "gemm_shapes", "KernelGemm",
-           "WEIGHT_BYTES"]
+           "default_profile_path", "gemm_shapes", "KernelGemm", "WEIGHT_BYTES"]
 
 GEMM_N = 512  # output columns of a calibration GEMM tile (the default TileSpec's)
 SWIGLU_TILE = (128, 1024)  # rows x FFN columns of one SwiGLU tile (its input h is [rows, 2 FFN])
@@ -357,29 +352,3 @@ def calibrate(threads: int = 1, quick: bool = False, matrix_workers: int = 1,
     quick=True takes a few seconds with fewer repeats and smaller buffers.
     """
     return model_from(measure(threads, quick, progress), matrix_workers, vector_workers)
-
-
-def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``hpmoe calibrate [--out PATH] [--quick] [--json]``; sets ``func=run_calibrate``."""
-    p = subparsers.add_parser("calibrate", help="measure this CPU and save the 'cpu' hardware profile")
-    p.add_argument("--out", default=None,
-                   help="profile path (default: $HPMOE_PROFILE, else ~/.cache/hpmoe/cpu.json)")
-    p.add_argument("--quick", action="store_true", help="fewer repeats, smaller buffers (a few s)")
-    p.add_argument("--json", action="store_true",
-                   help="print the profile file's JSON (`hpmoe calibrate --json > p.json` is a profile)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--matrix-workers", type=int, default=1, help="matrix workers per rank")
-    p.add_argument("--vector-workers", type=int, default=1, help="vector workers per rank")
-    p.set_defaults(func=run_calibrate)
-    return p
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
-    """CLI body: calibrate, save the profile, print it (JSON or summary); returns exit code 0."""
-    model = calibrate(threads=args.threads, quick=args.quick, matrix_workers=args.matrix_workers,
-                      vector_workers=args.vector_workers,
-                      progress=lambda line: print(f"hpmoe calibrate: {line}", file=sys.stderr, flush=True))
-    path = save_profile(model, args.out)
-    print(json.dumps(profile_document(model), indent=2) if args.json else model.summary())
-    print(f"saved {path}", file=sys.stderr)
-    return 0
