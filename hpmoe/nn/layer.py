@@ -437,17 +437,17 @@ class MoE(nn.Module):
         if dtype != w.spec.dtype:
             w = _cast(w, dtype)
         o, xc, ids, topk_weights = self.options, x.to(dtype), ids.to(torch.int64), topk_weights.float()
-        n = x.shape[0]
+        n, tokens = x.shape[0], torch.arange(x.shape[0], device=ids.device)
         if o.distributed:
             counts = self._open_call(n, w, input_error(xc, Routing(ids, topk_weights), w.spec))
             padded, rank = max(max(counts), 1), self.session().rank
-            token_rank, first = torch.full((n,), rank), sum(counts[:rank])
+            token_rank, first = torch.full_like(tokens, rank), sum(counts[:rank])
         else:
             padded = max(-(-n // o.virtual_ep), 1) * o.virtual_ep
-            token_rank, first = torch.arange(n) // (padded // o.virtual_ep), 0
+            token_rank, first = tokens // (padded // o.virtual_ep), 0
         self._measure_load(ids)
         if self._placement is not None:  # the physical layer: one expert per slot
-            ids = self._placement.physical_ids(ids, token_rank, first + torch.arange(n))
+            ids = self._placement.physical_ids(ids, token_rank, first + tokens)
             w = self._placement.physical_weights(w)
         xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
