@@ -21,7 +21,7 @@ from ..nn.layer import MoE
 from ..runtime.session import RuntimeConfig, Session
 from ..schedule.tune import Budget, TuneResult
 from ..schedule.tune_cache import TuneCache
-from ..spec import preset
+from ..spec import MoESpec, preset
 from .bench import _transport, join_group, launch_ranks, rank_failed
 from .common import DTYPES, dtype_choice, emit
 
@@ -91,7 +91,7 @@ def _rank_main(args: argparse.Namespace, link: LinkSpec | None) -> int:
     return 0
 
 
-def _tune_one(session: Session, moe: object, tokens: int, args: argparse.Namespace) -> TuneResult:
+def _tune_one(session: Session, moe: MoESpec, tokens: int, args: argparse.Namespace) -> TuneResult:
     """Step a layer until its tuning for ``tokens`` settles (the layer saves it)."""
     layer = MoE(moe, seed=args.seed, ep_group=session)
     g = torch.Generator().manual_seed(args.seed + session.rank)
