@@ -18,8 +18,8 @@ in ``Space.order`` (the model's choice first where there is one), then the combi
 of every knob change that beat the default on its own.  Each candidate gets
 ``Budget.warmup`` calls not scored, then ``Budget.trials`` scored ones (its score: the
 fastest), in rounds over the candidates, each round in another order (a slow spell of
-the host, a candidate's cache left warm by its own last call, or the worker threads a
-taskflow leaves behind, favours or burdens none); one scored call slower than
+the host, or the call before — a neighbour moves a call's time by ~20% either way on
+the development machine — favours or burdens none); one scored call slower than
 ``Budget.slow_factor`` times the best score so far drops it.  Then, when the two
 fastest are within ``Budget.close`` of each other, they race on for ``Budget.final``
 more scored calls each.  Every call is a real step whose output is used.
@@ -318,7 +318,7 @@ class Tuning:
         """The next candidate of the current round (the fewest calls so far): round ``r``
         takes the candidates rotated by ``r``, reversed in odd rounds, so a slow spell of
         the host spreads over them all and none always runs right after the same
-        neighbour (a taskflow's worker threads linger and slow what follows)."""
+        neighbour (the call before moves a call's time)."""
         r = min(self._issued.get(k, 0) for k in open_)
         n = len(self._order)
         turn = [self._order[(i + r) % n] for i in range(n)]
