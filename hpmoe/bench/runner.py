@@ -411,9 +411,7 @@ def _model_knobs(decision: AutoDecision | None, tiles: TileSpec) -> Knobs | None
     """The model's choice as knobs (the tuner measures it first)."""
     if decision is None or not decision.forecasts:
         return None
-    if decision.chosen.path is not Path.TASKFLOW:
-        return KERNEL_BY_KERNEL_KNOBS
-    return dataclasses.replace(Space.around(tiles, TileSpec(), 1).default(), policy=decision.chosen.policy)
+    return Space.around(tiles, TileSpec(), 1).of(decision.chosen)
 
 
 def _runtime_knobs(result: TuneResult, tiles: TileSpec) -> Knobs:

@@ -52,7 +52,7 @@ from ..regions.base import RegionKind
 from ..regions.dedup_backward_kernels import DedupSaved
 from ..routing import Routing, RoutingPlan, input_error, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
-from ..schedule.tune import KERNEL_BY_KERNEL_KNOBS, Knobs, Space, TuneKey, TuneResult
+from ..schedule.tune import Knobs, Space, TuneKey, TuneResult
 from ..schedule.tuner import Trial, Tuner, timed
 from ..sim.hardware import HardwareModel, cpu_nominal
 from ..spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
@@ -321,7 +321,7 @@ class MoE(nn.Module):
         self._decisions = DecisionCache()
         self._tuner = Tuner()
         self._placement: Placement | None = None
-        self._load = np.zeros(spec.experts)
+        self._load = torch.zeros(spec.experts, dtype=torch.float64, device="cpu")  # moves to the routing's
         self._calls = 0
         self._profile: Any = _UNREAD
         self._arenas = ArenaPool()
@@ -513,7 +513,7 @@ class MoE(nn.Module):
     def expert_load(self) -> np.ndarray:
         """[E] this rank's measured routed rows per expert: an exponential moving average
         over calls (``LOAD_DECAY`` per call)."""
-        return self._load.copy()
+        return self._load.cpu().numpy().copy()
 
     def rebalance(self, redundant: int = 0, min_gain: float = MIN_REBALANCE_GAIN) -> Placement | None:
         """Plan a placement from the measured load of every rank (collective over the
@@ -521,7 +521,7 @@ class MoE(nn.Module):
         ranks (``plan_placement``).  Adopted only when it lowers the busiest rank's
         predicted load (``rank_loads``) by ``min_gain`` or more; returns the placement in
         effect."""
-        load = torch.from_numpy(self._load)
+        load = self._load.cpu()
         if self.options.distributed:
             load = self.session().collectives.all_gather(load, "rebalance: expert load").sum(0)
         o = self.options
@@ -532,8 +532,8 @@ class MoE(nn.Module):
         return self._placement
 
     def _measure_load(self, ids: torch.Tensor) -> None:
-        rows = torch.bincount(ids.detach().flatten().cpu(), minlength=self.spec.experts).double().numpy()
-        self._load = LOAD_DECAY * self._load + (1.0 - LOAD_DECAY) * rows
+        rows = torch.bincount(ids.detach().flatten(), minlength=self.spec.experts).double()
+        self._load = LOAD_DECAY * self._load.to(rows.device) + (1.0 - LOAD_DECAY) * rows  # no host sync
         self._calls += 1
         every = self.options.rebalance_every
         if every and self._calls % every == 0 and torch.is_grad_enabled():
@@ -607,10 +607,7 @@ class MoE(nn.Module):
         without one."""
         if self._rank_model() is None:
             return None
-        chosen = self.decision(tokens, dtype=dtype).chosen
-        if chosen.path is not Path.TASKFLOW:
-            return KERNEL_BY_KERNEL_KNOBS
-        return replace(space.default(), policy=chosen.policy)
+        return space.of(self.decision(tokens, dtype=dtype).chosen)
 
     def _rank_model(self) -> HardwareModel | None:
         """The saved cpu profile, read once per layer (None when there is none)."""

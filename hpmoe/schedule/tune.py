@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..spec import DispatchMode, MoESpec, TileSpec
-from .auto import Path
+from .auto import Candidate, Path
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,13 @@ class Space:
 
     def default(self) -> Knobs:
         return self.knobs(self.policies[0], self.workers[0], self.rows[0], self.dispatch[0])
+
+    def of(self, chosen: Candidate) -> Knobs:
+        """A model's choice (``schedule.auto``) as knobs: the default taskflow under its
+        policy, or the kernel-by-kernel path."""
+        if chosen.path is not Path.TASKFLOW:
+            return KERNEL_BY_KERNEL_KNOBS
+        return replace(self.default(), policy=chosen.policy)
 
     def every(self) -> list[Knobs]:
         """Every candidate (the exhaustive sweep), the kernel-by-kernel path first."""

@@ -65,6 +65,7 @@ class Tuner:
         self._reported: Trial | None = None
         self._calls = 0
         self._machine: Machine | None = None
+        self._digest: int | None = None
 
     @property
     def machine(self) -> Machine:
@@ -94,21 +95,26 @@ class Tuner:
             return
         tuning = self._keys[trial.key]
         tuning.observe(trial.knobs, max(micros) / 1e6)
+        self._digest = None
         if tuning.result is not None:
             self._commit(trial.key, tuning.result, rank)
 
     def digest(self) -> int:
-        """31 bits of every key's history (equal on ranks in step)."""
-        crc = 0
-        for key in sorted(self._keys, key=repr):
-            crc = zlib.crc32(f"{key!r}{self._keys[key].digest()}".encode(), crc)
-        return crc >> 1
+        """31 bits of every key's history (equal on ranks in step); recomputed only when
+        a time was observed or a key began, not on every call."""
+        if self._digest is None:
+            crc = 0
+            for key in sorted(self._keys, key=repr):
+                crc = zlib.crc32(f"{key!r}{self._keys[key].digest()}".encode(), crc)
+            self._digest = crc >> 1
+        return self._digest
 
     def start(self, key: TuneKey, space: Space, coll: Collectives, first: Knobs | None = None) -> Trial:
         """The trial of this call: the key's winner once settled, else its next
         candidate.  The first call of a key is collective (rank 0's cache lookup)."""
         if key not in self._keys:
             self._keys[key] = self._begin(key, space, coll, first)
+            self._digest = None
         self._calls += 1
         self._open = Trial(self._calls, key, self._keys[key].next())
         return self._open
