@@ -1,10 +1,12 @@
 """Every family of hpmoe.nn.families against transformers: logits, aux loss and every
 gradient of a tiny model with its MoE blocks replaced; refusals name the family."""
 
+import copy
+
 import pytest
 import torch
 
-from hpmoe.nn.conformance import check_family, tiny_model
+from hpmoe.nn.conformance import CHECK_TILES, check_family, run_model, tiny_model
 from hpmoe.nn.families import FAMILIES, family_of
 from hpmoe.nn.layer import MoE
 from hpmoe.nn.replace import replace_moe_blocks
@@ -23,6 +25,51 @@ def test_family_equals_transformers_or_is_refused_by_name(family):
     assert not row.refused and row.blocks == 2
     assert row.logits_err < ATOL and row.grad_err < ATOL
     assert row.aux_err is None or row.aux_err < 1e-6
+
+
+SUPPORTED = [f for f in FAMILIES if not f.refused]
+
+
+@pytest.mark.parametrize("family", SUPPORTED, ids=[f.name for f in SUPPORTED])
+def test_family_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(family):
+    """Both models in bf16 against transformers' fp32 run: hpmoe's errors (logits, aux loss,
+    every gradient) within twice transformers' own bf16 errors plus 1e-3 (measured: at most
+    1.5x on logits and gradients)."""
+    row = check_family(family, dtype=torch.bfloat16)
+    ref = row.reference
+    assert row.logits_err <= 2 * ref.logits_err + 1e-3
+    assert row.grad_err <= 2 * ref.grad_err + 1e-3
+    assert row.aux_err is None or row.aux_err <= 2 * ref.aux_err + 1e-3
+
+
+def test_llama4_scores_on_the_expert_input_with_two_experts_per_token():
+    """Llama 4's released models route to one expert; the region runs once per slot, so
+    top-2 is exact as well."""
+    row = check_family(FAMILY["llama4"], num_experts_per_tok=2)
+    assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
+
+
+def test_longcat_routes_to_identity_experts_and_stays_exact():
+    """With the score-correction bias at zero the tiny model routes tokens to both the
+    computing and the identity experts; logits and every gradient still equal transformers'."""
+    model = tiny_model(FAMILY["longcat_flash"])
+    for layer in model.model.layers:
+        layer.mlp.router.e_score_correction_bias.zero_()
+    original = copy.deepcopy(model)
+    replace_moe_blocks(model, virtual_ep=2, tiles=CHECK_TILES)
+    chosen = []
+    model.model.layers[0].mlp.router.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
+    ids = torch.arange(24).view(2, 12) % 61 + 2
+    (want, _, want_grads), (got, _, got_grads) = run_model(original, ids), run_model(model, ids)
+    assert bool((chosen[0] >= 8).any()) and bool((chosen[0] < 8).any())  # both kinds in the batch
+    assert float((got - want).abs().max()) < ATOL
+    assert max(float((got_grads[n] - g).abs().max()) for n, g in want_grads.items()) < ATOL
+
+
+def test_dbrx_divides_by_the_configured_p_norm():
+    ffn = dict(FAMILY["dbrx"].tiny["ffn_config"], moe_normalize_expert_weights=2.0)
+    row = check_family(FAMILY["dbrx"], ffn_config=ffn)
+    assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])

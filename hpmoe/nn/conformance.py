@@ -5,7 +5,10 @@ is built twice; one copy gets its MoE blocks replaced by hpmoe (``virtual_ep`` r
 tiles so every tile path runs).  Both run the same batch with ``labels`` and, where the
 family has one, ``output_router_logits=True``; the check reports the largest difference of
 the logits, of the auxiliary (load-balancing) loss and of every parameter's gradient.
-Refused families report the reason instead.
+Refused families report the reason instead.  In bf16 (``dtype=torch.bfloat16``) both
+models run in bf16 and each is compared with the fp32 run of transformers' model: hpmoe's
+errors sit beside transformers' own (``reference``), the bf16 parity being that hpmoe is
+about as far from fp32 as transformers is.
 
     python -m hpmoe.nn.conformance        # prints the families table (markdown)
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -28,8 +31,10 @@ CHECK_TILES = TileSpec(rows=3, gemm_rows=4, gemm_cols=8)
 
 @dataclass(frozen=True)
 class FamilyCheck:
-    """One row of the families table.  Errors are max |hpmoe - transformers| (fp32);
-    aux_err is None when the family has no auxiliary loss; refused: the reason, or ''."""
+    """One row of the families table.  Errors are max |hpmoe - transformers| (fp32; in bf16
+    against transformers' fp32 run, with ``reference`` the same errors of transformers' own
+    bf16 run); aux_err is None when the family has no auxiliary loss; refused: the reason,
+    or ''."""
 
     family: str
     block: str
@@ -38,6 +43,7 @@ class FamilyCheck:
     logits_err: float = 0.0
     aux_err: float | None = None
     grad_err: float = 0.0
+    reference: FamilyCheck | None = None
 
 
 def tiny_model(family: Family, seed: int = 0, **overrides) -> nn.Module:
@@ -81,7 +87,8 @@ def run_model(model: nn.Module, ids: torch.Tensor, seed: int = 5) -> tuple[torch
     return y.detach(), None if aux is None else aux.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def check_family(family: Family, seed: int = 0, virtual_ep: int = 2, **overrides) -> FamilyCheck:
+def check_family(family: Family, seed: int = 0, virtual_ep: int = 2, dtype: torch.dtype = torch.float32,
+                 **overrides) -> FamilyCheck:
     """Build, replace, run and compare one family (see the module docstring);
     ``overrides``: config fields (e.g. ``hidden_act``)."""
     model = tiny_model(family, seed, **overrides)
@@ -91,12 +98,20 @@ def check_family(family: Family, seed: int = 0, virtual_ep: int = 2, **overrides
     except ValueError as err:
         return FamilyCheck(family.name, family.block, refused=str(err))
     ids = torch.arange(24).view(2, 12) % 61 + 2
-    want, got = run_model(original, ids), run_model(model, ids)
+    want = run_model(original, ids)
+    got = run_model(model.to(dtype), ids)
     if list(want[2]) != list(got[2]):
         raise AssertionError(f"{family.name}: parameter names changed")
+    row = _compare(family, len(replaced.names), got, want)
+    if dtype == torch.float32:
+        return row
+    return replace(row, reference=_compare(family, 0, run_model(original.to(dtype), ids), want))
+
+
+def _compare(family: Family, blocks: int, got: tuple, want: tuple) -> FamilyCheck:
     aux = None if want[1] is None else _err(got[1], want[1])
     grads = max(_err(got[2][n], g) for n, g in want[2].items())
-    return FamilyCheck(family.name, family.block, "", len(replaced.names), _err(got[0], want[0]), aux, grads)
+    return FamilyCheck(family.name, family.block, "", blocks, _err(got[0], want[0]), aux, grads)
 
 
 def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:

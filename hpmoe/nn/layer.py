@@ -59,8 +59,8 @@ from ..spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, requ
 from ..weights import ExpertWeights
 from .compiled import run_region
 from .experts_impl import register, runs_region, select
-from .families import FAMILIES, family_of, read_block
-from .families.base import Family
+from .families import FAMILIES, computing_experts, family_of, read_block
+from .families.base import ExpertsLayout, ExpertTensors, Family, ScoreSide, expert_tensors, experts_dtype
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
     from ..runtime import ForwardOptions, RuntimeConfig, Session
@@ -325,6 +325,7 @@ class MoE(nn.Module):
         self._calls = 0
         self._profile: Any = _UNREAD
         self._arenas = ArenaPool()
+        self._computing: int | None = None  # computing experts when some are identity ones
 
     @classmethod
     def from_hf(cls, module: nn.Module, **options: Any) -> MoE:
@@ -341,16 +342,20 @@ class MoE(nn.Module):
         checked = RegionOptions(**options)
         layout = read_block(module, family, checked.virtual_ep)
         register()
-        select(module.experts)
+        select(getattr(module, "experts", None))
         moe = cls.__new__(cls)
         nn.Module.__init__(moe)
+        for name, p in module.named_parameters(recurse=False):  # a shared output bias (JetMoE)
+            moe.register_parameter(name, p)
         for name, child in module.named_children():
             moe.add_module(name, child)
-        if family.jitter:
-            setattr(moe, family.jitter, getattr(module, family.jitter))
+        for attr in (family.jitter, *family.block_attrs):
+            if attr:
+                setattr(moe, attr, getattr(module, attr))
         for name, buf in module.named_buffers(recurse=False):  # the very tensors, under their names
             moe.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
         moe._setup(layout.spec, family, layout.fused_shared, checked)
+        moe._computing = computing_experts(module, family)
         return moe
 
     def session(self) -> Session | None:
@@ -372,11 +377,20 @@ class MoE(nn.Module):
             self._session = None
         self._owns_session = False
 
+    @property
+    def _layout(self) -> ExpertsLayout:
+        return self.family.layout if self.family else ExpertsLayout.FUSED
+
+    def _expert_tensors(self) -> ExpertTensors:
+        return expert_tensors(self, self._layout, self._computing)
+
     def expert_weights(self) -> ExpertWeights:
         """The current parameters as ``ExpertWeights`` in their current dtype, connected to
         autograd: router [E, H] float32 (hpmoe's own router; zeros for a transformers block,
-        whose router module routes), w13 [E, 2F, H], w2 [E, H, F], shared_w13 = cat(gate, up)."""
-        w13 = self.experts.gate_up_proj
+        whose router module routes), w13 [E, 2F, H], w2 [E, H, F] (views of the block's
+        expert parameters, or a copy where its layout needs one), shared_w13 = cat(gate, up)."""
+        t = self._expert_tensors()
+        w13 = t.w13
         spec = replace(self.spec, dtype=w13.dtype)
         router = torch.zeros((), dtype=torch.float32, device=w13.device).expand(spec.experts, spec.hidden)
         bias = torch.zeros(spec.experts, dtype=torch.float32, device=w13.device)
@@ -386,11 +400,13 @@ class MoE(nn.Module):
             bias = bias if b is None else b.float()
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
         return ExpertWeights(
-            spec=spec, router=router, router_bias=bias, w13=w13, w2=self.experts.down_proj,
+            spec=spec, router=router, router_bias=bias, w13=w13, w2=t.w2,
             shared_w13=None if sh is None else torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
             shared_w2=None if sh is None else sh.down_proj.weight)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """[..., H] -> [..., H]; a block that also returns a router output (``Family.returns``)
+        returns ``(hidden, that output)`` as the block does."""
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1] != self.spec.hidden:
             raise ValueError(f"hidden_states must be [..., {self.spec.hidden}], got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
@@ -403,30 +419,55 @@ class MoE(nn.Module):
                 if self.options.distributed:
                     self._open_call(x.shape[0], w, err)
                 raise
-            out = self._region(x, routing.ids, routing.weights)
-        else:
-            out = self._block_forward(x)
-        return out.view(hidden_states.shape)
+            return self._region(x, routing.ids, routing.weights).view(hidden_states.shape)
+        out, router_out = self._block_forward(x)
+        out = out.view(hidden_states.shape)
+        return out if self.family.returns is None else (out, router_out[self.family.returns])
 
-    def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _block_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """What the transformers block computes, with its routed experts (and a fusable
         shared MLP) run by the region: jitter, router, region, then a shared expert that
-        runs beside the region.  While the experts' config names a transformers experts
-        implementation instead of "hpmoe", the experts module runs (``experts_impl``)."""
+        runs beside the region and a shared output bias; returns (hidden, router output).
+        While the experts' config names a transformers experts implementation instead of
+        "hpmoe", the experts module runs (``experts_impl``)."""
         fam = self.family
         amp = getattr(self, fam.jitter) if fam.jitter else 0.0
         if self.training and amp > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - amp, 1.0 + amp)
-        _, weights, ids = getattr(self, fam.router)(x, *(getattr(self, a) for a in fam.router_args))
-        region = runs_region(self.experts)  # config._experts_implementation == "hpmoe"
-        out = self._region(x, ids, weights) if region else self.experts(x, ids, weights)
+        routed = getattr(self, fam.router)(x, *(getattr(self, a) for a in fam.router_args))
+        weights, ids = fam.topk(self, routed) if fam.topk else (routed[1], routed[2])
+        experts = getattr(self, "experts", None)
+        region = runs_region(experts)  # config._experts_implementation == "hpmoe"
+        out = self._routed(x, ids, weights) if region else experts(x, ids, weights)
         shared = getattr(self, fam.shared) if fam.shared and not (region and self.fused_shared) else None
         if shared is not None:
             s = shared(x)
             if fam.shared_gate:
                 s = torch.sigmoid(getattr(self, fam.shared_gate)(x)) * s
             out = out + s
-        return out
+        if fam.output_bias:
+            out = out + getattr(self, fam.output_bias)
+        return out, routed
+
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts of a block: zero-computation (identity) slots add the token
+        itself times its weight, and run in the region as rows of weight 0 of a computing
+        expert (exact; each costs a row); scores on the expert input run one region call
+        per slot (``x * score`` routed with weight 1)."""
+        identity = None
+        if self._computing is not None:
+            e = self._computing
+            zero = ids >= e
+            terms = x.unsqueeze(1).float() * (weights * zero).unsqueeze(-1).float()  # [N, k, H]
+            identity = terms.sum(1).to(x.dtype)
+            ids, weights = torch.where(zero, ids % e, ids), weights.masked_fill(zero, 0.0)
+        if self.family.score_side is ScoreSide.INPUT:
+            ones = torch.ones_like(ids[:, :1], dtype=torch.float32)
+            out = sum(self._region(x * weights[:, j:j + 1].to(x.dtype), ids[:, j:j + 1], ones)
+                      for j in range(ids.shape[1]))
+        else:
+            out = self._region(x, ids, weights)
+        return out if identity is None else out + identity
 
     def _region(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Run the region on x [N, H] routed by ids [N, k] with weights [N, k] (any float
@@ -542,7 +583,7 @@ class MoE(nn.Module):
     def _region_spec(self, dtype: torch.dtype | None) -> MoESpec:
         """The layer the region computes in ``dtype`` (default: the parameters'): one
         expert per physical slot under a placement."""
-        spec = replace(self.spec, dtype=dtype or self.experts.gate_up_proj.dtype)
+        spec = replace(self.spec, dtype=dtype or experts_dtype(self, self._layout))
         return self._placement.physical_spec(spec) if self._placement is not None else spec
 
     def decision(self, tokens: int, backward: bool | None = None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from ...spec import Activation, MoESpec
@@ -42,7 +41,7 @@ from . import (
     qwen3_next,
     qwen3_vl_moe,
 )
-from .base import Family, activation_of, check_flags
+from .base import ExpertsLayout, ExpertTensors, Family, ScoreSide, activation_of, check_flags, expert_tensors
 
 FAMILIES: tuple[Family, ...] = tuple(
     m.FAMILY
@@ -101,15 +100,12 @@ def read_block(block: nn.Module, family: Family, virtual_ep: int = 1) -> BlockLa
     layout; ``ValueError`` names what does not fit."""
     if family.refused:
         raise ValueError(f"{family.name} ({family.block}) is not supported: {family.refused}")
-    experts = _check_experts(block, family)
-    e, f2, h = experts.gate_up_proj.shape
+    t = _check_experts(block, family)
+    e, f2, h = t.w13.shape
     if e % virtual_ep:
         raise ValueError(f"{family.name}: virtual_ep={virtual_ep} does not divide the block's {e} experts")
-    act = activation_of(experts.act_fn)
-    router = getattr(block, family.router, None)
-    top_k = getattr(router, "top_k", None)
-    if not isinstance(top_k, int):
-        raise ValueError(f"{family.name}: block.{family.router} has no int top_k, got {top_k!r}")
+    act = activation_of(t.act)
+    top_k = top_k_of(block, family)
     shared = getattr(block, family.shared, None) if family.shared else None
     fused = family.shared if _fusable(shared, family, act, f2 // 2) else None
     width = shared.gate_proj.out_features if fused else 0
@@ -117,38 +113,60 @@ def read_block(block: nn.Module, family: Family, virtual_ep: int = 1) -> BlockLa
         hidden=h,
         ffn=f2 // 2,
         experts=e,
-        top_k=top_k,
+        top_k=1 if family.score_side is ScoreSide.INPUT else top_k,  # one region call per slot
         shared_experts=width // (f2 // 2),
         activation=act,
-        dtype=experts.gate_up_proj.dtype,
+        dtype=t.w13.dtype,
     )
     return BlockLayout(spec=spec, fused_shared=fused)
 
 
-def _check_experts(block: nn.Module, family: Family) -> nn.Module:
+def top_k_of(block: nn.Module, family: Family) -> int:
+    """Experts per token: the router's ``top_k``, else the block's."""
+    router = getattr(block, family.router, None)
+    top_k = getattr(router, "top_k", getattr(block, "top_k", None))
+    if not isinstance(top_k, int):
+        raise ValueError(f"{family.name}: block.{family.router} has no int top_k, got {top_k!r}")
+    return top_k
+
+
+def computing_experts(block: nn.Module, family: Family) -> int | None:
+    """The number of experts that compute when the family also routes to zero-computation
+    (identity) experts, else None."""
+    if family.identity_experts is None:
+        return None
+    experts = block.experts
+    return experts.gate_up_proj.shape[0] - (getattr(experts, family.identity_experts) or 0)
+
+
+def _check_experts(block: nn.Module, family: Family) -> ExpertTensors:
+    try:
+        t = expert_tensors(block, family.layout, computing_experts(block, family))
+    except AttributeError as err:
+        raise ValueError(f"{family.name}: the block has no expert weights of layout "
+                         f"{family.layout.value}: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{family.name}: {err}") from None
+    e, f2, h = t.w13.shape
+    if tuple(t.w2.shape) != (e, h, f2 // 2) or f2 % 2:
+        raise ValueError(f"{family.name}: the down projection is {tuple(t.w2.shape)}, "
+                         f"expected {(e, h, f2 // 2)}")
     experts = getattr(block, "experts", None)
-    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dim() != 3:
-        raise ValueError(
-            f"{family.name}: block.experts must hold gate_up_proj [E, 2F, H] and down_proj [E, H, F]"
-        )
-    e, f2, h = w13.shape
-    if tuple(w2.shape) != (e, h, f2 // 2) or f2 % 2:
-        raise ValueError(f"{family.name}: experts.down_proj is {tuple(w2.shape)}, expected {(e, h, f2 // 2)}")
-    check_flags(experts, family.name)
-    return experts
+    if experts is not None:
+        check_flags(experts, family.name, transposed=family.layout is ExpertsLayout.TRANSPOSED)
+    return t
 
 
 def _fusable(shared: nn.Module | None, family: Family, act: Activation, ffn: int) -> bool:
     """A shared MLP runs inside the region when it is ungated, bias-free, of the experts'
     activation and a multiple of their width; otherwise it runs beside the region."""
-    if shared is None or family.shared_gate is not None:
+    if shared is None or family.shared_gate is not None or family.score_side is ScoreSide.INPUT:
         return False
     parts = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
         return False
     try:
-        same = activation_of(shared.act_fn) is act
+        same = activation_of(getattr(shared, "act_fn", None) or shared.activation_fn) is act
     except (ValueError, AttributeError):
         return False
     return same and parts[0].out_features % ffn == 0 and parts[0].out_features == parts[1].out_features

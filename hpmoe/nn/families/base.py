@@ -1,25 +1,51 @@
 """What hpmoe needs to know about one transformers MoE block family.
 
-Every supported block (transformers 5.x) is ``router`` -> ``experts`` (+ shared experts):
-the router module returns ``(router_logits, top_k_weights [N, k], top_k_index [N, k])`` and
-the experts module holds ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj``
-[E, H, F] with an ``act_fn``.  hpmoe calls the block's own router module exactly as the
-block does (so output-capturing hooks, ``output_router_logits`` and the auxiliary loss see
-the same logits) and replaces only what follows: the experts, and a plain shared MLP
-inside the region.  A ``Family`` names the attributes; ``refused`` says why a family whose
-maths the region does not compute is refused.
+Every supported block (transformers 5.x) is ``router`` -> ``experts`` (+ shared experts).
+Most routers return ``(router_logits, top_k_weights [N, k], top_k_index [N, k])``; a family
+whose router returns something else names a ``topk`` function that turns it into
+``(weights, ids)``.  The expert weights are stored in one of the ``ExpertsLayout`` forms;
+``expert_tensors`` reads any of them as the region's ``w13`` [E, 2F, H] (gate rows first)
+and ``w2`` [E, H, F], connected to autograd.  hpmoe calls the block's own router module
+exactly as the block does (so output-capturing hooks, ``output_router_logits`` and the
+auxiliary loss see the same logits) and replaces only what follows: the experts, and a
+plain shared MLP inside the region.  A ``Family`` names the attributes; ``refused`` says why
+a family whose maths the region does not compute is refused.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...spec import Activation
+
+
+class ExpertsLayout(enum.Enum):
+    """Where a block keeps its expert weights, and in which order."""
+
+    FUSED = "fused"  # experts.gate_up_proj [E, 2F, H] (gate rows first), experts.down_proj [E, H, F]
+    TRANSPOSED = "transposed"  # experts.gate_up_proj [E, H, 2F], experts.down_proj [E, F, H] (Llama 4)
+    FLAT = "flat"  # experts.mlp.w1 (gate), v1 (up), w2 (down), each [E * F, H] (DBRX)
+    PARALLEL = "parallel"  # input_linear.weight [E, 2F, H], output_linear.weight [E, H, F] (JetMoE)
+
+
+class ScoreSide(enum.Enum):
+    """Where a token's routing score multiplies: the expert's output (most families) or
+    its input (Llama 4: ``experts(x * score)``)."""
+
+    OUTPUT = "output"
+    INPUT = "input"
+
+
+TopK = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
+"""(layer, router output) -> (weights [N, k], ids [N, k]) for a router whose output is not
+``(logits, weights, ids)``; ``layer`` holds the block's submodules and ``block_attrs``."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +61,15 @@ class Family:
     jitter: block attribute holding the training-time input jitter amplitude (Mixtral).
     router_args: block attributes passed to the router after ``x`` (MiniMax-M2: the
       block's score-correction bias buffer).
+    layout: where the expert weights are (``ExpertsLayout``).
+    topk: turns the router's output into (weights, ids); None: it is (logits, weights, ids).
+    block_attrs: plain attributes of the block that ``topk`` reads (copied to the layer).
+    score_side: where the routing score multiplies (``ScoreSide``).
+    output_bias: attribute of a [H] parameter the block adds to every token's output (JetMoE).
+    identity_experts: attribute of the experts module holding the number of
+      zero-computation experts, ids ``[E, E + n)`` whose output is the token itself (LongCat).
+    returns: None when the block returns the hidden states only; else the index of the
+      router output it returns beside them (``(hidden, router_output[returns])``).
     refused: None, or the feature of the block that the region does not compute.
     config / model: transformers class names of the family's config and causal LM.
     tiny: overrides that make ``config`` a tiny test model (no download).
@@ -51,6 +86,13 @@ class Family:
     shared_gate: str | None = None
     jitter: str | None = None
     router_args: tuple[str, ...] = ()
+    layout: ExpertsLayout = ExpertsLayout.FUSED
+    topk: TopK | None = None
+    block_attrs: tuple[str, ...] = ()
+    score_side: ScoreSide = ScoreSide.OUTPUT
+    output_bias: str | None = None
+    identity_experts: str | None = None
+    returns: int | None = None
     refused: str | None = None
 
     def block_class(self) -> type[nn.Module]:
@@ -88,6 +130,61 @@ TINY: dict[str, Any] = dict(
 )
 
 
+@dataclass(frozen=True)
+class ExpertTensors:
+    """A block's expert weights as the region reads them, connected to autograd (views of
+    the parameters, or a copy where the layout needs one): w13 [E, 2F, H] gate rows first,
+    w2 [E, H, F]; act: the module that computes the gate activation."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    act: nn.Module
+
+
+def expert_tensors(block: nn.Module, layout: ExpertsLayout, experts: int | None = None) -> ExpertTensors:
+    """Read ``block``'s expert weights stored in ``layout``; ``experts``: the number of
+    computing experts when the block stores more gate/up rows than it computes (LongCat).
+    ``ValueError`` when an attribute is missing or not a tensor of the layout's rank."""
+    if layout in (ExpertsLayout.FUSED, ExpertsLayout.TRANSPOSED):
+        e = block.experts
+        w13, w2 = _tensor(e, "gate_up_proj", 3), _tensor(e, "down_proj", 3)
+        if layout is ExpertsLayout.TRANSPOSED:
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        t = ExpertTensors(w13, w2, getattr(e, "act_fn", None))
+    elif layout is ExpertsLayout.FLAT:
+        m = block.experts.mlp
+        w1, v1, w2 = (_tensor(m, n, 2) for n in ("w1", "v1", "w2"))
+        rows = (m.moe_num_experts, m.ffn_hidden_size, w1.shape[1])
+        t = ExpertTensors(torch.cat([w1.view(rows), v1.view(rows)], dim=1), w2.view(rows).transpose(1, 2),
+                          m.activation_fn)
+    else:
+        w13, w2 = _tensor(block.input_linear, "weight", 3), _tensor(block.output_linear, "weight", 3)
+        t = ExpertTensors(w13, w2, block.activation)
+    return t if experts is None else ExpertTensors(t.w13[:experts], t.w2, t.act)
+
+
+_FIRST = {ExpertsLayout.FUSED: ("experts", "gate_up_proj"),
+          ExpertsLayout.TRANSPOSED: ("experts", "gate_up_proj"),
+          ExpertsLayout.FLAT: ("experts", "mlp", "w1"),
+          ExpertsLayout.PARALLEL: ("input_linear", "weight")}
+
+
+def experts_dtype(block: nn.Module, layout: ExpertsLayout) -> torch.dtype:
+    """The dtype of ``block``'s expert weights (without reading them all, as a FLAT copy would)."""
+    owner: Any = block
+    for name in _FIRST[layout]:
+        owner = getattr(owner, name)
+    return owner.dtype
+
+
+def _tensor(owner: nn.Module, name: str, dims: int) -> torch.Tensor:
+    t = getattr(owner, name, None)
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else t
+        raise ValueError(f"{type(owner).__name__}.{name} must be a {dims}-d tensor, got {shape!r}")
+    return t
+
+
 def activation_of(act: nn.Module) -> Activation:
     """The ``Activation`` a transformers ``ACT2FN`` module computes; ``ValueError`` naming
     the class when the region has no kernel for it."""
@@ -105,10 +202,11 @@ def activation_of(act: nn.Module) -> Activation:
     )
 
 
-def check_flags(experts: nn.Module, owner: str) -> None:
-    """``ValueError`` (naming ``owner``) for experts with biases, transposed weights or
-    interleaved gate/up columns: the region reads gate_up_proj [E, 2F, H], gate rows first."""
-    for flag, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False)):
+def check_flags(experts: nn.Module, owner: str, transposed: bool = False) -> None:
+    """``ValueError`` (naming ``owner``) for experts with biases, interleaved gate/up columns
+    or a transposition other than ``transposed``: the region reads gate_up_proj gate rows
+    first, [E, 2F, H] (or [E, H, 2F] when ``transposed``)."""
+    for flag, bad in (("has_bias", True), ("is_transposed", not transposed), ("is_concatenated", False)):
         if getattr(experts, flag, not bad) is bad:
             raise ValueError(f"{owner}: experts.{flag}={bad} is not supported")
 

@@ -1,7 +1,23 @@
-"""Llama 4: refused — the router's sigmoid scores scale each expert's *input*
-(``experts(x * score)``), not its output, which the region's combine does not compute."""
+"""Llama 4: sigmoid scores of the top-k logits scale each expert's *input*
+(``experts(x * score)``), SwiGLU experts stored transposed ([E, H, 2F], [E, F, H]), a shared
+expert beside them; the block returns ``(out, router_logits)``.  The region runs once per
+slot on ``x * score`` with weight 1 (the released models route to one expert)."""
 
-from .base import Family
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import ExpertsLayout, Family, ScoreSide
+
+
+def _topk(layer: nn.Module, routed: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router returns (scores [N, E]: sigmoid of the top-k logits, 0 elsewhere, logits):
+    its ids are the same ``topk`` of the logits, its weights those scores."""
+    scores, logits = routed
+    ids = torch.topk(logits, layer.router.top_k, dim=1).indices
+    return scores.gather(1, ids), ids
+
 
 FAMILY = Family(
     name="llama4",
@@ -13,5 +29,9 @@ FAMILY = Family(
         num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=32, interleave_moe_layer_step=1
     ),
     router="router",
-    refused="routing scores scale the expert input (experts(x * sigmoid(score))), not the expert output",
+    shared="shared_expert",
+    layout=ExpertsLayout.TRANSPOSED,
+    topk=_topk,
+    score_side=ScoreSide.INPUT,
+    returns=1,
 )

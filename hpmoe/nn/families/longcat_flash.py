@@ -1,5 +1,7 @@
-"""LongCat-Flash: refused — its router also routes to zero-computation experts (the
-token itself, scaled by its weight), which the region has no task for."""
+"""LongCat-Flash: softmax router over the routed and the zero-computation experts (ids past
+the routed ones: the token itself, times its weight), a score-correction bias for the
+choice only, weights times ``routed_scaling_factor``; SwiGLU experts (gate_up_proj holds rows
+for every expert id, the routed ones compute)."""
 
 from .base import Family
 
@@ -9,9 +11,9 @@ FAMILY = Family(
     block="LongcatFlashMoE",
     config="LongcatFlashConfig",
     model="LongcatFlashForCausalLM",
-    tiny=dict(num_layers=1, n_routed_experts=8, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=16,
-              ffn_hidden_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-              v_head_dim=8, head_dim=4),
+    tiny=dict(num_hidden_layers=4, n_routed_experts=8, moe_topk=2, zero_expert_num=2,
+              expert_ffn_hidden_size=16, ffn_hidden_size=16, kv_lora_rank=8, q_lora_rank=8,
+              qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4),
     router="router",
-    refused="zero-computation experts (zero_expert_num: identity experts the router also picks)",
+    identity_experts="zero_expert_num",
 )
