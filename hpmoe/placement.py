@@ -121,7 +121,8 @@ class Placement:
         gather); the router is done with (``ExpertWeights.routed``)."""
         index = torch.tensor(self.phy2log, device=w.w13.device)
         return ExpertWeights.routed(self.physical_spec(w.spec), w.w13.index_select(0, index),
-                                    w.w2.index_select(0, index), w.shared_w13, w.shared_w2)
+                                    w.w2.index_select(0, index), w.shared_w13, w.shared_w2,
+                                    *(b.index_select(0, index) for b in w.biases))
 
 
 # ---------------------------------------------------------------------------- planner

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .routing import Routing, check_hidden, check_routing
-from .spec import Activation, MoESpec
+from .spec import PLAIN_GLU, Activation, GluForm, MoESpec
 from .weights import ExpertWeights
 
 # ---------------------------------------------------------------------------- math
@@ -30,28 +30,54 @@ ACTIVATION_FNS = {Activation.SILU: F.silu, Activation.GELU: F.gelu,
                   Activation.GELU_TANH: lambda t: F.gelu(t, approximate="tanh"), Activation.RELU: F.relu}
 
 
+def gated(h: torch.Tensor, activation: Activation = Activation.SILU,
+          glu: GluForm = PLAIN_GLU) -> torch.Tensor:
+    """``act(gate) * (up + glu.up_shift)`` of h [..., 2F] as autograd computes it: gate and
+    up columns as ``glu`` lays them out, clamped by ``glu.limit``, ``act(g) = g *
+    sigmoid(glu.alpha * g)`` when alpha is not 1 (GPT-OSS's clamped SwiGLU)."""
+    if glu.interleaved:
+        gate, up = h[..., 0::2], h[..., 1::2]
+    else:
+        gate, up = h.chunk(2, dim=-1)
+    if glu.limit is not None:
+        gate, up = gate.clamp(max=glu.limit), up.clamp(min=-glu.limit, max=glu.limit)
+    act = gate * torch.sigmoid(gate * glu.alpha) if glu.alpha != 1.0 else ACTIVATION_FNS[activation](gate)
+    return act * (up + glu.up_shift) if glu.up_shift else act * up
+
+
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               activation: Activation = Activation.SILU) -> torch.Tensor:
+               activation: Activation = Activation.SILU, glu: GluForm = PLAIN_GLU,
+               b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """One gated expert, exactly as transformers' ``DeepseekV3Experts`` computes it.
 
-    x: [R, H]; w13: [2F, H] (gate rows [0, F), up rows [F, 2F)); w2: [H, F]; one dtype.
-    Returns [R, H] in ``x.dtype``: ``(act(x @ gate.T) * (x @ up.T)) @ w2.T``.
+    x: [R, H]; w13: [2F, H] (gate rows [0, F), up rows [F, 2F), or alternating under
+    ``glu.interleaved``); w2: [H, F]; b13 [2F] / b2 [H] or None; one dtype.
+    Returns [R, H] in ``x.dtype``: ``gated(x @ w13.T + b13) @ w2.T + b2``.
     """
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(ACTIVATION_FNS[activation](gate) * up, w2)
+    return F.linear(gated(F.linear(x, w13, b13), activation, glu), w2, b2)
 
 
 def grouped_ffn(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, activation: Activation = Activation.SILU) -> torch.Tensor:
+                w2: torch.Tensor, activation: Activation = Activation.SILU, glu: GluForm = PLAIN_GLU,
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """Run expert ``e`` on the ``e``-th segment of ``rows``.
 
     rows: [R, H] sorted by expert; counts: [E'] int64 rows per expert, summing to R;
-    w13: [E', 2F, H]; w2: [E', H, F].  Returns [R, H] in ``rows.dtype``, same row order.
-    Differentiable with respect to ``rows``, ``w13`` and ``w2``.
+    w13: [E', 2F, H]; w2: [E', H, F]; b13 [E', 2F] / b2 [E', H] or None.  Returns [R, H] in
+    ``rows.dtype``, same row order.  Differentiable with respect to ``rows`` and every weight.
     """
     chunks = rows.split(counts.tolist())
-    outs = [expert_ffn(chunk, w13[e], w2[e], activation) for e, chunk in enumerate(chunks)]
+    outs = [expert_ffn(chunk, w13[e], w2[e], activation, glu, None if b13 is None else b13[e],
+                       None if b2 is None else b2[e]) for e, chunk in enumerate(chunks)]
     return torch.cat(outs) if outs else rows.new_empty(0, w2.shape[1])
+
+
+def routed_ffn(rows: torch.Tensor, counts: torch.Tensor, weights: ExpertWeights,
+               experts: slice = slice(None)) -> torch.Tensor:
+    """:func:`grouped_ffn` of the routed ``experts`` of ``weights`` (form and biases of its spec)."""
+    spec, b = weights.spec, weights.biases
+    return grouped_ffn(rows, counts, weights.w13[experts], weights.w2[experts], spec.activation, spec.glu,
+                       *(t[experts] for t in b))
 
 
 def shared_ffn(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor | None:
@@ -158,7 +184,7 @@ def expert_outputs(x: torch.Tensor, weights: ExpertWeights, routing: Routing) ->
     flat = routing.ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=spec.experts)
-    ys = grouped_ffn(x[order // k], counts, weights.w13, weights.w2, spec.activation)
+    ys = routed_ffn(x[order // k], counts, weights)
     return ys.index_select(0, inverse_permutation(order)).view(n, k, spec.hidden)
 
 
@@ -224,7 +250,7 @@ def serialized_ep_forward(x_local: torch.Tensor, weights: ExpertWeights, routing
         recv_counts = exchange_counts(send_counts, group)
         recv = ep_dispatch(x_local[order // k], send_counts, recv_counts, group)
         mine = slice(rank * local, (rank + 1) * local)
-        ys = run_local_experts(recv, recv_counts, weights.w13[mine], weights.w2[mine], spec.activation)
+        ys = run_local_experts(recv, recv_counts, weights, mine)
         back = ep_combine(ys, send_counts, recv_counts, group)
         o = back.index_select(0, inverse_permutation(order)).view(t, k, spec.hidden)
         out = topk_sum(o, routing_local.weights, shared_ffn(x_local, weights), spec.dtype)
@@ -274,17 +300,17 @@ def _all_to_all(rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor,
     return out
 
 
-def run_local_experts(recv: torch.Tensor, recv_counts: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor, activation: Activation = Activation.SILU) -> torch.Tensor:
-    """Apply local expert e to its rows of every source.
+def run_local_experts(recv: torch.Tensor, recv_counts: torch.Tensor, weights: ExpertWeights,
+                      experts: slice) -> torch.Tensor:
+    """Apply local expert e (of ``weights``' ``experts``) to its rows of every source.
 
-    recv: [R, H] in dispatch order (source s, then local expert e); recv_counts: [ep, L];
-    w13: [L, 2F, H]; w2: [L, H, F].  Regroups rows by (e, s) so each expert runs once on
-    its rows in global token order, then restores dispatch order.  Returns [R, H].
+    recv: [R, H] in dispatch order (source s, then local expert e); recv_counts: [ep, L].
+    Regroups rows by (e, s) so each expert runs once on its rows in global token order,
+    then restores dispatch order.  Returns [R, H].
     """
     ep, local = recv_counts.shape
     segment_key = torch.arange(local) * ep + torch.arange(ep)[:, None]  # [s, e] -> e*ep + s
     row_key = torch.repeat_interleave(segment_key.reshape(-1), recv_counts.reshape(-1))
     perm = torch.argsort(row_key, stable=True)
-    ys = grouped_ffn(recv[perm], recv_counts.sum(0), w13, w2, activation)
+    ys = routed_ffn(recv[perm], recv_counts.sum(0), weights, experts)
     return ys.index_select(0, inverse_permutation(perm))

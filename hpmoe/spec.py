@@ -31,6 +31,45 @@ class GateKind(enum.Enum):
     SOFTMAX = "softmax"  # Mixtral / Qwen3 / DeepSeek-V2: softmax scores, optional groups
 
 
+@dataclass(frozen=True)
+class GluForm:
+    """How a routed expert's gated activation reads its [m, 2F] pre-activations h:
+    ``a = act(gate) * (up + up_shift)``.
+
+    interleaved: gate and up columns alternate (gate ``h[:, 0::2]``, up ``h[:, 1::2]``, as
+      GPT-OSS stores them) instead of gate columns first.
+    alpha: ``act(g) = g * sigmoid(alpha * g)`` (``Activation.SILU`` only; 1 is SiLU).
+    limit: gate clamped to ``<= limit`` and up to ``[-limit, limit]`` first; None: no clamp.
+    up_shift: added to the (clamped) up value (GPT-OSS: ``(up + 1) * glu``).
+    The default is the plain ``act(gate) * up`` of every other family.
+    """
+
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float | None = None
+    up_shift: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0:
+            raise ValueError(f"GluForm.alpha must be > 0, got {self.alpha}")
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"GluForm.limit must be > 0 or None, got {self.limit}")
+
+    @property
+    def plain(self) -> bool:
+        """Gate columns first, no clamp, SiLU's slope, no shift."""
+        return self == PLAIN_GLU
+
+    @property
+    def flops(self) -> float:
+        """Vector FLOPs per output element (the plain SwiGLU: 5)."""
+        return 5.0 + (2.0 if self.alpha != 1.0 else 0.0) + (3.0 if self.limit is not None else 0.0) + (
+            1.0 if self.up_shift else 0.0)
+
+
+PLAIN_GLU = GluForm()  # act(gate) * up, gate columns first
+
+
 def _check_positive(owner: str, **fields: int) -> None:
     for name, value in fields.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -50,6 +89,9 @@ class MoESpec:
     norm_topk: renormalise the top-k weights to sum to one.
     dtype: dtype of activations and expert weights (fp32, bf16 or fp16; every sum in fp32).
     activation: the experts' gate activation.
+    glu: how the routed experts' gated activation reads its input (``GluForm``).
+    expert_bias: the routed experts' projections carry biases (``ExpertWeights.b13`` [E, 2F]
+      added to the up projection, ``b2`` [E, H] to the down projection; GPT-OSS).
     """
 
     hidden: int
@@ -64,6 +106,8 @@ class MoESpec:
     norm_topk: bool = True
     dtype: torch.dtype = torch.bfloat16
     activation: Activation = Activation.SILU
+    glu: GluForm = PLAIN_GLU
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("MoESpec", hidden=self.hidden, ffn=self.ffn, experts=self.experts,
@@ -88,6 +132,11 @@ class MoESpec:
             raise TypeError(f"MoESpec.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
         if not isinstance(self.activation, Activation):
             raise TypeError(f"MoESpec.activation must be an Activation, got {self.activation!r}")
+        if not isinstance(self.glu, GluForm):
+            raise TypeError(f"MoESpec.glu must be a GluForm, got {self.glu!r}")
+        if self.glu.alpha != 1.0 and self.activation is not Activation.SILU:
+            raise ValueError(f"MoESpec.glu.alpha={self.glu.alpha} needs Activation.SILU, "
+                             f"got {self.activation}")
         if not self.routed_scaling > 0:
             raise ValueError(f"MoESpec.routed_scaling must be > 0, got {self.routed_scaling}")
 
@@ -191,6 +240,7 @@ def require_per_expert(tiles: TileSpec, what: str) -> None:
                          f"DispatchMode.PER_EXPERT only")
 
 
+_GPT_OSS_GLU = GluForm(interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
 _DEEPSEEK_V3 = MoESpec(hidden=7168, ffn=2048, experts=256, top_k=8, shared_experts=1,
                        gate=GateKind.SIGMOID, groups=8, top_groups=4, routed_scaling=2.5,
                        norm_topk=True)
@@ -205,6 +255,12 @@ PRESETS: dict[str, MoESpec] = {
                              norm_topk=True),
     "mixtral-8x7b": MoESpec(hidden=4096, ffn=14336, experts=8, top_k=2, gate=GateKind.SOFTMAX,
                             norm_topk=True),
+    # GPT-OSS: biased experts, interleaved gate/up, clamped SwiGLU (alpha 1.702, limit 7), up + 1;
+    # softmax over the top-k logits is softmax renormalised over the top k
+    "gpt-oss-120b": MoESpec(hidden=2880, ffn=2880, experts=128, top_k=4, gate=GateKind.SOFTMAX,
+                            norm_topk=True, expert_bias=True, glu=_GPT_OSS_GLU),
+    "gpt-oss-20b": MoESpec(hidden=2880, ffn=2880, experts=32, top_k=4, gate=GateKind.SOFTMAX,
+                           norm_topk=True, expert_bias=True, glu=_GPT_OSS_GLU),
     # A DeepSeek-V3-shaped layer small enough for the CPU demo.
     "small": MoESpec(hidden=512, ffn=256, experts=16, top_k=4, shared_experts=1,
                      gate=GateKind.SIGMOID, groups=4, top_groups=2, routed_scaling=2.5),

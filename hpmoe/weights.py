@@ -24,6 +24,8 @@ class ExpertWeights:
     w2:          [E, H, F]  spec.dtype — down projections.
     shared_w13:  [2Fs, H] spec.dtype or None — fused shared-expert gate/up.
     shared_w2:   [H, Fs]  spec.dtype or None — shared-expert down projection.
+    b13:         [E, 2F] spec.dtype or None — up-projection biases (``spec.expert_bias``).
+    b2:          [E, H]  spec.dtype or None — down-projection biases (``spec.expert_bias``).
     """
 
     spec: MoESpec
@@ -33,6 +35,8 @@ class ExpertWeights:
     w2: torch.Tensor
     shared_w13: torch.Tensor | None = None
     shared_w2: torch.Tensor | None = None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         s = self.spec
@@ -48,6 +52,11 @@ class ExpertWeights:
             expected["shared_w2"] = (self.shared_w2, (s.hidden, fs), s.dtype)
         elif self.shared_w13 is not None or self.shared_w2 is not None:
             raise ValueError("ExpertWeights.shared_w13/shared_w2 given but spec.shared_experts=0")
+        if s.expert_bias:
+            expected["b13"] = (self.b13, (s.experts, 2 * s.ffn), s.dtype)
+            expected["b2"] = (self.b2, (s.experts, s.hidden), s.dtype)
+        elif self.b13 is not None or self.b2 is not None:
+            raise ValueError("ExpertWeights.b13/b2 given but spec.expert_bias=False")
         for name, (tensor, shape, dtype) in expected.items():
             _check_tensor(f"ExpertWeights.{name}", tensor, shape, dtype)
 
@@ -55,14 +64,20 @@ class ExpertWeights:
     def has_shared(self) -> bool:
         return self.shared_w13 is not None
 
+    @property
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+        """(b13, b2), or () without expert biases."""
+        return (self.b13, self.b2) if self.b13 is not None else ()
+
     @staticmethod
     def routed(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None = None,
-               shared_w2: torch.Tensor | None = None) -> ExpertWeights:
+               shared_w2: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None) -> ExpertWeights:
         """The region's weights once routing is done (a region never reads the router):
         router and bias are zero placeholders that allocate nothing."""
-        zero = torch.zeros((), dtype=torch.float32)
+        zero = torch.zeros((), dtype=torch.float32, device=w13.device)
         return ExpertWeights(spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
-                             shared_w13, shared_w2)
+                             shared_w13, shared_w2, b13, b2)
 
     @staticmethod
     def random(spec: MoESpec, seed: int = 0) -> ExpertWeights:
@@ -84,6 +99,8 @@ class ExpertWeights:
             w2=draw(spec.experts, spec.hidden, spec.ffn, fan_in=spec.ffn),
             shared_w13=draw(2 * fs, spec.hidden, fan_in=spec.hidden) if fs else None,
             shared_w2=draw(spec.hidden, fs, fan_in=fs) if fs else None,
+            b13=draw(spec.experts, 2 * spec.ffn, fan_in=spec.hidden) if spec.expert_bias else None,
+            b2=draw(spec.experts, spec.hidden, fan_in=spec.ffn) if spec.expert_bias else None,
         )
 
 

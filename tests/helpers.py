@@ -5,15 +5,20 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from hpmoe.ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from hpmoe.routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
 from hpmoe.schedule import Schedule, SchedulePolicy, schedule, verify_schedule
 from hpmoe.sim.hardware import HardwareModel
 from hpmoe.sim.simulate import simulate
-from hpmoe.spec import MoESpec, ParallelSpec, TileSpec, preset
+from hpmoe.spec import GateKind, GluForm, MoESpec, ParallelSpec, TileSpec, preset
 
 TINY_TILES = TileSpec(rows=3, gemm_rows=4, gemm_cols=8)
+# GPT-OSS's expert form: biases, gate/up interleaved, clamped SwiGLU (a limit low enough that
+# the tiny layer's pre-activations cross it on both sides), up + 1
+GPT_OSS_FORM = MoESpec(hidden=24, ffn=12, experts=8, top_k=3, gate=GateKind.SOFTMAX, dtype=torch.float32,
+                       expert_bias=True, glu=GluForm(interleaved=True, alpha=1.702, limit=0.5, up_shift=1.0))
 
 
 def tiny_plan(kind: RoutingKind = RoutingKind.ZIPF, ep: int = 2, tokens: int = 8, seed: int = 0,

@@ -19,10 +19,10 @@ from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
 from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.simulate import simulate
-from hpmoe.spec import GateKind, MoESpec, ParallelSpec, preset
+from hpmoe.spec import Activation, GateKind, GluForm, MoESpec, ParallelSpec, preset
 from hpmoe.weights import ExpertWeights
 
-from .helpers import TINY_TILES, tiny_plan
+from .helpers import GPT_OSS_FORM, TINY_TILES, tiny_plan
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 NO_SHARED = MoESpec(hidden=24, ffn=12, experts=8, top_k=3, gate=GateKind.SOFTMAX, dtype=torch.float32)
@@ -45,12 +45,17 @@ def _autograd(x, w, routing, dy) -> Gradients:
     """Gradients of refs.dense_moe by autograd."""
     x = x.clone().requires_grad_()
     rw = routing.weights.clone().requires_grad_()
-    names = ["w13", "w2"] + (["shared_w13", "shared_w2"] if w.has_shared else [])
+    names = ["w13", "w2"] + (["shared_w13", "shared_w2"] if w.has_shared else []) + (
+        ["b13", "b2"] if w.biases else [])
     leaves = {n: getattr(w, n).clone().requires_grad_() for n in names}
     refs.dense_moe(x, dataclasses.replace(w, **leaves), Routing(routing.ids, rw)).backward(dy)
-    return Gradients(dx=x.grad, dweights=rw.grad, dw13=leaves["w13"].grad, dw2=leaves["w2"].grad,
-                     dshared_w13=leaves["shared_w13"].grad if w.has_shared else None,
-                     dshared_w2=leaves["shared_w2"].grad if w.has_shared else None)
+
+    def grad(name: str) -> torch.Tensor | None:
+        return leaves[name].grad if name in leaves else None
+
+    return Gradients(dx=x.grad, dweights=rw.grad, dw13=grad("w13"), dw2=grad("w2"),
+                     dshared_w13=grad("shared_w13"), dshared_w2=grad("shared_w2"), db13=grad("b13"),
+                     db2=grad("b2"))
 
 
 def _assert_grads_equal(a: Gradients, b: Gradients, msg: object = "") -> None:
@@ -178,9 +183,38 @@ def test_gradients_match_autograd_through_the_dense_reference(dtype, ep, kind):
         want = _autograd(x, w, r, dy)
         for name in GRAD_FIELDS:
             a, b = getattr(got, name), getattr(want, name)
-            assert (a is None) == (b is None) == (name.startswith("dshared") and not shared), name
+            assert (a is None) == (b is None) == (name.startswith("dshared") and not shared or
+                                                  name.startswith("db")), name
             if a is not None:
                 torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+
+
+FORMS = {"gpt-oss": GPT_OSS_FORM,
+         "clamped-gelu": dataclasses.replace(GPT_OSS_FORM, activation=Activation.GELU,
+                                             glu=GluForm(limit=0.5))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_expert_biases_and_the_clamped_interleaved_glu_match_autograd(form, dtype, ep, recompute):
+    """GPT-OSS's expert form (and a clamped GeGLU): every gradient (the biases' included)
+    against autograd through refs.dense_moe; the clamp is crossed, so a kernel ignoring it
+    would fail."""
+    spec = FORMS[form].with_dtype(dtype)
+    x, w, r, dy = _inputs(spec, ep, 5, RoutingKind.ZIPF, seed=ep)
+    step = moe_forward_backward(x, w, r, dy, ep, TINY_TILES, recompute=recompute)
+    torch.testing.assert_close(step.out, refs.dense_moe(x, w, r), **TOL[dtype])
+    got, want = step.backward.grads, _autograd(x, w, r, dy)
+    for name in GRAD_FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None) == name.startswith("dshared"), name
+        if a is not None:
+            torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+    h = torch.cat([b.saved.h for b in step.backward.buffers])
+    gate, up = (h[:, 0::2], h[:, 1::2]) if spec.glu.interleaved else h.chunk(2, dim=1)
+    assert bool((gate > 0.5).any() and (up.abs() > 0.5).any())  # the clamp was crossed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,6 +12,8 @@ from hpmoe.nn.families import FAMILIES
 from hpmoe.nn.layer import MoE
 from hpmoe.spec import DispatchMode, preset
 
+from .helpers import GPT_OSS_FORM
+
 
 def _step(module, x):
     x = x.clone().requires_grad_()
@@ -32,6 +34,12 @@ def _assert_compiled_equals_eager(layer, x):
 
 def test_a_native_layer_compiles_with_fullgraph():
     spec = preset("tiny")
+    _assert_compiled_equals_eager(MoE(spec, virtual_ep=2, tiles=CHECK_TILES),
+                                  torch.randn(2, 5, spec.hidden, generator=torch.Generator().manual_seed(0)))
+
+
+def test_a_layer_with_expert_biases_and_a_clamped_glu_compiles_with_fullgraph():
+    spec = GPT_OSS_FORM
     _assert_compiled_equals_eager(MoE(spec, virtual_ep=2, tiles=CHECK_TILES),
                                   torch.randn(2, 5, spec.hidden, generator=torch.Generator().manual_seed(0)))
 

@@ -97,11 +97,28 @@ def test_replacement_keeps_parameter_objects_and_state_dict(name):
     assert sum(isinstance(m, MoE) for m in model.modules()) == 2
 
 
-def test_refused_blocks_are_refused_before_anything_is_replaced():
-    model = tiny_model(FAMILY["gpt_oss"])
-    with pytest.raises(ValueError, match="gpt_oss .*clamped SwiGLU"):
+def test_an_unsupported_variant_is_refused_before_anything_is_replaced():
+    model = tiny_model(FAMILY["qwen3_moe"], hidden_act="relu2")  # an activation without a kernel
+    with pytest.raises(ValueError, match="ReLUSquaredActivation"):
         replace_moe_blocks(model)
     assert not any(isinstance(m, MoE) for m in model.modules())
-    blocks = [m for m in model.modules() if family_of(m) is FAMILY["gpt_oss"]]
-    with pytest.raises(ValueError, match="gpt_oss"):
+    blocks = [m for m in model.modules() if family_of(m) is FAMILY["qwen3_moe"]]
+    with pytest.raises(ValueError, match="ReLUSquaredActivation"):
         MoE.from_hf(blocks[0])
+
+
+def test_experts_with_a_gate_of_their_own_are_refused_by_name(monkeypatch):
+    """A family that does not read its experts' own ``_apply_gate`` refuses it instead of
+    computing the default gate."""
+    model = tiny_model(FAMILY["qwen3_moe"])
+    experts = type(model.model.layers[0].mlp.experts)
+    monkeypatch.setattr(experts, "_apply_gate", lambda self, gate_up: gate_up, raising=False)
+    with pytest.raises(ValueError, match="qwen3_moe: experts._apply_gate .* its own gate"):
+        replace_moe_blocks(model)
+
+
+@pytest.mark.parametrize(("alpha", "limit"), [(1.702, 0.05), (1.0, 0.2)])
+def test_gpt_oss_clamps_where_its_limit_bites(alpha, limit):
+    """A limit low enough that the tiny model's pre-activations cross it; alpha 1 is SiLU."""
+    row = check_family(FAMILY["gpt_oss"], swiglu_alpha=alpha, swiglu_limit=limit)
+    assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL

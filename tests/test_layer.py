@@ -2,24 +2,28 @@
 single process (virtual EP) and on gloo ranks of an EP group."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from hpmoe import refs
+from hpmoe.machine import machine
 from hpmoe.nn.layer import MoE, RegionCall, RegionOptions, RegionState, _virtual_forward
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
-from hpmoe.schedule.tune import Budget
+from hpmoe.schedule.tune import KERNEL_BY_KERNEL_KNOBS, Budget, TuneResult
+from hpmoe.schedule.tune_cache import CACHE_ENV, TuneCache
+from hpmoe.schedule.tuner import Tuner
 from hpmoe.sim.hardware import cpu_nominal, hardware_preset
-from hpmoe.spec import Activation, GateKind, MoESpec, preset
+from hpmoe.spec import Activation, DispatchMode, GateKind, MoESpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
-from .helpers import TINY_TILES
+from .helpers import GPT_OSS_FORM, TINY_TILES
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -361,3 +365,70 @@ def test_auto_runs_the_taskflow_when_it_is_forecast_to_pay(monkeypatch):
     fixed = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES, schedule=None)
     got, want = _run(layer, x, dy), _run(fixed, x, dy)
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+
+
+# ---------------------------------------------------------------------------- expert forms
+
+FORM_RUNS = {
+    "kernel-by-kernel": dict(),  # AUTO in one process without a model: kernel by kernel
+    "taskflow": dict(schedule=None),
+    "taskflow-per-rank": dict(schedule=None,
+                              tiles=dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)),
+    "taskflow-recompute": dict(schedule=None, recompute=True),
+}
+
+
+@pytest.mark.parametrize("run", list(FORM_RUNS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_biases_and_the_clamped_glu_match_autograd_on_every_path(run, dtype):
+    spec = GPT_OSS_FORM.with_dtype(dtype)
+    options = {"tiles": TINY_TILES, **FORM_RUNS[run]}
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, **options)
+    x, dy = _data(spec, 16)
+    got = _run(layer, x, dy)
+    layer.zero_grad()
+    _assert_close_runs(got, _reference(layer, x, dy), dtype)
+    assert {"experts.gate_up_proj_bias", "experts.down_proj_bias"} <= set(got[2])
+    assert all(g.abs().sum() > 0 for g in got[2].values())
+
+
+def _form_steps(rank, world, runs, cache):
+    """One step per run on the group; the last run is AUTO with a tuning cache naming
+    kernel by kernel the winner (so AUTO runs it without tuning)."""
+    spec, out = GPT_OSS_FORM, []
+    os.environ[CACHE_ENV] = cache
+    if rank == 0:
+        key = Tuner().key(spec, world, 1, "shm", 6, True)
+        pinned = TuneResult(KERNEL_BY_KERNEL_KNOBS, 1.0, None, None, None, 0, 0.0)
+        TuneCache().store(key, machine().versions(), pinned)
+    dist.barrier()
+    for options in runs:
+        options = {"tiles": TINY_TILES, **options}
+        layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, **options)
+        x, dy = _data(spec, 12)
+        mine = slice(rank * 3, (rank + 1) * 3)
+        out.append(_run(layer, x[:, mine], dy[:, mine]))
+        if "schedule" not in options:
+            out[-1] = (*out[-1], layer.tuned(6, backward=True).source)
+        layer.close()
+    return out
+
+
+def test_expert_forms_on_two_ranks_equal_one_process(tmp_path):
+    """The runtime's per-expert and per-rank taskflows, and kernel by kernel (AUTO)."""
+    runs = [dict(schedule=SchedulePolicy.HYPERPARALLEL),
+            dict(schedule=SchedulePolicy.HYPERPARALLEL,
+                 tiles=dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)),
+            dict()]
+    results = spawn_gloo(_form_steps, 2, runs, str(tmp_path / "tune.json"), timeout=180)
+    assert results[0][-1][3] == "cache"  # AUTO ran the pinned kernel by kernel, untuned
+    spec = GPT_OSS_FORM
+    whole = MoE(spec, ExpertWeights.random(spec, 1), tiles=TINY_TILES)
+    x, dy = _data(spec, 12)
+    want = _run(whole, x, dy)
+    for i in range(len(runs)):
+        got = [results[r][i] for r in (0, 1)]
+        torch.testing.assert_close(torch.cat([g[0] for g in got], 1), want[0], **TOL[torch.float32])
+        torch.testing.assert_close(torch.cat([g[1] for g in got], 1), want[1], **TOL[torch.float32])
+        for name, grad in want[2].items():
+            torch.testing.assert_close(got[0][2][name] + got[1][2][name], grad, **TOL[torch.float32])

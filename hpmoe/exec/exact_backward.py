@@ -42,8 +42,8 @@ class Gradients:
 
     dx: [N, H] spec.dtype; dweights: [N, k] float32 (routing weights); dw13: [E, 2F, H];
     dw2: [E, H, F]; dshared_w13: [2Fs, H] and dshared_w2: [H, Fs] (None without shared
-    experts), all spec.dtype.  Shared gradients are summed over ranks in rank order
-    in fp32."""
+    experts); db13 [E, 2F] and db2 [E, H] (None without expert biases), all spec.dtype.
+    Shared gradients are summed over ranks in rank order in fp32."""
 
     dx: torch.Tensor
     dweights: torch.Tensor
@@ -51,6 +51,14 @@ class Gradients:
     dw2: torch.Tensor
     dshared_w13: torch.Tensor | None
     dshared_w2: torch.Tensor | None
+    db13: torch.Tensor | None = None
+    db2: torch.Tensor | None = None
+
+    @property
+    def expert_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """In the order of ``MoEFunction``'s weight inputs: dw13, dw2, dshared_w13,
+        dshared_w2, db13, db2."""
+        return self.dw13, self.dw2, self.dshared_w13, self.dshared_w2, self.db13, self.db2
 
 
 @dataclass
@@ -113,16 +121,28 @@ def _full_outputs(dy: torch.Tensor, weights: ExpertWeights) -> Gradients:
     k = weights.spec.top_k
     return Gradients(dx=torch.empty(dy.shape, dtype=dy.dtype), dweights=torch.empty(dy.shape[0], k),
                      dw13=torch.zeros_like(weights.w13), dw2=torch.zeros_like(weights.w2),
-                     dshared_w13=None, dshared_w2=None)
+                     dshared_w13=None, dshared_w2=None, **expert_bias_gradients(weights))
+
+
+def expert_bias_gradients(weights: ExpertWeights) -> dict[str, torch.Tensor]:
+    """Zero-filled full-size db13 / db2 when the experts carry biases, else none."""
+    return {name: torch.zeros_like(b) for name, b in zip(("db13", "db2"), weights.biases, strict=False)}
+
+
+def expert_views(grads: Gradients, experts: slice) -> dict[str, torch.Tensor]:
+    """The slices of the expert gradients (``dw13``, ``dw2``, ``db13``, ``db2`` where present)
+    that the ranks holding ``experts`` write, keyed by backward-buffer field."""
+    full = {"dw13": grads.dw13, "dw2": grads.dw2, "db13": grads.db13, "db2": grads.db2}
+    return {name: g[experts] for name, g in full.items() if g is not None}
 
 
 def rank_views(out: Gradients, plan: RoutingPlan) -> list[dict[str, torch.Tensor]]:
-    """Per rank, its slices of full-size ``dx``/``dweights`` (its tokens) and
-    ``dw13``/``dw2`` (its experts), keyed by ``BackwardBuffers`` field."""
+    """Per rank, its slices of full-size ``dx``/``dweights`` (its tokens) and the expert
+    gradients (its experts), keyed by ``BackwardBuffers`` field."""
     ep, local = plan.par.ep, plan.local_experts
     dx, dw = out.dx.chunk(ep), out.dweights.chunk(ep)
-    return [{"dx": dx[r], "dw": dw[r], "dw13": out.dw13[r * local:(r + 1) * local],
-             "dw2": out.dw2[r * local:(r + 1) * local]} for r in range(ep)]
+    return [{"dx": dx[r], "dw": dw[r], **expert_views(out, slice(r * local, (r + 1) * local))}
+            for r in range(ep)]
 
 
 def _check_dy(dy: object, weights: ExpertWeights, tokens: int) -> None:

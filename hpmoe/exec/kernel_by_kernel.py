@@ -40,10 +40,10 @@ import torch
 from ..refs import inverse_permutation
 from ..regions.backward_kernels import glu_backward
 from ..regions.base import RegionKind
-from ..regions.kernels import glu
+from ..regions.kernels import gemm_bias, glu
 from ..routing import Routing, check_hidden, check_routing
 from ..schedule.tuner import timed
-from ..spec import Activation, MoESpec
+from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
 from .exact_backward import Gradients
@@ -70,36 +70,60 @@ def segments(counts: list[int]) -> Segments:
 # ---------------------------------------------------------------------------- experts
 
 
-def experts_forward(xs: torch.Tensor, segs: Segments, w13: torch.Tensor, w2: torch.Tensor,
-                    activation: Activation, keep: Arena, tag: str
+@dataclass(frozen=True)
+class Experts:
+    """The experts one GEMM loop runs: w13 [E, 2F, H], w2 [E, H, F], their gated
+    activation, and biases b13 [E, 2F] / b2 [E, H] or None."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    activation: Activation
+    glu: GluForm = PLAIN_GLU
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+    @staticmethod
+    def routed(weights: ExpertWeights, mine: slice) -> Experts:
+        spec = weights.spec
+        return Experts(weights.w13[mine], weights.w2[mine], spec.activation, spec.glu,
+                       *(b[mine] for b in weights.biases))
+
+    @staticmethod
+    def shared(weights: ExpertWeights) -> Experts:
+        return Experts(weights.shared_w13[None], weights.shared_w2[None], weights.spec.activation)
+
+
+def experts_forward(xs: torch.Tensor, segs: Segments, ex: Experts, keep: Arena, tag: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H], in
-    ``keep``: h = xs @ w13[e]^T, a = act(gate) * up, y = a @ w2[e]^T (``refs.expert_ffn``),
-    one expert after another so that its h and a are still in cache for the next GEMM."""
-    m, f, dtype = xs.shape[0], w2.shape[2], xs.dtype
+    ``keep``: h = xs @ w13[e]^T + b13[e], a = the gated activation, y = a @ w2[e]^T + b2[e]
+    (``refs.expert_ffn``), one expert after another so that its h and a are still in cache
+    for the next GEMM."""
+    m, f, dtype = xs.shape[0], ex.w2.shape[2], xs.dtype
     h = keep.take(tag + "h", (m, 2 * f), dtype)
     a = keep.take(tag + "a", (m, f), dtype)
-    y = keep.take(tag + "y", (m, w2.shape[1]), dtype)
+    y = keep.take(tag + "y", (m, ex.w2.shape[1]), dtype)
     for e, s, t in segs:
-        torch.mm(xs[s:t], w13[e].t(), out=h[s:t])
-        glu(h[s:t], a[s:t], activation)
-        torch.mm(a[s:t], w2[e].t(), out=y[s:t])
+        gemm_bias(xs[s:t], ex.w13[e], None if ex.b13 is None else ex.b13[e], h[s:t])
+        glu(h[s:t], a[s:t], ex.activation, ex.glu)
+        gemm_bias(a[s:t], ex.w2[e], None if ex.b2 is None else ex.b2[e], y[s:t])
     return h, a, y
 
 
 @dataclass
 class ExpertGrads:
-    """Where ``experts_backward`` writes weight gradients: dw13 [E, 2F, H], dw2 [E, H, F],
-    local expert e at index ``first + e``."""
+    """Where ``experts_backward`` writes weight gradients: dw13 [E, 2F, H], dw2 [E, H, F]
+    (and db13 [E, 2F], db2 [E, H] for biased experts), local expert e at index ``first + e``."""
 
     dw13: torch.Tensor
     dw2: torch.Tensor
     first: int = 0
+    db13: torch.Tensor | None = None
+    db2: torch.Tensor | None = None
 
 
 def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor | None,
-                     segs: Segments, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
-                     grads: ExpertGrads, arena: Arena, tag: str) -> torch.Tensor:
+                     segs: Segments, ex: Experts, grads: ExpertGrads, arena: Arena, tag: str) -> torch.Tensor:
     """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the weight
     gradients of every local expert into ``grads`` (zeros for experts without rows), one
     expert after another.  a: the gated activation's output, or None to recompute it."""
@@ -110,17 +134,22 @@ def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: tor
     dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
     recompute = a is None
     a = arena.take(tag + "a", (m, f), h.dtype) if recompute else a
-    for e in set(range(w13.shape[0])) - {e for e, _, _ in segs}:
-        grads.dw13[grads.first + e].zero_()
-        grads.dw2[grads.first + e].zero_()
+    written = [g for g in (grads.dw13, grads.dw2, grads.db13, grads.db2) if g is not None]
+    for e in set(range(ex.w13.shape[0])) - {e for e, _, _ in segs}:
+        for g in written:
+            g[grads.first + e].zero_()
     for e, s, t in segs:
+        i = grads.first + e
         if recompute:
-            glu(h[s:t], a[s:t], activation)
-        torch.mm(dy[s:t], w2[e], out=da[s:t])
-        torch.mm(dy[s:t].t(), a[s:t], out=grads.dw2[grads.first + e])
-        glu_backward(h[s:t], da[s:t], dh[s:t], activation, tmp[s:t])
-        torch.mm(dh[s:t].t(), xs[s:t], out=grads.dw13[grads.first + e])
-        torch.mm(dh[s:t], w13[e], out=dxs[s:t])
+            glu(h[s:t], a[s:t], ex.activation, ex.glu)
+        torch.mm(dy[s:t], ex.w2[e], out=da[s:t])
+        torch.mm(dy[s:t].t(), a[s:t], out=grads.dw2[i])
+        glu_backward(h[s:t], da[s:t], dh[s:t], ex.activation, tmp[s:t], ex.glu)
+        torch.mm(dh[s:t].t(), xs[s:t], out=grads.dw13[i])
+        torch.mm(dh[s:t], ex.w13[e], out=dxs[s:t])
+        if grads.db13 is not None:
+            torch.sum(dy[s:t], 0, out=grads.db2[i])
+            torch.sum(dh[s:t], 0, out=grads.db13[i])
     return dxs
 
 
@@ -296,7 +325,7 @@ class KernelByKernelState:
     weights: ExpertWeights | None
 
     TENSORS = ("xs", "h", "a", "y", "sh", "sa", "x", "topk_weights")
-    WEIGHTS = ("w13", "w2", "shared_w13", "shared_w2")
+    WEIGHTS = ("w13", "w2", "shared_w13", "shared_w2", "b13", "b2")
 
     def tensors(self) -> list[torch.Tensor | None]:
         w = self.weights
@@ -347,7 +376,7 @@ def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Co
              arena: Arena, keep: Arena, save: bool, recompute: bool
              ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     spec = weights.spec
-    mine, k, act = _local_slice(weights, coll), spec.top_k, spec.activation
+    mine, k = _local_slice(weights, coll), spec.top_k
     perm = Permutation.of(routing.ids, spec.experts, _group_size(coll))
     exchange = Exchange.of(perm.send, coll) if _group_size(coll) > 1 else None
     rows_from = arena if exchange is not None else keep  # in one process the rows are xs
@@ -355,12 +384,11 @@ def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Co
                               out=rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype))
     xs = exchange.dispatch(rows, arena, keep, "d.") if exchange is not None else rows
     segs = segments(exchange.local_rows() if exchange is not None else perm.send.reshape(-1).tolist())
-    h, a, y = experts_forward(xs, segs, weights.w13[mine], weights.w2[mine], act, keep, "e.")
+    h, a, y = experts_forward(xs, segs, Experts.routed(weights, mine), keep, "e.")
     y = exchange.combine(y, arena, keep, "c.") if exchange is not None else y
     sh = sa = sy = None
     if weights.has_shared:
-        shared = (weights.shared_w13[None], weights.shared_w2[None])
-        sh, sa, sy = experts_forward(x, segments([x.shape[0]]), *shared, act, keep, "s.")
+        sh, sa, sy = experts_forward(x, segments([x.shape[0]]), Experts.shared(weights), keep, "s.")
     out = weighted_sum(y, perm.pos, routing.weights, sy, arena)
     if not save:
         return out, None
@@ -384,23 +412,24 @@ def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool
 def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradients:
     w = s.weights
     mine = _local_slice(w, s.exchange.coll if s.exchange is not None else None)
-    dtype, act = w.spec.dtype, w.spec.activation
+    dtype = w.spec.dtype
     g = dout.to(torch.float32)
     dweights, drows = weighted_sum_backward(g, s.y, s.perm.pos, s.topk_weights, arena)
     dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
-    grads = ExpertGrads(_weight_buffer(w.w13, mine), _weight_buffer(w.w2, mine), mine.start)
-    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, w.w13[mine], w.w2[mine], act, grads, arena, "e.")
+    grads = ExpertGrads(_weight_buffer(w.w13, mine), _weight_buffer(w.w2, mine), mine.start,
+                        *(_weight_buffer(b, mine) for b in w.biases))
+    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, Experts.routed(w, mine), grads, arena, "e.")
     dxs = s.exchange.combine(dxs, arena, arena, "gc.") if s.exchange is not None else dxs
     dsw13 = dsw2 = dx_shared = None
     if s.sh is not None:
         sg = ExpertGrads(torch.empty_like(w.shared_w13)[None], torch.empty_like(w.shared_w2)[None])
         ds = dout.to(dtype).contiguous()
-        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, segments([s.x.shape[0]]), w.shared_w13[None],
-                                     w.shared_w2[None], act, sg, arena, "s.")
+        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, segments([s.x.shape[0]]), Experts.shared(w), sg,
+                                     arena, "s.")
         dsw13, dsw2 = sg.dw13[0], sg.dw2[0]
     dx = slot_sum(dxs, s.perm.pos, dx_shared, arena)
     return Gradients(dx=dx, dweights=dweights, dw13=grads.dw13, dw2=grads.dw2, dshared_w13=dsw13,
-                     dshared_w2=dsw2)
+                     dshared_w2=dsw2, db13=grads.db13, db2=grads.db2)
 
 
 def _weight_buffer(w: torch.Tensor, mine: slice) -> torch.Tensor:
@@ -441,20 +470,19 @@ class KernelByKernelCall:
 
 class KernelByKernelFunction(torch.autograd.Function):
     """The kernel-by-kernel region as one autograd node; inputs as ``nn.layer.MoEFunction``:
-    x [T, H], topk weights [T, k] fp32, w13, w2, shared_w13 | None, shared_w2 | None, call.
+    x [T, H], topk weights [T, k] fp32, w13, w2, shared_w13 | None, shared_w2 | None,
+    b13 | None, b2 | None, call.
     Distributed, the caller opened the forward with the session's agreement; the
     backward opens with its own, which checks that the ranks are in step and agree on
     the region, not dout's values: an inf or NaN gradient flows through, as on the
     runtime's backward, for a loss scaler to see."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
-                call: KernelByKernelCall) -> torch.Tensor:
-        x, topk_weights, w13, w2, shared_w13, shared_w2 = (
-            None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
-        weights = ExpertWeights.routed(call.spec, w13, w2, shared_w13, shared_w2)
-        save = call.grad and any(ctx.needs_input_grad[:6])
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
+        *weight_tensors, call = tensors
+        x, topk_weights = x.detach(), topk_weights.detach()
+        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors))
+        save = call.grad and any(ctx.needs_input_grad[:-1])
         out, state = kbk_forward(x, Routing(call.ids, topk_weights), weights, call.coll, call.pool, save,
                                  call.recompute)
         if state is not None:
@@ -471,4 +499,4 @@ class KernelByKernelFunction(torch.autograd.Function):
             if call.session is not None:
                 call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dout.shape[0])
             g = kbk_backward(state, dout.contiguous(), call.pool)
-        return g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2, None
+        return g.dx, g.dweights, *g.expert_tensors, None

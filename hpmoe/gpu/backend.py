@@ -166,6 +166,10 @@ def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     require_per_expert(tiles, "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, "
                               "PARTIAL_SUM)")
+    if spec.expert_bias or not spec.glu.plain:
+        raise ValueError(f"backend='triton' computes act(gate) * up without expert biases; got "
+                         f"MoESpec.expert_bias={spec.expert_bias}, MoESpec.glu={spec.glu} (GPT-OSS's "
+                         "experts run on the exact and runtime backends)")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
     plan = plan_routing(routing.ids.cpu(), spec, par)
     arena = forward_arena(x, weights, routing, plan, buffer_space(plan))

@@ -24,18 +24,28 @@ from ..exec.exact_backward import moe_forward_backward
 from ..exec.kernel_by_kernel import kbk_backward, kbk_forward
 from ..routing import Routing
 from ..schedule.auto import PROCESS_DECISIONS, Path, RoutingShape
-from ..spec import Activation, DispatchMode, MoESpec, TileSpec
+from ..spec import Activation, DispatchMode, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights
 
 
 def _weights(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor,
-             sw2: torch.Tensor, activation: str) -> ExpertWeights:
-    """ExpertWeights of the op's inputs; ``sw13``/``sw2`` of width 0 mean no shared expert."""
+             sw2: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, activation: str,
+             glu: list[float]) -> ExpertWeights:
+    """ExpertWeights of the op's inputs; ``sw13``/``sw2`` of width 0 mean no shared expert,
+    ``b13``/``b2`` of width 0 no expert biases; ``glu``: the ``GluForm`` (``_glu_fields``)."""
     e, f2, h = w13.shape
-    fs = sw2.shape[1]
+    fs, biased = sw2.shape[1], b13.shape[1] > 0
+    interleaved, alpha, limit, shift = glu
+    form = GluForm(bool(interleaved), alpha, None if limit < 0 else limit, shift)
     spec = MoESpec(hidden=h, ffn=f2 // 2, experts=e, top_k=ids.shape[1], shared_experts=fs // (f2 // 2),
-                   activation=Activation(activation), dtype=x.dtype)
-    return ExpertWeights.routed(spec, w13, w2, sw13 if fs else None, sw2 if fs else None)
+                   activation=Activation(activation), dtype=x.dtype, glu=form, expert_bias=biased)
+    return ExpertWeights.routed(spec, w13, w2, sw13 if fs else None, sw2 if fs else None,
+                                b13 if biased else None, b2 if biased else None)
+
+
+def _glu_fields(form: GluForm) -> list[float]:
+    """``form`` as the op's floats (a limit of -1: none)."""
+    return [float(form.interleaved), form.alpha, -1.0 if form.limit is None else form.limit, form.up_shift]
 
 
 _DISPATCH = list(DispatchMode)
@@ -65,13 +75,14 @@ def _kernel_by_kernel(w: ExpertWeights, tokens: int, ep: int, tiles: TileSpec, a
 
 @torch.library.custom_op("hpmoe::region", mutates_args=())
 def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-           sw13: torch.Tensor, sw2: torch.Tensor, ep: int, tiles: list[int], activation: str,
-           auto: bool) -> torch.Tensor:
+           sw13: torch.Tensor, sw2: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, ep: int,
+           tiles: list[int], activation: str, glu: list[float], auto: bool) -> torch.Tensor:
     """x [N, H], ids [N, k] int64, weights [N, k] fp32, w13 [E, 2F, H], w2 [E, H, F],
-    sw13 [2Fs, H], sw2 [H, Fs] (Fs 0: none); ep virtual ranks dividing N; tiles: the
-    TileSpec fields and the nodes (``_tile_fields``); auto: AUTO picks the path.  Returns
-    [N, H] in x's dtype."""
-    w, routing = _weights(x, ids, w13, w2, sw13, sw2, activation), Routing(ids, weights)
+    sw13 [2Fs, H], sw2 [H, Fs] (Fs 0: none), b13 [E, 2F], b2 [E, H] (width 0: none); ep
+    virtual ranks dividing N; tiles: the TileSpec fields and the nodes (``_tile_fields``);
+    glu: the ``GluForm`` (``_glu_fields``); auto: AUTO picks the path.  Returns [N, H] in
+    x's dtype."""
+    w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
     spec, nodes = _tile_spec(tiles)
     if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
         return kbk_forward(x, routing, w)[0]
@@ -79,41 +90,43 @@ def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
 
 
 @region.register_fake
-def _(x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation, auto):
+def _(x, ids, weights, w13, w2, sw13, sw2, b13, b2, ep, tiles, activation, glu, auto):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("hpmoe::region_backward", mutates_args=())
 def region_backward(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor, ep: int,
-                    tiles: list[int], activation: str, auto: bool) -> list[torch.Tensor]:
-    """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2] of ``region`` given dy [N, H]."""
-    w, routing = _weights(x, ids, w13, w2, sw13, sw2, activation), Routing(ids, weights)
+                    w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor,
+                    b13: torch.Tensor, b2: torch.Tensor, ep: int, tiles: list[int], activation: str,
+                    glu: list[float], auto: bool) -> list[torch.Tensor]:
+    """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2, db13, db2] of ``region`` given dy [N, H]
+    (zeros for the absent, width-0 ones)."""
+    w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
     spec, nodes = _tile_spec(tiles)
     dy = dy.to(x.dtype).contiguous()
     if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
         g = kbk_backward(kbk_forward(x, routing, w, save=True)[1], dy)
     else:
         g = moe_forward_backward(x, w, routing, dy, ep, spec, nodes=nodes).backward.grads
-    if not w.has_shared:
-        return [g.dx, g.dweights, g.dw13, g.dw2, torch.zeros_like(sw13), torch.zeros_like(sw2)]
-    return [g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2]
+    absent = (sw13, sw2, b13, b2)  # dshared_w13, dshared_w2, db13, db2: zeros of width 0 where None
+    rest = zip(g.expert_tensors[2:], absent, strict=True)
+    return [g.dx, g.dweights, g.dw13, g.dw2, *(torch.zeros_like(z) if t is None else t for t, z in rest)]
 
 
 @region_backward.register_fake
-def _(dy, x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation, auto):
-    return [torch.empty_like(t) for t in (x, weights, w13, w2, sw13, sw2)]
+def _(dy, x, ids, weights, w13, w2, sw13, sw2, b13, b2, ep, tiles, activation, glu, auto):
+    return [torch.empty_like(t) for t in (x, weights, w13, w2, sw13, sw2, b13, b2)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, ids, weights, w13, w2, sw13, sw2, ep, tiles, activation, auto = inputs
-    ctx.save_for_backward(x, ids, weights, w13, w2, sw13, sw2)
-    ctx.config = (ep, tiles, activation, auto)
+    x, ids, weights, w13, w2, sw13, sw2, b13, b2, ep, tiles, activation, glu, auto = inputs
+    ctx.save_for_backward(x, ids, weights, w13, w2, sw13, sw2, b13, b2)
+    ctx.config = (ep, tiles, activation, glu, auto)
 
 
 def _backward(ctx, dy):
-    dx, dweights, dw13, dw2, dsw13, dsw2 = region_backward(dy, *ctx.saved_tensors, *ctx.config)
-    return dx, None, dweights, dw13, dw2, dsw13, dsw2, None, None, None, None
+    dx, dweights, *experts = region_backward(dy, *ctx.saved_tensors, *ctx.config)
+    return dx, None, dweights, *experts, None, None, None, None, None
 
 
 region.register_autograd(_backward, setup_context=_setup_context)
@@ -126,5 +139,7 @@ def run_region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: Exp
     spec = w.spec
     none = w.w13.new_zeros(0, spec.hidden), w.w13.new_zeros(spec.hidden, 0)
     sw13, sw2 = (w.shared_w13, w.shared_w2) if w.has_shared else none
+    b13, b2 = w.biases or (w.w13.new_zeros(spec.experts, 0), w.w13.new_zeros(spec.experts, 0))
     fields = _tile_fields(tiles, nodes)
-    return region(x, ids, weights, w.w13, w.w2, sw13, sw2, ep, fields, spec.activation.value, auto)
+    return region(x, ids, weights, w.w13, w.w2, sw13, sw2, b13, b2, ep, fields, spec.activation.value,
+                  _glu_fields(spec.glu), auto)

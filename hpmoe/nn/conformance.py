@@ -122,19 +122,29 @@ def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def table(rows: list[FamilyCheck]) -> str:
-    """The families table in markdown."""
-    lines = ["| family | block | status | blocks | logits max err | aux loss err | grad max err |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
+def table(rows: list[FamilyCheck], bf16: list[FamilyCheck] | None = None) -> str:
+    """The families table in markdown; with ``bf16`` (the same families checked in bf16)
+    two more columns: hpmoe's and transformers' own bf16 errors against transformers' fp32
+    run, logits and gradients."""
+    extra = bool(bf16)
+    lines = ["| family | block | status | blocks | logits max err | aux loss err | grad max err |"
+             + (" bf16 logits: hpmoe / transformers | bf16 grads: hpmoe / transformers |" if extra else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if extra else "")]
+    for i, r in enumerate(rows):
         if r.refused:
-            lines.append(f"| {r.family} | {r.block} | refused: {r.refused.split(': ', 1)[-1]} | | | | |")
+            lines.append(f"| {r.family} | {r.block} | refused: {r.refused.split(': ', 1)[-1]} | | | | |"
+                         + (" | |" if extra else ""))
             continue
         aux = "no aux loss" if r.aux_err is None else f"{r.aux_err:.1e}"
-        lines.append(f"| {r.family} | {r.block} | supported | {r.blocks} | {r.logits_err:.1e} | {aux} | "
-                     f"{r.grad_err:.1e} |")
+        line = (f"| {r.family} | {r.block} | supported | {r.blocks} | {r.logits_err:.1e} | {aux} | "
+                f"{r.grad_err:.1e} |")
+        if extra:
+            b, ref = bf16[i], bf16[i].reference
+            line += f" {b.logits_err:.1e} / {ref.logits_err:.1e} | {b.grad_err:.1e} / {ref.grad_err:.1e} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(table([check_family(f) for f in FAMILIES]))
+    print(table([check_family(f) for f in FAMILIES],
+                [check_family(f, dtype=torch.bfloat16) for f in FAMILIES]))

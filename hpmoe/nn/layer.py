@@ -80,13 +80,19 @@ class TopkRouter(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """``experts``: gate_up_proj [E, 2F, H] (gate rows [0, F), up rows [F, 2F)) and
-    down_proj [E, H, F], as transformers stores them."""
+    """``experts``: gate_up_proj [E, 2F, H] (gate rows [0, F), up rows [F, 2F), or
+    alternating under ``MoESpec.glu.interleaved``) and down_proj [E, H, F], as transformers
+    stores them; with biases also gate_up_proj_bias [E, 2F] and down_proj_bias [E, H]
+    (``has_bias``, transformers' flag)."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None):
         super().__init__()
         self.gate_up_proj = _param(gate_up_proj)
         self.down_proj = _param(down_proj)
+        self.has_bias = b13 is not None
+        if self.has_bias:
+            self.gate_up_proj_bias, self.down_proj_bias = _param(b13), _param(b2)
 
 
 class SharedMLP(nn.Module):
@@ -301,7 +307,7 @@ class MoE(nn.Module):
         fs = spec.shared_ffn
         bias = w.router_bias.detach().clone() if spec.gate is GateKind.SIGMOID else None
         parts = (w.shared_w13[:fs], w.shared_w13[fs:], w.shared_w2) if fs else ()
-        self.experts = FusedExperts(w.w13.detach().clone(), w.w2.detach().clone())
+        self.experts = FusedExperts(*(t.detach().clone() for t in (w.w13, w.w2, *w.biases)))
         self.gate = TopkRouter(w.router.detach().clone(), bias)
         self.shared_experts = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
         self._setup(spec, None, "shared_experts" if fs else None,
@@ -402,7 +408,7 @@ class MoE(nn.Module):
         return ExpertWeights(
             spec=spec, router=router, router_bias=bias, w13=w13, w2=t.w2,
             shared_w13=None if sh is None else torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
-            shared_w2=None if sh is None else sh.down_proj.weight)
+            shared_w2=None if sh is None else sh.down_proj.weight, b13=t.b13, b2=t.b2)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """[..., H] -> [..., H]; a block that also returns a router output (``Family.returns``)
@@ -513,7 +519,7 @@ class MoE(nn.Module):
         """The region on padded inputs, on the path AUTO chose (or is trying) or the
         options fix; a tuning trial is timed here and in the backward."""
         o = self.options
-        tensors = (x, topk_weights, w.w13, w.w2, w.shared_w13, w.shared_w2)
+        tensors = (x, topk_weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2)
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
@@ -687,7 +693,7 @@ def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
         return None if t is None else t.to(dtype)
 
     return ExpertWeights(replace(w.spec, dtype=dtype), w.router, w.router_bias, cast(w.w13), cast(w.w2),
-                         cast(w.shared_w13), cast(w.shared_w2))
+                         cast(w.shared_w13), cast(w.shared_w2), cast(w.b13), cast(w.b2))
 
 
 def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, spec: MoESpec,
@@ -751,7 +757,7 @@ class RegionState:
         without them."""
         w = self.weights
         tensors = [getattr(s, f.name) for s in self.saved for f in fields(s)]
-        tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2,
+        tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
                     self.routing.ids, self.routing.weights]
         bare = replace(self, saved=[None] * len(self.saved), weights=None, routing=None,
                        nbytes=self.saved_bytes())
@@ -762,24 +768,23 @@ class RegionState:
         kind = DedupSaved if self.options.dedup else SavedActivations
         n, ranks = len(fields(kind)), len(self.saved)
         saved = [kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
-        router, bias, w13, w2, sw13, sw2, ids, topk = tensors[ranks * n:]
-        weights = ExpertWeights(self.plan.moe, router, bias, w13, w2, sw13, sw2)
+        *weight_tensors, ids, topk = tensors[ranks * n:]
+        weights = ExpertWeights(self.plan.moe, *weight_tensors)
         return replace(self, saved=saved, weights=weights, routing=Routing(ids, topk))
 
 
 class MoEFunction(torch.autograd.Function):
     """The MoE region as one autograd node.  Inputs: x [N, H] spec.dtype, routing
     weights [N, k] float32, w13 [E, 2F, H], w2 [E, H, F], shared_w13 [2Fs, H] | None,
-    shared_w2 [H, Fs] | None, a ``RegionCall``.  Output: [N, H] spec.dtype."""
+    shared_w2 [H, Fs] | None, b13 [E, 2F] | None, b2 [E, H] | None, a ``RegionCall``.
+    Output: [N, H] spec.dtype."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
-                call: RegionCall) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
+        *weight_tensors, call = tensors
         # detached: the runtime's worker threads run with grad mode on (it is per thread)
-        x, topk_weights, w13, w2, shared_w13, shared_w2 = (
-            None if t is None else t.detach() for t in (x, topk_weights, w13, w2, shared_w13, shared_w2))
-        weights = ExpertWeights.routed(call.spec, w13, w2, shared_w13, shared_w2)
+        x, topk_weights = x.detach(), topk_weights.detach()
+        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors))
         routing = Routing(ids=call.ids, weights=topk_weights)
         run = _dist_forward if call.options.distributed else _virtual_forward
         out, state = run(x, weights, routing, call)
@@ -794,7 +799,7 @@ class MoEFunction(torch.autograd.Function):
         run = _dist_backward if state.options.distributed else _virtual_backward
         with timed(state.trial):
             g = run(state, dy)
-        return g.dx, g.dweights, g.dw13, g.dw2, g.dshared_w13, g.dshared_w2, None
+        return g.dx, g.dweights, *g.expert_tensors, None
 
 
 def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,

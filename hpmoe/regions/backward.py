@@ -34,7 +34,7 @@ import numpy as np
 from ..ir.events import EventLayout
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
-from ..spec import TileSpec
+from ..spec import PLAIN_GLU, TileSpec
 from .layout import Layout, ceil_div, make_layout, piece_token_tiles
 from .tiles import (
     Lowering,
@@ -196,8 +196,9 @@ def _swiglu_bwd(low: Lowering) -> TaskBlock:
     i, r0, r1 = block_chunks(low)
     rank = b.rank[i]
     sig = np.stack([ev.base(rank, E.DH) + b.local[i], ev.base(rank, E.DHE) + b.expert[i]], axis=1)
-    return elementwise_chunks(TaskKind.SWIGLU_BWD, low, rank, r0, r1, low.layout.plan.moe.ffn,
-                              passes=5, flops=10.0, expert=b.expert[i],
+    moe = low.layout.plan.moe
+    return elementwise_chunks(TaskKind.SWIGLU_BWD, low, rank, r0, r1, moe.ffn,
+                              passes=5, flops=2 * moe.glu.flops, expert=b.expert[i],
                               wait=ev.base(rank, E.DA) + b.local[i], sig_count=np.full(len(i), 2),
                               sig_rank=np.repeat(rank, 2), sig_event=sig.ravel())
 
@@ -212,10 +213,11 @@ def _recompute(low: Lowering) -> TaskBlock:
     rank = np.concatenate([b.rank[i], srank])
     row0, row1 = np.concatenate([r0, c0]), np.concatenate([r1, c1])
     f = np.concatenate([np.full(len(i), moe.ffn), np.full(len(srank), moe.shared_ffn)])
+    per_element = np.concatenate([np.full(len(i), moe.glu.flops), np.full(len(srank), PLAIN_GLU.flops)])
     sig = np.concatenate([ev.base(b.rank[i], E.GEXP) + b.expert[i], ev.base(srank, E.SREC)])
     return task_block(TaskKind.SWIGLU_RECOMPUTE, rank, row0, row1,
                       expert=np.concatenate([b.expert[i], np.full(len(srank), -1)]), col1=f,
-                      flops=5.0 * (row1 - row0) * f, bytes=3 * (row1 - row0) * f * low.esize,
+                      flops=per_element * (row1 - row0) * f, bytes=3 * (row1 - row0) * f * low.esize,
                       sig_event=sig)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ..ir.graph import TaskKind, Tile
 from ..routing import RoutingPlan
-from ..spec import Activation, TileSpec
+from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights
 from .backward import lower_backward
 from .base import PutSpec, Region, RegionKind, ShapeMap
@@ -67,7 +67,8 @@ class BackwardBuffers:
     dxe [R, H] expert input gradients; gcomb [T*k, H] (symmetric) input gradients
     back at the source; dx [T, H]; dw [T, k] float32 routing-weight gradient;
     dw13 [L, 2F, H], dw2 [L, H, F] local expert gradients (zero for experts without
-    rows); sda [T, Fs], sdh [T, 2Fs], sdx [T, H], dsw13 [2Fs, H], dsw2 [H, Fs] shared.
+    rows); sda [T, Fs], sdh [T, 2Fs], sdx [T, H], dsw13 [2Fs, H], dsw2 [H, Fs] shared;
+    db13 [L, 2F], db2 [L, H] the expert biases' gradients (None without biases).
     All spec.dtype except ``dw``."""
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("grecv", "gcomb")
@@ -88,6 +89,8 @@ class BackwardBuffers:
     sdx: torch.Tensor
     dsw13: torch.Tensor
     dsw2: torch.Tensor
+    db13: torch.Tensor | None = None
+    db2: torch.Tensor | None = None
 
     @staticmethod
     def allocate(saved: SavedActivations, dy: torch.Tensor, plan: RoutingPlan,
@@ -116,11 +119,21 @@ def gradient_shapes(plan: RoutingPlan, tokens: int, rows: int) -> dict[str, Fiel
     moe = plan.moe
     t, r, k, h, f, fs, el, d = (tokens, rows, moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn,
                                 plan.local_experts, moe.dtype)
-    return {"gsend": ((t * k, h), d, False), "grecv": ((r, h), d, False), "da": ((r, f), d, False),
-            "dh": ((r, 2 * f), d, False), "dxe": ((r, h), d, False), "gcomb": ((t * k, h), d, False),
-            "dx": ((t, h), d, False), "dw": ((t, k), torch.float32, False), "dw13": ((el, 2 * f, h), d, True),
-            "dw2": ((el, h, f), d, True), "sda": ((t, fs), d, False), "sdh": ((t, 2 * fs), d, False),
-            "sdx": ((t, h), d, False), "dsw13": ((2 * fs, h), d, True), "dsw2": ((h, fs), d, True)}
+    shapes = {"gsend": ((t * k, h), d, False), "grecv": ((r, h), d, False), "da": ((r, f), d, False),
+              "dh": ((r, 2 * f), d, False), "dxe": ((r, h), d, False), "gcomb": ((t * k, h), d, False),
+              "dx": ((t, h), d, False), "dw": ((t, k), torch.float32, False),
+              "dw13": ((el, 2 * f, h), d, True), "dw2": ((el, h, f), d, True), "sda": ((t, fs), d, False),
+              "sdh": ((t, 2 * fs), d, False), "sdx": ((t, h), d, False), "dsw13": ((2 * fs, h), d, True),
+              "dsw2": ((h, fs), d, True)}
+    return {**shapes, **bias_gradient_shapes(plan)}
+
+
+def bias_gradient_shapes(plan: RoutingPlan) -> dict[str, FieldSpec]:
+    """db13 [L, 2F] and db2 [L, H] (zero-filled) when the experts carry biases, else none."""
+    moe, el = plan.moe, plan.local_experts
+    if not moe.expert_bias:
+        return {}
+    return {"db13": ((el, 2 * moe.ffn), moe.dtype, True), "db2": ((el, moe.hidden), moe.dtype, True)}
 
 
 def _new(field: FieldSpec) -> torch.Tensor:
@@ -145,7 +158,7 @@ class BackwardContext:
     w13 [L, 2F, H], w2 [L, H, F]: this rank's experts; shared_w13 [2Fs, H] and
     shared_w2 [H, Fs] or None; token_of_row [T*k] int64 token of each permuted row;
     row_weight [T*k] float32 routing weight of each permuted row; pos [T, k] int64
-    permuted row of (token, slot); activation: the experts' gate activation."""
+    permuted row of (token, slot); activation, glu: the experts' gated activation."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -155,6 +168,7 @@ class BackwardContext:
     row_weight: torch.Tensor
     pos: torch.Tensor
     activation: Activation = Activation.SILU
+    glu: GluForm = PLAIN_GLU
 
     @staticmethod
     def build(weights: ExpertWeights, plan: RoutingPlan, topk_weights: torch.Tensor,
@@ -166,7 +180,7 @@ class BackwardContext:
         return BackwardContext(w13=weights.w13[experts], w2=weights.w2[experts],
                                shared_w13=weights.shared_w13, shared_w2=weights.shared_w2,
                                token_of_row=order // k, row_weight=topk_weights.reshape(-1)[order],
-                               pos=plan.pos[rank], activation=weights.spec.activation)
+                               pos=plan.pos[rank], activation=weights.spec.activation, glu=weights.spec.glu)
 
 
 BackwardKernel = Callable[[Tile, BackwardBuffers, BackwardBuffers, BackwardContext], None]
@@ -182,10 +196,14 @@ ACTIVATION_GRADS_INTO: dict[Activation, Callable[[torch.Tensor, torch.Tensor, to
 
 
 def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: Activation,
-                 tmp: torch.Tensor | None = None) -> None:
+                 tmp: torch.Tensor | None = None, form: GluForm = PLAIN_GLU) -> None:
     """dh [m, 2F] = gradient of act(h[:, :F]) * h[:, F:] given da [m, F], as autograd
     computes it (``da * up`` rounded to the dtype, then the activation's backward op);
-    tmp: [m, F] scratch of da's dtype (None: a fresh one)."""
+    tmp: [m, F] scratch of da's dtype (None: a fresh one).  Another ``form`` (clamped,
+    interleaved) is autograd's gradient of ``refs.gated``."""
+    if not form.plain:
+        _form_backward(h, da, dh, activation, form)
+        return
     f = da.shape[1]
     gate, up = h[:, :f], h[:, f:]
     tmp = torch.empty_like(da) if tmp is None else tmp
@@ -193,6 +211,30 @@ def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation
     ACTIVATION_GRADS_INTO[activation](tmp, gate, dh[:, :f])
     ACTIVATIONS_INTO[activation](gate, tmp)
     torch.mul(da, tmp, out=dh[:, f:])
+
+
+def _form_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: Activation,
+                   form: GluForm) -> None:
+    """``glu_backward`` of a non-plain ``form`` (``refs.gated``'s gradient), in fp32: clamped
+    values pass no gradient, as ``clamp``'s backward does."""
+    gate, up = (h[:, 0::2], h[:, 1::2]) if form.interleaved else h.chunk(2, dim=-1)
+    d_gate, d_up = (dh[:, 0::2], dh[:, 1::2]) if form.interleaved else dh.chunk(2, dim=-1)
+    g, u, da = gate.float(), up.float(), da.float()
+    if form.limit is not None:
+        g, u = g.clamp(max=form.limit), u.clamp(min=-form.limit, max=form.limit)
+    if form.alpha != 1.0:
+        sig = torch.sigmoid(form.alpha * g)
+        act, slope = g * sig, sig + form.alpha * g * sig * (1 - sig)
+    else:
+        act, slope = torch.empty_like(g), torch.empty_like(g)
+        ACTIVATIONS_INTO[activation](g, act)
+        ACTIVATION_GRADS_INTO[activation](torch.ones_like(g), g, slope)
+    dg, du = da * (u + form.up_shift) * slope, da * act
+    if form.limit is not None:
+        dg = dg * (gate <= form.limit)
+        du = du * ((up >= -form.limit) & (up <= form.limit))
+    d_gate.copy_(dg)
+    d_up.copy_(du)
 
 
 def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -207,7 +249,8 @@ def _dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backwa
 
 
 def _swiglu_bwd(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    glu_backward(me.saved.h[t.row0:t.row1], me.da[t.row0:t.row1], me.dh[t.row0:t.row1], ctx.activation)
+    rows = slice(t.row0, t.row1)
+    glu_backward(me.saved.h[rows], me.da[rows], me.dh[rows], ctx.activation, form=ctx.glu)
 
 
 def _dgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -218,11 +261,15 @@ def _dgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backward
 def _wgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     g = me.grecv[t.row0:t.row1, t.col0:t.col1]
     torch.mm(g.t(), me.saved.a[t.row0:t.row1], out=me.dw2[t.expert, t.col0:t.col1])
+    if me.db2 is not None:  # the tile holds every row of its expert
+        torch.sum(g, 0, out=me.db2[t.expert, t.col0:t.col1])
 
 
 def _wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     g = me.dh[t.row0:t.row1, t.col0:t.col1]
     torch.mm(g.t(), me.saved.xe[t.row0:t.row1], out=me.dw13[t.expert, t.col0:t.col1])
+    if me.db13 is not None:
+        torch.sum(g, 0, out=me.db13[t.expert, t.col0:t.col1])
 
 
 def _grad_unpermute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -247,8 +294,8 @@ def _router_grad(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backw
 def _recompute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     """Routed expert rows (expert >= 0) or shared rows (expert -1): a = act(gate) * up."""
     s = me.saved
-    h, a = (s.h, s.a) if t.expert >= 0 else (s.sh, s.sa)
-    glu(h[t.row0:t.row1], a[t.row0:t.row1], ctx.activation)
+    h, a, form = (s.h, s.a, ctx.glu) if t.expert >= 0 else (s.sh, s.sa, PLAIN_GLU)
+    glu(h[t.row0:t.row1], a[t.row0:t.row1], ctx.activation, form)
 
 
 def _shared_dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:

@@ -519,8 +519,9 @@ def _gemm_up(dl: DedupLowering) -> TaskBlock:
 def _swiglu(dl: DedupLowering) -> TaskBlock:
     b, ev = dl.d.base.blocks, dl.low.events
     i, r0, r1 = block_chunks(dl.low)
-    return elementwise_chunks(TaskKind.SWIGLU, dl.low, b.rank[i], r0, r1, dl.d.base.plan.moe.ffn,
-                              passes=3, flops=5.0, expert=b.expert[i],
+    moe = dl.d.base.plan.moe
+    return elementwise_chunks(TaskKind.SWIGLU, dl.low, b.rank[i], r0, r1, moe.ffn, passes=3,
+                              flops=moe.glu.flops, expert=b.expert[i],
                               wait=ev.base(b.rank[i], DedupEvent.H) + b.local[i],
                               sig_event=ev.base(b.rank[i], DedupEvent.A) + b.local[i])
 

@@ -21,9 +21,9 @@ import torch
 
 from ..ir.graph import TaskKind, Tile
 from ..routing import Routing, RoutingPlan
-from ..spec import Activation, TileSpec
+from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights
-from .backward_kernels import BACKWARD_KERNELS
+from .backward_kernels import BACKWARD_KERNELS, bias_gradient_shapes
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup import DedupLayout, make_dedup_layout
 from .dedup_backward import lower_dedup_backward
@@ -92,6 +92,8 @@ class DedupBackwardBuffers:
     sdx: torch.Tensor
     dsw13: torch.Tensor
     dsw2: torch.Tensor
+    db13: torch.Tensor | None = None
+    db2: torch.Tensor | None = None
 
     @staticmethod
     def allocate(saved: DedupSaved, dy: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
@@ -124,7 +126,8 @@ class DedupBackwardBuffers:
             dw=new("dw", t, k, dtype=f32), dw13=new("dw13", el, 2 * f, h, zero=True),
             dw2=new("dw2", el, h, f, zero=True), sda=new("sda", t, fs), sdh=new("sdh", t, 2 * fs),
             sdx=new("sdx", t, h), dsw13=new("dsw13", 2 * fs, h, zero=True),
-            dsw2=new("dsw2", h, fs, zero=True))
+            dsw2=new("dsw2", h, fs, zero=True),
+            **{n: new(n, *sh, zero=True) for n, (sh, _, _) in bias_gradient_shapes(d.base.plan).items()})
 
 
 @dataclass
@@ -143,6 +146,7 @@ class DedupBackwardContext:
     fwd: DedupContext
     expand_weight: torch.Tensor
     slot_send_row: torch.Tensor
+    glu: GluForm = PLAIN_GLU
 
     @staticmethod
     def build(weights: ExpertWeights, d: DedupLayout, routing: Routing, rank: int) -> DedupBackwardContext:
@@ -153,7 +157,7 @@ class DedupBackwardContext:
         return DedupBackwardContext(w13=fwd.w13, w2=fwd.w2, shared_w13=weights.shared_w13,
                                     shared_w2=weights.shared_w2, activation=weights.spec.activation, fwd=fwd,
                                     expand_weight=weight, slot_send_row=torch.from_numpy(
-                                        send_rows_of_slots(d, routing, rank)))
+                                        send_rows_of_slots(d, routing, rank)), glu=weights.spec.glu)
 
 
 Buffers, Context = DedupBackwardBuffers, DedupBackwardContext

@@ -99,6 +99,8 @@ class DedupContext:
     slot_weight: torch.Tensor
     hop_rows: torch.Tensor
     partial_row: torch.Tensor
+    b13: torch.Tensor | None = None  # [L, 2F] / [L, H]: its experts' biases, or None
+    b2: torch.Tensor | None = None
 
     @staticmethod
     def build(weights: ExpertWeights, d: DedupLayout, routing: Routing, rank: int) -> DedupContext:
@@ -119,7 +121,8 @@ class DedupContext:
             slot_row=torch.from_numpy(slot_row.copy()),
             slot_weight=torch.from_numpy(np.where(slot_row >= 0, w, 0.0).astype(np.float32)),
             hop_rows=torch.from_numpy(_hop_rows(d, rank)),
-            partial_row=torch.from_numpy(_partial_rows(d, rank)))
+            partial_row=torch.from_numpy(_partial_rows(d, rank)),
+            **{name: b[experts] for name, b in zip(("b13", "b2"), weights.biases, strict=False)})
 
 
 def _send_sources(d: DedupLayout, rank: int) -> tuple[np.ndarray, np.ndarray]:

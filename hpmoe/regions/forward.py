@@ -153,8 +153,9 @@ def _gemm_down(low: Lowering) -> TaskBlock:
 def _swiglu(low: Lowering) -> TaskBlock:
     b, ev = low.layout.blocks, low.events
     i, r0, r1 = block_chunks(low)
-    return elementwise_chunks(TaskKind.SWIGLU, low, b.rank[i], r0, r1, low.layout.plan.moe.ffn,
-                              passes=3, flops=5.0, expert=b.expert[i],
+    moe = low.layout.plan.moe
+    return elementwise_chunks(TaskKind.SWIGLU, low, b.rank[i], r0, r1, moe.ffn, passes=3,
+                              flops=moe.glu.flops, expert=b.expert[i],
                               wait=ev.base(b.rank[i], ForwardEvent.H) + b.local[i],
                               sig_event=ev.base(b.rank[i], ForwardEvent.A) + b.local[i])
 

@@ -14,9 +14,9 @@ from typing import ClassVar
 import torch
 
 from ..ir.graph import TaskKind, Tile
-from ..refs import topk_sum
+from ..refs import gated, topk_sum
 from ..routing import Routing, RoutingPlan
-from ..spec import Activation, TileSpec
+from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .forward import lower_forward
@@ -66,7 +66,7 @@ class RankContext:
 
     w13: [L, 2F, H], w2: [L, H, F] (this rank's experts); token_of_row: [T*k] int64
     token of each permuted row; pos: [T, k] int64 permuted row of (token, slot);
-    topk_weights: [T, k] float32."""
+    topk_weights: [T, k] float32; b13 [L, 2F] / b2 [L, H]: its experts' biases, or None."""
 
     weights: ExpertWeights
     w13: torch.Tensor
@@ -74,15 +74,22 @@ class RankContext:
     token_of_row: torch.Tensor
     pos: torch.Tensor
     topk_weights: torch.Tensor
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
 
     @staticmethod
     def build(weights: ExpertWeights, plan: RoutingPlan, routing: Routing, rank: int) -> RankContext:
-        local, tpr, k = plan.local_experts, plan.par.tokens_per_rank, plan.moe.top_k
+        """Of ``rank`` in a run holding every rank's ``routing``."""
+        tpr = plan.par.tokens_per_rank
+        return RankContext.of(weights, plan, routing.weights[rank * tpr:(rank + 1) * tpr], rank)
+
+    @staticmethod
+    def of(weights: ExpertWeights, plan: RoutingPlan, topk_weights: torch.Tensor, rank: int) -> RankContext:
+        """Of ``rank`` given its own tokens' routing weights [T, k]."""
+        local, k = plan.local_experts, plan.moe.top_k
         experts = slice(rank * local, (rank + 1) * local)
-        tokens = slice(rank * tpr, (rank + 1) * tpr)
-        return RankContext(weights=weights, w13=weights.w13[experts], w2=weights.w2[experts],
-                           token_of_row=plan.order[rank] // k, pos=plan.pos[rank],
-                           topk_weights=routing.weights[tokens])
+        return RankContext(weights, weights.w13[experts], weights.w2[experts], plan.order[rank] // k,
+                           plan.pos[rank], topk_weights, *(b[experts] for b in weights.biases))
 
 
 Kernel = Callable[[Tile, ForwardBuffers, ForwardBuffers, RankContext], None]
@@ -92,9 +99,22 @@ def _permute(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext
     torch.index_select(me.x, 0, ctx.token_of_row[t.row0:t.row1], out=me.send[t.row0:t.row1])
 
 
+def gemm_bias(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = a @ w.T (+ bias, as ``F.linear`` adds it), written into ``out``."""
+    if bias is None:
+        torch.mm(a, w.t(), out=out)
+    else:
+        torch.addmm(bias, a, w.t(), out=out)
+
+
+def _bias(b: torch.Tensor | None, expert: int, col0: int, col1: int) -> torch.Tensor | None:
+    return None if b is None else b[expert, col0:col1]
+
+
 def _gemm_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
     w = ctx.w13[t.expert, t.col0:t.col1]
-    torch.mm(me.recv[t.row0:t.row1], w.t(), out=me.h[t.row0:t.row1, t.col0:t.col1])
+    gemm_bias(me.recv[t.row0:t.row1], w, _bias(ctx.b13, t.expert, t.col0, t.col1),
+              me.h[t.row0:t.row1, t.col0:t.col1])
 
 
 ACTIVATIONS_INTO: dict[Activation, Callable[[torch.Tensor, torch.Tensor], object]] = {
@@ -105,20 +125,26 @@ ACTIVATIONS_INTO: dict[Activation, Callable[[torch.Tensor, torch.Tensor], object
 }  # act(x) written into ``out`` (the functional ops' bits, no temporary)
 
 
-def glu(h: torch.Tensor, out: torch.Tensor, activation: Activation) -> None:
-    """out [m, F] = act(h[:, :F]) * h[:, F:] for h [m, 2F] (SwiGLU for SILU)."""
+def glu(h: torch.Tensor, out: torch.Tensor, activation: Activation, form: GluForm = PLAIN_GLU) -> None:
+    """out [m, F] = act(h[:, :F]) * h[:, F:] for h [m, 2F] (SwiGLU for SILU); another
+    ``form`` (clamped, interleaved: GPT-OSS) is ``refs.gated``'s bits."""
+    if not form.plain:
+        out.copy_(gated(h, activation, form))
+        return
     f = out.shape[1]
     ACTIVATIONS_INTO[activation](h[:, :f], out)
     out.mul_(h[:, f:])
 
 
 def _swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
-    glu(me.h[t.row0:t.row1], me.a[t.row0:t.row1], ctx.weights.spec.activation)
+    spec = ctx.weights.spec
+    glu(me.h[t.row0:t.row1], me.a[t.row0:t.row1], spec.activation, spec.glu)
 
 
 def _gemm_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
     w = ctx.w2[t.expert, t.col0:t.col1]
-    torch.mm(me.a[t.row0:t.row1], w.t(), out=me.y[t.row0:t.row1, t.col0:t.col1])
+    gemm_bias(me.a[t.row0:t.row1], w, _bias(ctx.b2, t.expert, t.col0, t.col1),
+              me.y[t.row0:t.row1, t.col0:t.col1])
 
 
 def _unpermute(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:

@@ -14,11 +14,11 @@ forward (``ForwardOutput.plan`` and ``.routing``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..exec.exact_backward import Gradients
+from ..exec.exact_backward import Gradients, expert_bias_gradients, expert_views
 from ..exec.program import RankProgram, compile_program, compile_region
 from ..ir.schedule import Schedule
 from ..regions.backward_kernels import (
@@ -76,8 +76,11 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
     program, schedule = _open(s, plan, region, options, weights)
     sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
-    dw13, dw2 = torch.zeros_like(weights.w13), torch.zeros_like(weights.w2)
-    views = {**sym, "dw13": dw13[mine], "dw2": dw2[mine]}
+    shared = weights.has_shared
+    grads = Gradients(dx=torch.empty(0), dweights=torch.empty(0), dw13=torch.zeros_like(weights.w13),
+                      dw2=torch.zeros_like(weights.w2), dshared_w13=None, dshared_w2=None,
+                      **expert_bias_gradients(weights))
+    views = {**sym, **expert_views(grads, mine)}
     if dedup:
         buf = DedupBackwardBuffers.allocate(saved, dy, layout, tiles, s.rank, views)
         ctx = DedupBackwardContext.build(weights, layout, routing, s.rank)
@@ -85,9 +88,8 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
         buf = BackwardBuffers.allocate(saved, dy, plan, views)
         ctx = BackwardContext.build(weights, plan, routing.weights, s.rank)
     s.executor.run(program, region, buf, ctx, s.transport)
-    shared = weights.has_shared
-    grads = Gradients(dx=buf.dx, dweights=buf.dw, dw13=dw13, dw2=dw2,
-                      dshared_w13=buf.dsw13 if shared else None, dshared_w2=buf.dsw2 if shared else None)
+    grads = replace(grads, dx=buf.dx, dweights=buf.dw, dshared_w13=buf.dsw13 if shared else None,
+                    dshared_w2=buf.dsw2 if shared else None)
     return BackwardOutput(grads=grads, buffers=buf, schedule=schedule, program=program)
 
 

@@ -155,10 +155,4 @@ def region_input_error(x: object, routing: Routing, spec: MoESpec) -> BaseExcept
 
 def rank_context(weights: ExpertWeights, plan: RoutingPlan, routing: Routing, rank: int) -> RankContext:
     """``RankContext`` of ``rank`` from its own routing ([T, k]) only."""
-    local, k = plan.local_experts, plan.moe.top_k
-    experts = slice(rank * local, (rank + 1) * local)
-    return RankContext(weights=weights, w13=weights.w13[experts], w2=weights.w2[experts],
-                       token_of_row=plan.order[rank] // k, pos=plan.pos[rank],
-                       topk_weights=routing.weights)
-
-
+    return RankContext.of(weights, plan, routing.weights, rank)

@@ -41,7 +41,7 @@ from . import (
     qwen3_next,
     qwen3_vl_moe,
 )
-from .base import ExpertsLayout, ExpertTensors, Family, ScoreSide, activation_of, check_flags, expert_tensors
+from .base import ExpertsLayout, ExpertTensors, Family, ScoreSide, activation_of, expert_tensors, glu_form
 
 FAMILIES: tuple[Family, ...] = tuple(
     m.FAMILY
@@ -104,7 +104,7 @@ def read_block(block: nn.Module, family: Family, virtual_ep: int = 1) -> BlockLa
     e, f2, h = t.w13.shape
     if e % virtual_ep:
         raise ValueError(f"{family.name}: virtual_ep={virtual_ep} does not divide the block's {e} experts")
-    act = activation_of(t.act)
+    act = Activation.SILU if family.glu and t.act is None else activation_of(t.act)  # g * sigmoid(alpha g)
     top_k = top_k_of(block, family)
     shared = getattr(block, family.shared, None) if family.shared else None
     fused = family.shared if _fusable(shared, family, act, f2 // 2) else None
@@ -117,6 +117,8 @@ def read_block(block: nn.Module, family: Family, virtual_ep: int = 1) -> BlockLa
         shared_experts=width // (f2 // 2),
         activation=act,
         dtype=t.w13.dtype,
+        glu=glu_form(getattr(block, "experts", None), family),
+        expert_bias=t.b13 is not None,
     )
     return BlockLayout(spec=spec, fused_shared=fused)
 
@@ -151,9 +153,10 @@ def _check_experts(block: nn.Module, family: Family) -> ExpertTensors:
     if tuple(t.w2.shape) != (e, h, f2 // 2) or f2 % 2:
         raise ValueError(f"{family.name}: the down projection is {tuple(t.w2.shape)}, "
                          f"expected {(e, h, f2 // 2)}")
-    experts = getattr(block, "experts", None)
-    if experts is not None:
-        check_flags(experts, family.name, transposed=family.layout is ExpertsLayout.TRANSPOSED)
+    transposed = getattr(getattr(block, "experts", None), "is_transposed", None)
+    if transposed is not None and transposed is not (family.layout is ExpertsLayout.TRANSPOSED):
+        raise ValueError(f"{family.name}: experts.is_transposed={transposed} does not match the "
+                         f"{family.layout.value} layout")
     return t
 
 

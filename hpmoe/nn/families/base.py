@@ -17,13 +17,13 @@ from __future__ import annotations
 import enum
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...spec import Activation
+from ...spec import PLAIN_GLU, Activation, GluForm
 
 
 class ExpertsLayout(enum.Enum):
@@ -70,6 +70,8 @@ class Family:
       zero-computation experts, ids ``[E, E + n)`` whose output is the token itself (LongCat).
     returns: None when the block returns the hidden states only; else the index of the
       router output it returns beside them (``(hidden, router_output[returns])``).
+    glu: the ``GluForm`` of the experts' own ``_apply_gate`` (GPT-OSS), read from the experts
+      module; None: transformers' default gate (``act(gate) * up``).
     refused: None, or the feature of the block that the region does not compute.
     config / model: transformers class names of the family's config and causal LM.
     tiny: overrides that make ``config`` a tiny test model (no download).
@@ -93,6 +95,7 @@ class Family:
     output_bias: str | None = None
     identity_experts: str | None = None
     returns: int | None = None
+    glu: Callable[[nn.Module], GluForm] | None = None
     refused: str | None = None
 
     def block_class(self) -> type[nn.Module]:
@@ -133,12 +136,16 @@ TINY: dict[str, Any] = dict(
 @dataclass(frozen=True)
 class ExpertTensors:
     """A block's expert weights as the region reads them, connected to autograd (views of
-    the parameters, or a copy where the layout needs one): w13 [E, 2F, H] gate rows first,
-    w2 [E, H, F]; act: the module that computes the gate activation."""
+    the parameters, or a copy where the layout needs one): w13 [E, 2F, H] gate rows first
+    (alternating with up rows where the experts say ``is_concatenated=False``), w2
+    [E, H, F]; act: the module that computes the gate activation; b13 [E, 2F] / b2 [E, H]:
+    the experts' biases where they say ``has_bias``, else None."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     act: nn.Module
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
 
 
 def expert_tensors(block: nn.Module, layout: ExpertsLayout, experts: int | None = None) -> ExpertTensors:
@@ -150,7 +157,9 @@ def expert_tensors(block: nn.Module, layout: ExpertsLayout, experts: int | None 
         w13, w2 = _tensor(e, "gate_up_proj", 3), _tensor(e, "down_proj", 3)
         if layout is ExpertsLayout.TRANSPOSED:
             w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
-        t = ExpertTensors(w13, w2, getattr(e, "act_fn", None))
+        biased = _flag(e, "has_bias")
+        biases = (_tensor(e, "gate_up_proj_bias", 2), _tensor(e, "down_proj_bias", 2)) if biased else ()
+        t = ExpertTensors(w13, w2, getattr(e, "act_fn", None), *biases)
     elif layout is ExpertsLayout.FLAT:
         m = block.experts.mlp
         w1, v1, w2 = (_tensor(m, n, 2) for n in ("w1", "v1", "w2"))
@@ -160,7 +169,29 @@ def expert_tensors(block: nn.Module, layout: ExpertsLayout, experts: int | None 
     else:
         w13, w2 = _tensor(block.input_linear, "weight", 3), _tensor(block.output_linear, "weight", 3)
         t = ExpertTensors(w13, w2, block.activation)
-    return t if experts is None else ExpertTensors(t.w13[:experts], t.w2, t.act)
+    if experts is None:
+        return t
+    return replace(t, w13=t.w13[:experts], b13=None if t.b13 is None else t.b13[:experts])
+
+
+def _flag(experts: nn.Module, name: str) -> bool:
+    """A flag transformers' ``use_experts_implementation`` sets on an experts module
+    (False when the module has none)."""
+    return getattr(experts, name, False) is True
+
+
+def glu_form(experts: nn.Module | None, family: Family) -> GluForm:
+    """The gated activation ``experts`` compute: the family's reading of its own
+    ``_apply_gate``, else the plain one with gate/up interleaved where the experts say
+    ``is_concatenated=False``.  ``ValueError`` for an own ``_apply_gate`` the family does not read."""
+    if family.glu is not None:
+        return family.glu(experts)
+    gate = getattr(type(experts), "_apply_gate", None)
+    if gate is not None and gate.__name__ != "_default_apply_gate":
+        raise ValueError(f"{family.name}: experts._apply_gate ({type(experts).__name__}) is its own gate, "
+                         "which this family does not read")
+    interleaved = experts is not None and getattr(experts, "is_concatenated", True) is False
+    return GluForm(interleaved=True) if interleaved else PLAIN_GLU
 
 
 _FIRST = {ExpertsLayout.FUSED: ("experts", "gate_up_proj"),
@@ -202,11 +233,11 @@ def activation_of(act: nn.Module) -> Activation:
     )
 
 
-def check_flags(experts: nn.Module, owner: str, transposed: bool = False) -> None:
-    """``ValueError`` (naming ``owner``) for experts with biases, interleaved gate/up columns
-    or a transposition other than ``transposed``: the region reads gate_up_proj gate rows
-    first, [E, 2F, H] (or [E, H, 2F] when ``transposed``)."""
-    for flag, bad in (("has_bias", True), ("is_transposed", not transposed), ("is_concatenated", False)):
+def check_flags(experts: nn.Module, owner: str) -> None:
+    """``ValueError`` (naming ``owner``) for experts with biases, transposed weights or
+    interleaved gate/up columns, outside a family (``experts_implementation="hpmoe"`` on a
+    bare experts module reads gate_up_proj [E, 2F, H], gate rows first, no biases)."""
+    for flag, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False)):
         if getattr(experts, flag, not bad) is bad:
             raise ValueError(f"{owner}: experts.{flag}={bad} is not supported")
 

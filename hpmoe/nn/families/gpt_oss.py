@@ -1,7 +1,18 @@
-"""GPT-OSS: refused — its experts carry biases and a clamped SwiGLU (alpha, limit) over
-interleaved gate/up columns stored transposed, which the region's kernels do not compute."""
+"""GPT-OSS: linear router with a bias, softmax over the top-k logits; experts stored
+transposed ([E, H, 2F], [E, F, H]) with biases, gate/up columns interleaved and a clamped
+SwiGLU, ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``;
+the block returns ``(hidden, router_scores)``."""
 
-from .base import Family
+from torch import nn
+
+from ...spec import GluForm
+from .base import ExpertsLayout, Family
+
+
+def _glu(experts: nn.Module) -> GluForm:
+    """``GptOssExperts._apply_gate`` with the experts' own alpha and limit."""
+    return GluForm(interleaved=True, alpha=float(experts.alpha), limit=float(experts.limit), up_shift=1.0)
+
 
 FAMILY = Family(
     name="gpt_oss",
@@ -11,6 +22,7 @@ FAMILY = Family(
     model="GptOssForCausalLM",
     tiny=dict(num_local_experts=8, num_experts_per_tok=2),
     router="router",
-    refused="expert biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit, (up + 1) * glu) "
-    "over interleaved gate/up columns",
+    layout=ExpertsLayout.TRANSPOSED,
+    returns=1,
+    glu=_glu,
 )
