@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from hpmoe.exec.arena import Arena, ArenaPool
 from hpmoe.exec.kernel_by_kernel import (
+    Experts,
     KernelByKernelCall,
     KernelByKernelFunction,
     experts_forward,
@@ -23,6 +24,8 @@ from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.spec import Activation, ParallelSpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
+
+from .helpers import GPT_OSS_FORM
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
 
@@ -46,11 +49,32 @@ def _autograd_grads(x, routing, weights, dy):
     return torch.autograd.grad(out, leaves, dy)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_biases_and_the_clamped_glu_match_autograd(dtype: torch.dtype) -> None:
+    spec = GPT_OSS_FORM.with_dtype(dtype)
+    w = ExpertWeights.random(spec, seed=4)
+    routing = synthetic_routing(RoutingKind.ZIPF, spec, ParallelSpec(1, 24), seed=3)
+    x = torch.randn(24, spec.hidden, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out, state = kbk_forward(x, routing, w, save=True)
+    torch.testing.assert_close(out, dense_moe(x, w, routing), **TOL[dtype])
+    dy = torch.randn_like(out)
+    g = kbk_backward(state, dy)
+    names = ("w13", "w2", "b13", "b2")
+    leaves = [x.clone().requires_grad_(), routing.weights.clone().requires_grad_(),
+              *(getattr(w, n).clone().requires_grad_() for n in names)]
+    ref = dense_moe(leaves[0], dataclasses.replace(w, **dict(zip(names, leaves[2:], strict=True))),
+                    Routing(routing.ids, leaves[1]))
+    want = torch.autograd.grad(ref, leaves, dy)
+    for name, a, b in zip(("dx", "dweights", "dw13", "dw2", "db13", "db2"),
+                          (g.dx, g.dweights, g.dw13, g.dw2, g.db13, g.db2), want, strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+
+
 def test_expert_gemms_give_grouped_mm_bits() -> None:
     a, w13, w2 = (torch.randn(shape).bfloat16() for shape in ((11, 16), (3, 48, 16), (3, 16, 24)))
     counts = [4, 0, 7]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    h, act, y = experts_forward(a, segments(counts), w13, w2, Activation.SILU, Arena("cpu"), "")
+    h, act, y = experts_forward(a, segments(counts), Experts(w13, w2, Activation.SILU), Arena("cpu"), "")
     assert torch.equal(h, F.grouped_mm(a, w13.transpose(1, 2), offs=offs))
     assert torch.equal(y, F.grouped_mm(act, w2.transpose(1, 2), offs=offs))
 
