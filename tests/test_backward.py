@@ -260,8 +260,8 @@ def test_bad_backward_inputs_are_refused():
     plan = fwd.plan
     saved = [SavedActivations.from_forward(b, False) for b in fwd.buffers]
     with pytest.raises(ValueError, match="dy has shape"):
-        execute_backward(saved, plan, dy[:-1], w, r.weights, TINY_TILES)
+        execute_backward(saved, plan, dy[:-1], w, r, TINY_TILES)
     with pytest.raises(TypeError, match="dy has dtype"):
-        execute_backward(saved, plan, dy.double(), w, r.weights, TINY_TILES)
+        execute_backward(saved, plan, dy.double(), w, r, TINY_TILES)
     with pytest.raises(ValueError, match="saved has 1 ranks"):
-        execute_backward(saved[:1], plan, dy, w, r.weights, TINY_TILES)
+        execute_backward(saved[:1], plan, dy, w, r, TINY_TILES)

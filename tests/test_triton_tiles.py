@@ -57,7 +57,7 @@ class Setup:
         plan = self.fwd.plan
         self.plan, self.space = plan, buffer_space(plan)
         saved = [SavedActivations.from_forward(b, True) for b in self.fwd.buffers]
-        self.bwd = execute_backward(saved, plan, dy, self.w, self.routing.weights, TILES, recompute=True)
+        self.bwd = execute_backward(saved, plan, dy, self.w, self.routing, TILES, recompute=True)
         self.fctx = [RankContext.build(self.w, plan, self.routing, r) for r in range(EP)]
         tw = self.routing.weights.chunk(EP)
         self.bctx = [BackwardContext.build(self.w, plan, tw[r], r) for r in range(EP)]

@@ -10,13 +10,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..ir.graph import TaskGraph
-from ..regions import RegionKind, region
 from ..regions.dedup import dedup_factor
+from ..regions.family import region_family
 from ..schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, paper_tiles, schedule
 from ..sim.cost import tier_link_bytes
 from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset, override_fields, with_overrides
 from ..sim.simulate import Bounds, SimResult, simulate
-from ..spec import DispatchMode
 from .common import Layer, add_layer_args, emit, layer_from_args
 
 _US = 1e6
@@ -96,13 +95,10 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
     if args.paper_tiles:
         layer = replace(layer, tiles=paper_tiles(hardware))
     t0 = time.perf_counter()
-    kind = RegionKind.FORWARD if layer.tiles.dispatch is DispatchMode.PER_EXPERT else RegionKind.FORWARD_DEDUP
-    if args.backward:
-        dedup = kind is RegionKind.FORWARD_DEDUP
-        kind = {(False, False): RegionKind.BACKWARD, (False, True): RegionKind.BACKWARD_RECOMPUTE,
-                (True, False): RegionKind.BACKWARD_DEDUP,
-                (True, True): RegionKind.BACKWARD_DEDUP_RECOMPUTE}[dedup, args.recompute]
-    graph = region(kind).lower(layer.plan, layer.tiles, None)
+    family = region_family(layer.tiles)
+    layout = family.layout(layer.plan, layer.tiles)
+    region = family.backward(layout, args.recompute) if args.backward else family.forward(layout)
+    graph = region.lower(layer.plan, layer.tiles, None)
     t1 = time.perf_counter()
     _progress(f"lowered {graph.num_tasks} tasks in {t1 - t0:.1f} s; scheduling ({args.schedule})")
     sched = schedule(graph, SchedulePolicy(args.schedule), hardware)

@@ -22,11 +22,11 @@ from ..ir.analysis import GraphError
 from ..ir.graph import TaskGraph
 from ..ir.verify import random_order
 from ..regions.base import Region
-from ..regions.dedup import make_dedup_layout
-from ..regions.dedup_kernels import DedupBuffers, DedupContext, dedup_region
-from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
+from ..regions.dedup_kernels import DedupBuffers
+from ..regions.family import region_family
+from ..regions.kernels import ForwardBuffers
 from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
-from ..spec import DispatchMode, ParallelSpec, TileSpec
+from ..spec import ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .program import PeerView, rank_program, task_calls
 
@@ -101,18 +101,15 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep, nodes=nodes)
     plan = plan_routing(routing.ids, spec, par)
-    dedup = tiles.dispatch is not DispatchMode.PER_EXPERT
-    d = make_dedup_layout(plan, tiles) if dedup else None
-    region = dedup_region(d) if dedup else FORWARD
+    family = region_family(tiles)
+    layout = family.layout(plan, tiles)
+    region = family.forward(layout)
     graph = region.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)
     xs = x.chunk(ep) if x.shape[0] else [x] * ep
-    if dedup:
-        buffers = [DedupBuffers.allocate(xs[r], d, tiles, r) for r in range(ep)]
-        contexts = [DedupContext.build(weights, d, routing, r) for r in range(ep)]
-    else:
-        buffers = [ForwardBuffers.allocate(xs[r], plan, r) for r in range(ep)]
-        contexts = [RankContext.build(weights, plan, routing, r) for r in range(ep)]
+    buffers = [family.forward_buffers(xs[r], layout, tiles, r) for r in range(ep)]
+    contexts = [family.forward_context(weights, layout, family.rank_routing(routing, plan, r), r)
+                for r in range(ep)]
     run_graph(graph, region, buffers, contexts, order)
     return ForwardResult(out=torch.cat([b.out for b in buffers]), buffers=buffers, plan=plan, graph=graph)

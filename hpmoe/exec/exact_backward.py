@@ -1,5 +1,6 @@
 """The exact backward executor: every EP rank of the backward task graph, virtual,
-in one process, through ``hpmoe.exec.exact.run_graph`` with the ``BACKWARD`` region.
+in one process, through ``hpmoe.exec.exact.run_graph`` with the backward region of the
+tiles' ``RegionFamily``.
 
 Every gradient tile is written by exactly one task holding its full reduction and
 input gradients are summed over slots in a fixed order in fp32, so the result is
@@ -15,23 +16,12 @@ import torch
 
 from ..ir.graph import TaskGraph
 from ..ir.verify import random_order
-from ..regions.backward_kernels import (
-    BACKWARD,
-    BACKWARD_RECOMPUTE,
-    BackwardBuffers,
-    BackwardContext,
-    SavedActivations,
-)
+from ..regions.backward_kernels import BackwardBuffers, SavedActivations
 from ..regions.base import Region
-from ..regions.dedup import make_dedup_layout
-from ..regions.dedup_backward_kernels import (
-    DedupBackwardBuffers,
-    DedupBackwardContext,
-    DedupSaved,
-    dedup_backward_region,
-)
+from ..regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
+from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
-from ..spec import DispatchMode, TileSpec, require_per_expert
+from ..spec import TileSpec
 from ..weights import ExpertWeights
 from .exact import DEFAULT_TILES, Order, execute_forward, run_graph
 
@@ -71,25 +61,25 @@ class BackwardResult:
     graph: TaskGraph
 
 
-def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan, dy: torch.Tensor,
-                     weights: ExpertWeights, topk_weights: torch.Tensor,
+def execute_backward(saved: Sequence[SavedActivations] | Sequence[DedupSaved], plan: RoutingPlan,
+                     dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
                      tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
                      order: Order = None) -> BackwardResult:
-    """Lower and run the backward region of ``plan.par.ep`` virtual ranks.
+    """Lower and run the backward region of ``plan.par.ep`` virtual ranks (the region
+    family of ``tiles``, as the forward ran).
 
-    saved: per rank, what the forward kept (``SavedActivations.from_forward``);
-    dy: [N, H] spec.dtype output gradient; topk_weights: [N, k] float32.
+    saved: per rank, what the forward kept (``region_family(tiles).saved``); dy: [N, H]
+    spec.dtype output gradient; routing: every rank's ids/weights [N, k].
     ``order``: task ids, an int seed for a random valid order, or None (task-id order)."""
-    ep = plan.par.ep
-    require_per_expert(tiles, "the backward region")
+    ep, family = plan.par.ep, region_family(tiles)
     _check_inputs(saved, plan, dy, weights, recompute)
+    layout = family.layout(plan, tiles)
     out = _full_outputs(dy, weights)
-    views = rank_views(out, plan)
-    dys, tws = dy.chunk(ep), topk_weights.chunk(ep)
-    buffers = [BackwardBuffers.allocate(saved[r], dys[r], plan, views[r]) for r in range(ep)]
-    contexts = [BackwardContext.build(weights, plan, tws[r], r) for r in range(ep)]
-    region = BACKWARD_RECOMPUTE if recompute else BACKWARD
-    return _run(region, plan, tiles, order, buffers, contexts, out, weights)
+    views, dys = rank_views(out, plan), dy.chunk(ep)
+    buffers = [family.backward_buffers(saved[r], dys[r], layout, tiles, r, views[r]) for r in range(ep)]
+    contexts = [family.backward_context(weights, layout, family.rank_routing(routing, plan, r), r)
+                for r in range(ep)]
+    return _run(family.backward(layout, recompute), plan, tiles, order, buffers, contexts, out, weights)
 
 
 def _check_inputs(saved: Sequence, plan: RoutingPlan, dy: torch.Tensor, weights: ExpertWeights,
@@ -173,23 +163,6 @@ class StepResult:
     backward: BackwardResult
 
 
-def execute_backward_dedup(saved: Sequence[DedupSaved], plan: RoutingPlan, dy: torch.Tensor,
-                           weights: ExpertWeights, routing: Routing, tiles: TileSpec,
-                           recompute: bool = False, order: Order = None) -> BackwardResult:
-    """The backward of the deduplicated forward (``DispatchMode.PER_RANK`` or
-    ``PER_NODE``) over ``plan.par.ep`` virtual ranks; arguments as ``execute_backward``, with the whole
-    ``routing`` (ids and weights [N, k])."""
-    ep = plan.par.ep
-    _check_inputs(saved, plan, dy, weights, recompute)
-    d = make_dedup_layout(plan, tiles)
-    out = _full_outputs(dy, weights)
-    views, dys = rank_views(out, plan), dy.chunk(ep)
-    buffers = [DedupBackwardBuffers.allocate(saved[r], dys[r], d, tiles, r, views[r]) for r in range(ep)]
-    contexts = [DedupBackwardContext.build(weights, d, routing, r) for r in range(ep)]
-    region = dedup_backward_region(d, recompute)
-    return _run(region, plan, tiles, order, buffers, contexts, out, weights)
-
-
 def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, dy: torch.Tensor,
                          ep: int = 1, tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
                          forward_order: Order = None, backward_order: Order = None,
@@ -201,10 +174,6 @@ def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routi
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
     fwd = execute_forward(x, weights, routing, ep, tiles, forward_order, nodes)
-    if tiles.dispatch is not DispatchMode.PER_EXPERT:
-        saved = [DedupSaved.from_forward(b, recompute) for b in fwd.buffers]
-        bwd = execute_backward_dedup(saved, fwd.plan, dy, weights, routing, tiles, recompute, backward_order)
-        return StepResult(out=fwd.out, backward=bwd)
-    saved = [SavedActivations.from_forward(b, recompute) for b in fwd.buffers]
-    bwd = execute_backward(saved, fwd.plan, dy, weights, routing.weights, tiles, recompute, backward_order)
+    saved = [region_family(tiles).saved(b, recompute) for b in fwd.buffers]
+    bwd = execute_backward(saved, fwd.plan, dy, weights, routing, tiles, recompute, backward_order)
     return StepResult(out=fwd.out, backward=bwd)

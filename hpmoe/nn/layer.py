@@ -43,19 +43,20 @@ from torch import nn
 from ..exec.arena import ArenaPool
 from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, execute_forward
-from ..exec.exact_backward import Gradients, execute_backward, execute_backward_dedup
+from ..exec.exact_backward import Gradients, execute_backward
 from ..exec.kernel_by_kernel import KernelByKernelCall, KernelByKernelFunction
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..placement import Placement, plan_placement, rank_loads
 from ..regions.backward_kernels import SavedActivations
 from ..regions.base import RegionKind
 from ..regions.dedup_backward_kernels import DedupSaved
+from ..regions.family import RegionFamily, region_family
 from ..routing import Routing, RoutingPlan, input_error, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
 from ..schedule.tune import Knobs, Space, TuneKey, TuneResult
 from ..schedule.tuner import Trial, Tuner, timed
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
+from ..spec import GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .compiled import run_region
 from .experts_impl import register, runs_region, select
@@ -234,9 +235,9 @@ class RegionOptions:
         return self.ep_group is not None
 
     @property
-    def dedup(self) -> bool:
-        """Whether the taskflow runs the deduplicated regions."""
-        return self.tiles.dispatch is not DispatchMode.PER_EXPERT
+    def regions(self) -> RegionFamily:
+        """The region family the taskflow runs (per expert, or deduplicated)."""
+        return region_family(self.tiles)
 
     @property
     def session(self) -> Session | None:
@@ -765,7 +766,7 @@ class RegionState:
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
         """The inverse of ``pack``: this bare state with ``tensors`` put back."""
-        kind = DedupSaved if self.options.dedup else SavedActivations
+        kind = self.options.regions.saved_kind
         n, ranks = len(fields(kind)), len(self.saved)
         saved = [kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
         *weight_tensors, ids, topk = tensors[ranks * n:]
@@ -811,8 +812,7 @@ def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
         fwd = triton_forward(x, weights, routing, opt.virtual_ep, opt.tiles, options)
         return fwd.out, RegionState(fwd.plan, [], weights, routing, opt, device=fwd)
     fwd = execute_forward(x, weights, routing, opt.virtual_ep, opt.tiles, opt.schedule, opt.nodes)
-    kind = DedupSaved if opt.dedup else SavedActivations
-    saved = [kind.from_forward(b, opt.recompute) for b in fwd.buffers]
+    saved = [opt.regions.saved(b, opt.recompute) for b in fwd.buffers]
     return fwd.out, RegionState(fwd.plan, saved, weights, routing, opt)
 
 
@@ -821,11 +821,8 @@ def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
     if state.device is not None:
         from ..gpu.backend import triton_backward
         return triton_backward(state.device, dy, opt.recompute).grads
-    if opt.dedup:
-        return execute_backward_dedup(state.saved, state.plan, dy, state.weights, state.routing, opt.tiles,
-                                      opt.recompute, opt.schedule).grads
-    return execute_backward(state.saved, state.plan, dy, state.weights, state.routing.weights,
-                            opt.tiles, opt.recompute, opt.schedule).grads
+    return execute_backward(state.saved, state.plan, dy, state.weights, state.routing, opt.tiles,
+                            opt.recompute, opt.schedule).grads
 
 
 # ---------------------------------------------------------------------------- distributed
@@ -838,12 +835,7 @@ def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
 
     s, opt = call.session, call.options
     fwd = ForwardRunner(s, weights, _runtime_options(opt))(x, routing)
-    b, drop = fwd.buffers, opt.recompute
-    if opt.dedup:  # its saved fields are not symmetric
-        saved = DedupSaved.from_forward(b, drop)
-    else:  # recv and comb view the session's symmetric memory, which its next region reuses
-        saved = SavedActivations(x=x, xe=b.recv.clone(), h=b.h, a=None if drop else b.a, comb=b.comb.clone(),
-                                 sh=b.sh, sa=None if drop else b.sa)
+    saved = opt.regions.saved(fwd.buffers, opt.recompute, symmetric=True)
     return fwd.out, RegionState(fwd.plan, [saved], weights, fwd.routing, opt, s)
 
 

@@ -1,6 +1,6 @@
-"""The backward region on the runtime: the gradient of what ``ForwardRunner`` ran,
-``BACKWARD`` (per-expert dispatch) or ``BACKWARD_DEDUP`` (``DispatchMode.PER_RANK`` and
-``PER_NODE``), each optionally recomputing the gated activations.
+"""The backward region on the runtime: the gradient of what ``ForwardRunner`` ran, the
+backward region of the tiles' ``RegionFamily`` (per expert, or deduplicated), optionally
+recomputing the gated activations.
 
 Per call, on every rank of the session's group (plan of ``run_backward``):
   1. snapshot the counters, then agree on the region (a collective: no peer puts
@@ -21,23 +21,11 @@ import torch
 from ..exec.exact_backward import Gradients, expert_bias_gradients, expert_views
 from ..exec.program import RankProgram, compile_program, compile_region
 from ..ir.schedule import Schedule
-from ..regions.backward_kernels import (
-    BACKWARD,
-    BACKWARD_RECOMPUTE,
-    BackwardBuffers,
-    BackwardContext,
-    SavedActivations,
-)
+from ..regions.backward_kernels import BackwardBuffers, SavedActivations
 from ..regions.base import Region
-from ..regions.dedup import make_dedup_layout
-from ..regions.dedup_backward_kernels import (
-    DedupBackwardBuffers,
-    DedupBackwardContext,
-    DedupSaved,
-    dedup_backward_region,
-)
+from ..regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
+from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
-from ..spec import DispatchMode
 from ..weights import ExpertWeights
 from .forward import ForwardOptions
 from .session import Session
@@ -63,16 +51,13 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
                  recompute: bool = False) -> BackwardOutput:
     """This rank's part of the backward of the forward that ran ``plan`` with ``options``.
 
-    saved: what that forward kept (``SavedActivations.from_forward``, or
-    ``DedupSaved.from_forward`` under deduplicated dispatch, symmetric fields copied);
+    saved: what that forward kept (``region_family(options.tiles).saved``, symmetric
+    fields copied);
     dy: [T, H] spec.dtype; routing: the forward's ``ForwardOutput.routing`` (this rank's
     [T, k], or every rank's [ep*T, k] when deduplicated)."""
-    tiles, dedup = options.tiles, options.tiles.dispatch is not DispatchMode.PER_EXPERT
-    layout = make_dedup_layout(plan, tiles) if dedup else None
-    if dedup:
-        region = dedup_backward_region(layout, recompute)
-    else:
-        region = BACKWARD_RECOMPUTE if recompute else BACKWARD
+    tiles, family = options.tiles, region_family(options.tiles)
+    layout = family.layout(plan, tiles)
+    region = family.backward(layout, recompute)
     program, schedule = _open(s, plan, region, options, weights)
     sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
@@ -80,13 +65,8 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
     grads = Gradients(dx=torch.empty(0), dweights=torch.empty(0), dw13=torch.zeros_like(weights.w13),
                       dw2=torch.zeros_like(weights.w2), dshared_w13=None, dshared_w2=None,
                       **expert_bias_gradients(weights))
-    views = {**sym, **expert_views(grads, mine)}
-    if dedup:
-        buf = DedupBackwardBuffers.allocate(saved, dy, layout, tiles, s.rank, views)
-        ctx = DedupBackwardContext.build(weights, layout, routing, s.rank)
-    else:
-        buf = BackwardBuffers.allocate(saved, dy, plan, views)
-        ctx = BackwardContext.build(weights, plan, routing.weights, s.rank)
+    buf = family.backward_buffers(saved, dy, layout, tiles, s.rank, {**sym, **expert_views(grads, mine)})
+    ctx = family.backward_context(weights, layout, routing, s.rank)
     s.executor.run(program, region, buf, ctx, s.transport)
     grads = replace(grads, dx=buf.dx, dweights=buf.dw, dshared_w13=buf.dsw13 if shared else None,
                     dshared_w2=buf.dsw2 if shared else None)

@@ -22,13 +22,13 @@ import torch
 
 from ..exec.program import RankProgram, compile_program, compile_region
 from ..ir.schedule import Schedule, SchedulePolicy
-from ..regions.base import Region, RegionKind
-from ..regions.dedup import make_dedup_layout
-from ..regions.dedup_kernels import DedupBuffers, DedupContext, dedup_region
-from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
+from ..regions.base import Region
+from ..regions.dedup_kernels import DedupBuffers
+from ..regions.family import region_family
+from ..regions.kernels import ForwardBuffers
 from ..routing import Routing, RoutingPlan, input_error, plan_routing
 from ..sim.hardware import HardwareModel, cpu_nominal
-from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
+from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .faults import Fault
 from .plan import exchange_routing, exchange_tile_counts, plan_from_tile_counts
@@ -89,7 +89,7 @@ class ForwardRunner:
     def __init__(self, session: Session, weights: ExpertWeights, options: ForwardOptions | None = None):
         self.session, self.weights = session, weights
         self.options = options or ForwardOptions()
-        self.dedup = self.options.tiles.dispatch is not DispatchMode.PER_EXPERT
+        self.family = region_family(self.options.tiles)
         self._cache: dict[bytes, Schedule] = {}
 
     def __call__(self, x: torch.Tensor, routing: Routing, fault: Fault | None = None) -> ForwardOutput:
@@ -97,34 +97,30 @@ class ForwardRunner:
         spec, s, tiles = self.weights.spec, self.session, self.options.tiles
         marks = [time.perf_counter()]
         tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else -1
-        kind = RegionKind.FORWARD_DEDUP if self.dedup else RegionKind.FORWARD
-        n = s.agree(kind, self.weights, tokens, tiles, region_input_error(x, routing, spec))
+        fam = self.family
+        n = s.agree(fam.forward_kind, self.weights, tokens, tiles, region_input_error(x, routing, spec))
         if fault is not None:
             fault.before_exchange(s.rank, n)
         par = ParallelSpec(ep=s.world, tokens_per_rank=tokens, nodes=self.options.nodes)
         s.transport.begin()
-        if self.dedup:
-            every = exchange_routing(routing, s.collectives, f"forward region {n}: routing exchange")
-            plan, key = plan_routing(every.ids, spec, par), every.ids.numpy().tobytes()
+        if fam.reads_every_rank:
+            routing = exchange_routing(routing, s.collectives, f"forward region {n}: routing exchange")
+            plan, key = plan_routing(routing.ids, spec, par), routing.ids.numpy().tobytes()
         else:
             counts = exchange_tile_counts(routing.ids, spec.experts, tiles.rows, s.collectives,
                                           f"forward region {n}: count exchange")
             plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, tiles.rows)
             key = counts.numpy().tobytes()
         marks.append(time.perf_counter())
-        layout = make_dedup_layout(plan, tiles) if self.dedup else None
-        region = dedup_region(layout) if self.dedup else FORWARD
+        layout = fam.layout(plan, tiles)
+        region = fam.forward(layout)
         schedule = self._schedule(plan, key, region)
         program = compile_program(schedule, region, s.rank)
         program, region = fault.apply(program, region) if fault else (program, region)
         marks.append(time.perf_counter())
         sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
-        if self.dedup:
-            buffers = DedupBuffers.allocate(x, layout, tiles, s.rank, sym)
-            ctx = DedupContext.build(self.weights, layout, every, s.rank)
-        else:
-            buffers = ForwardBuffers.allocate(x, plan, s.rank, recv=sym["recv"], comb=sym["comb"])
-            ctx = rank_context(self.weights, plan, routing, s.rank)
+        buffers = fam.forward_buffers(x, layout, tiles, s.rank, sym)
+        ctx = fam.forward_context(self.weights, layout, routing, s.rank)
         marks.append(time.perf_counter())
         s.board.enter(f"forward region {n}: run", publish=False)
         result = s.executor.run(program, region, buffers, ctx, s.transport)
@@ -132,7 +128,7 @@ class ForwardRunner:
         marks.append(time.perf_counter())
         times = StepTimes(*np.diff(marks).tolist())
         return ForwardOutput(out=buffers.out, buffers=buffers, plan=plan, schedule=schedule, program=program,
-                             timeline=result.timeline, times=times, routing=every if self.dedup else routing)
+                             timeline=result.timeline, times=times, routing=routing)
 
     def _schedule(self, plan: RoutingPlan, key: bytes, region: Region) -> Schedule:
         o = self.options
@@ -151,8 +147,3 @@ def region_input_error(x: object, routing: Routing, spec: MoESpec) -> BaseExcept
     if error is None and x.shape[0] == 0:
         return ValueError("x has no tokens (0 rows)")
     return error
-
-
-def rank_context(weights: ExpertWeights, plan: RoutingPlan, routing: Routing, rank: int) -> RankContext:
-    """``RankContext`` of ``rank`` from its own routing ([T, k]) only."""
-    return RankContext.of(weights, plan, routing.weights, rank)

@@ -27,14 +27,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ir.schedule import SchedulePolicy, WorkerCounts
-from ..regions.backward import lower_backward
-from ..regions.dedup import lower_dedup
-from ..regions.dedup_backward import lower_dedup_backward
-from ..regions.forward import lower_forward
+from ..regions.family import region_family
 from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
 from ..sim.forecast import forecast_region, kernel_by_kernel_tiles, sequential_seconds
 from ..sim.hardware import HardwareModel, load_profile
-from ..spec import DispatchMode, MoESpec, ParallelSpec, TileSpec
+from ..spec import MoESpec, ParallelSpec, TileSpec
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
 
@@ -292,9 +289,10 @@ def kernel_by_kernel_forecast(plan: RoutingPlan, hardware: HardwareModel, backwa
 def _graphs(plan: RoutingPlan, tiles: TileSpec, backward: bool) -> list:
     """The taskflow's graphs: the deduplicated regions' under deduplicated tiles (on the
     shape plan's one node)."""
-    if tiles.dispatch is not DispatchMode.PER_EXPERT:
-        return [lower_dedup(plan, tiles)] + ([lower_dedup_backward(plan, tiles)] if backward else [])
-    return [lower_forward(plan, tiles)] + ([lower_backward(plan, tiles)] if backward else [])
+    family = region_family(tiles)
+    layout = family.layout(plan, tiles)
+    regions = [family.forward(layout)] + ([family.backward(layout, False)] if backward else [])
+    return [r.lower(plan, tiles, None) for r in regions]
 
 
 def shape_plan(shape: RoutingShape) -> RoutingPlan:
