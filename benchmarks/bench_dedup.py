@@ -21,10 +21,10 @@ import torch
 
 from hpmoe.machine import record
 from hpmoe.regions import RegionKind, region
-from hpmoe.regions.dedup import dedup_factor
+from hpmoe.regions.dedup_layout import dedup_factor
 from hpmoe.routing import _mask_groups, plan_routing
 from hpmoe.schedule import SchedulePolicy, schedule
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
 

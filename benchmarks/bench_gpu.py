@@ -54,7 +54,7 @@ from hpmoe.gpu.runner import DeviceProgram
 from hpmoe.machine import machine
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.sim.trace import write_gantt, write_trace
 from hpmoe.spec import MoESpec, ParallelSpec, TileSpec, preset

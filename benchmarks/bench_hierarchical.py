@@ -29,9 +29,10 @@ from hpmoe.regions import RegionKind, region
 from hpmoe.routing import RoutingKind, plan_routing, ranks_per_token, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule, serial_schedule
 from hpmoe.sim.baseline import strongest_baseline, with_free_kinds
+from hpmoe.sim.bounds import graph_bounds
 from hpmoe.sim.cost import tier_link_bytes
-from hpmoe.sim.hardware import hardware_preset
-from hpmoe.sim.simulate import graph_bounds, simulate
+from hpmoe.sim.presets import hardware_preset
+from hpmoe.sim.simulate import simulate
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
 
 _US = 1e6

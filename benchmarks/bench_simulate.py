@@ -15,7 +15,7 @@ from hpmoe.machine import record
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, schedule
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 

@@ -33,7 +33,8 @@ from hpmoe.machine import record
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.runtime import ForwardOptions, ForwardRunner, RuntimeConfig, Session, TransportKind
 from hpmoe.schedule import SchedulePolicy
-from hpmoe.sim.hardware import LinkEntry, cpu_nominal
+from hpmoe.sim.hardware import LinkEntry
+from hpmoe.sim.presets import cpu_nominal
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 

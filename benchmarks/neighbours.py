@@ -27,7 +27,7 @@ def _rank(rank: int, world: int) -> dict[str, list[float]]:
     from hpmoe.routing import RoutingKind
     from hpmoe.runtime.session import RuntimeConfig, Session
     from hpmoe.schedule.tune import Space
-    from hpmoe.sim.hardware import cpu_nominal
+    from hpmoe.sim.presets import cpu_nominal
     from hpmoe.spec import TileSpec, preset
 
     cfg = BenchConfig(moe=preset("small", torch.float32), tokens=4096, routing=RoutingKind.BALANCED, seed=0,

@@ -18,7 +18,7 @@ import torch
 
 from hpmoe.machine import record
 from hpmoe.sim.calibrate import WEIGHT_BYTES, KernelGemm, _gemm_bench, _round_medians
-from hpmoe.sim.hardware import default_profile_path, load_profile
+from hpmoe.sim.profile import default_profile_path, load_profile
 
 SHAPES = ("128x512", "128x256", "128x2048", "96x1408", "96x2048", "64x768", "64x2048")
 

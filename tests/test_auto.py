@@ -19,7 +19,8 @@ from hpmoe.schedule.auto import (
     auto_forecasts,
     decide,
 )
-from hpmoe.sim.hardware import PROFILE_ENV, hardware_preset
+from hpmoe.sim.presets import hardware_preset
+from hpmoe.sim.profile import PROFILE_ENV
 from hpmoe.spec import TileSpec, preset
 
 from .helpers import tiny_plan

@@ -17,7 +17,7 @@ from hpmoe.regions.backward import BackwardEvent, lower_backward
 from hpmoe.regions.backward_kernels import BACKWARD, SavedActivations
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import Activation, GateKind, GluForm, MoESpec, ParallelSpec, preset
 from hpmoe.weights import ExpertWeights

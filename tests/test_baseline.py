@@ -12,7 +12,7 @@ from hpmoe.routing import RoutingKind, plan_routing
 from hpmoe.schedule import WorkerCounts, serial_schedule, verify_schedule
 from hpmoe.sim.baseline import dedup_puts, dedup_ratio, paper_region, strongest_baseline
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import MoESpec, ParallelSpec, TileSpec
 

@@ -12,7 +12,8 @@ from hpmoe.ir.graph import IS_PUT, TaskKind, Unit
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.sim.cost import gemm_dims, task_costs
-from hpmoe.sim.hardware import LinkDirection, hardware_preset
+from hpmoe.sim.hardware import LinkDirection
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.spec import TileSpec
 
 from .handmade import UNIT_HW, US, Task, build, gemm, put, vec

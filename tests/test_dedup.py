@@ -17,11 +17,11 @@ from hpmoe.exec.program import rank_subgraph
 from hpmoe.ir.graph import TaskKind, task_columns
 from hpmoe.ir.verify import verify_graph
 from hpmoe.regions import RegionKind, region
-from hpmoe.regions.dedup import dedup_factor, make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
+from hpmoe.regions.dedup_layout import dedup_factor, make_dedup_layout
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 

@@ -16,7 +16,6 @@ from hpmoe.exec.exact import execute_forward, run_graph
 from hpmoe.exec.exact_backward import Gradients, moe_forward_backward
 from hpmoe.ir.graph import TaskKind
 from hpmoe.ir.verify import verify_graph
-from hpmoe.regions.dedup import make_dedup_layout
 from hpmoe.regions.dedup_backward import lower_dedup_backward
 from hpmoe.regions.dedup_backward_kernels import (
     BACKWARD_DEDUP,
@@ -24,9 +23,10 @@ from hpmoe.regions.dedup_backward_kernels import (
     DedupBackwardContext,
     DedupSaved,
 )
+from hpmoe.regions.dedup_layout import make_dedup_layout
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 

@@ -15,12 +15,12 @@ from hpmoe.exec.exact import execute_forward, run_graph
 from hpmoe.exec.program import rank_subgraph
 from hpmoe.ir.graph import IS_PUT, TaskKind, task_columns
 from hpmoe.ir.verify import verify_graph
-from hpmoe.regions.dedup import make_dedup_layout
 from hpmoe.regions.dedup_kernels import FORWARD_DEDUP, DedupBuffers, DedupContext
+from hpmoe.regions.dedup_layout import make_dedup_layout
 from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES
 from hpmoe.sim.cost import put_tier, tier_link_bytes
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 

@@ -15,18 +15,11 @@ import torch
 
 import hpmoe.sim.calibrate
 from hpmoe.cli import calibrate as calibrate_cli
+from hpmoe.cli.overrides import with_overrides
 from hpmoe.sim.calibrate import calibrate
-from hpmoe.sim.hardware import (
-    PROFILE_ENV,
-    GemmShape,
-    HardwareModel,
-    LinkDirection,
-    LinkEntry,
-    hardware_preset,
-    load_profile,
-    save_profile,
-    with_overrides,
-)
+from hpmoe.sim.hardware import GemmShape, HardwareModel, LinkDirection, LinkEntry
+from hpmoe.sim.presets import hardware_preset
+from hpmoe.sim.profile import PROFILE_ENV, load_profile, save_profile
 
 DIRECTIONS = (LinkDirection.DISPATCH, LinkDirection.COMBINE)
 

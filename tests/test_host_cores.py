@@ -14,7 +14,7 @@ from hpmoe.schedule import WorkerCounts
 from hpmoe.schedule.auto import kernel_by_kernel_forecast
 from hpmoe.sim.cost import task_costs
 from hpmoe.sim.forecast import HostCosts, core_share, forecast_region, replay_on_kernels, runtime_hardware
-from hpmoe.sim.hardware import cpu_nominal
+from hpmoe.sim.presets import cpu_nominal
 from hpmoe.sim.simulate import simulate
 
 from .handmade import UNIT_HW, US, build, by_hand, gemm, put, vec
@@ -227,7 +227,7 @@ def test_a_lowered_region_on_shared_cores_keeps_its_bounds_and_the_cores_bound()
     from hpmoe.regions.forward import lower_forward
     from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
     from hpmoe.schedule import SchedulePolicy, schedule
-    from hpmoe.sim.hardware import hardware_preset
+    from hpmoe.sim.presets import hardware_preset
     from hpmoe.spec import ParallelSpec, TileSpec, preset
 
     moe, par = preset("small"), ParallelSpec(ep=2, tokens_per_rank=256)

@@ -18,7 +18,7 @@ from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
 from hpmoe.schedule.tune import KERNEL_BY_KERNEL_KNOBS, Budget, TuneResult
 from hpmoe.schedule.tune_cache import CACHE_ENV, TuneCache
 from hpmoe.schedule.tuner import Tuner
-from hpmoe.sim.hardware import cpu_nominal, hardware_preset
+from hpmoe.sim.presets import cpu_nominal, hardware_preset
 from hpmoe.spec import Activation, DispatchMode, GateKind, MoESpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights

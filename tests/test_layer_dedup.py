@@ -15,7 +15,7 @@ from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
-from hpmoe.sim.hardware import cpu_nominal, hardware_preset
+from hpmoe.sim.presets import cpu_nominal, hardware_preset
 from hpmoe.spec import DispatchMode, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights

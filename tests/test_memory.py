@@ -12,10 +12,11 @@ import pytest
 from hpmoe.cli import main
 from hpmoe.ir.graph import TaskKind
 from hpmoe.schedule import WorkerCounts
+from hpmoe.sim.bounds import bounds
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.hardware import hardware_preset
 from hpmoe.sim.memory import LruCache, memory_traffic
-from hpmoe.sim.simulate import bounds, simulate
+from hpmoe.sim.presets import hardware_preset
+from hpmoe.sim.simulate import simulate
 
 from .handmade import UNIT_HW, US, Task, build, by_hand, put, vec
 

@@ -17,7 +17,7 @@ from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.runtime import ForwardOptions, ForwardRunner, RuntimeConfig, Session, TransportKind
 from hpmoe.runtime.transport.segment import SHM_DIR
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
-from hpmoe.sim.hardware import cpu_nominal
+from hpmoe.sim.presets import cpu_nominal
 from hpmoe.spec import ParallelSpec, TileSpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights

@@ -19,7 +19,7 @@ from hpmoe.cli.bench import summary
 from hpmoe.launch.netns import list_namespaces
 from hpmoe.machine import default_cpu_dtype, machine
 from hpmoe.runtime.transport.segment import SHM_DIR
-from hpmoe.sim.hardware import save_profile
+from hpmoe.sim.profile import save_profile
 
 from .handmade import UNIT_HW
 

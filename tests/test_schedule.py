@@ -28,7 +28,8 @@ from hpmoe.schedule import (
 from hpmoe.schedule import critical_path as cp_module
 from hpmoe.schedule.serial import phase_order
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.hardware import LinkEntry, hardware_preset
+from hpmoe.sim.hardware import LinkEntry
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import replay, simulate
 from hpmoe.spec import MoESpec, TileSpec, preset
 

@@ -13,8 +13,9 @@ from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy, schedule
-from hpmoe.sim.hardware import hardware_preset
-from hpmoe.sim.simulate import Timeline, graph_bounds, simulate
+from hpmoe.sim.bounds import graph_bounds
+from hpmoe.sim.presets import hardware_preset
+from hpmoe.sim.simulate import Timeline, simulate
 
 from .handmade import UNIT_HW, US, build, by_hand, gemm, put, vec
 from .helpers import TINY_TILES, tiny_plan

@@ -10,7 +10,7 @@ import torch
 from hpmoe.gpu.calibrate import calibrate, calibrated_hardware, signal_latency
 from hpmoe.regions.forward import lower_forward
 from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule, schedule_from_assignment
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import Timeline, simulate
 from hpmoe.spec import TileSpec
 

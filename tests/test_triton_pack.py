@@ -13,7 +13,7 @@ from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.backward import lower_backward
 from hpmoe.regions.forward import lower_forward
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy, WorkerCounts, schedule
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 
 from .helpers import TINY_TILES, tiny_plan
 

@@ -10,7 +10,7 @@ from hpmoe.gpu.residency import H100, KernelResources, check_resident, programs_
 from hpmoe.ir.graph import Unit
 from hpmoe.regions.forward import lower_forward
 from hpmoe.sim.cost import task_costs
-from hpmoe.sim.hardware import hardware_preset
+from hpmoe.sim.presets import hardware_preset
 from hpmoe.spec import TileSpec
 
 from .helpers import tiny_plan

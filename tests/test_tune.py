@@ -276,7 +276,7 @@ def _first_tried(rank, world, profile):
 
 
 def test_with_a_saved_profile_the_model_choice_is_measured_first(tmp_path):
-    from hpmoe.sim.hardware import save_profile
+    from hpmoe.sim.profile import save_profile
 
     from .handmade import UNIT_HW
 

@@ -58,7 +58,8 @@ from ..schedule.auto import (
 from ..schedule.tune import KERNEL_BY_KERNEL_KNOBS, Budget, Knobs, Space, TuneKey, TuneResult, Tuning
 from ..schedule.tuner import shared_lookup
 from ..sim.forecast import forecast_region
-from ..sim.hardware import HardwareModel, cpu_nominal
+from ..sim.hardware import HardwareModel
+from ..sim.presets import cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .forecast import Models, ShareProbe, agreed_models, agreed_profile, slowest_rank

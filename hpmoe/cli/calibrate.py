@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..sim.calibrate import calibrate
-from ..sim.hardware import profile_document, save_profile
+from ..sim.profile import profile_document, save_profile
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

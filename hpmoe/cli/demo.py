@@ -15,7 +15,7 @@ from ..regions.forward import lower_forward
 from ..routing import RoutingKind, plan_routing, route, synthetic_routing
 from ..schedule import QUEUE_POLICIES, SchedulePolicy, WorkerCounts, paper_tiles, schedule
 from ..sim.baseline import strongest_baseline
-from ..sim.hardware import hardware_preset
+from ..sim.presets import hardware_preset
 from ..sim.simulate import simulate
 from ..sim.trace import write_gantt, write_trace
 from ..spec import ParallelSpec, TileSpec, preset

@@ -26,8 +26,10 @@ from ..regions import RegionKind, region
 from ..routing import RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
 from ..schedule import WorkerCounts, critical_path_candidates, hyperparallel_schedule, paper_tiles
 from ..sim.baseline import paper_region, strongest_baseline
-from ..sim.hardware import HARDWARE_PRESETS, HardwareModel
-from ..sim.simulate import graph_bounds, simulate
+from ..sim.bounds import graph_bounds
+from ..sim.hardware import HardwareModel
+from ..sim.presets import HARDWARE_PRESETS
+from ..sim.simulate import simulate
 from ..spec import PRESETS, ParallelSpec, TileSpec, preset
 from .common import emit
 from .simulate import add_set_arg, hardware_from_args

@@ -10,13 +10,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..ir.graph import TaskGraph
-from ..regions.dedup import dedup_factor
+from ..regions.dedup_layout import dedup_factor
 from ..regions.family import region_family
 from ..schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, paper_tiles, schedule
+from ..sim.bounds import Bounds
 from ..sim.cost import tier_link_bytes
-from ..sim.hardware import HARDWARE_PRESETS, HardwareModel, hardware_preset, override_fields, with_overrides
-from ..sim.simulate import Bounds, SimResult, simulate
+from ..sim.hardware import HardwareModel
+from ..sim.presets import HARDWARE_PRESETS, hardware_preset
+from ..sim.simulate import SimResult, simulate
 from .common import Layer, add_layer_args, emit, layer_from_args
+from .overrides import override_fields, with_overrides
 
 _US = 1e6
 

@@ -17,7 +17,8 @@ from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_ro
 from ..runtime.forensics import HangReport, RegionError, WorkerReport, WorkerStatus
 from ..schedule import SchedulePolicy, schedule, verify_schedule
 from ..sim.cost import gemm_dims, task_costs
-from ..sim.hardware import HardwareModel, LinkEntry, hardware_preset
+from ..sim.hardware import HardwareModel, LinkEntry
+from ..sim.presets import hardware_preset
 from ..sim.simulate import Timeline
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights

@@ -55,7 +55,8 @@ from ..routing import Routing, RoutingPlan, input_error, route
 from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
 from ..schedule.tune import Knobs, Space, TuneKey, TuneResult
 from ..schedule.tuner import Trial, Tuner, timed
-from ..sim.hardware import HardwareModel, cpu_nominal
+from ..sim.hardware import HardwareModel
+from ..sim.presets import cpu_nominal
 from ..spec import GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
 from ..weights import ExpertWeights
 from .compiled import run_region

@@ -42,7 +42,8 @@ from ..routing import RoutingPlan
 from ..spec import TileSpec
 from . import backward as bw
 from . import dedup as dd
-from .dedup import DedupLayout, DedupLowering, make_dedup_layout, signal_fed_pieces
+from .dedup import DedupLowering, signal_fed_pieces
+from .dedup_layout import DedupLayout, make_dedup_layout
 from .tiles import Lowering, block_gemm, select_ranks, task_block
 
 

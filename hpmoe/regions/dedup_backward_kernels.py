@@ -25,9 +25,9 @@ from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights
 from .backward_kernels import BACKWARD_KERNELS, bias_gradient_shapes
 from .base import PutSpec, Region, RegionKind, ShapeMap
-from .dedup import DedupLayout, make_dedup_layout
 from .dedup_backward import lower_dedup_backward
 from .dedup_kernels import DedupBuffers, DedupContext, gather_sum, layout_shapes, send_rows_of_slots
+from .dedup_layout import DedupLayout, make_dedup_layout
 
 
 @dataclass

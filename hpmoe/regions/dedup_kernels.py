@@ -19,7 +19,8 @@ from ..routing import Routing, RoutingPlan
 from ..spec import TileSpec
 from ..weights import ExpertWeights
 from .base import PutSpec, Region, RegionKind, ShapeMap
-from .dedup import DedupLayout, lower_dedup, make_dedup_layout
+from .dedup import lower_dedup
+from .dedup_layout import DedupLayout, make_dedup_layout
 from .kernels import KERNELS
 
 

@@ -27,7 +27,6 @@ from ..spec import DispatchMode, TileSpec
 from ..weights import ExpertWeights
 from .backward_kernels import BACKWARD, BACKWARD_RECOMPUTE, BackwardBuffers, BackwardContext, SavedActivations
 from .base import Region, RegionKind
-from .dedup import make_dedup_layout
 from .dedup_backward_kernels import (
     DedupBackwardBuffers,
     DedupBackwardContext,
@@ -35,6 +34,7 @@ from .dedup_backward_kernels import (
     dedup_backward_region,
 )
 from .dedup_kernels import DedupBuffers, DedupContext, dedup_region
+from .dedup_layout import make_dedup_layout
 from .kernels import FORWARD, ForwardBuffers, RankContext
 
 

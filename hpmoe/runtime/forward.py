@@ -27,7 +27,8 @@ from ..regions.dedup_kernels import DedupBuffers
 from ..regions.family import region_family
 from ..regions.kernels import ForwardBuffers
 from ..routing import Routing, RoutingPlan, input_error, plan_routing
-from ..sim.hardware import HardwareModel, cpu_nominal
+from ..sim.hardware import HardwareModel
+from ..sim.presets import cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .faults import Fault

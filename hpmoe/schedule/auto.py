@@ -30,7 +30,8 @@ from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..regions.family import region_family
 from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
 from ..sim.forecast import forecast_region, kernel_by_kernel_tiles, sequential_seconds
-from ..sim.hardware import HardwareModel, load_profile
+from ..sim.hardware import HardwareModel
+from ..sim.profile import load_profile
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule

@@ -34,15 +34,8 @@ import torch
 
 from hpmoe.refs import topk_sum
 from hpmoe.regions.kernels import glu
-from hpmoe.sim.hardware import (
-    SWIGLU_FLOPS_PER_ELEMENT,
-    GemmShape,
-    HardwareModel,
-    LinkEntry,
-    default_profile_path,
-    load_profile,
-    save_profile,
-)
+from hpmoe.sim.hardware import SWIGLU_FLOPS_PER_ELEMENT, GemmShape, HardwareModel, LinkEntry
+from hpmoe.sim.profile import default_profile_path, load_profile, save_profile
 from hpmoe.spec import Activation
 
 __all__ = ["CpuMeasurements", "measure", "model_from", "calibrate", "save_profile", "load_profile",

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .hardware import HardwareModel, LinkDirection, hardware_preset
+from .hardware import HardwareModel, LinkDirection
+from .presets import hardware_preset
 
 _US = 1e-6
 
