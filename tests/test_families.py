@@ -122,3 +122,9 @@ def test_gpt_oss_clamps_where_its_limit_bites(alpha, limit):
     """A limit low enough that the tiny model's pre-activations cross it; alpha 1 is SiLU."""
     row = check_family(FAMILY["gpt_oss"], swiglu_alpha=alpha, swiglu_limit=limit)
     assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
+
+
+def test_a_block_argument_is_refused_where_the_family_routes_without_it():
+    layer = MoE.from_hf(tiny_model(FAMILY["qwen3_moe"]).model.layers[0].mlp)
+    with pytest.raises(TypeError, match="takes hidden_states only"):
+        layer(torch.zeros(3, 32), torch.zeros(3))

@@ -47,6 +47,17 @@ TopK = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 """(layer, router output) -> (weights [N, k], ids [N, k]) for a router whose output is not
 ``(logits, weights, ids)``; ``layer`` holds the block's submodules and ``block_attrs``."""
 
+Route = Callable[..., Any]
+"""(layer, x [N, H], hidden_states, *args, **kwargs) -> router output: the router called as
+the block calls it, where that is not ``router(x, *router_args)`` (a router reading the
+hidden states as the block received them, ``hidden_states``, or the block's other forward
+arguments, ``args`` / ``kwargs``); ``layer`` holds the block's submodules and ``block_attrs``."""
+
+Post = Callable[[nn.Module, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+"""(layer, x [N, H], out [N, H], router output) -> the block's output: what the block does
+after its routed experts, shared expert and output bias (a norm of the sum, a shared MLP
+weighted by the router)."""
+
 
 @dataclass(frozen=True)
 class Family:
@@ -71,7 +82,11 @@ class Family:
     returns: None when the block returns the hidden states only; else the index of the
       router output it returns beside them (``(hidden, router_output[returns])``).
     glu: the ``GluForm`` of the experts' own ``_apply_gate`` (GPT-OSS), read from the experts
-      module; None: transformers' default gate (``act(gate) * up``).
+      module (``ValueError`` for a gate the form does not express); None: transformers' default
+      gate (``act(gate) * up``).
+    route: calls the router where the block does not call it as ``router(x, *router_args)``
+      (``Route``); the layer then takes the block's other forward arguments.
+    post: what the block does to its output last (``Post``).
     refused: None, or the feature of the block that the region does not compute.
     config / model: transformers class names of the family's config and causal LM.
     tiny: overrides that make ``config`` a tiny test model (no download).
@@ -96,6 +111,8 @@ class Family:
     identity_experts: str | None = None
     returns: int | None = None
     glu: Callable[[nn.Module], GluForm] | None = None
+    route: Route | None = None
+    post: Post | None = None
     refused: str | None = None
 
     def block_class(self) -> type[nn.Module]:
