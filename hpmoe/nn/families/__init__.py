@@ -14,14 +14,22 @@ from torch import nn
 
 from ...spec import Activation, MoESpec
 from . import (
+    axk2,
+    bailing_hybrid,
     dbrx,
+    deepseek_ocr2,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
     dots1,
+    dots3_note,
     ernie4_5_moe,
+    exaone_moe,
     flex_olmo,
     glm4_moe,
+    glm4_moe_lite,
+    glm4v_moe,
+    glm_moe_dsa,
     gpt_oss,
     granitemoe,
     granitemoeshared,
@@ -31,8 +39,11 @@ from . import (
     kimi_linear,
     llama4,
     longcat_flash,
+    mimo_v2_flash,
     minimax,
     minimax_m2,
+    mistral4,
+    mistral_large4,
     mixtral,
     olmoe,
     phimoe,
@@ -40,6 +51,8 @@ from . import (
     qwen3_moe,
     qwen3_next,
     qwen3_vl_moe,
+    solar_open,
+    unlimited_ocr,
 )
 from .base import ExpertsLayout, ExpertTensors, Family, ScoreSide, activation_of, expert_tensors, glu_form
 
@@ -72,6 +85,19 @@ FAMILIES: tuple[Family, ...] = tuple(
         longcat_flash,
         jetmoe,
         dbrx,
+        mistral4,
+        mistral_large4,
+        glm4_moe_lite,
+        glm_moe_dsa,
+        glm4v_moe,
+        axk2,
+        bailing_hybrid,
+        exaone_moe,
+        mimo_v2_flash,
+        solar_open,
+        dots3_note,
+        deepseek_ocr2,
+        unlimited_ocr,
     )
 )
 
