@@ -128,3 +128,12 @@ def test_a_block_argument_is_refused_where_the_family_routes_without_it():
     layer = MoE.from_hf(tiny_model(FAMILY["qwen3_moe"]).model.layers[0].mlp)
     with pytest.raises(TypeError, match="takes hidden_states only"):
         layer(torch.zeros(3, 32), torch.zeros(3))
+
+
+def test_step3p7_refuses_a_layer_clamped_after_the_activation():
+    """Step-3.7-Flash clamps ``min(silu(gate), limit)`` on some layers; the region clamps the
+    gate before the activation, so such a block is refused by name."""
+    model = tiny_model(FAMILY["step3p7"], swiglu_limits=[0.0, 7.0])
+    with pytest.raises(ValueError, match="step3p7: experts clamp after the activation"):
+        replace_moe_blocks(model)
+    assert not any(isinstance(m, MoE) for m in model.modules())

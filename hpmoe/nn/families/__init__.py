@@ -17,6 +17,7 @@ from . import (
     aria,
     axk2,
     bailing_hybrid,
+    beam,
     dbrx,
     deepseek_ocr2,
     deepseek_v2,
@@ -31,6 +32,7 @@ from . import (
     glm4_moe,
     glm4_moe_lite,
     glm4v_moe,
+    glm5_next,
     glm_moe_dsa,
     gpt_oss,
     granitemoe,
@@ -39,10 +41,13 @@ from . import (
     granitemoeshared,
     hunyuan_v1_moe,
     hy_v3,
+    hy_v4,
+    hy_v4_vl,
     jamba,
     jetmoe,
     kimi_linear,
     kolibri1,
+    laguna,
     lara_mini,
     llama4,
     longcat_flash,
@@ -50,10 +55,12 @@ from . import (
     mimo_v2_flash,
     minimax,
     minimax_m2,
+    minimax_m3_vl,
     mistral4,
     mistral_large4,
     mixtral,
     olmoe,
+    openai_privacy_filter,
     phimoe,
     qwen2_moe,
     qwen3_5_moe,
@@ -63,6 +70,7 @@ from . import (
     qwen3_vl_moe,
     qwen4_exp,
     solar_open,
+    step3p7,
     unlimited_ocr,
 )
 from .base import ExpertsLayout, ExpertTensors, Family, ScoreSide, activation_of, expert_tensors, glu_form
@@ -120,6 +128,14 @@ FAMILIES: tuple[Family, ...] = tuple(
         granitemoehybrid,
         aria,
         hy_v3,
+        hy_v4,
+        hy_v4_vl,
+        glm5_next,
+        minimax_m3_vl,
+        openai_privacy_filter,
+        laguna,
+        beam,
+        step3p7,
     )
 )
 
@@ -210,8 +226,12 @@ def _check_experts(block: nn.Module, family: Family) -> ExpertTensors:
 
 def _fusable(shared: nn.Module | None, family: Family, act: Activation, ffn: int) -> bool:
     """A shared MLP runs inside the region when it is ungated, bias-free, of the experts'
-    activation and a multiple of their width; otherwise it runs beside the region."""
+    activation and a multiple of their width, and the experts compute the plain gate (a
+    family with its own ``glu`` clamps its shared MLP too: DeepSeek-V4, GLM-5-Next);
+    otherwise it runs beside the region."""
     if shared is None or family.shared_gate is not None or family.score_side is ScoreSide.INPUT:
+        return False
+    if family.glu is not None:
         return False
     parts = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):

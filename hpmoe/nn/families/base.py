@@ -83,7 +83,8 @@ class Family:
       router output it returns beside them (``(hidden, router_output[returns])``).
     glu: the ``GluForm`` of the experts' own ``_apply_gate`` (GPT-OSS), read from the experts
       module (``ValueError`` for a gate the form does not express); None: transformers' default
-      gate (``act(gate) * up``).
+      gate (``act(gate) * up``).  A family with its own gate runs its shared MLP beside the
+      region: the region's shared expert computes the plain gate.
     route: calls the router where the block does not call it as ``router(x, *router_args)``
       (``Route``); the layer then takes the block's other forward arguments.
     post: what the block does to its output last (``Post``).
