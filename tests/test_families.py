@@ -137,3 +137,33 @@ def test_step3p7_refuses_a_layer_clamped_after_the_activation():
     with pytest.raises(ValueError, match="step3p7: experts clamp after the activation"):
         replace_moe_blocks(model)
     assert not any(isinstance(m, MoE) for m in model.modules())
+
+
+def _exact(original, model, **inputs) -> None:
+    """Logits (or last hidden state) and every gradient of ``model`` equal ``original``'s."""
+    def run(m):
+        m.zero_grad()
+        out = m(**inputs)
+        y = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+        y.square().mean().backward()
+        return y.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    (want, want_grads), (got, got_grads) = run(original), run(model)
+    assert float((got - want).abs().max()) < ATOL
+    for name, grad in want_grads.items():
+        assert (grad is None) == (got_grads[name] is None), name
+        assert grad is None or float((got_grads[name] - grad).abs().max()) < ATOL, name
+
+
+def test_deepseek_v4_hash_layer_routes_by_token_id():
+    """The hash layer's router reads the block's ``input_ids`` argument (``Family.route``):
+    a random token-id -> experts table routes tokens to every expert, exactly."""
+    model = tiny_model(FAMILY["deepseek_v4"])
+    gate = model.model.layers[0].mlp.gate
+    assert model.model.layers[0].mlp.is_hash
+    gate.tid2eid.copy_(torch.randint(0, 8, gate.tid2eid.shape, generator=torch.Generator().manual_seed(1)))
+    original = copy.deepcopy(model)
+    replace_moe_blocks(model, virtual_ep=2, tiles=CHECK_TILES)
+    ids = torch.arange(24).view(2, 12) % 61 + 2
+    assert len(gate.tid2eid[ids].unique()) == 8
+    _exact(original, model, input_ids=ids)

@@ -14,7 +14,9 @@ from torch import nn
 
 from ...spec import Activation, MoESpec
 from . import (
+    afmoe,
     aria,
+    axk1,
     axk2,
     bailing_hybrid,
     beam,
@@ -22,6 +24,7 @@ from . import (
     deepseek_ocr2,
     deepseek_v2,
     deepseek_v3,
+    deepseek_v4,
     deepseek_v32,
     dots1,
     dots3_note,
@@ -43,6 +46,7 @@ from . import (
     hy_v3,
     hy_v4,
     hy_v4_vl,
+    inkling,
     jamba,
     jetmoe,
     kimi_linear,
@@ -72,6 +76,7 @@ from . import (
     solar_open,
     step3p7,
     unlimited_ocr,
+    zaya,
 )
 from .base import ExpertsLayout, ExpertTensors, Family, ScoreSide, activation_of, expert_tensors, glu_form
 
@@ -136,6 +141,11 @@ FAMILIES: tuple[Family, ...] = tuple(
         laguna,
         beam,
         step3p7,
+        deepseek_v4,
+        afmoe,
+        zaya,
+        axk1,
+        inkling,
     )
 )
 
