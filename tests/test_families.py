@@ -167,3 +167,8 @@ def test_deepseek_v4_hash_layer_routes_by_token_id():
     ids = torch.arange(24).view(2, 12) % 61 + 2
     assert len(gate.tid2eid[ids].unique()) == 8
     _exact(original, model, input_ids=ids)
+
+
+def test_lfm2_moe_without_expert_bias():
+    row = check_family(FAMILY["lfm2_moe"], use_expert_bias=False)
+    assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL

@@ -53,6 +53,7 @@ from . import (
     kolibri1,
     laguna,
     lara_mini,
+    lfm2_moe,
     llama4,
     longcat_flash,
     mellum,
@@ -146,6 +147,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         zaya,
         axk1,
         inkling,
+        lfm2_moe,
     )
 )
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ...spec import PLAIN_GLU, Activation, GluForm
 
@@ -235,8 +236,11 @@ def _tensor(owner: nn.Module, name: str, dims: int) -> torch.Tensor:
 
 
 def activation_of(act: nn.Module) -> Activation:
-    """The ``Activation`` a transformers ``ACT2FN`` module computes; ``ValueError`` naming
-    the class when the region has no kernel for it."""
+    """The ``Activation`` a transformers ``ACT2FN`` module (or ``F.silu`` / ``F.gelu`` /
+    ``F.relu``) computes; ``ValueError`` naming the class when the region has no kernel for it."""
+    functional = {F.silu: Activation.SILU, F.gelu: Activation.GELU, F.relu: Activation.RELU}
+    if act in functional:  # the function itself (LFM2-MoE's ``act_fn = F.silu``)
+        return functional[act]
     kind = type(act).__name__
     if kind in ("SiLUActivation", "SiLU"):
         return Activation.SILU
