@@ -172,3 +172,12 @@ def test_deepseek_v4_hash_layer_routes_by_token_id():
 def test_lfm2_moe_without_expert_bias():
     row = check_family(FAMILY["lfm2_moe"], use_expert_bias=False)
     assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
+
+
+@pytest.mark.parametrize("over", [dict(shared_expert_combination_strategy="sum"), dict(num_shared_experts=0),
+                                  dict(expert_selection_fn="sigmoid")])
+def test_cohere2_moe_combinations(over):
+    """The shared experts summed with the routed ones, absent (the block has no
+    ``shared_experts`` then), and the sigmoid selection."""
+    row = check_family(FAMILY["cohere2_moe"], **over)
+    assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL

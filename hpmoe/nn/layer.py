@@ -458,7 +458,8 @@ class MoE(nn.Module):
         experts = getattr(self, "experts", None)
         region = runs_region(experts)  # config._experts_implementation == "hpmoe"
         out = self._routed(x, ids, weights) if region else experts(x, ids, weights)
-        shared = getattr(self, fam.shared) if fam.shared and not (region and self.fused_shared) else None
+        beside = fam.shared and not (region and self.fused_shared)
+        shared = getattr(self, fam.shared, None) if beside else None  # None: a block built without one
         if shared is not None:
             s = shared(x)
             if fam.shared_gate:

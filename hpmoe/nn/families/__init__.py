@@ -20,6 +20,7 @@ from . import (
     axk2,
     bailing_hybrid,
     beam,
+    cohere2_moe,
     dbrx,
     deepseek_ocr2,
     deepseek_v2,
@@ -148,6 +149,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         axk1,
         inkling,
         lfm2_moe,
+        cohere2_moe,
     )
 )
 
