@@ -181,3 +181,14 @@ def test_cohere2_moe_combinations(over):
     ``shared_experts`` then), and the sigmoid selection."""
     row = check_family(FAMILY["cohere2_moe"], **over)
     assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
+
+
+def test_ernie4_5_vl_sub_blocks_take_flattened_tokens_of_mixed_modalities():
+    """With text and vision tokens in one batch the MoE layer hands each sub-block its
+    modality's hidden states flattened to one dimension and reads back flat outputs."""
+    model = tiny_model(FAMILY["ernie4_5_vl_moe"])
+    original = copy.deepcopy(model)
+    replace_moe_blocks(model, virtual_ep=2, tiles=CHECK_TILES)
+    ids = torch.arange(24).view(2, 12) % 61 + 2
+    types = (torch.arange(24).view(2, 12) % 3 == 0).int()
+    _exact(original, model, input_ids=ids, moe_mm_token_type_ids=types)

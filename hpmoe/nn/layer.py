@@ -414,10 +414,13 @@ class MoE(nn.Module):
                 **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """[..., H] -> [..., H]; a block that also returns a router output (``Family.returns``)
         returns ``(hidden, that output)`` as the block does.  A layer over a transformers
-        block whose family routes with ``Family.route`` also takes the block's other forward
-        arguments."""
+        block also takes hidden states flattened to [N * H] (Ernie-4.5-VL's modality
+        sub-blocks are called so) and, where its family routes with ``Family.route``, the
+        block's other forward arguments."""
         h = self.spec.hidden
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1] != h:
+        is_tensor = isinstance(hidden_states, torch.Tensor)
+        flat = is_tensor and hidden_states.dim() == 1 and not hidden_states.numel() % h
+        if not is_tensor or (hidden_states.shape[-1] != h and not (flat and self.family is not None)):
             raise ValueError(f"hidden_states must be [..., {h}], got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
         if (args or kwargs) and (self.family is None or self.family.route is None):

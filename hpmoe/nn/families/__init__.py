@@ -30,6 +30,7 @@ from . import (
     dots1,
     dots3_note,
     ernie4_5_moe,
+    ernie4_5_vl_moe,
     exaone_moe,
     flex_olmo,
     flint,
@@ -150,6 +151,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         inkling,
         lfm2_moe,
         cohere2_moe,
+        ernie4_5_vl_moe,
     )
 )
 
