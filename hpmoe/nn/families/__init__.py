@@ -27,6 +27,7 @@ from . import (
     deepseek_v3,
     deepseek_v4,
     deepseek_v32,
+    doge,
     dots1,
     dots3_note,
     ernie4_5_moe,
@@ -49,6 +50,8 @@ from . import (
     hy_v4,
     hy_v4_vl,
     inkling,
+    inkling2,
+    inkling2_loop,
     jamba,
     jetmoe,
     kimi_linear,
@@ -66,6 +69,9 @@ from . import (
     mistral4,
     mistral_large4,
     mixtral,
+    muse_spark,
+    nemotron_h,
+    nllb_moe,
     olmoe,
     openai_privacy_filter,
     phimoe,
@@ -78,6 +84,7 @@ from . import (
     qwen4_exp,
     solar_open,
     step3p7,
+    switch_transformers,
     unlimited_ocr,
     zaya,
 )
@@ -152,6 +159,13 @@ FAMILIES: tuple[Family, ...] = tuple(
         lfm2_moe,
         cohere2_moe,
         ernie4_5_vl_moe,
+        doge,
+        nemotron_h,
+        muse_spark,
+        inkling2,
+        inkling2_loop,
+        nllb_moe,
+        switch_transformers,
     )
 )
 
