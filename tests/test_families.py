@@ -122,3 +122,73 @@ def test_gpt_oss_clamps_where_its_limit_bites(alpha, limit):
     """A limit low enough that the tiny model's pre-activations cross it; alpha 1 is SiLU."""
     row = check_family(FAMILY["gpt_oss"], swiglu_alpha=alpha, swiglu_limit=limit)
     assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
+
+
+def test_a_block_argument_is_refused_where_the_family_routes_without_it():
+    layer = MoE.from_hf(tiny_model(FAMILY["qwen3_moe"]).model.layers[0].mlp)
+    with pytest.raises(TypeError, match="takes hidden_states only"):
+        layer(torch.zeros(3, 32), torch.zeros(3))
+
+
+def test_step3p7_refuses_a_layer_clamped_after_the_activation():
+    """Step-3.7-Flash clamps ``min(silu(gate), limit)`` on some layers; the region clamps the
+    gate before the activation, so such a block is refused by name."""
+    model = tiny_model(FAMILY["step3p7"], swiglu_limits=[0.0, 7.0])
+    with pytest.raises(ValueError, match="step3p7: experts clamp after the activation"):
+        replace_moe_blocks(model)
+    assert not any(isinstance(m, MoE) for m in model.modules())
+
+
+def _exact(original, model, **inputs) -> None:
+    """Logits (or last hidden state) and every gradient of ``model`` equal ``original``'s."""
+    def run(m):
+        m.zero_grad()
+        out = m(**inputs)
+        y = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+        y.square().mean().backward()
+        return y.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    (want, want_grads), (got, got_grads) = run(original), run(model)
+    assert float((got - want).abs().max()) < ATOL
+    for name, grad in want_grads.items():
+        assert (grad is None) == (got_grads[name] is None), name
+        assert grad is None or float((got_grads[name] - grad).abs().max()) < ATOL, name
+
+
+def test_deepseek_v4_hash_layer_routes_by_token_id():
+    """The hash layer's router reads the block's ``input_ids`` argument (``Family.route``):
+    a random token-id -> experts table routes tokens to every expert, exactly."""
+    model = tiny_model(FAMILY["deepseek_v4"])
+    gate = model.model.layers[0].mlp.gate
+    assert model.model.layers[0].mlp.is_hash
+    gate.tid2eid.copy_(torch.randint(0, 8, gate.tid2eid.shape, generator=torch.Generator().manual_seed(1)))
+    original = copy.deepcopy(model)
+    replace_moe_blocks(model, virtual_ep=2, tiles=CHECK_TILES)
+    ids = torch.arange(24).view(2, 12) % 61 + 2
+    assert len(gate.tid2eid[ids].unique()) == 8
+    _exact(original, model, input_ids=ids)
+
+
+def test_lfm2_moe_without_expert_bias():
+    row = check_family(FAMILY["lfm2_moe"], use_expert_bias=False)
+    assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
+
+
+@pytest.mark.parametrize("over", [dict(shared_expert_combination_strategy="sum"), dict(num_shared_experts=0),
+                                  dict(expert_selection_fn="sigmoid")])
+def test_cohere2_moe_combinations(over):
+    """The shared experts summed with the routed ones, absent (the block has no
+    ``shared_experts`` then), and the sigmoid selection."""
+    row = check_family(FAMILY["cohere2_moe"], **over)
+    assert row.blocks == 2 and row.logits_err < ATOL and row.grad_err < ATOL
+
+
+def test_ernie4_5_vl_sub_blocks_take_flattened_tokens_of_mixed_modalities():
+    """With text and vision tokens in one batch the MoE layer hands each sub-block its
+    modality's hidden states flattened to one dimension and reads back flat outputs."""
+    model = tiny_model(FAMILY["ernie4_5_vl_moe"])
+    original = copy.deepcopy(model)
+    replace_moe_blocks(model, virtual_ep=2, tiles=CHECK_TILES)
+    ids = torch.arange(24).view(2, 12) % 61 + 2
+    types = (torch.arange(24).view(2, 12) % 3 == 0).int()
+    _exact(original, model, input_ids=ids, moe_mm_token_type_ids=types)

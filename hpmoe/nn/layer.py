@@ -412,13 +412,23 @@ class MoE(nn.Module):
             shared_w13=None if sh is None else torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
             shared_w2=None if sh is None else sh.down_proj.weight, b13=t.b13, b2=t.b2)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:
+    def forward(self, hidden_states: torch.Tensor, *args: Any,
+                **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """[..., H] -> [..., H]; a block that also returns a router output (``Family.returns``)
-        returns ``(hidden, that output)`` as the block does."""
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1] != self.spec.hidden:
-            raise ValueError(f"hidden_states must be [..., {self.spec.hidden}], got "
+        returns ``(hidden, that output)`` as the block does.  A layer over a transformers
+        block also takes hidden states flattened to [N * H] (Ernie-4.5-VL's modality
+        sub-blocks are called so) and, where its family routes with ``Family.route``, the
+        block's other forward arguments."""
+        h = self.spec.hidden
+        is_tensor = isinstance(hidden_states, torch.Tensor)
+        flat = is_tensor and hidden_states.dim() == 1 and not hidden_states.numel() % h
+        if not is_tensor or (hidden_states.shape[-1] != h and not (flat and self.family is not None)):
+            raise ValueError(f"hidden_states must be [..., {h}], got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
-        x = hidden_states.reshape(-1, self.spec.hidden)
+        if (args or kwargs) and (self.family is None or self.family.route is None):
+            raise TypeError(f"{type(self).__name__}.forward takes hidden_states only, got "
+                            f"{len(args)} more positional and {sorted(kwargs)} keyword arguments")
+        x = hidden_states.reshape(-1, h)
         if self.family is None:
             w = self.expert_weights()
             try:
@@ -428,26 +438,33 @@ class MoE(nn.Module):
                     self._open_call(x.shape[0], w, err)
                 raise
             return self._region(x, routing.ids, routing.weights).view(hidden_states.shape)
-        out, router_out = self._block_forward(x)
+        out, router_out = self._block_forward(x, hidden_states, args, kwargs)
         out = out.view(hidden_states.shape)
         return out if self.family.returns is None else (out, router_out[self.family.returns])
 
-    def _block_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _block_forward(self, x: torch.Tensor, hidden_states: torch.Tensor, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
         """What the transformers block computes, with its routed experts (and a fusable
-        shared MLP) run by the region: jitter, router, region, then a shared expert that
-        runs beside the region and a shared output bias; returns (hidden, router output).
-        While the experts' config names a transformers experts implementation instead of
-        "hpmoe", the experts module runs (``experts_impl``)."""
+        shared MLP) run by the region: jitter, router (``Family.route`` with the block's
+        input ``hidden_states`` and other arguments, else ``router(x, *router_args)``),
+        region, then a shared expert that runs beside the region, a shared output bias and
+        ``Family.post``; returns (hidden, router output).  While the experts' config names a
+        transformers experts implementation instead of "hpmoe", the experts module runs
+        (``experts_impl``)."""
         fam = self.family
         amp = getattr(self, fam.jitter) if fam.jitter else 0.0
         if self.training and amp > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - amp, 1.0 + amp)
-        routed = getattr(self, fam.router)(x, *(getattr(self, a) for a in fam.router_args))
+        if fam.route is not None:
+            routed = fam.route(self, x, hidden_states, *args, **kwargs)
+        else:
+            routed = getattr(self, fam.router)(x, *(getattr(self, a) for a in fam.router_args))
         weights, ids = fam.topk(self, routed) if fam.topk else (routed[1], routed[2])
         experts = getattr(self, "experts", None)
         region = runs_region(experts)  # config._experts_implementation == "hpmoe"
         out = self._routed(x, ids, weights) if region else experts(x, ids, weights)
-        shared = getattr(self, fam.shared) if fam.shared and not (region and self.fused_shared) else None
+        beside = fam.shared and not (region and self.fused_shared)
+        shared = getattr(self, fam.shared, None) if beside else None  # None: a block built without one
         if shared is not None:
             s = shared(x)
             if fam.shared_gate:
@@ -455,6 +472,8 @@ class MoE(nn.Module):
             out = out + s
         if fam.output_bias:
             out = out + getattr(self, fam.output_bias)
+        if fam.post is not None:
+            out = fam.post(self, x, out, routed)
         return out, routed
 
     def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

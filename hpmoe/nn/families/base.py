@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ...spec import PLAIN_GLU, Activation, GluForm
 
@@ -47,6 +48,17 @@ TopK = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 """(layer, router output) -> (weights [N, k], ids [N, k]) for a router whose output is not
 ``(logits, weights, ids)``; ``layer`` holds the block's submodules and ``block_attrs``."""
 
+Route = Callable[..., Any]
+"""(layer, x [N, H], hidden_states, *args, **kwargs) -> router output: the router called as
+the block calls it, where that is not ``router(x, *router_args)`` (a router reading the
+hidden states as the block received them, ``hidden_states``, or the block's other forward
+arguments, ``args`` / ``kwargs``); ``layer`` holds the block's submodules and ``block_attrs``."""
+
+Post = Callable[[nn.Module, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+"""(layer, x [N, H], out [N, H], router output) -> the block's output: what the block does
+after its routed experts, shared expert and output bias (a norm of the sum, a shared MLP
+weighted by the router)."""
+
 
 @dataclass(frozen=True)
 class Family:
@@ -71,7 +83,12 @@ class Family:
     returns: None when the block returns the hidden states only; else the index of the
       router output it returns beside them (``(hidden, router_output[returns])``).
     glu: the ``GluForm`` of the experts' own ``_apply_gate`` (GPT-OSS), read from the experts
-      module; None: transformers' default gate (``act(gate) * up``).
+      module (``ValueError`` for a gate the form does not express); None: transformers' default
+      gate (``act(gate) * up``).  A family with its own gate runs its shared MLP beside the
+      region: the region's shared expert computes the plain gate.
+    route: calls the router where the block does not call it as ``router(x, *router_args)``
+      (``Route``); the layer then takes the block's other forward arguments.
+    post: what the block does to its output last (``Post``).
     refused: None, or the feature of the block that the region does not compute.
     config / model: transformers class names of the family's config and causal LM.
     tiny: overrides that make ``config`` a tiny test model (no download).
@@ -96,6 +113,8 @@ class Family:
     identity_experts: str | None = None
     returns: int | None = None
     glu: Callable[[nn.Module], GluForm] | None = None
+    route: Route | None = None
+    post: Post | None = None
     refused: str | None = None
 
     def block_class(self) -> type[nn.Module]:
@@ -217,8 +236,11 @@ def _tensor(owner: nn.Module, name: str, dims: int) -> torch.Tensor:
 
 
 def activation_of(act: nn.Module) -> Activation:
-    """The ``Activation`` a transformers ``ACT2FN`` module computes; ``ValueError`` naming
-    the class when the region has no kernel for it."""
+    """The ``Activation`` a transformers ``ACT2FN`` module (or ``F.silu`` / ``F.gelu`` /
+    ``F.relu``) computes; ``ValueError`` naming the class when the region has no kernel for it."""
+    functional = {F.silu: Activation.SILU, F.gelu: Activation.GELU, F.relu: Activation.RELU}
+    if act in functional:  # the function itself (LFM2-MoE's ``act_fn = F.silu``)
+        return functional[act]
     kind = type(act).__name__
     if kind in ("SiLUActivation", "SiLU"):
         return Activation.SILU

@@ -1,0 +1,30 @@
+"""Bailing-hybrid (Ling): DeepSeek-V3-style sigmoid router (score-correction bias for
+the choice, group limits, renormalised, times ``routed_scaling_factor``), SwiGLU experts,
+shared experts (its linear attention is outside the block)."""
+
+from .base import Family
+
+FAMILY = Family(
+    name="bailing_hybrid",
+    module="transformers.models.bailing_hybrid.modeling_bailing_hybrid",
+    block="BailingHybridMoE",
+    config="BailingHybridConfig",
+    model="BailingHybridForCausalLM",
+    tiny=dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        mlp_layer_types=["sparse"] * 2,
+        n_group=4,
+        topk_group=2,
+        kv_lora_rank=8,
+        q_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        head_dim=8,
+        num_key_value_heads=2,
+        layer_group_size=2,
+    ),
+    shared="shared_experts",
+)

@@ -1,0 +1,24 @@
+"""DeepSeek-OCR 2 text blocks: DeepSeek-V2's softmax router (greedy or group-limited top-k,
+times ``routed_scaling_factor``), SwiGLU experts, shared experts."""
+
+from .base import Family
+
+FAMILY = Family(
+    name="deepseek_ocr2",
+    module="transformers.models.deepseek_ocr2.modeling_deepseek_ocr2",
+    block="DeepseekOcr2TextMoe",
+    config="DeepseekOcr2TextConfig",
+    model="DeepseekOcr2TextModel",
+    tiny=dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        mlp_layer_types=["sparse"] * 2,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        num_key_value_heads=2,
+    ),
+    shared="shared_experts",
+)
