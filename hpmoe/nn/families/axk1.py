@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import Family
+from .base import GROUPED_TINY, MLA_TINY, Family
 
 
 def _post(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, routed: Any) -> torch.Tensor:
@@ -22,17 +22,8 @@ FAMILY = Family(
     config="AXK1Config",
     model="AXK1ForCausalLM",
     tiny=dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        mlp_layer_types=["sparse"] * 2,
-        n_group=4,
-        topk_group=2,
-        kv_lora_rank=8,
-        q_lora_rank=8,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
+        **MLA_TINY,
+        **GROUPED_TINY,
         head_dim=4,
         num_key_value_heads=2,
     ),

@@ -235,6 +235,15 @@ def _tensor(owner: nn.Module, name: str, dims: int) -> torch.Tensor:
     return t
 
 
+MLA_TINY: dict[str, Any] = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                v_head_dim=8)
+"""A tiny multi-head latent attention (the DeepSeek-style families' ``tiny``)."""
+
+GROUPED_TINY: dict[str, Any] = dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                    mlp_layer_types=["sparse"] * 2, n_group=4, topk_group=2)
+"""Eight grouped experts, top-2, one shared expert, two sparse layers (DeepSeek-style ``tiny``)."""
+
+
 def activation_of(act: nn.Module) -> Activation:
     """The ``Activation`` a transformers ``ACT2FN`` module (or ``F.silu`` / ``F.gelu`` /
     ``F.relu``) computes; ``ValueError`` naming the class when the region has no kernel for it."""

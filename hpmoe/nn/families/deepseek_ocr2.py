@@ -1,7 +1,7 @@
 """DeepSeek-OCR 2 text blocks: DeepSeek-V2's softmax router (greedy or group-limited top-k,
 times ``routed_scaling_factor``), SwiGLU experts, shared experts."""
 
-from .base import Family
+from .base import GROUPED_TINY, Family
 
 FAMILY = Family(
     name="deepseek_ocr2",
@@ -10,13 +10,8 @@ FAMILY = Family(
     config="DeepseekOcr2TextConfig",
     model="DeepseekOcr2TextModel",
     tiny=dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        mlp_layer_types=["sparse"] * 2,
+        **GROUPED_TINY,
         topk_method="group_limited_greedy",
-        n_group=4,
-        topk_group=2,
         routed_scaling_factor=2.5,
         num_key_value_heads=2,
     ),

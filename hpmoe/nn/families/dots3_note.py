@@ -2,7 +2,7 @@
 for the choice, group limits, renormalised, times ``routed_scaling_factor``), SwiGLU experts,
 shared experts.  Its vision MoE (``Dots3NoteVisionMoE``) stays transformers' own."""
 
-from .base import Family
+from .base import GROUPED_TINY, MLA_TINY, Family
 
 FAMILY = Family(
     name="dots3_note",
@@ -11,18 +11,9 @@ FAMILY = Family(
     config="Dots3NoteTextConfig",
     model="Dots3NoteForCausalLM",
     tiny=dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
+        **MLA_TINY,
+        **GROUPED_TINY,
         shared_experts_intermediate_size=16,
-        mlp_layer_types=["sparse"] * 2,
-        n_group=4,
-        topk_group=2,
-        kv_lora_rank=8,
-        q_lora_rank=8,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
         num_key_value_heads=2,
         use_sliding_window=False,
         use_dsa=False,

@@ -4,7 +4,7 @@ experts with a clamped SwiGLU, ``silu(min(gate, limit)) * clamp(up, ±limit)`` (
 experts run beside the region).  Its hyper-connections, linear and indexed attention are
 outside the block."""
 
-from .base import Family
+from .base import GROUPED_TINY, Family
 from .hy_v4 import clamped_glu
 
 FAMILY = Family(
@@ -14,12 +14,7 @@ FAMILY = Family(
     config="Glm5NextTextConfig",
     model="Glm5NextTextModel",
     tiny=dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        mlp_layer_types=["sparse"] * 2,
-        n_group=4,
-        topk_group=2,
+        **GROUPED_TINY,
         kv_lora_rank=8,
         q_lora_rank=8,
         qk_nope_head_dim=8,

@@ -6,7 +6,7 @@ hyper-connections and indexed attention are outside the block."""
 from torch import nn
 
 from ...spec import GluForm
-from .base import Family
+from .base import GROUPED_TINY, MLA_TINY, Family
 
 
 def clamped_glu(experts: nn.Module) -> GluForm:
@@ -21,17 +21,8 @@ FAMILY = Family(
     config="HYV4Config",
     model="HYV4ForCausalLM",
     tiny=dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        mlp_layer_types=["sparse"] * 2,
-        n_group=4,
-        topk_group=2,
-        kv_lora_rank=8,
-        q_lora_rank=8,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
+        **MLA_TINY,
+        **GROUPED_TINY,
         num_key_value_heads=2,
         index_topk=8,
         index_head_dim=8,

@@ -2,7 +2,7 @@
 ``topk_group`` groups), renormalised and times ``routed_scaling_factor``; SwiGLU experts and
 shared experts (its MLA attention is outside the block)."""
 
-from .base import Family
+from .base import MLA_TINY, Family
 
 FAMILY = Family(
     name="mistral4",
@@ -11,15 +11,11 @@ FAMILY = Family(
     config="Mistral4Config",
     model="Mistral4ForCausalLM",
     tiny=dict(
+        **MLA_TINY,
         n_routed_experts=8,
         num_experts_per_tok=2,
         n_shared_experts=1,
         first_k_dense_replace=0,
-        kv_lora_rank=8,
-        q_lora_rank=8,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
         head_dim=8,
         n_group=4,
         topk_group=2,
