@@ -285,6 +285,24 @@ def test_with_a_saved_profile_the_model_choice_is_measured_first(tmp_path):
         assert first.path is chosen.path and (first.policy is None or first.policy is chosen.policy)
 
 
+def test_the_race_decides_by_paired_calls_not_by_each_ones_fastest_call():
+    """The host slows down while the finalists race: B is 10% faster than A in every
+    pair, but A's fastest call came before the slowdown.  Each one's fastest call would
+    pick A; the pairs pick B."""
+    a, b = SPACE.default(), KERNEL_BY_KERNEL_KNOBS
+    tuning = Tuning(SPACE, Budget(final=4))
+    spell = 1.0
+    while tuning.result is None:
+        k = tuning.next()
+        raced = bool(tuning._final) and k in (a, b)
+        spell = 1.3 if raced else spell  # the race runs in a slow spell
+        base = {a: 1.0, b: 1.05}.get(k, 1.5) if not raced else {a: 1.0, b: 0.9}[k]
+        tuning.observe(k, base * spell)
+    r = tuning.result
+    assert r.winner == b and r.runner_up == a
+    assert tuning._paired(a, b) == pytest.approx(0.9)
+
+
 def test_the_two_fastest_race_on_when_they_are_close_and_not_otherwise():
     kbk = KERNEL_BY_KERNEL_KNOBS
     close = _feed(Tuning(SPACE), _times(1.0, **{kbk.name: 0.95}))

@@ -22,13 +22,16 @@ the host, or the call before — a neighbour moves a call's time by ~20% either 
 the development machine — favours or burdens none); one scored call slower than
 ``Budget.slow_factor`` times the best score so far drops it.  Then, when the two
 fastest are within ``Budget.close`` of each other, they race on for ``Budget.final``
-more scored calls each.  Every call is a real step whose output is used.
+more scored calls each, alternating, and the race decides by its adjacent pairs (the
+median of one's time over the other's, each pair's calls back to back), not by each
+one's fastest call.  Every call is a real step whose output is used.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import zlib
 from dataclasses import dataclass, field, replace
 
@@ -240,7 +243,8 @@ def bucket(tokens: int) -> int:
 @dataclass(frozen=True)
 class TuneResult:
     """A key's committed choice: the winner and its score (the fastest scored call's
-    slowest-rank seconds), the runner-up, the kernel-by-kernel path's score (None when
+    slowest-rank seconds; after a race the winner is the race's paired verdict, whose
+    score may be the higher), the runner-up, the kernel-by-kernel path's score (None when
     not measured), the tuning steps and their seconds, and where it came from."""
 
     winner: Knobs
@@ -300,6 +304,8 @@ class Tuning:
     _combined: bool = False
     _final: dict[Knobs, int] = field(default_factory=dict)  # extra scored calls of the two finalists
     _raced: bool = False
+    _trace: list[tuple[Knobs, float]] = field(default_factory=list)  # every observation, in order
+    _race_from: int = 0  # where the race's observations begin in ``_trace``
 
     def __post_init__(self) -> None:
         self._order = self.space.order(self.first)[:self.budget.candidates]
@@ -337,6 +343,7 @@ class Tuning:
             return
         self.steps += 1
         self.seconds += seconds
+        self._trace.append((knobs, seconds))
         seen = self._seen.setdefault(knobs, [])
         seen.append(seconds)
         scored = seen[self.budget.warmup:]
@@ -384,6 +391,23 @@ class Tuning:
         ranked = self._ranked()
         if len(ranked) > 1 and self._score(ranked[1]) < (1.0 + self.budget.close) * self._score(ranked[0]):
             self._final = {ranked[0]: self.budget.final, ranked[1]: self.budget.final}
+            self._race_from = len(self._trace)
+
+    def _paired(self, first: Knobs, second: Knobs) -> float | None:
+        """The median over the race's adjacent (first, second) call pairs, in either order,
+        of second's time over first's; None without a pair.  A pair's two calls ran one
+        after the other, so a slow spell of the host or the call before moves both: their
+        ratio is what the race decides by, not each one's fastest call."""
+        calls = [(k, t) for k, t in self._trace[self._race_from:] if k in (first, second)]
+        ratios, i = [], 0
+        while i + 1 < len(calls):
+            (a, ta), (b, tb) = calls[i], calls[i + 1]
+            if a != b and ta > 0 and tb > 0:
+                ratios.append(tb / ta if a == first else ta / tb)
+                i += 2
+            else:
+                i += 1
+        return statistics.median(ratios) if ratios else None
 
     def _maybe_combine(self) -> None:
         """Once every single change has its score, queue their combination (the default
@@ -404,6 +428,8 @@ class Tuning:
         if not ranked:  # nothing scored (every time non-finite): the default order's head
             return TuneResult(self._order[0], math.nan, None, None, None, self.steps, self.seconds)
         win, up = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        if self._final and set(self._final) == {win, up} and (self._paired(win, up) or 1.0) < 1.0:
+            win, up = up, win  # the race's pairs say the runner-up is faster
         return TuneResult(win, self._score(win), up, self._score(up) if up else None,
                           self._score(KERNEL_BY_KERNEL_KNOBS), self.steps, self.seconds)
 
