@@ -38,6 +38,24 @@ def test_a_native_layer_compiles_with_fullgraph():
                                   torch.randn(2, 5, spec.hidden, generator=torch.Generator().manual_seed(0)))
 
 
+def test_a_compiled_layer_compiles_once_for_calls_of_one_shape():
+    """Nothing the layer updates per call (its load statistics) is a guard of the compiled
+    graph: three calls, one compilation (transformers' static-cache tests count them)."""
+    spec = preset("tiny")
+    layer = MoE(spec, virtual_ep=2, tiles=CHECK_TILES)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    x = torch.randn(2, 5, spec.hidden, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        compiled(x)
+    assert len(graphs) == 1
+
+
 def test_a_layer_with_expert_biases_and_a_clamped_glu_compiles_with_fullgraph():
     spec = GPT_OSS_FORM
     _assert_compiled_equals_eager(MoE(spec, virtual_ep=2, tiles=CHECK_TILES),

@@ -600,6 +600,10 @@ class MoE(nn.Module):
         return self._placement
 
     def _measure_load(self, ids: torch.Tensor) -> None:
+        """The per-expert load's EMA and the periodic rebalance; not under torch.compile
+        (a counter on the module would make every call recompile: measure in eager steps)."""
+        if torch.compiler.is_compiling():
+            return
         rows = torch.bincount(ids.detach().flatten(), minlength=self.spec.experts).double()
         self._load = LOAD_DECAY * self._load.to(rows.device) + (1.0 - LOAD_DECAY) * rows  # no host sync
         self._calls += 1
