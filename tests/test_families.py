@@ -2,6 +2,7 @@
 gradient of a tiny model with its MoE blocks replaced; refusals name the family."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from hpmoe.nn.conformance import CHECK_TILES, check_family, run_model, tiny_model
 from hpmoe.nn.families import FAMILIES, family_of
 from hpmoe.nn.layer import MoE
-from hpmoe.nn.replace import replace_moe_blocks
+from hpmoe.nn.replace import InitThroughBlocks, replace_moe_blocks
 
 pytest.importorskip("transformers")
 FAMILY = {f.name: f for f in FAMILIES}
@@ -192,3 +193,17 @@ def test_ernie4_5_vl_sub_blocks_take_flattened_tokens_of_mixed_modalities():
     ids = torch.arange(24).view(2, 12) % 61 + 2
     types = (torch.arange(24).view(2, 12) % 3 == 0).int()
     _exact(original, model, input_ids=ids, moe_mm_token_type_ids=types)
+
+
+@pytest.mark.parametrize(("name", "tensor"), [("jetmoe", "bias"), ("minimax_m2", "e_score_correction_bias")])
+def test_the_models_own_init_reaches_a_replaced_blocks_tensors(name, tensor):
+    """transformers' ``_init_weights`` initialises a block's own tensors only when the module
+    is the block class: a replaced block is handed to it as the block (the same tensors)."""
+    model = tiny_model(FAMILY[name])
+    replace_moe_blocks(model)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        getattr(layer, tensor).data.fill_(float("nan"))
+    model.apply(model._init_weights)
+    assert all(torch.equal(getattr(m, tensor), torch.zeros_like(getattr(m, tensor))) for m in layers)
+    assert isinstance(pickle.loads(pickle.dumps(model._init_weights)), InitThroughBlocks)

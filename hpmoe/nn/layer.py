@@ -364,7 +364,20 @@ class MoE(nn.Module):
             moe.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
         moe._setup(layout.spec, family, layout.fused_shared, checked)
         moe._computing = computing_experts(module, family)
+        object.__setattr__(moe, "_hf_block", module)  # not a submodule: only ``as_block`` reads it
         return moe
+
+    def as_block(self) -> nn.Module | None:
+        """The transformers block this layer replaced, holding this layer's current direct
+        parameters and buffers (the same tensors), or None for a layer built from a spec.
+        transformers' ``_init_weights`` initialises a block's own tensors only when the
+        module *is* the block class (JetMoE's output bias, MiniMax-M2's score-correction
+        bias): ``replace_moe_blocks`` hands it this instead of the layer."""
+        block = getattr(self, "_hf_block", None)
+        if block is not None:
+            block._parameters.update(self._parameters)
+            block._buffers.update(self._buffers)
+        return block
 
     def session(self) -> Session | None:
         """The runtime session of a distributed layer, opened at first use (collective

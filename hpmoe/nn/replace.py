@@ -8,6 +8,7 @@ name: optimizers built before the swap keep updating the right tensors and state
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -67,4 +68,22 @@ def replace_moe_blocks(model: nn.Module, **options: Any) -> Replacement:
     for name, block in targets:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, MoE.from_hf(block, **options))
+    from transformers import PreTrainedModel
+
+    for m in model.modules():  # every transformers model inside: its own init reaches the blocks
+        if isinstance(m, PreTrainedModel) and not isinstance(m._init_weights, InitThroughBlocks):
+            m._init_weights = InitThroughBlocks(m._init_weights)
     return Replacement(names=[name for name, _ in targets], session=session)
+
+
+@dataclass
+class InitThroughBlocks:
+    """A transformers model's ``_init_weights`` that is handed, for a replaced block, the
+    block itself (``MoE.as_block``: the very tensors the layer holds) — its init checks the
+    module's class.  Picklable: it holds the model's bound method."""
+
+    init: Callable[[nn.Module], Any]
+
+    def __call__(self, module: nn.Module) -> Any:
+        block = module.as_block() if isinstance(module, MoE) else None
+        return self.init(module if block is None else block)
