@@ -35,14 +35,21 @@ def gated(h: torch.Tensor, activation: Activation = Activation.SILU,
     """``act(gate) * (up + glu.up_shift)`` of h [..., 2F] as autograd computes it: gate and
     up columns as ``glu`` lays them out, clamped by ``glu.limit``, ``act(g) = g *
     sigmoid(glu.alpha * g)`` when alpha is not 1 (GPT-OSS's clamped SwiGLU)."""
-    if glu.interleaved:
-        gate, up = h[..., 0::2], h[..., 1::2]
-    else:
-        gate, up = h.chunk(2, dim=-1)
-    if glu.limit is not None:
-        gate, up = gate.clamp(max=glu.limit), up.clamp(min=-glu.limit, max=glu.limit)
+    gate, up = clamped(*glu_halves(h, glu), glu)
     act = gate * torch.sigmoid(gate * glu.alpha) if glu.alpha != 1.0 else ACTIVATION_FNS[activation](gate)
     return act * (up + glu.up_shift) if glu.up_shift else act * up
+
+
+def glu_halves(h: torch.Tensor, glu: GluForm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) views of h [..., 2F] as ``glu`` lays them out."""
+    return (h[..., 0::2], h[..., 1::2]) if glu.interleaved else h.chunk(2, dim=-1)
+
+
+def clamped(gate: torch.Tensor, up: torch.Tensor, glu: GluForm) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate clamped to ``<= glu.limit`` and up to ``±glu.limit`` (unchanged without a limit)."""
+    if glu.limit is None:
+        return gate, up
+    return gate.clamp(max=glu.limit), up.clamp(min=-glu.limit, max=glu.limit)
 
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -109,9 +109,15 @@ def _full_outputs(dy: torch.Tensor, weights: ExpertWeights) -> Gradients:
     """Full-size gradients every rank writes its slice of (no copies afterwards);
     expert gradients zero-filled (experts without rows get no task)."""
     k = weights.spec.top_k
-    return Gradients(dx=torch.empty(dy.shape, dtype=dy.dtype), dweights=torch.empty(dy.shape[0], k),
-                     dw13=torch.zeros_like(weights.w13), dw2=torch.zeros_like(weights.w2),
-                     dshared_w13=None, dshared_w2=None, **expert_bias_gradients(weights))
+    return full_expert_gradients(weights, torch.empty(dy.shape, dtype=dy.dtype), torch.empty(dy.shape[0], k))
+
+
+def full_expert_gradients(weights: ExpertWeights, dx: torch.Tensor, dweights: torch.Tensor) -> Gradients:
+    """``Gradients`` with zero-filled full-size expert gradients (biases' included) and no
+    shared-expert ones yet: ranks write their experts' slices (``expert_views``)."""
+    return Gradients(dx=dx, dweights=dweights, dw13=torch.zeros_like(weights.w13),
+                     dw2=torch.zeros_like(weights.w2), dshared_w13=None, dshared_w2=None,
+                     **expert_bias_gradients(weights))
 
 
 def expert_bias_gradients(weights: ExpertWeights) -> dict[str, torch.Tensor]:

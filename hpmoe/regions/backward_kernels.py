@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from ..ir.graph import TaskKind, Tile
+from ..refs import clamped, glu_halves
 from ..routing import RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights
@@ -217,11 +218,10 @@ def _form_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activati
                    form: GluForm) -> None:
     """``glu_backward`` of a non-plain ``form`` (``refs.gated``'s gradient), in fp32: clamped
     values pass no gradient, as ``clamp``'s backward does."""
-    gate, up = (h[:, 0::2], h[:, 1::2]) if form.interleaved else h.chunk(2, dim=-1)
-    d_gate, d_up = (dh[:, 0::2], dh[:, 1::2]) if form.interleaved else dh.chunk(2, dim=-1)
-    g, u, da = gate.float(), up.float(), da.float()
-    if form.limit is not None:
-        g, u = g.clamp(max=form.limit), u.clamp(min=-form.limit, max=form.limit)
+    gate, up = glu_halves(h, form)
+    d_gate, d_up = glu_halves(dh, form)
+    g, u = clamped(gate.float(), up.float(), form)
+    da = da.float()
     if form.alpha != 1.0:
         sig = torch.sigmoid(form.alpha * g)
         act, slope = g * sig, sig + form.alpha * g * sig * (1 - sig)

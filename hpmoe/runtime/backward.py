@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..exec.exact_backward import Gradients, expert_bias_gradients, expert_views
+from ..exec.exact_backward import Gradients, expert_views, full_expert_gradients
 from ..exec.program import RankProgram, compile_program, compile_region
 from ..ir.schedule import Schedule
 from ..regions.backward_kernels import BackwardBuffers, SavedActivations
@@ -62,9 +62,7 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
     sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
     shared = weights.has_shared
-    grads = Gradients(dx=torch.empty(0), dweights=torch.empty(0), dw13=torch.zeros_like(weights.w13),
-                      dw2=torch.zeros_like(weights.w2), dshared_w13=None, dshared_w2=None,
-                      **expert_bias_gradients(weights))
+    grads = full_expert_gradients(weights, dx=dy, dweights=dy)  # dx, dweights: the buffers', below
     buf = family.backward_buffers(saved, dy, layout, tiles, s.rank, {**sym, **expert_views(grads, mine)})
     ctx = family.backward_context(weights, layout, routing, s.rank)
     s.executor.run(program, region, buf, ctx, s.transport)

@@ -244,6 +244,14 @@ GROUPED_TINY: dict[str, Any] = dict(n_routed_experts=8, num_experts_per_tok=2, n
 """Eight grouped experts, top-2, one shared expert, two sparse layers (DeepSeek-style ``tiny``)."""
 
 
+GATED_DELTA_TINY: dict[str, Any] = dict(
+    num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=24, linear_num_value_heads=2,
+    linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+    layer_types=["linear_attention", "full_attention"])
+"""Eight experts, top-2, a gated shared expert, one gated-delta-net and one attention layer
+(the Qwen3-Next-style ``tiny``)."""
+
+
 def activation_of(act: nn.Module) -> Activation:
     """The ``Activation`` a transformers ``ACT2FN`` module (or ``F.silu`` / ``F.gelu`` /
     ``F.relu``) computes; ``ValueError`` naming the class when the region has no kernel for it."""

@@ -1,7 +1,7 @@
 """Qwen3.5-MoE: softmax top-k router, renormalised; SwiGLU experts; a shared expert scaled
 by sigmoid(shared_expert_gate(x)) (its gated-delta-net attention is outside the block)."""
 
-from .base import Family
+from .base import GATED_DELTA_TINY, Family
 
 FAMILY = Family(
     name="qwen3_5_moe",
@@ -10,14 +10,7 @@ FAMILY = Family(
     config="Qwen3_5MoeTextConfig",
     model="Qwen3_5MoeForCausalLM",
     tiny=dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        shared_expert_intermediate_size=24,
-        linear_num_value_heads=2,
-        linear_num_key_heads=1,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        layer_types=["linear_attention", "full_attention"],
+        **GATED_DELTA_TINY,
     ),
     shared="shared_expert",
     shared_gate="shared_expert_gate",

@@ -1,6 +1,6 @@
 """Qwen3-Next: softmax top-k router; a shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
-from .base import Family
+from .base import GATED_DELTA_TINY, Family
 
 FAMILY = Family(
     name="qwen3_next",
@@ -9,14 +9,7 @@ FAMILY = Family(
     config="Qwen3NextConfig",
     model="Qwen3NextForCausalLM",
     tiny=dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        shared_expert_intermediate_size=24,
-        linear_num_value_heads=2,
-        linear_num_key_heads=1,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        layer_types=["linear_attention", "full_attention"],
+        **GATED_DELTA_TINY,
     ),
     shared="shared_expert",
     shared_gate="shared_expert_gate",

@@ -2,7 +2,7 @@
 experts, a shared expert scaled by sigmoid(shared_expert_gate(x)).  Its hyper-connections,
 per-layer embeddings, gated-delta-net and indexed attention are outside the block."""
 
-from .base import Family
+from .base import GATED_DELTA_TINY, Family
 
 FAMILY = Family(
     name="qwen4_exp",
@@ -11,14 +11,7 @@ FAMILY = Family(
     config="Qwen4ExpTextConfig",
     model="Qwen4ExpForCausalLM",
     tiny=dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        shared_expert_intermediate_size=24,
-        linear_num_value_heads=2,
-        linear_num_key_heads=1,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        layer_types=["linear_attention", "full_attention"],
+        **GATED_DELTA_TINY,
         hc_count=2,
         hc_lowrank=4,
         indexer_n_heads=2,
