@@ -1,6 +1,8 @@
 """The forward graph moves every row exactly once and depends on exactly the
 tiles that produce each task's rows."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -104,3 +106,20 @@ def test_whole_expert_gemm_blocks_wait_for_the_whole_expert():
     expert_rows = plan.counts.sum(dim=0).numpy()
     assert sorted((g.row1[up] - g.row0[up]).tolist()) == sorted(
         np.repeat(expert_rows.ravel(), 4).tolist())  # 2F=32 / 8 = 4 column tiles
+
+
+def test_the_gated_activation_is_charged_its_form_s_flops():
+    """GPT-OSS's clamped, shifted SwiGLU costs the simulator GluForm.flops per element, not
+    the plain SwiGLU's 5; the same rows, the same tasks, forward and backward."""
+    from hpmoe.regions.backward import lower_backward
+    from hpmoe.spec import PLAIN_GLU
+
+    from .helpers import GPT_OSS_FORM
+
+    plain = dataclasses.replace(GPT_OSS_FORM, glu=PLAIN_GLU)
+    ratio = GPT_OSS_FORM.glu.flops / PLAIN_GLU.flops
+    assert ratio > 1
+    for lower, kind in ((lower_forward, TaskKind.SWIGLU), (lower_backward, TaskKind.SWIGLU_BWD)):
+        got, want = (lower(tiny_plan(moe=m), TINY_TILES) for m in (GPT_OSS_FORM, plain))
+        np.testing.assert_allclose(got.flops[got.kind == kind], ratio * want.flops[want.kind == kind])
+        assert got.flops[got.kind == kind].sum() > 0
