@@ -201,6 +201,6 @@ def place_on_load(routing: Routing, moe: MoESpec, par: ParallelSpec,
     simulation balances with the load it measures."""
     load = torch.bincount(routing.ids.flatten(), minlength=moe.experts).double().numpy()
     placement = plan_placement(load, par.ep, redundant, par.nodes)
-    tokens = torch.arange(routing.ids.shape[0])
+    tokens = torch.arange(routing.ids.shape[0], device=routing.ids.device)
     ids = placement.physical_ids(routing.ids, tokens // par.tokens_per_rank, tokens)
     return Routing(ids, routing.weights), placement.physical_spec(moe), placement

@@ -102,7 +102,7 @@ def topk_sum(o: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
     shared: [N, H] or None.  ``acc`` is fp32, summed slot 0 first, shared last.
     Returns [N, H] in ``dtype``.
     """
-    acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32)
+    acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32, device=o.device)
     for j in range(o.shape[1]):
         acc = acc + w[:, j:j + 1] * o[:, j].float()
     if shared is not None:
@@ -132,8 +132,8 @@ def rank_partials_sum(o: torch.Tensor, w: torch.Tensor, rank_of_slot: torch.Tens
     node's last rank), shared expert last, cast to ``dtype``.  Returns [N, H].
     """
     rpn = ep // nodes
-    node_of_token = torch.arange(o.shape[0]) // max(o.shape[0] // ep, 1) // rpn
-    acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32)
+    node_of_token = torch.arange(o.shape[0], device=o.device) // max(o.shape[0] // ep, 1) // rpn
+    acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32, device=o.device)
     node_acc = torch.zeros_like(acc)
     for r in range(ep):
         mine = rank_of_slot == r
@@ -157,7 +157,7 @@ def rank_partials_sum(o: torch.Tensor, w: torch.Tensor, rank_of_slot: torch.Tens
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """pos with ``pos[order[i]] == i``; order: [M] int64 permutation of range(M)."""
     pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel())
+    pos[order] = torch.arange(order.numel(), device=order.device)
     return pos
 
 
@@ -316,7 +316,9 @@ def run_local_experts(recv: torch.Tensor, recv_counts: torch.Tensor, weights: Ex
     then restores dispatch order.  Returns [R, H].
     """
     ep, local = recv_counts.shape
-    segment_key = torch.arange(local) * ep + torch.arange(ep)[:, None]  # [s, e] -> e*ep + s
+    dev = recv_counts.device
+    # [s, e] -> e*ep + s
+    segment_key = torch.arange(local, device=dev) * ep + torch.arange(ep, device=dev)[:, None]
     row_key = torch.repeat_interleave(segment_key.reshape(-1), recv_counts.reshape(-1))
     perm = torch.argsort(row_key, stable=True)
     ys = routed_ffn(recv[perm], recv_counts.sum(0), weights, experts)

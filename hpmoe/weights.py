@@ -85,12 +85,14 @@ class ExpertWeights:
         g = torch.Generator().manual_seed(seed)
 
         def draw(*shape: int, fan_in: int, dtype: torch.dtype = spec.dtype) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g, dtype=torch.float32) / fan_in**0.5).to(dtype)
+            drawn = torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu")
+            return (drawn / fan_in**0.5).to(dtype)
 
         fs = spec.shared_ffn
-        bias = torch.zeros(spec.experts, dtype=torch.float32)  # float32 whatever the default dtype
+        # float32 whatever the default dtype
+        bias = torch.zeros(spec.experts, dtype=torch.float32, device="cpu")
         if spec.gate is GateKind.SIGMOID:
-            bias = torch.randn(spec.experts, generator=g, dtype=torch.float32) * 0.01
+            bias = torch.randn(spec.experts, generator=g, dtype=torch.float32, device="cpu") * 0.01
         return ExpertWeights(
             spec=spec,
             router=draw(spec.experts, spec.hidden, fan_in=spec.hidden, dtype=torch.float32),

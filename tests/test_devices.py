@@ -1,8 +1,9 @@
-"""Every tensor the layer's default path makes is made on a named device: a ``torch``
-factory call (``empty``, ``zeros``, ``arange``, ``rand``, ...) without ``device=`` would
-put it on the CPU while the layer's inputs and weights are on a GPU.  The modules a
-call of ``hpmoe.MoE`` (and ``moe_forward``) runs through on that path are walked; the
-CPU-side modules (the runtime's transports, calibration, benchmarks) are not."""
+"""Every tensor the package makes is made on a named device: a ``torch`` factory call
+(``empty``, ``zeros``, ``arange``, ``rand``, ...) without ``device=`` would put it on the
+CPU while the layer's inputs and weights are on a GPU.  Every module is walked: the
+CPU-side ones (the runtime's transports, calibration, benchmarks) say ``device="cpu"``,
+so that a helper they share with the layer's path (``refs``, the region kernels) cannot
+hide a CPU allocation, as ``refs.inverse_permutation`` once did on a GPU."""
 
 from __future__ import annotations
 
@@ -15,29 +16,39 @@ import torch
 from hpmoe.exec.arena import Arena, ArenaPool
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hpmoe"
-DEFAULT_PATH = ("nn/layer.py", "exec/kernel_by_kernel.py", "exec/arena.py", "engine.py", "routing.py")
+MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
 FACTORIES = {"empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint", "randperm",
              "linspace", "eye", "as_tensor"}
 
 
 def factories_without_device(source: str) -> list[str]:
-    """``torch.NAME(...)`` calls in ``source`` with a factory NAME and no ``device=``."""
+    """``torch.NAME(...)`` calls in ``source`` with a factory NAME and no ``device=``, and
+    factories taken as values (``(torch.zeros if z else torch.empty)(...)``), which the
+    walk cannot follow."""
+    tree = ast.parse(source)
+    called = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
     out = []
-    for node in ast.walk(ast.parse(source)):
-        func = node.func if isinstance(node, ast.Call) else None
-        if (isinstance(func, ast.Attribute) and func.attr in FACTORIES and isinstance(func.value, ast.Name)
-                and func.value.id == "torch" and not any(k.arg == "device" for k in node.keywords)):
-            out.append(f"line {node.lineno}: torch.{func.attr}")
-    return out
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr in FACTORIES
+                and isinstance(node.value, ast.Name) and node.value.id == "torch"):
+            continue
+        call = called.get(id(node))
+        if call is None:
+            out.append(f"line {node.lineno}: torch.{node.attr} as a value")
+        elif not any(k.arg == "device" for k in call.keywords):
+            out.append(f"line {node.lineno}: torch.{node.attr}")
+    return sorted(out, key=lambda line: int(line.split()[1].rstrip(":")))
 
 
 def test_the_walk_finds_a_factory_without_a_device() -> None:
-    src = "import torch\na = torch.zeros(3)\nb = torch.empty(2, device=x.device)\nc = torch.zeros_like(a)\n"
-    assert factories_without_device(src) == ["line 2: torch.zeros"]
+    src = ("import torch\na = torch.zeros(3)\nb = torch.empty(2, device=x.device)\nc = torch.zeros_like(a)\n"
+           "d = (torch.zeros if a else torch.empty)(3, device=x.device)\n")
+    assert factories_without_device(src) == ["line 2: torch.zeros", "line 5: torch.zeros as a value",
+                                             "line 5: torch.empty as a value"]
 
 
-@pytest.mark.parametrize("module", DEFAULT_PATH)
-def test_the_default_path_names_the_device_of_every_tensor_it_makes(module: str) -> None:
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_names_the_device_of_every_tensor_it_makes(module: str) -> None:
     assert factories_without_device((PACKAGE / module).read_text()) == []
 
 

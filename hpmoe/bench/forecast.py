@@ -66,9 +66,10 @@ def measure_put_cpu(group: dist.ProcessGroup | None, put_bytes: int, compute: Ca
     Collective."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [p for p in range(world) if p != rank]
-    data, header = torch.zeros(put_bytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
-    inbox = torch.empty(len(peers), puts, put_bytes, dtype=torch.uint8)
-    headers = torch.empty(len(peers), puts, dtype=torch.int64)
+    data = torch.zeros(put_bytes, dtype=torch.uint8, device="cpu")
+    header = torch.zeros(1, dtype=torch.int64, device="cpu")
+    inbox = torch.empty(len(peers), puts, put_bytes, dtype=torch.uint8, device="cpu")
+    headers = torch.empty(len(peers), puts, dtype=torch.int64, device="cpu")
     samples = []
     for _ in range(repeats + 1):
         dist.barrier(group=group)
@@ -110,7 +111,8 @@ def measure_host_memory(group: dist.ProcessGroup | None, nbytes: int = 256 << 20
     one intra-op thread) for ``seconds``, all at once after an untimed copy; the sum of
     every thread's rate over the group.  Collective."""
     streams = max(1, len(os.sched_getaffinity(0)) // dist.get_world_size(group))
-    pairs = [(torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
+    pairs = [(torch.ones(nbytes, dtype=torch.uint8, device="cpu"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                               device="cpu"))
              for _ in range(streams)]
     rates = [0.0] * streams
 
@@ -126,7 +128,7 @@ def measure_host_memory(group: dist.ProcessGroup | None, nbytes: int = 256 << 20
             w.start()
         for w in workers:
             w.join()
-    total = torch.tensor([sum(rates)], dtype=torch.float64)
+    total = torch.tensor([sum(rates)], dtype=torch.float64, device="cpu")
     dist.all_reduce(total, group=group)
     return float(total.item())
 
@@ -146,8 +148,8 @@ def _exchange_seconds(group: dist.ProcessGroup | None, nbytes: int, repeats: int
     """``pick`` (min, median) over ``repeats`` of the slowest rank's seconds for one
     exchange of ``nbytes`` per peer, after two untimed ones (connections warm)."""
     world = dist.get_world_size(group)
-    send = torch.zeros(world * nbytes, dtype=torch.uint8)
-    recv = torch.empty(world * nbytes, dtype=torch.uint8)
+    send = torch.zeros(world * nbytes, dtype=torch.uint8, device="cpu")
+    recv = torch.empty(world * nbytes, dtype=torch.uint8, device="cpu")
     times = []
     for i in range(repeats + 2):
         dist.barrier(group=group)

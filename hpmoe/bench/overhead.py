@@ -164,9 +164,10 @@ def tile_kernels() -> tuple[Callable[[], object], Callable[[], object]]:
     """(GEMM, SwiGLU) kernels of the loaded graph: a 128 x 512 x 512 bf16 GEMM tile and a
     64 x 768 SwiGLU tile, on buffers of their own."""
     g = torch.Generator().manual_seed(0)
-    a, w = (torch.randn(r, 512, generator=g).to(torch.bfloat16) for r in (128, 512))
-    h = torch.randn(64, 1536, generator=g).to(torch.bfloat16)
-    out, act = torch.empty(128, 512, dtype=torch.bfloat16), torch.empty(64, 768, dtype=torch.bfloat16)
+    a, w = (torch.randn(r, 512, generator=g, device="cpu").to(torch.bfloat16) for r in (128, 512))
+    h = torch.randn(64, 1536, generator=g, device="cpu").to(torch.bfloat16)
+    out = torch.empty(128, 512, dtype=torch.bfloat16, device="cpu")
+    act = torch.empty(64, 768, dtype=torch.bfloat16, device="cpu")
     return (lambda: torch.mm(a, w.t(), out=out)), (lambda: glu(h, act, Activation.SILU))
 
 

@@ -124,7 +124,7 @@ def make_inputs(config: BenchConfig, world: int, rank: int) -> Inputs:
     par = ParallelSpec(ep=world, tokens_per_rank=t)
     par.local_experts(moe)
     g = torch.Generator().manual_seed(config.seed)
-    x = torch.randn(world * t, moe.hidden, generator=g).to(moe.dtype)
+    x = torch.randn(world * t, moe.hidden, generator=g, device="cpu").to(moe.dtype)
     weights = ExpertWeights.random(moe, seed=config.seed)
     r = synthetic_routing(config.routing, moe, par, seed=config.seed)
     if config.balance is not None:
@@ -403,7 +403,7 @@ def tune(config: BenchConfig, session: Session, knob: KnobCalls, first: Knobs | 
         session.board.enter(f"tuning step {tuning.steps + 1}: {k.name}", publish=False)
         t0 = time.perf_counter()
         call()
-        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device="cpu")
         tuning.observe(k, float(coll.all_gather(mine, "tuning step time", publish=False).max()))
     return Tuned(key, space, tuning.result, tuple(notes))
 

@@ -45,7 +45,8 @@ def exact_forward(ep: int, tokens: int) -> None:
              f"{tokens} tok/rank")
     print(f"dtype {why}")
     weights = ExpertWeights.random(spec, seed=0)
-    x = torch.randn(ep * tokens, spec.hidden, generator=torch.Generator().manual_seed(1)).to(spec.dtype)
+    x = torch.randn(ep * tokens, spec.hidden, generator=torch.Generator().manual_seed(1),
+                    device="cpu").to(spec.dtype)
     routing = route(x, weights)
     start = time.perf_counter()
     result = execute_forward(x, weights, routing, ep)

@@ -95,7 +95,7 @@ def _tune_one(session: Session, moe: MoESpec, tokens: int, args: argparse.Namesp
     """Step a layer until its tuning for ``tokens`` settles (the layer saves it)."""
     layer = MoE(moe, seed=args.seed, ep_group=session)
     g = torch.Generator().manual_seed(args.seed + session.rank)
-    x = torch.randn(tokens, moe.hidden, generator=g).to(moe.dtype)
+    x = torch.randn(tokens, moe.hidden, generator=g, device="cpu").to(moe.dtype)
     backward = not args.forward_only
     for _ in range(Budget().max_steps + 2):
         if layer.tuned(tokens, backward=backward) is not None:

@@ -109,7 +109,8 @@ def _full_outputs(dy: torch.Tensor, weights: ExpertWeights) -> Gradients:
     """Full-size gradients every rank writes its slice of (no copies afterwards);
     expert gradients zero-filled (experts without rows get no task)."""
     k = weights.spec.top_k
-    return full_expert_gradients(weights, torch.empty(dy.shape, dtype=dy.dtype), torch.empty(dy.shape[0], k))
+    return full_expert_gradients(weights, torch.empty(dy.shape, dtype=dy.dtype, device=dy.device),
+                                 torch.empty(dy.shape[0], k, device=dy.device))
 
 
 def full_expert_gradients(weights: ExpertWeights, dx: torch.Tensor, dweights: torch.Tensor) -> Gradients:
@@ -155,7 +156,8 @@ def _rank_sum(buffers: Sequence[BackwardBuffers], name: str, weights: ExpertWeig
     """Sum of a shared-expert gradient over ranks, in rank order, in fp32."""
     if not weights.has_shared:
         return None
-    acc = torch.zeros(getattr(buffers[0], name).shape)
+    first = getattr(buffers[0], name)
+    acc = torch.zeros(first.shape, device=first.device)
     for b in buffers:
         acc += getattr(b, name).float()
     return acc.to(weights.spec.dtype)

@@ -53,9 +53,9 @@ def tiny_model(family: Family, seed: int = 0, **overrides) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=g, device="cpu") / p.shape[-1] ** 0.5)
         for _, b in _state_buffers(model):  # routers' score-correction biases and the like
-            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            b.copy_(torch.randn(b.shape, generator=g, device="cpu") * 0.1)
     return model
 
 
@@ -97,7 +97,7 @@ def check_family(family: Family, seed: int = 0, virtual_ep: int = 2, dtype: torc
         replaced = replace_moe_blocks(model, virtual_ep=virtual_ep, tiles=CHECK_TILES)
     except ValueError as err:
         return FamilyCheck(family.name, family.block, refused=str(err))
-    ids = torch.arange(24).view(2, 12) % 61 + 2
+    ids = torch.arange(24, device="cpu").view(2, 12) % 61 + 2
     want = run_model(original, ids)
     got = run_model(model.to(dtype), ids)
     if list(want[2]) != list(got[2]):

@@ -130,7 +130,8 @@ def _qwen3_moe_weights(module: Any) -> ExpertWeights:
     spec = MoESpec(hidden=gate.hidden_dim, ffn=experts.intermediate_dim, experts=gate.num_experts,
                    top_k=gate.top_k, gate=GateKind.SOFTMAX, norm_topk=bool(gate.norm_topk_prob),
                    dtype=experts.gate_up_proj.dtype)
-    return ExpertWeights(spec=spec, router=_f32(gate.weight), router_bias=torch.zeros(gate.num_experts),
+    bias = torch.zeros(gate.num_experts, device=gate.weight.device)
+    return ExpertWeights(spec=spec, router=_f32(gate.weight), router_bias=bias,
                          w13=experts.gate_up_proj.detach(), w2=experts.down_proj.detach())
 
 
@@ -148,8 +149,8 @@ def randomize_moe_(module: torch.nn.Module, seed: int = 0, bias_std: float = 0.1
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(module.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=g, device="cpu") / p.shape[-1] ** 0.5)
         for name, b in sorted(module.named_buffers()):
             if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * bias_std)
+                b.copy_(torch.randn(b.shape, generator=g, device="cpu") * bias_std)
     return module

@@ -103,11 +103,12 @@ class BackwardBuffers:
         shapes = gradient_shapes(plan, dy.shape[0], saved.xe.shape[0])
         views = dict(views or {})
         _check_views(views, shapes)
-        bufs = {name: views[name] if name in views else _new(field) for name, field in shapes.items()}
+        bufs = {name: views[name] if name in views else _new(field, dy.device)
+                for name, field in shapes.items()}
         dtype, (r, f), (t, fs) = plan.moe.dtype, shapes["da"][0], shapes["sda"][0]
         full = SavedActivations(x=saved.x, xe=saved.xe, h=saved.h, comb=saved.comb, sh=saved.sh,
-                                a=torch.empty(r, f, dtype=dtype) if saved.a is None else saved.a,
-                                sa=torch.empty(t, fs, dtype=dtype) if saved.sa is None else saved.sa)
+                                a=_or_new(saved.a, (r, f), dtype, dy.device),
+                                sa=_or_new(saved.sa, (t, fs), dtype, dy.device))
         return BackwardBuffers(saved=full, dy=dy, **bufs)
 
 
@@ -137,9 +138,17 @@ def bias_gradient_shapes(plan: RoutingPlan) -> dict[str, FieldSpec]:
     return {"db13": ((el, 2 * moe.ffn), moe.dtype, True), "db2": ((el, moe.hidden), moe.dtype, True)}
 
 
-def _new(field: FieldSpec) -> torch.Tensor:
+def _new(field: FieldSpec, device: torch.device) -> torch.Tensor:
     shape, dtype, zero = field
-    return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
+    if zero:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _or_new(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """``given``, or an empty tensor to recompute into."""
+    return torch.empty(shape, dtype=dtype, device=device) if given is None else given
 
 
 def _check_views(views: Mapping[str, torch.Tensor], shapes: Mapping[str, FieldSpec]) -> None:
@@ -276,7 +285,7 @@ def _grad_unpermute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Ba
     """dx[tokens] = sum over slots (top-k order) of the input-gradient rows, in fp32,
     then the shared-expert input gradient."""
     pos = ctx.pos[t.row0:t.row1]
-    acc = torch.zeros(pos.shape[0], me.dx.shape[1], dtype=torch.float32)
+    acc = torch.zeros(pos.shape[0], me.dx.shape[1], dtype=torch.float32, device=me.dx.device)
     for j in range(pos.shape[1]):
         acc += me.gcomb[pos[:, j]].float()
     if ctx.shared_w13 is not None:

@@ -110,11 +110,13 @@ class DedupBackwardBuffers:
         def new(name: str, *shape: int, dtype: torch.dtype = dt, zero: bool = False) -> torch.Tensor:
             if name in views:
                 return views[name]
-            return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
+            if zero:
+                return torch.zeros(shape, dtype=dtype, device=dy.device)
+            return torch.empty(shape, dtype=dtype, device=dy.device)
 
         full = DedupSaved(x=saved.x, xe=saved.xe, h=saved.h, y=saved.y, sh=saved.sh,
-                          a=torch.empty(r, f, dtype=dt) if saved.a is None else saved.a,
-                          sa=torch.empty(t, fs, dtype=dt) if saved.sa is None else saved.sa)
+                          a=torch.empty(r, f, dtype=dt, device=dy.device) if saved.a is None else saved.a,
+                          sa=torch.empty(t, fs, dtype=dt, device=dy.device) if saved.sa is None else saved.sa)
         f32 = torch.float32
         return DedupBackwardBuffers(
             saved=full, dy=dy, gsend=new("gsend", sd, h), gdrecv=new("gdrecv", rd, h),
@@ -203,7 +205,7 @@ def _partial_sum(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
     acc = gather_sum(me.gpcomb, ctx.fwd.partial_row[t.row0:t.row1])
     if me.gpcomb.shape[0]:
         slots = ctx.slot_send_row[t.row0:t.row1]
-        me.dw[t.row0:t.row1] = me.dwcomb[slots, torch.arange(slots.shape[1])]
+        me.dw[t.row0:t.row1] = me.dwcomb[slots, torch.arange(slots.shape[1], device=slots.device)]
     if ctx.shared_w13 is not None:
         acc = acc + me.sdx[t.row0:t.row1].float()
     me.dx[t.row0:t.row1] = acc.to(me.dx.dtype)

@@ -66,7 +66,7 @@ class DedupBuffers:
         sd, rd, hr = int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), int(d.hops.per_dst[rank])
 
         def new(*shape: int, dtype: torch.dtype = moe.dtype) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype)
+            return torch.empty(*shape, dtype=dtype, device=x.device)
 
         return DedupBuffers(x=x, send=new(sd, h), drecv=new(rd, h), recv=new(r, h), h=new(r, 2 * f),
                             a=new(r, f), y=new(r, h), part=new(rd, h, dtype=tiles.partial_dtype),
@@ -175,7 +175,7 @@ def _expand(t: Tile, me: DedupBuffers, peer: DedupBuffers, ctx: DedupContext) ->
 def gather_sum(src: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """[m, C] fp32: for each of m rows, the sum over slots j, in slot order, of
     src[rows[:, j]] (times weight[:, j]) in fp32; a slot of -1 adds nothing (+0.0)."""
-    acc = torch.zeros(rows.shape[0], src.shape[1], dtype=torch.float32)
+    acc = torch.zeros(rows.shape[0], src.shape[1], dtype=torch.float32, device=src.device)
     if src.shape[0] == 0:  # nothing was received: every slot is -1
         return acc
     for j in range(rows.shape[1]):

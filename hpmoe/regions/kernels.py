@@ -52,7 +52,7 @@ class ForwardBuffers:
                              moe.shared_ffn)
 
         def new(*shape: int) -> torch.Tensor:
-            return torch.empty(*shape, dtype=moe.dtype)
+            return torch.empty(*shape, dtype=moe.dtype, device=x.device)
 
         return ForwardBuffers(x=x, send=new(t * k, h), recv=new(r, h) if recv is None else recv,
                               h=new(r, 2 * f), a=new(r, f), y=new(r, h),

@@ -97,8 +97,8 @@ class Collectives:
         """Group rank 0's ``data`` on every rank (the others pass None): its length,
         then its bytes, in two all-gathers."""
         mine = torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([mine.numel()]), f"{what}: size", publish=False)
-        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([mine.numel()], device="cpu"), f"{what}: size", publish=False)
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8, device="cpu")
         padded[:mine.numel()] = mine
         return bytes(self.all_gather(padded, what, publish=False)[0, :int(sizes[0, 0])].numpy())
 

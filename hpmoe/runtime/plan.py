@@ -25,7 +25,7 @@ def tile_counts(ids: torch.Tensor, experts: int, rows: int) -> torch.Tensor:
     """[E, ceil(T / rows)] int32: rows of ``ids`` ([T, k] int64) per (expert, token tile)."""
     t, k = ids.shape
     tiles = int(ceil_div(t, rows))
-    tile = (torch.arange(t) // rows).repeat_interleave(k)
+    tile = (torch.arange(t, device=ids.device) // rows).repeat_interleave(k)
     flat = ids.reshape(-1) * tiles + tile
     return torch.bincount(flat, minlength=experts * tiles).view(experts, tiles).to(torch.int32)
 
@@ -42,11 +42,12 @@ def stand_in_ids(counts: torch.Tensor, tokens: int, top_k: int, rows: int) -> to
     token tiles of ``rows`` tokens."""
     experts, tiles = counts.shape
     per_tile = counts.sum(dim=0)
-    expected = torch.tensor([min(rows, tokens - j * rows) * top_k for j in range(tiles)])
+    expected = torch.tensor([min(rows, tokens - j * rows) * top_k for j in range(tiles)],
+                            device=counts.device)
     if not torch.equal(per_tile.long(), expected):
         raise ValueError(f"token counts per tile {per_tile.tolist()} do not match {tokens} tokens "
                          f"of top-{top_k} in tiles of {rows}")
-    values = torch.arange(experts).repeat(tiles)
+    values = torch.arange(experts, device=counts.device).repeat(tiles)
     return torch.repeat_interleave(values, counts.t().reshape(-1).long()).view(tokens, top_k)
 
 

@@ -134,7 +134,7 @@ def _expert_weights(k: int, dtype: torch.dtype, weight_bytes: int, gen: torch.Ge
     """Random experts x 512 x ``k`` weights in ``dtype``: as many experts (at least 2) as
     span ``weight_bytes``."""
     experts = max(2, -(-weight_bytes // (GEMM_N * k * dtype.itemsize)))
-    return torch.randn(experts, GEMM_N, k, generator=gen).to(dtype)
+    return torch.randn(experts, GEMM_N, k, generator=gen, device="cpu").to(dtype)
 
 
 class KernelGemm:
@@ -151,8 +151,8 @@ class KernelGemm:
             raise ValueError(f"weights has shape {tuple(self.w.shape)} and dtype {self.w.dtype}, "
                              f"expected (experts, {GEMM_N}, {k}) in {dtype}")
         self.experts = self.w.shape[0]
-        self.x = torch.randn(m, k, generator=gen).to(dtype)
-        self.out = torch.empty(m, 2 * GEMM_N, dtype=dtype)
+        self.x = torch.randn(m, k, generator=gen, device="cpu").to(dtype)
+        self.out = torch.empty(m, 2 * GEMM_N, dtype=dtype, device="cpu")
         self.flops, self.turn = 2.0 * m * GEMM_N * k, 0
 
     def __call__(self) -> None:
@@ -205,7 +205,7 @@ def _gemm_bench(tile: KernelGemm) -> _Bench:
 
 def _copy_bench(plan: _Plan) -> _Bench:
     """``dst.copy_(src)`` on ``plan.copy_bytes`` bytes."""
-    src = torch.ones(plan.copy_bytes, dtype=torch.uint8)
+    src = torch.ones(plan.copy_bytes, dtype=torch.uint8, device="cpu")
     dst = torch.empty_like(src)
     return _Bench(lambda: dst.copy_(src))
 
@@ -214,8 +214,8 @@ def _swiglu_bench(gen: torch.Generator) -> _Bench:
     """The SwiGLU kernel (``regions.kernels.glu``: ``silu(h[:, :F]) * h[:, F:]`` into its
     output tile, the kernel itself) on one bf16 SWIGLU_TILE."""
     rows, f = SWIGLU_TILE
-    h = torch.randn(rows, 2 * f, generator=gen).to(torch.bfloat16)
-    out = torch.empty(rows, f, dtype=torch.bfloat16)
+    h = torch.randn(rows, 2 * f, generator=gen, device="cpu").to(torch.bfloat16)
+    out = torch.empty(rows, f, dtype=torch.bfloat16, device="cpu")
     return _Bench(lambda: glu(h, out, Activation.SILU))
 
 
@@ -223,10 +223,11 @@ def _unpermute_bench(gen: torch.Generator) -> _Bench:
     """The forward unpermute kernel (``regions.kernels``) on one bf16 UNPERMUTE_TILE:
     gather each token's k rows, sum them weighted in fp32 with the shared expert's row."""
     m, k, h = UNPERMUTE_TILE
-    comb = torch.randn(m * k, h, generator=gen).to(torch.bfloat16)
-    pos = torch.randperm(m * k, generator=gen).view(m, k)
-    w, shared = torch.rand(m, k, generator=gen), torch.randn(m, h, generator=gen).to(torch.bfloat16)
-    out = torch.empty(m, h, dtype=torch.bfloat16)
+    comb = torch.randn(m * k, h, generator=gen, device="cpu").to(torch.bfloat16)
+    pos = torch.randperm(m * k, generator=gen, device="cpu").view(m, k)
+    w = torch.rand(m, k, generator=gen, device="cpu")
+    shared = torch.randn(m, h, generator=gen, device="cpu").to(torch.bfloat16)
+    out = torch.empty(m, h, dtype=torch.bfloat16, device="cpu")
 
     def kernel() -> None:
         out[:] = topk_sum(comb[pos], w, shared, torch.bfloat16)
@@ -244,14 +245,15 @@ def unpermute_traffic(m: CpuMeasurements) -> float:
 def _kernel_call_bench(plan: _Plan) -> _Bench:
     """The forward GEMM kernel's calls (``regions.kernels``: slice the input rows, the
     expert's weight columns and the output tile, ``torch.mm`` into it) on a 1 x 1 tile."""
-    x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(2, 8, 8, dtype=torch.bfloat16)
-    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    x = torch.ones(4, 8, dtype=torch.bfloat16, device="cpu")
+    w = torch.ones(2, 8, 8, dtype=torch.bfloat16, device="cpu")
+    out = torch.empty(4, 8, dtype=torch.bfloat16, device="cpu")
     return _Bench(lambda: torch.mm(x[0:1], w[1, 0:1].t(), out=out[0:1, 0:1]), inner=plan.tiny_calls)
 
 
 def _tiny_op_bench(plan: _Plan) -> _Bench:
     """A one-element ``torch.add`` called from Python."""
-    a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)
+    a, b, c = torch.ones(1, device="cpu"), torch.ones(1, device="cpu"), torch.empty(1, device="cpu")
     return _Bench(lambda: torch.add(a, b, out=c), inner=plan.tiny_calls)
 
 
@@ -259,7 +261,7 @@ def _time_puts(buf: memoryview, plan: _Plan) -> tuple[float, float]:
     """Seconds of a SMALL_PUT-byte and of a ``plan.put_bytes`` put + counter bump into ``buf``."""
     heap = torch.frombuffer(buf, dtype=torch.uint8)
     data, counter = heap[:plan.put_bytes], heap[plan.put_bytes:plan.put_bytes + 4].view(torch.int32)
-    src = torch.ones(plan.put_bytes, dtype=torch.uint8)
+    src = torch.ones(plan.put_bytes, dtype=torch.uint8, device="cpu")
     small_dst, small_src = data[:SMALL_PUT], src[:SMALL_PUT]
     small = _median_time(lambda: (small_dst.copy_(small_src), counter.add_(1)), plan.repeats,
                          inner=plan.tiny_calls)

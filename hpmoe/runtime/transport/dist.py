@@ -111,7 +111,8 @@ class DistTransport(Transport):
             self._pre = self.counters.snapshot()
         self.base = self._pre
         shapes = step.region.symmetric_shapes(step.plan, step.tiles, self.rank)
-        self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1]) for f in step.region.symmetric}
+        self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1], device="cpu")
+                         for f in step.region.symmetric}
         peers = senders(step, self.rank)
         self._latch = _Latch(len(peers))
         self._headers_sent = [0] * self.world
@@ -128,7 +129,7 @@ class DistTransport(Transport):
         n, src = len(inc.rows), self._peer(s)
         if n >= HEADER_TAG - 1:
             raise ValueError(f"{n} puts from rank {s} exceed the {HEADER_TAG - 2} tags of a pair")
-        headers = torch.empty(n, dtype=torch.int64)
+        headers = torch.empty(n, dtype=torch.int64, device="cpu")
         data, posted = [], []
         for j, (f, r0, rows) in enumerate(zip(inc.field, inc.row0, inc.rows, strict=True)):
             data.append(dist.irecv(self._tensors[f][r0:r0 + rows], src=src, group=self.group, tag=1 + j))
@@ -163,7 +164,7 @@ class DistTransport(Transport):
                 self.counters.add(e)
             return
         peer, src = self._peer(dst_rank), src.contiguous()
-        header = torch.tensor([seq], dtype=torch.int64)
+        header = torch.tensor([seq], dtype=torch.int64, device="cpu")
         with self._send_lock:  # data then header, header k in issue order
             k = self._headers_sent[dst_rank]
             self._headers_sent[dst_rank] = k + 1
@@ -187,7 +188,7 @@ class DistTransport(Transport):
         for r in range(self.world):
             if r == self.rank:
                 continue
-            header = torch.tensor([ABORT], dtype=torch.int64)
+            header = torch.tensor([ABORT], dtype=torch.int64, device="cpu")
             with self._send_lock, contextlib.suppress(RuntimeError):  # the peer may be gone
                 k = self._headers_sent[r]
                 self._headers_sent[r] = k + 1

@@ -131,13 +131,13 @@ class SymmetricHeap:
         for r in grow:
             self._capacity[r] = self._capacity[r].grown(needs[r])
             self._generation[r] += 1
-        mine = self._create() if self.rank in grow else torch.zeros(_ROW, dtype=torch.int64)
+        mine = self._create() if self.rank in grow else torch.zeros(_ROW, dtype=torch.int64, device="cpu")
         table = self._all_gather(mine)
         self._check(table, grow)
         for r in grow:
             if r != self.rank:
                 self._map(r, open_segment(self._name(r, table[r]), self._capacity[r].size))
-        self._all_gather(torch.zeros(1, dtype=torch.int64))  # everyone mapped them
+        self._all_gather(torch.zeros(1, dtype=torch.int64, device="cpu"))  # everyone mapped them
         if self.rank in grow:
             self.unlink_created()
         return grow
@@ -148,10 +148,10 @@ class SymmetricHeap:
         try:
             seg, token = create_fresh(self.job, size, self._token)
         except SegmentError as err:
-            return torch.tensor([-err.code, size, shm_free()], dtype=torch.int64)
+            return torch.tensor([-err.code, size, shm_free()], dtype=torch.int64, device="cpu")
         self._created.add(seg.name)
         self._map(self.rank, seg)
-        return torch.tensor([1, int(token, 16) - 2**63, 0], dtype=torch.int64)
+        return torch.tensor([1, int(token, 16) - 2**63, 0], dtype=torch.int64, device="cpu")
 
     def _check(self, table: torch.Tensor, grow: list[int]) -> None:
         """Raise ``SegmentError`` on every rank when any owner failed."""
@@ -203,7 +203,7 @@ class SymmetricHeap:
         for (name, shape, dtype), off in zip(need.fields, need.offsets(), strict=True):
             count = math.prod(shape)
             flat = torch.frombuffer(m.segment.map, dtype=dtype, count=count, offset=start + off) \
-                if count else torch.empty(0, dtype=dtype)
+                if count else torch.empty(0, dtype=dtype, device="cpu")
             out[name] = flat.view(shape)
         return out
 

@@ -37,7 +37,8 @@ class LocalTransport(Transport):
 
     def _symmetric(self, step: Step) -> dict[str, torch.Tensor]:
         shapes = step.region.symmetric_shapes(step.plan, step.tiles, 0)
-        self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1]) for f in step.region.symmetric}
+        self._tensors = {f: torch.empty(shapes[f][0], dtype=shapes[f][1], device="cpu")
+                         for f in step.region.symmetric}
         return self._tensors
 
     def put(self, dst_rank: int, dst: PeerView, src: torch.Tensor, signals: tuple[int, ...],
