@@ -55,7 +55,7 @@ def test_the_persistent_kernel_compiles_for_hopper_with_wgmma_and_no_spills():
     pytest.importorskip("triton")
     from hpmoe.gpu.hopper import compile_hopper
 
-    report = compile_hopper(torch.bfloat16)
+    report = compile_hopper(torch.bfloat16).report
     print(report.line())
     assert report.wgmma, "the bf16 GEMM path must use warpgroup MMA on sm_90"
     assert 0 < report.registers <= 255 and report.spill_bytes == 0

@@ -12,7 +12,6 @@ Outputs and work buffers start as NaN, so a row no task wrote shows in the resul
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,10 +38,12 @@ from .core import (
     lower_backward,
     lower_forward,
     plan_routing,
-    schedule,
 )
+from .ops import aligned_addresses, aligned_layout, describe
 from .pack import pack
-from .runner import DeviceProgram, KernelConfig, RunInfo, device_workers
+from .residency import check_resident
+from .runner import DeviceProgram, KernelConfig, RunInfo, resident_per_rank
+from .split import measured_schedule, run_ms, scheduled, split_key
 
 INTERPRETER_WORKERS = WorkerCounts(matrix=2, vector=2)
 
@@ -88,21 +89,28 @@ class PreparedRegion:
                                 stamps=self.options.stamps, delays_ns=delays_ns)
 
 
-def region_schedule(graph: TaskGraph, options: TritonOptions, device: torch.device,
-                    dtype: torch.dtype) -> Schedule:
-    """Schedule ``graph`` on the device's workers (refusing more than can be resident)."""
+def region_schedule(graph: TaskGraph, options: TritonOptions, arena: Arena) -> Schedule:
+    """Schedule ``graph`` on the device's workers (refusing more than can be resident):
+    ``options.workers``, else on a GPU every resident program, split by measuring
+    (``split.measured_schedule``), in the interpreter ``INTERPRETER_WORKERS``."""
     hw = options.hardware or hardware_preset("h100")
     workers = options.workers
-    if device.type == "cuda":
-        workers = device_workers(graph, hw, device, dtype, options.config, workers)
+    if arena.device.type == "cuda":
+        aligned = (aligned_layout(tasks := describe(graph, arena.space), arena.space)
+                   and aligned_addresses(tasks, arena.host_addresses()))
+        per_rank = resident_per_rank(graph, arena.device, arena.dtype, options.config, aligned)
+        if workers is None:
+            key = split_key(graph, options.policy, arena.dtype, options.config, per_rank)
+            return measured_schedule(graph, options.policy, hw, key, per_rank,
+                                     lambda s: run_ms(s, arena, options.config, options.deadline_s))
+        check_resident(graph.ep * workers.per_rank, graph.ep * per_rank)
     elif workers is None:
         workers = INTERPRETER_WORKERS
-    hw = dataclasses.replace(hw, matrix_workers=workers.matrix, vector_workers=workers.vector)
-    return schedule(graph, options.policy, hw)
+    return scheduled(graph, options.policy, hw, workers)
 
 
 def prepare(graph: TaskGraph, arena: Arena, options: TritonOptions) -> PreparedRegion:
-    sched = region_schedule(graph, options, arena.device, arena.dtype)
+    sched = region_schedule(graph, options, arena)
     program = DeviceProgram(pack(sched, arena.space), arena.device, arena.dtype, options.config)
     return PreparedRegion(schedule=sched, program=program, arena=arena, options=options)
 

@@ -131,7 +131,7 @@ class Arena:
     def _carve(self, elem: Elem, fill: float) -> None:
         names = [f.name for f in FIELDS if f.work and f.elem is elem]
         sizes = [(n, r, *self.space.shape(n, r)) for n in names for r in range(self.space.ep)]
-        total = sum(rows * ld for _, _, rows, ld in sizes)
+        total = sum(_padded(rows * ld) for _, _, rows, ld in sizes)
         dtype = self.dtype if elem is Elem.DATA else _TORCH[elem]
         flat = torch.empty(max(total, 1), dtype=dtype, device=self.device)
         flat.fill_(-1 if elem is Elem.I32 else fill)
@@ -139,7 +139,7 @@ class Arena:
         at = 0
         for n, r, rows, ld in sizes:
             self.views[(n, r)] = flat[at:at + rows * ld].view(rows, ld)
-            at += rows * ld
+            at += _padded(rows * ld)
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         """Use ``tensor`` (all ranks' rows of field ``name``, stacked in rank order) as
@@ -186,10 +186,20 @@ class Arena:
         """Field ``name`` of every rank, concatenated in rank order."""
         return torch.cat([self.views[(name, r)] for r in range(self.space.ep)])
 
-    def addresses(self) -> torch.Tensor:
-        """int64 [num_buffers] address of every buffer (0 for unbound ones), on the device."""
+    def host_addresses(self) -> np.ndarray:
+        """int64 [num_buffers] address of every buffer (0 for unbound ones)."""
         ep = self.space.ep
         out = np.zeros(self.space.num_buffers, np.int64)
         for (name, r), t in self.views.items():
             out[FIELD_INDEX[name] * ep + r] = t.data_ptr()
-        return torch.from_numpy(out).to(self.device)
+        return out
+
+    def addresses(self) -> torch.Tensor:
+        """``host_addresses()`` on the device."""
+        return torch.from_numpy(self.host_addresses()).to(self.device)
+
+
+def _padded(elements: int) -> int:
+    """``elements`` rounded up to 16, so that every region of a flat arena tensor starts
+    16-element (at least 16-byte) aligned, as the device's aligned loads need."""
+    return -(-elements // 16) * 16

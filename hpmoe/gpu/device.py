@@ -48,13 +48,20 @@ OP_ROWDOT = tl.constexpr(6)
 # ---------------------------------------------------------------------------- operands
 
 @triton.jit
-def _base(row, col: tl.constexpr, addr, lds, DT: tl.constexpr):
+def _base(row, col: tl.constexpr, addr, lds, DT: tl.constexpr, ALIGNED: tl.constexpr = False):
     """(pointer to element (0, 0), row stride) of the operand at ``row[col:col + 3]``;
-    an absent buffer (-1) reads buffer 0's address and must not be dereferenced."""
+    an absent buffer (-1) reads buffer 0's address and must not be dereferenced.
+    ALIGNED: the host checked that the address is 16-byte aligned and the stride a multiple
+    of 8 elements.  The hints are applied here, not by the caller: a hint on the result of
+    a jit function call is lost when the call is inlined."""
     buf = tl.maximum(tl.load(row + col), 0)
     ld = tl.load(lds + buf).to(tl.int64)
     ptr = tl.load(addr + buf).to(tl.pointer_type(DT))
-    return ptr + tl.load(row + col + 1).to(tl.int64) * ld + tl.load(row + col + 2), ld
+    ptr = ptr + tl.load(row + col + 1).to(tl.int64) * ld + tl.load(row + col + 2)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+        ld = tl.multiple_of(ld, 8)
+    return ptr, ld
 
 
 @triton.jit
@@ -91,14 +98,26 @@ def _to(x, DT: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def gemm_tile(row, addr, lds, DT: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """C[M, N] = A[M, K] @ B[K, N] in BM x BN blocks, fp32 accumulation over BK slices."""
+              BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+              ALIGNED: tl.constexpr):
+    """C[M, N] = A[M, K] @ B[K, N] in BM x BN blocks, fp32 accumulation over BK slices.
+
+    ALIGNED: the host checked that every operand's address, row stride and column offset,
+    and the extents along contiguous dimensions (K of A and B^T, M of A^T, N of B and C)
+    are multiples of 8 elements; the hints let every load and store be 16 bytes wide and
+    the K loop be software-pipelined (asynchronous copies, ``num_stages`` deep)."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
     k = tl.load(row + C_K)
-    a, lda = _base(row, C_A, addr, lds, DT)
-    b, ldb = _base(row, C_B, addr, lds, DT)
-    c, ldc = _base(row, C_C, addr, lds, DT)
+    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
+    b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
+    c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
+    if ALIGNED:
+        n = tl.multiple_of(n, 8)
+        if A_T:
+            m = tl.multiple_of(m, 8)
+        else:
+            k = tl.multiple_of(k, 8)
     rm = tl.arange(0, BM)
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -128,12 +147,14 @@ def gemm_tile(row, addr, lds, DT: tl.constexpr, A_T: tl.constexpr, B_T: tl.const
 
 
 @triton.jit
-def copy_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def copy_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ALIGNED: tl.constexpr):
     """C[i, :N] = A[i, :N] for M rows: a put into the peer's region, or a local copy."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
-    a, lda = _base(row, C_A, addr, lds, DT)
-    c, ldc = _base(row, C_C, addr, lds, DT)
+    if ALIGNED:
+        n = tl.multiple_of(n, 8)
+    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
+    c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     for r0 in range(0, m, BR):
         ir = r0 + tl.arange(0, BR)
         for c0 in range(0, n, BC):
@@ -144,13 +165,16 @@ def copy_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
+def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """C[i, :N] = A[I[i], :N], scaled by W[i] in fp32 when W is given."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
+    if ALIGNED:
+        n = tl.multiple_of(n, 8)
     scaled = tl.load(row + C_W) >= 0
-    a, lda = _base(row, C_A, addr, lds, DT)
-    c, ldc = _base(row, C_C, addr, lds, DT)
+    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
+    c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
     wp, ldw = _base2(row, C_W, addr, lds, tl.float32)
     for r0 in range(0, m, BR):
@@ -167,12 +191,15 @@ def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
 
 
 @triton.jit
-def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
+def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """C[i, j] = silu(A[i, j]) * A[i, N + j], rounded as torch rounds (silu, then product)."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
-    a, lda = _base(row, C_A, addr, lds, DT)
-    c, ldc = _base(row, C_C, addr, lds, DT)
+    if ALIGNED:
+        n = tl.multiple_of(n, 8)
+    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
+    c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     for r0 in range(0, m, BR):
         ir = r0 + tl.arange(0, BR)
         for c0 in range(0, n, BC):
@@ -187,13 +214,15 @@ def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
 
 @triton.jit
 def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                    EMULATE: tl.constexpr):
+                    EMULATE: tl.constexpr, ALIGNED: tl.constexpr):
     """dh = d(silu(gate) * up) given h = A and da = B, as autograd rounds it."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
-    a, lda = _base(row, C_A, addr, lds, DT)
-    b, ldb = _base(row, C_B, addr, lds, DT)
-    c, ldc = _base(row, C_C, addr, lds, DT)
+    if ALIGNED:
+        n = tl.multiple_of(n, 8)
+    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
+    b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
+    c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     for r0 in range(0, m, BR):
         ir = r0 + tl.arange(0, BR)
         for c0 in range(0, n, BC):
@@ -213,15 +242,18 @@ def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.c
 
 
 @triton.jit
-def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
+def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr,
+             ALIGNED: tl.constexpr):
     """C[i, :] = sum over slots j in order of W[i, j] * A[I[i, j], :] (fp32) + S[i, :]."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
+    if ALIGNED:
+        n = tl.multiple_of(n, 8)
     slots = tl.load(row + C_KK)
     weighted = tl.load(row + C_W) >= 0
     shared = tl.load(row + C_S) >= 0
-    a, lda = _base(row, C_A, addr, lds, DT)
-    c, ldc = _base(row, C_C, addr, lds, DT)
+    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
+    c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
     wp, ldw = _base2(row, C_W, addr, lds, tl.float32)
     sp, lds_ = _base2(row, C_S, addr, lds, DT)
@@ -246,13 +278,15 @@ def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexp
 
 
 @triton.jit
-def rowdot_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def rowdot_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ALIGNED: tl.constexpr):
     """C[i, j] = <A[i, :N], B[I[i, j], :N]> in fp32 (C is float32)."""
     m = tl.load(row + C_M)
     n = tl.load(row + C_N)
+    if ALIGNED:
+        n = tl.multiple_of(n, 8)
     slots = tl.load(row + C_KK)
-    a, lda = _base(row, C_A, addr, lds, DT)
-    b, ldb = _base(row, C_B, addr, lds, DT)
+    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
+    b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, tl.float32)
     ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
     for r0 in range(0, m, BR):
@@ -271,29 +305,30 @@ def rowdot_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
 
 @triton.jit
 def run_task(row, addr, lds, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+             BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+             ALIGNED: tl.constexpr):
     """Dispatch one task (its operand row) to its tile operation."""
     op = tl.load(row + C_OP)
     if op == OP_GEMM:
         variant = tl.load(row + C_VARIANT)
         if variant == 0:
-            gemm_tile(row, addr, lds, DT, False, True, BM, BN, BK, PREC, UPCAST)
+            gemm_tile(row, addr, lds, DT, False, True, BM, BN, BK, PREC, UPCAST, ALIGNED)
         elif variant == 1:
-            gemm_tile(row, addr, lds, DT, False, False, BM, BN, BK, PREC, UPCAST)
+            gemm_tile(row, addr, lds, DT, False, False, BM, BN, BK, PREC, UPCAST, ALIGNED)
         else:
-            gemm_tile(row, addr, lds, DT, True, False, BM, BN, BK, PREC, UPCAST)
+            gemm_tile(row, addr, lds, DT, True, False, BM, BN, BK, PREC, UPCAST, ALIGNED)
     elif op == OP_COPY:
-        copy_tile(row, addr, lds, DT, BR, BC)
+        copy_tile(row, addr, lds, DT, BR, BC, ALIGNED)
     elif op == OP_GATHER:
-        gather_tile(row, addr, lds, DT, BR, BC, UPCAST)
+        gather_tile(row, addr, lds, DT, BR, BC, UPCAST, ALIGNED)
     elif op == OP_SWIGLU:
-        swiglu_tile(row, addr, lds, DT, BR, BC, UPCAST)
+        swiglu_tile(row, addr, lds, DT, BR, BC, UPCAST, ALIGNED)
     elif op == OP_SWIGLU_BWD:
-        swiglu_bwd_tile(row, addr, lds, DT, BR, BC, UPCAST)
+        swiglu_bwd_tile(row, addr, lds, DT, BR, BC, UPCAST, ALIGNED)
     elif op == OP_SUM:
-        sum_tile(row, addr, lds, DT, BR, BC, UPCAST)
+        sum_tile(row, addr, lds, DT, BR, BC, UPCAST, ALIGNED)
     else:
-        rowdot_tile(row, addr, lds, DT, BR, BC)
+        rowdot_tile(row, addr, lds, DT, BR, BC, ALIGNED)
 
 
 # ---------------------------------------------------------------------------- the worker loop
@@ -303,6 +338,14 @@ def globaltimer():
     """Nanoseconds of the GPU's global timer (compiled mode only)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                      pack=1)
+
+
+@triton.jit
+def nanosleep(ns):
+    """Suspend the warp for about ``ns`` nanoseconds (compiled mode only): a waiting
+    program backs off instead of polling L2 flat out."""
+    return tl.inline_asm_elementwise("nanosleep.u32 $1;\n mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -319,7 +362,8 @@ def _now(clock, STAMP: tl.constexpr):
 def wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, epoch, deadline_ns,
                BLOCKING: tl.constexpr):
     """True when task t may run: its event reached ``epoch * step + threshold``
-    (acquire).  BLOCKING spins until then or the deadline, recording a late wait."""
+    (acquire).  BLOCKING spins until then or the deadline, recording a late wait; the
+    spin backs off (``nanosleep``, 32 ns doubling to 1 us between polls)."""
     ev = tl.load(wait_event_ + t)
     ok = ev < 0
     if ev >= 0:
@@ -329,7 +373,10 @@ def wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, e
         if BLOCKING:
             start = globaltimer()
             late = start < 0
+            pause = tl.full((), 32, tl.int32)
             while (ok == 0) & (late == 0):
+                nanosleep(pause)
+                pause = tl.minimum(pause * 2, 1024)
                 seen = tl.atomic_add(counters + ev, 0, sem="acquire", scope="gpu")
                 ok = seen >= need
                 late = globaltimer() - start > deadline_ns
@@ -346,7 +393,7 @@ def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_
                     addr, lds, counters, cursor, errors, stamps, clock, delays, epoch, deadline_ns,
                     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    BLOCKING: tl.constexpr, STAMP: tl.constexpr, DELAY: tl.constexpr):
+                    BLOCKING: tl.constexpr, STAMP: tl.constexpr, DELAY: tl.constexpr, ALIGNED: tl.constexpr):
     """Program q runs worker queue q from its saved cursor: wait, run, barrier, signal."""
     q = tl.program_id(0)
     lo = tl.load(queue_ptr + q)
@@ -366,12 +413,14 @@ def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_
         if ok:
             if STAMP:
                 tl.store(stamps + 2 * t, _now(clock, STAMP))
-            run_task(tasks + t.to(tl.int64) * NCOL, addr, lds, DT, BM, BN, BK, BR, BC, PREC, UPCAST)
+            run_task(tasks + t.to(tl.int64) * NCOL, addr, lds, DT, BM, BN, BK, BR, BC, PREC, UPCAST, ALIGNED)
             tl.debug_barrier()
             if STAMP:
-                tl.store(stamps + 2 * t + 1, _now(clock, STAMP))
+                end = _now(clock, STAMP)
             for s in range(tl.load(sig_ptr + t), tl.load(sig_ptr + t + 1)):
                 tl.atomic_add(counters + tl.load(sig_event + s), 1, sem="release", scope="gpu")
+            if STAMP:  # stored after the signals: the barrier must be the last ordering before them
+                tl.store(stamps + 2 * t + 1, end)
             i += 1
         go = ok & (i < hi)
     tl.store(cursor + q, i - lo)

@@ -7,14 +7,19 @@ registers per thread and bytes of local memory (spills) that ptxas allocated (re
 the cubin with the ``cuobjdump`` bundled with triton), the shared memory, and the
 programs that stay resident on an H100 (``residency``).
 
-    python -m hpmoe.gpu.hopper [--dtype bf16|fp32] [--bm 64 --bn 64 --bk 32 --warps 4 ...]
+    python -m hpmoe.gpu.hopper [--dtype bf16|fp32] [--bm 128 --bn 128 --bk 64 --warps 8 ...]
+                               [--unaligned] [--json] [--ptx DIR]
+
+Exits 1 when the build breaks an ordering or pipelining guard (``ptx_guards``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,49 +37,112 @@ _POINTERS = {**{n: "*i32" for n in ("tasks", "wait_event_", "wait_threshold", "w
 
 @dataclass(frozen=True)
 class HopperReport:
-    """What the sm_90 build of the persistent kernel uses."""
+    """What the sm_90 build of the persistent kernel uses, and the ordering guards it
+    breaks (``violations``, empty when it keeps them all: see ``ptx_guards``)."""
 
     dtype: str
-    config: KernelConfig
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    maxnreg: int | None
+    aligned: bool  # built for an aligned program (the K loop can be pipelined)
     wgmma: bool  # the GEMM path issues wgmma.mma_async
     mma_sync: bool  # ... or older mma.sync tensor-core instructions
+    async_copy: int  # cp.async copies into shared memory in the PTX
+    cooperative: bool  # launched cooperatively (the driver refuses a grid that cannot be resident)
     registers: int  # per thread, as ptxas allocated them
     spill_bytes: int  # local memory per thread (spills and stack)
-    shared_bytes: int
+    smem_bytes: int
     programs_per_sm: int  # on an H100
     resident: int  # programs resident on an H100 (132 SMs)
+    violations: tuple[str, ...]
 
     def line(self) -> str:
-        c = self.config
-        return (f"sm_90 {self.dtype} BM{c.bm} BN{c.bn} BK{c.bk} BR{c.br} BC{c.bc} warps {c.num_warps} "
-                f"stages {c.num_stages} maxnreg {c.maxnreg}: wgmma={self.wgmma} registers={self.registers} "
-                f"spills={self.spill_bytes} B shared={self.shared_bytes} B -> {self.programs_per_sm}/SM, "
-                f"{self.resident} resident on an H100")
+        guards = "; ".join(self.violations) or "kept"
+        return (f"sm_90 {self.dtype} BM{self.bm} BN{self.bn} BK{self.bk} warps {self.warps} "
+                f"stages {self.stages} maxnreg {self.maxnreg} aligned={self.aligned}: wgmma={self.wgmma} "
+                f"cp.async={self.async_copy} registers={self.registers} spills={self.spill_bytes} B "
+                f"shared={self.smem_bytes} B -> {self.programs_per_sm}/SM, {self.resident} resident on an "
+                f"H100; cooperative={self.cooperative}; guards: {guards}")
+
+
+@dataclass(frozen=True)
+class HopperBuild:
+    """The report and the PTX it was read from."""
+
+    report: HopperReport
+    ptx: str
 
 
 def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | None = None,
-                   stamps: bool = False) -> HopperReport:
+                   stamps: bool = False, aligned: bool = True) -> HopperBuild:
     """Compile ``taskflow_kernel`` (blocking mode) for sm_90 and report its resources."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     config = config or KernelConfig()
-    meta = kernel_meta(dtype, config, False, True, 2 if stamps else 0, False)
+    meta = kernel_meta(dtype, config, False, True, 2 if stamps else 0, False, aligned)
     fn = device_module(False).taskflow_kernel
     signature = {**_POINTERS, "epoch": "i32", "deadline_ns": "i64", **{k: "constexpr" for k in meta}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(_POINTERS))}
     src = ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(config))
+    options = launch_options(config)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     regs, local = cubin_usage(k.asm["cubin"])
     ptx = k.asm["ptx"]
     res = KernelResources(registers=regs, spill_bytes=local, shared_bytes=int(k.metadata.shared),
                           num_warps=config.num_warps)
     per_sm = programs_per_sm(res, H100)
-    return HopperReport(dtype=str(dtype).removeprefix("torch."), config=config,
-                        wgmma="wgmma.mma_async" in ptx, mma_sync=bool(re.search(r"\bmma\.sync", ptx)),
-                        registers=regs, spill_bytes=local, shared_bytes=res.shared_bytes,
-                        programs_per_sm=per_sm, resident=per_sm * H100.sms)
+    stage_bytes = (config.bm + config.bn) * config.bk * dtype.itemsize
+    report = HopperReport(
+        dtype=str(dtype).removeprefix("torch."), bm=config.bm, bn=config.bn, bk=config.bk,
+        warps=config.num_warps, stages=config.num_stages, maxnreg=config.maxnreg, aligned=aligned,
+        wgmma="wgmma.mma_async" in ptx, mma_sync=bool(re.search(r"\bmma\.sync", ptx)),
+        async_copy=len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global", ptx)),
+        cooperative=bool(getattr(k.metadata, "launch_cooperative_grid", False)), registers=regs,
+        spill_bytes=local, smem_bytes=res.shared_bytes, programs_per_sm=per_sm, resident=per_sm * H100.sms,
+        violations=tuple(ptx_guards(ptx, res.shared_bytes if aligned else None, stage_bytes)))
+    return HopperBuild(report=report, ptx=ptx)
+
+
+_ORDERING = re.compile(r"\b(bar\.sync|barrier\.sync|st\.global|red\.global|atom\.global)")
+
+
+def ptx_guards(ptx: str, smem_bytes: int | None, stage_bytes: int) -> list[str]:
+    """The ordering and pipelining rules ``ptx`` breaks (empty: none):
+
+    * every wait polls with acquire semantics (``ld``/``atom ... .gpu.acquire``) and
+      nothing reads through the non-coherent path (``ld.global.nc``), which may return
+      data another program wrote before the wait was satisfied;
+    * every release atomic (a signal) has a ``bar.sync`` as the last ordering
+      instruction before it, so the whole program's stores precede the signal;
+    * (``smem_bytes`` given: an aligned build) the GEMM's K loop copies asynchronously
+      (``cp.async``) into shared memory holding at least two stages of A and B blocks
+      (``stage_bytes`` each)."""
+    lines = ptx.splitlines()
+    out = []
+    if not re.search(r"\b(ld|atom)\.global\.gpu\.acquire", ptx):
+        out.append("no wait polls with acquire semantics")
+    if re.search(r"\bld\.global\.nc", ptx):
+        out.append("a load goes through the non-coherent path (ld.global.nc)")
+    releases = [i for i, line in enumerate(lines) if re.search(r"\b(atom|red)\.global\.gpu\.release", line)]
+    if not releases:
+        out.append("no signal is a release atomic")
+    for i in releases:
+        before = [m.group(1) for line in lines[:i] if (m := _ORDERING.search(line))]
+        if not before or before[-1] not in ("bar.sync", "barrier.sync"):
+            out.append(f"PTX line {i + 1}: a release atomic follows {before[-1] if before else 'nothing'}, "
+                       "not bar.sync")
+    if smem_bytes is not None:
+        if not re.search(r"\bcp\.async\.c[ag]\.shared\.global", ptx):
+            out.append("the GEMM's K loop issues no asynchronous copies (cp.async): it is not pipelined")
+        if smem_bytes < 2 * stage_bytes:
+            out.append(f"shared memory {smem_bytes} B holds fewer than two stages of A and B blocks "
+                       f"({stage_bytes} B each)")
+    return out
 
 
 def cubin_usage(cubin: bytes) -> tuple[int, int]:
@@ -94,18 +162,26 @@ def cubin_usage(cubin: bytes) -> tuple[int, int]:
     return int(regs.group(1)), int(local.group(1))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     for name, default in asdict(KernelConfig()).items():
         p.add_argument(f"--{name.replace('num_', '')}", type=int, default=default, dest=name)
     p.add_argument("--no-maxnreg", action="store_const", const=None, dest="maxnreg")
+    p.add_argument("--unaligned", action="store_true", help="the build for a program that is not aligned")
     p.add_argument("--stamps", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--ptx", type=Path, default=None, help="write the PTX into this folder")
     a = p.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     config = KernelConfig(**{k: getattr(a, k) for k in asdict(KernelConfig())})
-    print(compile_hopper(dtype, config, a.stamps).line())
+    build = compile_hopper(dtype, config, a.stamps, not a.unaligned)
+    if a.ptx is not None:
+        a.ptx.mkdir(parents=True, exist_ok=True)
+        (a.ptx / f"taskflow_kernel-{a.dtype}.ptx").write_text(build.ptx)
+    print(json.dumps(asdict(build.report)) if a.json else build.report.line())
+    return 1 if build.report.violations else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -234,6 +234,45 @@ DESCRIBE: dict[TaskKind, Describe] = {
 }
 
 
+# ---------------------------------------------------------------------------- alignment
+# The device reads and writes an operand 16 bytes at a time, and software-pipelines the
+# GEMM's K loop, only where it may assume alignment (device.py's ALIGNED): the structure
+# (strides, first columns, contiguous extents) is checked once per program, the
+# addresses per run.
+
+ALIGN = 8  # elements: 16 bytes of bf16
+
+
+def _hinted(tasks: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(buffer ids, first columns) of the operands the device hints as aligned: A, B and C
+    of every task but ROWDOT's float32 C [M, KK]."""
+    op = tasks[:, COL["op"]]
+    out = []
+    for x in "abc":
+        used = tasks[:, COL[f"{x}_buf"]] >= 0
+        if x == "c":
+            used &= op != Op.ROWDOT
+        out.append((tasks[used, COL[f"{x}_buf"]], tasks[used, COL[f"{x}_col"]]))
+    return out
+
+
+def aligned_layout(tasks: np.ndarray, space: BufferSpace) -> bool:
+    """Whether every hinted operand's row stride and first column, N of every task, K of
+    every NT / NN GEMM and M of every TN GEMM (the extents along contiguous dimensions) are
+    multiples of ``ALIGN`` elements."""
+    op, variant = tasks[:, COL["op"]], tasks[:, COL["variant"]]
+    tn = (op == Op.GEMM) & (variant == Gemm.TN)
+    extents = (tasks[:, COL["n"]], tasks[(op == Op.GEMM) & ~tn, COL["k"]], tasks[tn, COL["m"]])
+    ld = space.ld.reshape(-1)
+    return (not any((e % ALIGN).any() for e in extents)
+            and not any((ld[b] % ALIGN).any() or (c % ALIGN).any() for b, c in _hinted(tasks)))
+
+
+def aligned_addresses(tasks: np.ndarray, addresses: np.ndarray) -> bool:
+    """Whether every hinted operand's buffer starts on a 16-byte boundary."""
+    return not any((addresses[b] % 16).any() for b, _ in _hinted(tasks))
+
+
 def describe(graph: TaskGraph, space: BufferSpace) -> np.ndarray:
     """[n, NCOL] int64 operand rows of every task of ``graph`` (column ``kind`` first)."""
     out = np.zeros((graph.num_tasks, NCOL), np.int64)

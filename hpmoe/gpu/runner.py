@@ -32,16 +32,15 @@ import torch
 from .core import (
     GraphError,
     HangReport,
-    HardwareModel,
     RegionError,
     TaskGraph,
     Timeline,
-    WorkerCounts,
     WorkerReport,
     WorkerStatus,
 )
+from .ops import aligned_addresses, aligned_layout
 from .pack import PackedProgram
-from .residency import KernelResources, SMLimits, check_resident, resident_programs, split_workers
+from .residency import KernelResources, SMLimits, check_resident, resident_programs
 
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -78,19 +77,23 @@ class KernelConfig:
     """Tile sizes and launch options of the persistent kernel.
 
     bm, bn, bk: GEMM block (tl.dot needs >= 16 each); br, bc: rows and columns of a
-    vector-operation chunk; num_warps / num_stages: Triton launch options; maxnreg: cap
-    on registers per thread (None: ptxas's choice).  Without a cap ptxas takes all 255
-    registers (2 programs of 4 warps per SM); at 128 the sm_90 build does not spill and
-    4 programs fit an SM (``python -m hpmoe.gpu.hopper``)."""
+    vector-operation chunk; num_warps / num_stages: Triton launch options (an aligned
+    program's K loop keeps ``num_stages`` A and B blocks in flight through asynchronous
+    copies); maxnreg: cap on registers per thread (None: ptxas's choice).  The default,
+    128 x 128 x 64 blocks of 8 warps 3 stages deep, is the block of Triton's Hopper matmul
+    tutorial: in bf16 the sm_90 build takes 96 KiB of shared memory and ~242 registers,
+    one program per SM (``python -m hpmoe.gpu.hopper``).  Vector operations take 64 x 128
+    chunks: on an H200 DeepSeek-V3's permute ran at 3.1 TB/s against 1.7 with 16-row ones
+    (``benchmarks/gpu_sweep.py``, docs/lab)."""
 
-    bm: int = 64
-    bn: int = 64
-    bk: int = 32
-    br: int = 16
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    br: int = 64
     bc: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
-    maxnreg: int | None = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 16 <= self.maxnreg <= 255):
@@ -112,8 +115,11 @@ INTERPRETER_CONFIG = KernelConfig(bm=16, bn=16, bk=16, br=16, bc=16)
 
 
 def launch_options(config: KernelConfig) -> dict:
-    """Triton launch/compile options of ``config``."""
-    out = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    """Triton launch/compile options of ``config`` on a GPU.  The launch is cooperative:
+    the driver refuses a grid whose programs cannot all be resident at once (other
+    kernels, MPS, partitions), where a normal launch would leave waiting programs
+    spinning on ones that never start."""
+    out = {"num_warps": config.num_warps, "num_stages": config.num_stages, "launch_cooperative_grid": True}
     if config.maxnreg is not None:
         out["maxnreg"] = config.maxnreg
     return out
@@ -147,6 +153,12 @@ class DeviceProgram:
         self.lds = torch.from_numpy(ld).to(self.device)
         self.counters = torch.zeros(max(packed.num_events, 1), dtype=torch.int32, device=self.device)
         self.calls = 0
+        self.aligned = aligned_layout(packed.tasks, packed.space)
+
+    def _aligned(self, addresses: torch.Tensor) -> bool:
+        """The kernel variant for ``addresses``: aligned when the layout is and every
+        hinted buffer starts on a 16-byte boundary (else the unhinted variant runs)."""
+        return self.aligned and aligned_addresses(self.packed.tasks, addresses.cpu().numpy())
 
     # ------------------------------------------------------------------ launch
 
@@ -174,12 +186,13 @@ class DeviceProgram:
         errors = torch.zeros(q, 4, dtype=torch.int32, device=dev)
         stamp_buf = torch.zeros(max(self.packed.num_tasks, 1), 2, dtype=torch.int64, device=dev)
         clock = torch.zeros(1, dtype=torch.int64, device=dev)
-        delays = torch.as_tensor(np.zeros(q) if delays_ns is None else delays_ns, dtype=torch.int64).to(dev)
+        delays = torch.as_tensor(np.zeros(q) if delays_ns is None else delays_ns, dtype=torch.int64,
+                                 device=dev)
         stamp = (1 if self.interpret else 2) if stamps else 0
         args = self._kernel_args(addresses, cursor, errors, stamp_buf, clock, delays, int(deadline_s * 1e9))
         kernel = device_module(self.interpret).taskflow_kernel
         meta = kernel_meta(self.dtype, self.config, self.interpret, not self.interpret, stamp,
-                           delays_ns is not None)
+                           delays_ns is not None, self._aligned(addresses))
         start = time.perf_counter()
         if self.interpret:
             launches = self._rounds(kernel, args, meta, cursor, max_rounds)
@@ -187,7 +200,7 @@ class DeviceProgram:
             launch = launch_options(self.config)
             compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
             check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(dev)))
-            kernel[(q,)](*args, **meta, **launch)
+            cooperative_launch(kernel, q, args, {**meta, **launch})
             torch.cuda.synchronize(dev)
             launches = 1
             self._check_errors(cursor, errors, time.perf_counter() - start)
@@ -207,7 +220,7 @@ class DeviceProgram:
         errors = torch.zeros(q, 4, dtype=torch.int32, device=dev)
         dummy = torch.zeros(1, 2, dtype=torch.int64, device=dev)
         kernel = device_module(False).taskflow_kernel
-        meta = kernel_meta(self.dtype, self.config, False, True, 0, False)
+        meta = kernel_meta(self.dtype, self.config, False, True, 0, False, self._aligned(addresses))
         launch = launch_options(self.config)
         args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
         compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
@@ -216,7 +229,7 @@ class DeviceProgram:
         def go() -> None:
             cursor.zero_()
             args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
-            kernel[(q,)](*args, **meta, **launch)
+            cooperative_launch(kernel, q, args, {**meta, **launch})
             self.calls += 1
 
         go.errors = errors
@@ -311,14 +324,26 @@ class DeviceProgram:
 
 
 
+def cooperative_launch(kernel, programs: int, args: tuple, options: dict) -> None:
+    """Launch ``programs`` programs of ``kernel``; a refused cooperative launch (they
+    cannot all be resident now) is named as such."""
+    try:
+        kernel[(programs,)](*args, **options)
+    except RuntimeError as err:
+        raise RuntimeError(f"the persistent kernel's {programs} programs cannot all be resident on "
+                           f"this GPU now (cooperative launch refused: {err}); other kernels, MPS "
+                           "or a partition may hold SMs: run with fewer workers (TritonOptions.workers)"
+                           ) from err
+
+
 def kernel_meta(dtype: torch.dtype, config: KernelConfig, interpret: bool, blocking: bool, stamp: int,
-                delay: bool) -> dict:
-    """The constexpr arguments of ``taskflow_kernel``."""
+                delay: bool, aligned: bool) -> dict:
+    """The constexpr arguments of ``taskflow_kernel`` (aligned: see ``ops.aligned_layout``)."""
     import triton.language as tl
     c = config
     return {"DT": getattr(tl, _TL_DTYPES[dtype]), "BM": c.bm, "BN": c.bn, "BK": c.bk, "BR": c.br, "BC": c.bc,
             "PREC": "ieee" if dtype == torch.float32 else "tf32", "UPCAST": interpret, "BLOCKING": blocking,
-            "STAMP": stamp, "DELAY": delay}
+            "STAMP": stamp, "DELAY": delay, "ALIGNED": aligned}
 
 
 def kernel_resources(compiled: object) -> KernelResources:
@@ -331,25 +356,22 @@ def kernel_resources(compiled: object) -> KernelResources:
                            shared_bytes=int(meta.shared), num_warps=int(meta.num_warps))
 
 
-def compiled_resources(device: torch.device, dtype: torch.dtype,
-                       config: KernelConfig | None) -> KernelResources:
+def compiled_resources(device: torch.device, dtype: torch.dtype, config: KernelConfig | None,
+                       aligned: bool) -> KernelResources:
     """Resources of the persistent kernel (blocking, no stamps) compiled for ``device``."""
     config = config or KernelConfig()
     i32 = torch.zeros(64, dtype=torch.int32, device=device)
     i64 = torch.zeros(64, dtype=torch.int64, device=device)
     args = (i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, i32, i32, i32, i64, i64, i64, 0, 1)
-    meta = kernel_meta(dtype, config, False, True, 0, False)
+    meta = kernel_meta(dtype, config, False, True, 0, False, aligned)
     kernel = device_module(False).taskflow_kernel
     launch = launch_options(config)
     return kernel_resources(kernel.warmup(*args, grid=(1,), **meta, **launch))
 
 
-def device_workers(graph: TaskGraph, hardware: HardwareModel, device: torch.device, dtype: torch.dtype,
-                   config: object, workers: WorkerCounts | None) -> WorkerCounts:
-    """Workers per rank on a CUDA ``device``: the given ones if they fit, else as many as
-    stay resident (split by the cost model)."""
-    resident = resident_programs(compiled_resources(device, dtype, config), SMLimits.of(device))
-    if workers is None:
-        workers = split_workers(graph, hardware, resident // graph.ep)
-    check_resident(graph.ep * workers.per_rank, resident)
-    return workers
+def resident_per_rank(graph: TaskGraph, device: torch.device, dtype: torch.dtype, config: object,
+                      aligned: bool) -> int:
+    """Programs of the kernel variant ``aligned`` picks that stay resident on a CUDA
+    ``device``, per rank of ``graph``."""
+    res = compiled_resources(device, dtype, config, aligned)
+    return resident_programs(res, SMLimits.of(device)) // graph.ep

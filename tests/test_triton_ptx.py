@@ -1,0 +1,67 @@
+"""The sm_90 build of the persistent kernel, read as PTX without a GPU (compile only):
+the GEMM's K loop is software-pipelined in big blocks, waits poll with acquire
+semantics, every signal is a release atomic behind a ``bar.sync``, nothing reads
+through the non-coherent path, and the launch is cooperative.  ``ptx_guards`` itself is
+checked on PTX that breaks each rule."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hpmoe.gpu.hopper import compile_hopper, main, ptx_guards  # noqa: E402
+
+GOOD = """
+    @%p1 ld.global.gpu.acquire.b32 %r1, [ %rd1 + 0 ];
+    cp.async.cg.shared.global [ %r2 + 0 ], [ %rd2 + 0 ], 0x10, %r3;
+    st.global.b32 [ %rd3 + 0 ], { %r4 };
+    bar.sync 0;
+    ld.global.b32 { %r5 }, [ %rd4 + 0 ];
+    @%p2 atom.global.gpu.release.add.u32 %r6, [ %rd5 + 0 ], %r7;
+"""
+
+
+@pytest.fixture(scope="module")
+def build():
+    return compile_hopper(torch.bfloat16)
+
+
+def test_the_gemm_is_pipelined_in_big_blocks_and_every_guard_holds(build):
+    r = build.report
+    print(r.line())
+    assert r.violations == ()
+    assert r.aligned and r.async_copy > 0 and r.stages >= 3 and min(r.bm, r.bn) >= 128 and r.bk >= 64
+    assert r.smem_bytes >= (r.stages - 1) * (r.bm + r.bn) * r.bk * 2
+    assert r.wgmma and r.cooperative and r.warps == 8
+
+
+def test_an_unaligned_program_gets_the_unpipelined_build_with_the_same_ordering():
+    r = compile_hopper(torch.bfloat16, aligned=False).report
+    assert r.violations == () and r.async_copy == 0
+
+
+def test_the_guards_pass_good_ptx_and_name_each_broken_rule():
+    assert ptx_guards(GOOD, 98304, 32768) == []
+    cases = {
+        "acquire": GOOD.replace("ld.global.gpu.acquire", "ld.global"),
+        "non-coherent": GOOD + "    ld.global.nc.b32 %r9, [ %rd9 + 0 ];\n",
+        "not bar.sync": GOOD.replace("    bar.sync 0;\n", ""),
+        "release atomic": GOOD.replace("atom.global.gpu.release", "atom.global.gpu.relaxed"),
+        "not pipelined": GOOD.replace("cp.async.cg.shared.global", "ld.global.v4.b32"),
+    }
+    for words, ptx in cases.items():
+        broken = ptx_guards(ptx, 98304, 32768)
+        assert len(broken) == 1 and words in broken[0], (words, broken)
+    assert "two stages" in ptx_guards(GOOD, 32768, 32768)[0]
+    unaligned = GOOD.replace("cp.async.cg", "ld.global")
+    assert ptx_guards(unaligned, None, 32768) == []  # an unaligned build owes no cp.async
+
+
+def test_the_command_reports_json_and_writes_the_ptx(tmp_path, capsys):
+    import json
+
+    assert main(["--json", "--ptx", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    fields = {"async_copy", "stages", "smem_bytes", "bm", "bn", "bk", "warps", "cooperative", "wgmma"}
+    assert fields <= set(report)
+    assert "wgmma.mma_async" in (tmp_path / "taskflow_kernel-bf16.ptx").read_text()
