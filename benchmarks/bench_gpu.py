@@ -6,6 +6,9 @@ the single-GPU training case), forward and forward+backward:
   persistent/<policy>     each region ONE persistent Triton kernel (hpmoe.gpu), every policy
   triton-phases           the same tile functions one phase (task kind) at a time, one
                           launch per phase: separates the gain from overlap from kernel quality
+  phase/<kind>            each of those phases alone, with its own FLOPs and bytes
+  grouped-mm/<kind>       the forward's two expert GEMMs alone through torch._grouped_mm
+                          (the rate each GEMM phase is held to)
   torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
                           fixed-order top-k sum; backward by autograd
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
@@ -51,6 +54,7 @@ from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
 from hpmoe.gpu.calibrate import calibrate, calibrated_hardware
 from hpmoe.gpu.pack import pack_tasks
 from hpmoe.gpu.runner import DeviceProgram
+from hpmoe.ir.graph import TaskKind
 from hpmoe.machine import machine
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
@@ -182,9 +186,38 @@ def torch_step(forward, x, w: ExpertWeights, routing: Routing, dy, peer: Peer, b
     return step
 
 
+def grouped_gemms(x, w: ExpertWeights, peer: Peer, spec: MoESpec) -> dict:
+    """The forward's two expert GEMMs alone through ``torch._grouped_mm`` on rows already
+    permuted (the floor each GEMM phase of the persistent kernel is held to), each a
+    callable carrying its ``flops`` and ``bytes``."""
+    rows = x[peer.order // spec.top_k].contiguous()
+    a = torch.randn(rows.shape[0], spec.ffn, device=x.device).to(spec.dtype)
+    m, h, f, e = rows.shape[0], spec.hidden, spec.ffn, spec.experts
+    size = spec.dtype.itemsize
+
+    def gemm(lhs, weight, flops, nbytes):
+        def go():
+            return torch._grouped_mm(lhs, weight.transpose(1, 2), offs=peer.offs)
+        go.flops, go.bytes = flops, nbytes
+        return go
+    up_bytes = size * (m * h + e * 2 * f * h + m * 2 * f)
+    return {TaskKind.GEMM_UP: gemm(rows, w.w13, 2.0 * m * h * 2 * f, up_bytes),
+            TaskKind.GEMM_DOWN: gemm(a, w.w2, 2.0 * m * f * h, size * (m * f + e * h * f + m * h))}
+
+
 # ---------------------------------------------------------------------------- hpmoe variants
 
-def phase_programs(region, queues: int) -> list[Callable[[], None]]:
+@dataclasses.dataclass
+class Phase:
+    """One task kind of a region launched on its own: its launcher and its work."""
+
+    kind: TaskKind
+    launch: Callable[[], None]
+    flops: float
+    bytes: float
+
+
+def phase_programs(region, queues: int) -> list[Phase]:
     """One launcher per phase (task kind, in lowering order) of a prepared region."""
     g, arena = region.schedule.graph, region.arena
     kinds = list(dict.fromkeys(g.kind.tolist()))
@@ -193,12 +226,13 @@ def phase_programs(region, queues: int) -> list[Callable[[], None]]:
         ids = np.flatnonzero(g.kind == k)
         packed = pack_tasks(g, arena.space, ids, min(queues, len(ids)))
         program = DeviceProgram(packed, arena.device, arena.dtype, region.program.config)
-        out.append(program.launcher(arena.addresses()))
+        out.append(Phase(TaskKind(k), program.launcher(arena.addresses()), float(g.flops[ids].sum()),
+                         float(g.bytes[ids].sum())))
     return out
 
 
-def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
-              out_dir: Path) -> list[dict]:
+def shape_inputs(spec: MoESpec, ep: int) -> tuple[torch.Tensor, ExpertWeights, Routing, torch.Tensor]:
+    """(x, weights, balanced routing, dy) of ``TOKENS`` tokens on the GPU."""
     dev = torch.device("cuda")
     w = ExpertWeights.random(spec, 0)
     w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
@@ -208,17 +242,27 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
     dy = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
+    return x, w, routing, dy
+
+
+def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
+              out_dir: Path) -> list[dict]:
+    x, w, routing, dy = shape_inputs(spec, ep)
     rows: list[dict] = []
     work = {}
 
-    def record(region: str, variant: str, fn: Callable[[], object] | None, error: str = "") -> None:
+    def record(region: str, variant: str, fn: Callable[[], object] | None, error: str = "",
+               launchers: tuple = (), phase_work: tuple[float, float] | None = None) -> None:
         ms = float("nan")
         if fn is not None:
             try:
                 ms = cuda_ms(fn, reps, warmup)
+                error = late_waits(launchers)
             except Exception as e:  # a peer a torch build does not support is reported, not fatal
                 error = f"{type(e).__name__}: {e}"
-        flops, nbytes = work.get(region, (float("nan"), float("nan")))
+            if error:
+                ms = float("nan")  # a run that hit its deadline is no timing
+        flops, nbytes = phase_work or work.get(region, (float("nan"), float("nan")))
         roof = max(flops / peaks[0], nbytes / peaks[1]) * 1e3
         rows.append({"shape": name, "experts": spec.experts, "ep": ep, "region": region, "variant": variant,
                      "ms": ms, "tflops": flops / (ms / 1e3) / 1e12, "roofline_fraction": roof / ms,
@@ -235,16 +279,25 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         save_timeline(fwd, out_dir / f"timeline-{name}-{policy.value}.json")
         f_go = fwd.region.program.launcher(fwd.region.arena.addresses())
         b_go = bwd.region.program.launcher(bwd.region.arena.addresses())
-        record("fwd", f"persistent/{policy.value}", f_go)
-        record("fwd+bwd", f"persistent/{policy.value}", lambda f=f_go, b=b_go: (f(), b()))
+        record("fwd", f"persistent/{policy.value}", f_go, launchers=(f_go,))
+        record("fwd+bwd", f"persistent/{policy.value}", lambda f=f_go, b=b_go: (f(), b()),
+               launchers=(f_go, b_go))
         fwd_regions[policy] = (fwd, bwd)
     predict(rows, name, fwd_regions, spec, out_dir)
     fwd, bwd = fwd_regions[SchedulePolicy.HYPERPARALLEL]
     queues = fwd.region.program.packed.num_queues
     f_phases, b_phases = phase_programs(fwd.region, queues), phase_programs(bwd.region, queues)
-    record("fwd", "triton-phases", lambda: [p() for p in f_phases])
-    record("fwd+bwd", "triton-phases", lambda: [p() for p in f_phases + b_phases])
+    f_go = [p.launch for p in f_phases]
+    fb_go = f_go + [p.launch for p in b_phases]
+    record("fwd", "triton-phases", lambda: [p() for p in f_go], launchers=tuple(f_go))
+    record("fwd+bwd", "triton-phases", lambda: [p() for p in fb_go], launchers=tuple(fb_go))
+    for region, phases in (("fwd", f_phases), ("bwd", b_phases)):
+        for p in phases:
+            record(region, f"phase/{p.kind.name.lower()}", p.launch, launchers=(p.launch,),
+                   phase_work=(p.flops, p.bytes))
     peer = Peer.of(routing, spec)
+    for kind, gemm in grouped_gemms(x, w, peer, spec).items():
+        record("fwd", f"grouped-mm/{kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))
     for label, forward in (("torch-eager", eager_forward), ("torch-grouped-mm", grouped_forward)):
         for region, backward in (("fwd", False), ("fwd+bwd", True)):
             step = torch_step(forward, x, w, routing, dy, peer, backward)
@@ -254,6 +307,14 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
             except Exception as e:
                 record(region, f"{label}+cudagraph", None, f"{type(e).__name__}: {e}")
     return rows
+
+
+def late_waits(launchers: tuple) -> str:
+    """"" when no launch of ``launchers`` (``DeviceProgram.launcher``) had a wait pass its
+    deadline, else what to report instead of a time."""
+    torch.cuda.synchronize()
+    late = sum(int((go.errors[:, 0] != 0).sum()) for go in launchers)
+    return f"{late} wait(s) passed the deadline: not timed" if late else ""
 
 
 def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: Path) -> None:
@@ -327,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                          "ms": float("nan"), "tflops": float("nan"), "roofline_fraction": float("nan"),
                          "error": traceback.format_exc(limit=1)})
         torch.cuda.empty_cache()
-    (a.out / "bench_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (a.out / "bench_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1,
+                                                     default=lambda o: getattr(o, "value", str(o))))
     (a.out / "bench_gpu.md").write_text(markdown(meta, rows))
     print(markdown(meta, rows))
     return 0

@@ -106,6 +106,9 @@ def test_stamps_become_a_timeline_that_respects_every_wait():
         assert (tl.start[waiting] > tl.end[s]).all(), g.task(int(s))
     trace = chrome_trace(tl)
     assert sum(e.get("ph") == "X" for e in trace["traceEvents"]) == g.num_tasks
+    assert tl.start.min() == 0
+    late = fwd.region.program.timeline(fwd.info.stamps + 1_795_677_183_000_000)  # a GPU's global timer
+    assert np.array_equal(late.start, tl.start) and np.array_equal(late.end, tl.end)
 
 
 def test_a_late_wait_on_the_device_becomes_the_runtimes_hang_report():

@@ -313,15 +313,13 @@ class DeviceProgram:
         g, s = self.packed.graph, self.packed.schedule
         if s is None:
             raise ValueError("a timeline needs a program packed from a schedule")
-        t0 = stamps[:, 0].min(initial=0)
+        t0 = stamps[:, 0].min() if len(stamps) else 0  # the global timer does not start at 0
         nan = np.full(g.num_tasks, np.nan)
         return Timeline(ep=g.ep, workers=s.workers, kind=g.kind.astype(np.int64),
                         rank=g.rank.astype(np.int64), peer=g.peer.astype(np.int64),
                         unit=g.unit.astype(np.int64), worker=s.worker.astype(np.int64),
                         start=(stamps[:, 0] - t0) / 1e9, end=(stamps[:, 1] - t0) / 1e9,
                         link_start=nan, link_end=nan.copy())
-
-
 
 
 def cooperative_launch(kernel, programs: int, args: tuple, options: dict) -> None:

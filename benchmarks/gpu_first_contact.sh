@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# First contact with a CUDA machine, from the checkout (no install: PYTHONPATH).
+#
+#   benchmarks/gpu_first_contact.sh check        env probe, kernel resources, smoke run, GPU tests
+#   benchmarks/gpu_first_contact.sh bench-small  benchmarks/bench_gpu.py on the small shape
+#   benchmarks/gpu_first_contact.sh bench-ds     benchmarks/bench_gpu.py on DeepSeek-V3 (experts cut to fit)
+#
+# Writes under $OUT (default benchmarks/results/first-contact), each file as soon as its step
+# ends: env.txt, check.log, smoke.json (resources compiled on the device, a smoke run with a
+# 2 s deadline against moe_forward, the layer on CUDA), gpu-tests.xml (JUnit); bench.log,
+# bench-SHAPE.json, one timeline PNG: at most 8 files for check and two benches in one
+# folder.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
+# Without a CUDA device it exits 2 at once.
+set -u
+mode=${1:-check}
+here=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$here/benchmarks/results/first-contact}
+py=${PYTHON:-python3}
+export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+case $mode in check|bench-small|bench-ds) ;; *) echo "usage: $0 {check|bench-small|bench-ds}" >&2; exit 64;; esac
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_first_contact.sh: no CUDA device here (nvidia-smi finds none)" >&2
+    exit 2
+fi
+mkdir -p "$out"
+cd "$here" || exit 1
+status=0
+step() {  # step SECONDS LOG COMMAND...: run under a hard limit, append to LOG, remember a failure
+    local limit=$1 log=$2; shift 2
+    echo "== $* (limit ${limit}s)" | tee -a "$log"
+    timeout -s KILL "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "== exit $rc" | tee -a "$log"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+timeout_opt() {  # a per-test limit where pytest-timeout is installed
+    "$py" -c 'import pytest_timeout' 2>/dev/null && echo --timeout=90
+}
+
+bench() {  # bench SHAPE: its JSON, the shared log, and the first timeline PNG of the folder
+    local shape=$1 tmp
+    tmp=$(mktemp -d)
+    step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/bench_gpu.py --shapes "$shape" \
+        --out "$tmp" --reps 10 --warmup 3
+    cp "$tmp/bench_gpu.json" "$out/bench-$shape.json" 2>/dev/null
+    ls "$out"/timeline-*.png >/dev/null 2>&1 || cp "$tmp/timeline-$shape-hyperparallel.png" "$out/timeline-$shape.png" 2>/dev/null
+    rm -rf "$tmp"
+}
+
+case $mode in
+check)
+    log=$out/check.log
+    { nvidia-smi; "$py" -c 'import torch, triton, platform; print("torch", torch.__version__, "cuda",
+torch.version.cuda, "triton", triton.__version__, "python", platform.python_version())'; } >"$out/env.txt" 2>&1
+    step "${FC_LIMIT_SMOKE:-120}" "$log" "$py" benchmarks/gpu_smoke.py --json "$out/smoke.json"
+    step "${FC_LIMIT_TESTS:-300}" "$log" "$py" -m pytest -m gpu -p no:cacheprovider --maxfail 8 -q $(timeout_opt) \
+        --junitxml "$out/gpu-tests.xml" tests/test_triton_gpu.py
+    ;;
+bench-small) bench small ;;
+bench-ds) bench deepseek-v3-fit ;;
+esac
+exit $status

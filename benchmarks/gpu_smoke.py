@@ -1,0 +1,149 @@
+"""First contact with a CUDA device: what the device is, what the persistent kernel
+compiles to on it, and whether each path runs and agrees with the CPU reference.
+
+Steps (each reported, none fatal to the next):
+  env        device, capability, SMs, L2, torch / triton / python versions
+  resources  registers, spills, shared memory of the persistent kernel compiled for this
+             device (bf16 and fp32) and the programs that stay resident
+  region     ``triton_forward`` / ``triton_backward`` of a small region (EP 2) with a
+             2 s per-wait deadline, against ``moe_forward`` / ``moe_forward_backward``
+             on the CPU; wall time of a second run
+  layer      ``hpmoe.nn.MoE`` moved to CUDA on its default path, forward and backward,
+             against the same layer on the CPU
+
+    python benchmarks/gpu_smoke.py --json smoke.json
+
+Exits 2 without a CUDA device, 1 if any step failed, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hpmoe.engine import moe_forward
+from hpmoe.exec.exact_backward import moe_forward_backward
+from hpmoe.routing import RoutingKind, synthetic_routing
+from hpmoe.spec import GateKind, MoESpec, ParallelSpec, TileSpec
+from hpmoe.weights import ExpertWeights
+
+SPEC = MoESpec(hidden=256, ffn=128, experts=16, top_k=4, shared_experts=1, gate=GateKind.SOFTMAX,
+               dtype=torch.bfloat16)
+TILES = TileSpec(rows=32, gemm_rows=64, gemm_cols=128)
+TOKENS = 64
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 on the CPU (NaN if a holds any NaN)."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def to_cuda(w: ExpertWeights) -> ExpertWeights:
+    return dataclasses.replace(w, **{f.name: getattr(w, f.name).cuda() for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), torch.Tensor)})
+
+
+def env() -> dict:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return {"device": p.name, "capability": list(torch.cuda.get_device_capability(0)),
+            "sms": p.multi_processor_count, "l2_bytes": getattr(p, "L2_cache_size", None),
+            "memory_bytes": p.total_memory, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "python": platform.python_version()}
+
+
+def resources() -> dict:
+    from hpmoe.gpu.residency import SMLimits, resident_programs
+    from hpmoe.gpu.runner import compiled_resources
+
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        for aligned in (False, True):
+            res = compiled_resources(torch.device("cuda"), dtype, None, aligned)
+            resident = resident_programs(res, SMLimits.of(torch.device("cuda")))
+            out[f"{str(dtype)[6:]}{'-aligned' if aligned else ''}"] = {**dataclasses.asdict(res),
+                                                                        "resident": resident}
+    return out
+
+
+def region() -> dict:
+    from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
+
+    ep = 2
+    w = ExpertWeights.random(SPEC, 0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ep * TOKENS, SPEC.hidden, generator=g).to(SPEC.dtype)
+    dy = torch.randn(ep * TOKENS, SPEC.hidden, generator=g).to(SPEC.dtype)
+    routing = synthetic_routing(RoutingKind.ZIPF, SPEC, ParallelSpec(ep, TOKENS), 0)
+    want = moe_forward_backward(x, w, routing, dy, ep, TILES)
+    croute = dataclasses.replace(routing, weights=routing.weights.cuda())
+    t0 = time.perf_counter()
+    fwd = triton_forward(x.cuda(), to_cuda(w), croute, ep, TILES, TritonOptions(deadline_s=2.0))
+    first_s = time.perf_counter() - t0
+    grads = triton_backward(fwd, dy.cuda())
+    again = fwd.region.run()
+    return {"first_call_s": first_s, "second_run_s": again.seconds,
+            "queues": fwd.region.program.packed.num_queues,
+            "tasks": fwd.region.program.packed.num_tasks,
+            "out_rel": rel(fwd.out, want.out),
+            "out_vs_moe_forward_rel": rel(fwd.out, moe_forward(x, w, routing, ep, TILES)),
+            **{f"{n}_rel": rel(getattr(grads.grads, n), getattr(want.backward.grads, n))
+               for n in ("dx", "dweights", "dw13", "dw2")}}
+
+
+def layer() -> dict:
+    from hpmoe.nn.layer import MoE
+
+    spec = SPEC.with_dtype(torch.float32)
+    cpu = MoE(spec, seed=0)
+    gpu = MoE(spec, seed=0).cuda()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 32, spec.hidden, generator=g)
+    out = {}
+    for name, m, xin in (("cpu", cpu, x.clone()), ("cuda", gpu, x.cuda())):
+        xin.requires_grad_(True)
+        y = m(xin)
+        y.square().sum().backward()
+        out[name] = (y, xin.grad, m.experts.gate_up_proj.grad)
+    return {"y_rel": rel(out["cuda"][0], out["cpu"][0]), "dx_rel": rel(out["cuda"][1], out["cpu"][1]),
+            "dw13_rel": rel(out["cuda"][2], out["cpu"][2])}
+
+
+STEPS: dict[str, Callable[[], dict]] = {"env": env, "resources": resources, "region": region, "layer": layer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--steps", nargs="*", default=list(STEPS), choices=list(STEPS))
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_smoke.py needs a CUDA device; none is available", file=sys.stderr)
+        return 2
+    report: dict[str, dict] = {}
+    for name in a.steps:
+        t0 = time.perf_counter()
+        try:
+            report[name] = {"ok": True, **STEPS[name]()}
+        except Exception as e:
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        report[name]["seconds"] = round(time.perf_counter() - t0, 3)
+        print(name, json.dumps(report[name], default=str)[:2000], flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0 if all(r["ok"] for r in report.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

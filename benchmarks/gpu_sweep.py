@@ -1,0 +1,100 @@
+"""The persistent kernel's forward under a sweep of its two untuned knobs, on one GPU:
+the rows of a vector-operation chunk (``KernelConfig.br``) and the share of the resident
+programs that run matrix tasks (``TritonOptions.workers``; default: the cost model's
+split).  Per shape and knob setting: the HYPERPARALLEL forward and its PERMUTE and
+UNPERMUTE phases alone, medians of CUDA-event timings; a run with a late wait is not
+timed.
+
+    python benchmarks/gpu_sweep.py --out DIR [--shapes small deepseek-v3-fit] [--br 16 64]
+                                   [--share 0 0.5 0.67]      (0: the cost model's split)
+
+Writes DIR/gpu_sweep.json; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import TILES, cuda_ms, late_waits, phase_programs, shape_inputs, shapes  # noqa: E402
+
+from hpmoe.gpu.backend import TritonOptions, triton_forward  # noqa: E402
+from hpmoe.gpu.residency import SMLimits, resident_programs  # noqa: E402
+from hpmoe.gpu.runner import KernelConfig, compiled_resources  # noqa: E402
+from hpmoe.ir.graph import TaskKind  # noqa: E402
+from hpmoe.ir.schedule import WorkerCounts  # noqa: E402
+from hpmoe.schedule import SchedulePolicy  # noqa: E402
+
+
+def sweep_shape(name: str, br_values: list[int], shares: list[float], reps: int, warmup: int) -> list[dict]:
+    spec = shapes(torch.device("cuda"))[name]
+    x, w, routing, _ = shape_inputs(spec, 1)
+    rows = []
+    for br in br_values:
+        config = KernelConfig(br=br)
+        resident = resident_programs(compiled_resources(torch.device("cuda"), spec.dtype, config, True),
+                                     SMLimits.of(torch.device("cuda")))
+        for share in shares:
+            workers = None
+            if share:
+                matrix = max(1, min(resident - 1, round(resident * share)))
+                workers = WorkerCounts(matrix=matrix, vector=resident - matrix)
+            row = {"shape": name, "br": br, "share": share, "resident": resident}
+            try:
+                fwd = triton_forward(x, w, routing, 1, TILES, TritonOptions(
+                    policy=SchedulePolicy.HYPERPARALLEL, workers=workers, config=config))
+                ws = fwd.region.schedule.workers
+                row["workers"] = [ws.matrix, ws.vector]
+                go = fwd.region.program.launcher(fwd.region.arena.addresses())
+                row["fwd_ms"] = cuda_ms(go, reps, warmup)
+                row["error"] = late_waits((go,))
+                if share == shares[0]:
+                    for p in phase_programs(fwd.region, resident):
+                        if p.kind in (TaskKind.PERMUTE, TaskKind.UNPERMUTE):
+                            ms = cuda_ms(p.launch, reps, warmup)
+                            row[f"{p.kind.name.lower()}_ms"] = ms
+                            row[f"{p.kind.name.lower()}_gbs"] = p.bytes / (ms / 1e3) / 1e9
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--shapes", nargs="*", default=["small", "deepseek-v3-fit"])
+    p.add_argument("--br", nargs="*", type=int, default=[16, 64])
+    p.add_argument("--share", nargs="*", type=float, default=[0.0, 0.5, 0.67])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_sweep.py needs a CUDA device; none is available", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in a.shapes:
+        rows += sweep_shape(name, a.br, a.share, a.reps, a.warmup)
+        meta = {"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "rows": rows}
+        (a.out / "gpu_sweep.json").write_text(json.dumps(meta, indent=1))
+    for r in rows:
+        nan = float("nan")
+        print(f"{r['shape']:>16} br {r['br']:>3} share {r['share']:.2f} workers {r.get('workers')} "
+              f"fwd {r.get('fwd_ms', nan):8.3f} ms  permute {r.get('permute_ms', nan):7.3f} ms "
+              f"unpermute {r.get('unpermute_ms', nan):7.3f} ms {r.get('error', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

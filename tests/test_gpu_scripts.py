@@ -1,0 +1,39 @@
+"""The GPU scripts on a machine without CUDA: each says so and exits 2 at once, so a
+first contact that lands on the wrong machine costs seconds, not a lease."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+def test_the_first_contact_script_exits_2_in_under_ten_seconds(tmp_path):
+    for mode in ("check", "bench-small", "bench-ds"):
+        start = time.monotonic()
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_first_contact.sh"), mode], env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and "no CUDA device" in done.stderr, done
+        assert time.monotonic() - start < 10
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_first_contact_script_refuses_an_unknown_mode():
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_first_contact.sh"), "bench-all"],
+                          capture_output=True, text=True)
+    assert done.returncode == 64 and "usage" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["gpu_smoke.py", "bench_gpu.py", "gpu_sweep.py"])
+def test_the_python_gpu_scripts_exit_2_without_cuda(script, tmp_path):
+    where = "--json" if script == "gpu_smoke.py" else "--out"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), where, str(tmp_path / "x")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "needs a CUDA device" in done.stderr, done.stderr[-2000:]
