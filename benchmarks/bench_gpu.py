@@ -9,6 +9,8 @@ the single-GPU training case), forward and forward+backward:
   phase/<kind>            each of those phases alone, with its own FLOPs and bytes
   grouped-mm/<kind>       the forward's two expert GEMMs alone through torch._grouped_mm
                           (the rate each GEMM phase is held to)
+  hpmoe-kernel-by-kernel  the layer's default path (hpmoe.exec.kernel_by_kernel; on a Hopper
+                          GPU in bf16 its GEMMs are grouped GEMMs), backward without autograd
   torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
                           fixed-order top-k sum; backward by autograd
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
@@ -50,6 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from hpmoe import refs
+from hpmoe.exec.arena import ArenaPool
+from hpmoe.exec.kernel_by_kernel import kbk_backward, kbk_forward
 from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
 from hpmoe.gpu.calibrate import calibrate, calibrated_hardware
 from hpmoe.gpu.pack import pack_tasks
@@ -295,6 +299,10 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         for p in phases:
             record(region, f"phase/{p.kind.name.lower()}", p.launch, launchers=(p.launch,),
                    phase_work=(p.flops, p.bytes))
+    pool = ArenaPool()
+    record("fwd", "hpmoe-kernel-by-kernel", lambda: kbk_forward(x, routing, w, pool=pool))
+    record("fwd+bwd", "hpmoe-kernel-by-kernel",
+           lambda: kbk_backward(kbk_forward(x, routing, w, pool=pool, save=True)[1], dy, pool))
     peer = Peer.of(routing, spec)
     for kind, gemm in grouped_gemms(x, w, peer, spec).items():
         record("fwd", f"grouped-mm/{kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))

@@ -103,21 +103,29 @@ def region() -> dict:
 
 
 def layer() -> dict:
+    """The layer's default path on CUDA against the CPU, fp32 and bf16 (on a Hopper GPU
+    bf16 takes the grouped-GEMM path)."""
+    from hpmoe.exec.kernel_by_kernel import Experts, gemm_path
     from hpmoe.nn.layer import MoE
 
-    spec = SPEC.with_dtype(torch.float32)
-    cpu = MoE(spec, seed=0)
-    gpu = MoE(spec, seed=0).cuda()
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 32, spec.hidden, generator=g)
     out = {}
-    for name, m, xin in (("cpu", cpu, x.clone()), ("cuda", gpu, x.cuda())):
-        xin.requires_grad_(True)
-        y = m(xin)
-        y.square().sum().backward()
-        out[name] = (y, xin.grad, m.experts.gate_up_proj.grad)
-    return {"y_rel": rel(out["cuda"][0], out["cpu"][0]), "dx_rel": rel(out["cuda"][1], out["cpu"][1]),
-            "dw13_rel": rel(out["cuda"][2], out["cpu"][2])}
+    for dtype in (torch.float32, torch.bfloat16):
+        spec = SPEC.with_dtype(dtype)
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(2, 32, spec.hidden, generator=g).to(dtype)
+        got = {}
+        runs = (("cpu", MoE(spec, seed=0), x.clone()), ("cuda", MoE(spec, seed=0).cuda(), x.cuda()))
+        for name, m, xin in runs:
+            xin.requires_grad_(True)
+            y = m(xin)
+            y.float().square().sum().backward()
+            got[name] = (y, xin.grad, m.experts.gate_up_proj.grad)
+            ex = Experts(m.experts.gate_up_proj, m.experts.down_proj, spec.activation)
+        name = str(dtype)[6:]
+        out[f"{name}_gemm_path"] = gemm_path(xin.detach().view(-1, spec.hidden), ex).value
+        for i, what in enumerate(("y", "dx", "dw13")):
+            out[f"{name}_{what}_rel"] = rel(got["cuda"][i], got["cpu"][i])
+    return out
 
 
 STEPS: dict[str, Callable[[], dict]] = {"env": env, "resources": resources, "region": region, "layer": layer}

@@ -11,10 +11,14 @@ import torch.nn.functional as F
 
 from hpmoe.exec.arena import Arena, ArenaPool
 from hpmoe.exec.kernel_by_kernel import (
+    ExpertGrads,
     Experts,
+    GemmPath,
     KernelByKernelCall,
     KernelByKernelFunction,
+    experts_backward,
     experts_forward,
+    gemm_path,
     kbk_backward,
     kbk_forward,
     segments,
@@ -202,3 +206,37 @@ def test_an_inference_call_saves_nothing(monkeypatch) -> None:
         KernelByKernelFunction.apply(*args, KernelByKernelCall(w.spec, routing.ids, grad=False))
     KernelByKernelFunction.apply(*args, KernelByKernelCall(w.spec, routing.ids))
     assert saves == [False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_grouped_gemms_match_the_per_expert_loop(dtype: torch.dtype, recompute: bool) -> None:
+    """GemmPath.GROUPED (a GPU's path, run here on the CPU's grouped GEMM) against the
+    per-expert loop: forward, input and weight gradients, an expert without rows."""
+    g = torch.Generator().manual_seed(3)
+    m, h_, f, e = 40, 32, 24, 4
+    segs = segments([12, 0, 20, 8])
+    ex = Experts(*(torch.randn(*s, generator=g).to(dtype) for s in ((e, 2 * f, h_), (e, h_, f))),
+                 Activation.SILU)
+    xs, dy = (torch.randn(m, h_, generator=g).to(dtype) for _ in range(2))
+    out = {}
+    for path in GemmPath:
+        h, a, y = experts_forward(xs, segs, ex, Arena("cpu"), "", path)
+        grads = ExpertGrads(torch.full((e, 2 * f, h_), float("nan"), dtype=dtype),
+                            torch.full((e, h_, f), float("nan"), dtype=dtype))
+        dxs = experts_backward(dy, xs, h, None if recompute else a, segs, ex, grads, Arena("cpu"), "", path)
+        out[path] = (h, a, y, dxs.clone(), grads.dw13, grads.dw2)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name, grouped, loop in zip(("h", "a", "y", "dxs", "dw13", "dw2"), out[GemmPath.GROUPED],
+                                   out[GemmPath.PER_EXPERT], strict=True):
+        torch.testing.assert_close(grouped, loop, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert not out[GemmPath.GROUPED][4][1].any() and not out[GemmPath.GROUPED][5][1].any()
+
+
+def test_the_grouped_path_is_a_gpus_and_refuses_biases() -> None:
+    ex = Experts(torch.zeros(2, 16, 8), torch.zeros(2, 8, 8), Activation.SILU)
+    assert gemm_path(torch.zeros(4, 8, dtype=torch.bfloat16), ex) is GemmPath.PER_EXPERT  # the CPU
+    biased = dataclasses.replace(ex, b13=torch.zeros(2, 16), b2=torch.zeros(2, 8))
+    assert gemm_path(torch.zeros(4, 8, dtype=torch.bfloat16), biased) is GemmPath.PER_EXPERT
+    with pytest.raises(ValueError, match="adds no expert biases"):
+        experts_forward(torch.zeros(4, 8), segments([4, 0]), biased, Arena("cpu"), "", GemmPath.GROUPED)

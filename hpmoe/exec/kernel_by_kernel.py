@@ -22,20 +22,26 @@ slot order.  Scratch buffers come from the layer's ``ArenaPool``; what backward 
 is allocated apart and handed to ``ctx.save_for_backward``, so saved-tensor hooks
 (non-reentrant activation checkpointing) free it.
 
-The experts run one after another, each its whole-expert GEMMs (``torch.mm`` into a
-slice of a shared buffer, ``F.grouped_mm``'s bits: tested) with its activation between
-them, so an expert's intermediates are still in cache when the next GEMM reads them.
+On the CPU the experts run one after another, each its whole-expert GEMMs (``torch.mm``
+into a slice of a shared buffer, ``F.grouped_mm``'s bits: tested) with its activation
+between them, so an expert's intermediates are still in cache when the next GEMM reads
+them (``GemmPath.PER_EXPERT``).  On a CUDA GPU that runs them (bf16, sm_90 or newer,
+dimensions in multiples of 8) each GEMM of every expert is one grouped GEMM
+(``GemmPath.GROUPED``: ``torch._grouped_mm``, forward, input and weight gradients) and
+the activation one pass over all rows.
 With the same GEMM shapes as ``refs.dense_moe`` the forward output is bitwise that of the
 reference (silu; other activations up to torch's vectorised-vs-scalar last bit).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from ..refs import inverse_permutation
 from ..regions.backward_kernels import glu_backward
@@ -93,15 +99,60 @@ class Experts:
         return Experts(weights.shared_w13[None], weights.shared_w2[None], weights.spec.activation)
 
 
-def experts_forward(xs: torch.Tensor, segs: Segments, ex: Experts, keep: Arena, tag: str
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H], in
-    ``keep``: h = xs @ w13[e]^T + b13[e], a = the gated activation, y = a @ w2[e]^T + b2[e]
-    (``refs.expert_ffn``), one expert after another so that its h and a are still in cache
-    for the next GEMM."""
+class GemmPath(enum.Enum):
+    """How the experts' GEMMs run: one ``torch.mm`` per expert (each expert's intermediates
+    stay in a CPU's cache), or one grouped GEMM over every expert (a GPU)."""
+
+    PER_EXPERT = "per-expert"
+    GROUPED = "grouped"
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def gemm_path(xs: torch.Tensor, ex: Experts) -> GemmPath:
+    """GROUPED where torch's grouped GEMM runs and computes what the loop does: experts
+    without biases (it adds none yet), a CUDA device of compute capability 9.0 or newer,
+    bf16, every dimension a multiple of 8 (16-byte strides); else PER_EXPERT."""
+    dims = (*ex.w13.shape[1:], ex.w2.shape[1])
+    if (_GROUPED_MM is None or ex.b13 is not None or not xs.is_cuda or xs.dtype != torch.bfloat16
+            or any(d % 8 for d in dims) or torch.cuda.get_device_capability(xs.device) < (9, 0)):
+        return GemmPath.PER_EXPERT
+    return GemmPath.GROUPED
+
+
+def expert_offsets(segs: Segments, experts: int, device: torch.device) -> torch.Tensor:
+    """int32 [E] end row of each local expert's rows (empty experts included), as
+    ``grouped_mm``'s ``offs``."""
+    counts = [0] * experts
+    for e, s, t in segs:
+        counts[e] = t - s
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+
+
+def _grouped(path: GemmPath | None, xs: torch.Tensor, ex: Experts) -> bool:
+    path = path or gemm_path(xs, ex)
+    if path is GemmPath.GROUPED and ex.b13 is not None:
+        raise ValueError("GemmPath.GROUPED: torch's grouped GEMM adds no expert biases; biased experts run "
+                         "GemmPath.PER_EXPERT")
+    return path is GemmPath.GROUPED
+
+
+def experts_forward(xs: torch.Tensor, segs: Segments, ex: Experts, keep: Arena, tag: str,
+                    path: GemmPath | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H]:
+    h = xs @ w13[e]^T + b13[e], a = the gated activation, y = a @ w2[e]^T + b2[e]
+    (``refs.expert_ffn``).  PER_EXPERT (in ``keep``): one expert after another so that
+    its h and a are still in cache for the next GEMM; GROUPED: a grouped GEMM each
+    (path None: ``gemm_path``)."""
     m, f, dtype = xs.shape[0], ex.w2.shape[2], xs.dtype
-    h = keep.take(tag + "h", (m, 2 * f), dtype)
     a = keep.take(tag + "a", (m, f), dtype)
+    if _grouped(path, xs, ex):
+        offs = expert_offsets(segs, ex.w13.shape[0], xs.device)
+        h = _GROUPED_MM(xs, ex.w13.transpose(1, 2), offs=offs)
+        glu(h, a, ex.activation, ex.glu)
+        return h, a, _GROUPED_MM(a, ex.w2.transpose(1, 2), offs=offs)
+    h = keep.take(tag + "h", (m, 2 * f), dtype)
     y = keep.take(tag + "y", (m, ex.w2.shape[1]), dtype)
     for e, s, t in segs:
         gemm_bias(xs[s:t], ex.w13[e], None if ex.b13 is None else ex.b13[e], h[s:t])
@@ -123,17 +174,21 @@ class ExpertGrads:
 
 
 def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor | None,
-                     segs: Segments, ex: Experts, grads: ExpertGrads, arena: Arena, tag: str) -> torch.Tensor:
+                     segs: Segments, ex: Experts, grads: ExpertGrads, arena: Arena, tag: str,
+                     path: GemmPath | None = None) -> torch.Tensor:
     """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the weight
     gradients of every local expert into ``grads`` (zeros for experts without rows), one
-    expert after another.  a: the gated activation's output, or None to recompute it."""
+    expert after another (PER_EXPERT) or in grouped GEMMs (GROUPED; None: ``gemm_path``).
+    a: the gated activation's output, or None to recompute it."""
     m, f = h.shape[0], h.shape[1] // 2
-    da = arena.take(tag + "da", (m, f), dy.dtype)
     dh = arena.take(tag + "dh", (m, 2 * f), dy.dtype)
     tmp = arena.take(tag + "glu", (m, f), dy.dtype)
-    dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
     recompute = a is None
     a = arena.take(tag + "a", (m, f), h.dtype) if recompute else a
+    if _grouped(path, xs, ex):
+        return _grouped_backward(dy, xs, h, a, recompute, segs, ex, grads, dh, tmp)
+    da = arena.take(tag + "da", (m, f), dy.dtype)
+    dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
     written = [g for g in (grads.dw13, grads.dw2, grads.db13, grads.db2) if g is not None]
     for e in set(range(ex.w13.shape[0])) - {e for e, _, _ in segs}:
         for g in written:
@@ -151,6 +206,22 @@ def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: tor
             torch.sum(dy[s:t], 0, out=grads.db2[i])
             torch.sum(dh[s:t], 0, out=grads.db13[i])
     return dxs
+
+
+def _grouped_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor, recompute: bool,
+                      segs: Segments, ex: Experts, grads: ExpertGrads, dh: torch.Tensor,
+                      tmp: torch.Tensor) -> torch.Tensor:
+    """``experts_backward`` in grouped GEMMs: the weight gradients of an expert without
+    rows come out zero from the grouped GEMM itself."""
+    offs = expert_offsets(segs, ex.w13.shape[0], xs.device)
+    mine = slice(grads.first, grads.first + ex.w13.shape[0])
+    if recompute:
+        glu(h, a, ex.activation, ex.glu)
+    da = _GROUPED_MM(dy, ex.w2, offs=offs)
+    grads.dw2[mine] = _GROUPED_MM(dy.t(), a, offs=offs)
+    glu_backward(h, da, dh, ex.activation, tmp, ex.glu)
+    grads.dw13[mine] = _GROUPED_MM(dh.t(), xs, offs=offs)
+    return _GROUPED_MM(dh, ex.w13, offs=offs)
 
 
 # ---------------------------------------------------------------------------- routing
