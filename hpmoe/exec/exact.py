@@ -88,12 +88,38 @@ def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], conte
             counts[e] += 1
 
 
+@dataclass
+class PreparedForward:
+    """A forward region lowered for ``ep`` virtual ranks, with every rank's buffers and
+    contexts, ready for ``run_graph``."""
+
+    plan: RoutingPlan
+    region: Region
+    graph: TaskGraph
+    buffers: list
+    contexts: list
+
+    def run(self, order: Sequence[int] | np.ndarray | None = None) -> ForwardResult:
+        run_graph(self.graph, self.region, self.buffers, self.contexts, order)
+        return ForwardResult(out=torch.cat([b.out for b in self.buffers]), buffers=self.buffers,
+                             plan=self.plan, graph=self.graph)
+
+
 def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
                     tiles: TileSpec = DEFAULT_TILES, order: Order = None, nodes: int = 1) -> ForwardResult:
     """Lower and run the forward region of ``ep`` virtual ranks on ``nodes`` nodes.
 
     x: [N, H] spec.dtype, split evenly over ranks.  ``order``: task ids, or an int
     seed for a random valid order, or None (task-id order)."""
+    prepared = prepare_forward(x, weights, routing, ep, tiles, nodes)
+    if isinstance(order, int):
+        order = random_order(prepared.graph, order)
+    return prepared.run(order)
+
+
+def prepare_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
+                    tiles: TileSpec = DEFAULT_TILES, nodes: int = 1) -> PreparedForward:
+    """The forward region of ``execute_forward``, lowered and allocated, not run."""
     spec = weights.spec
     check_hidden(x, spec)
     check_routing(routing, spec, x.shape[0])
@@ -105,11 +131,8 @@ def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
     layout = family.layout(plan, tiles)
     region = family.forward(layout)
     graph = region.lower(plan, tiles, None)
-    if isinstance(order, int):
-        order = random_order(graph, order)
     xs = x.chunk(ep) if x.shape[0] else [x] * ep
     buffers = [family.forward_buffers(xs[r], layout, tiles, r) for r in range(ep)]
     contexts = [family.forward_context(weights, layout, family.rank_routing(routing, plan, r), r)
                 for r in range(ep)]
-    run_graph(graph, region, buffers, contexts, order)
-    return ForwardResult(out=torch.cat([b.out for b in buffers]), buffers=buffers, plan=plan, graph=graph)
+    return PreparedForward(plan=plan, region=region, graph=graph, buffers=buffers, contexts=contexts)
