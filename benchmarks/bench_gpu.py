@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import json
 import platform
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -58,6 +57,7 @@ from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
 from hpmoe.gpu.calibrate import calibrate, calibrated_hardware
 from hpmoe.gpu.pack import pack_tasks
 from hpmoe.gpu.runner import DeviceProgram
+from hpmoe.gpu.split import cuda_ms
 from hpmoe.ir.graph import TaskKind
 from hpmoe.machine import machine
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
@@ -92,21 +92,6 @@ def fit_experts(spec: MoESpec, device: torch.device) -> MoESpec:
 
 
 # ---------------------------------------------------------------------------- timing
-
-def cuda_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
 
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured in a CUDA graph (warmed up on a side stream first)."""

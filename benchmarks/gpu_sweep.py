@@ -26,11 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import TILES, cuda_ms, late_waits, phase_programs, shape_inputs, shapes  # noqa: E402
+from bench_gpu import TILES, late_waits, phase_programs, shape_inputs, shapes  # noqa: E402
 
 from hpmoe.gpu.backend import TritonOptions, triton_forward  # noqa: E402
 from hpmoe.gpu.residency import SMLimits, resident_programs  # noqa: E402
 from hpmoe.gpu.runner import KernelConfig, compiled_resources  # noqa: E402
+from hpmoe.gpu.split import cuda_ms  # noqa: E402
 from hpmoe.ir.graph import TaskKind  # noqa: E402
 from hpmoe.ir.schedule import WorkerCounts  # noqa: E402
 from hpmoe.schedule import SchedulePolicy  # noqa: E402

@@ -300,8 +300,12 @@ def _group_size(coll: Collectives | None) -> int:
 CHUNK_BYTES = 1 << 20  # a token block's fp32 sum buffer: small enough to stay in cache
 
 
-def token_blocks(tokens: int, hidden: int) -> list[slice]:
-    """Blocks of tokens whose [block, hidden] fp32 buffer is about ``CHUNK_BYTES``."""
+def token_blocks(tokens: int, hidden: int, device: torch.device) -> list[slice]:
+    """Blocks of tokens whose [block, hidden] fp32 buffer is about ``CHUNK_BYTES`` on a
+    CPU; elsewhere one block (a GPU gains nothing from cache blocking and would pay a
+    launch per block and slot: DeepSeek-V3's 4096 tokens made 114 blocks)."""
+    if device.type != "cpu":
+        return [slice(0, tokens)]
     rows = max(1, CHUNK_BYTES // (4 * max(hidden, 1)))
     return [slice(s, min(s + rows, tokens)) for s in range(0, tokens, rows)]
 
@@ -316,7 +320,7 @@ def weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, shared:
     acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
     tmp = arena.take("tmp", tuple(acc.shape), torch.float32)
     picked = arena.take("picked", tuple(acc.shape), rows.dtype)
-    for b in token_blocks(t, rows.shape[1]):
+    for b in token_blocks(t, rows.shape[1], rows.device):
         a, p, tb, pb, wb = acc[b], picked[b], tmp[b], pos[b], w[b]  # this block's views, once
         for j in range(k):
             torch.index_select(rows, 0, pb[:, j], out=p)

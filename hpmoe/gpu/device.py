@@ -65,6 +65,16 @@ def _base(row, col: tl.constexpr, addr, lds, DT: tl.constexpr, ALIGNED: tl.const
 
 
 @triton.jit
+def _extent(row, col: tl.constexpr, ALIGNED: tl.constexpr):
+    """The task's extent at ``row[col]``; ALIGNED: the host checked it is a multiple of 8
+    (loaded and hinted here: the hint survives inlining on the load itself)."""
+    v = tl.load(row + col)
+    if ALIGNED:
+        v = tl.multiple_of(v, 8)
+    return v
+
+
+@triton.jit
 def _base2(row, col: tl.constexpr, addr, lds, DT: tl.constexpr):
     """As ``_base`` for a (buffer, row) operand without a column."""
     buf = tl.maximum(tl.load(row + col), 0)
@@ -106,18 +116,12 @@ def gemm_tile(row, addr, lds, DT: tl.constexpr, A_T: tl.constexpr, B_T: tl.const
     and the extents along contiguous dimensions (K of A and B^T, M of A^T, N of B and C)
     are multiples of 8 elements; the hints let every load and store be 16 bytes wide and
     the K loop be software-pipelined (asynchronous copies, ``num_stages`` deep)."""
-    m = tl.load(row + C_M)
-    n = tl.load(row + C_N)
-    k = tl.load(row + C_K)
+    m = _extent(row, C_M, ALIGNED and A_T)
+    n = _extent(row, C_N, ALIGNED)
+    k = _extent(row, C_K, ALIGNED and not A_T)
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
-    if ALIGNED:
-        n = tl.multiple_of(n, 8)
-        if A_T:
-            m = tl.multiple_of(m, 8)
-        else:
-            k = tl.multiple_of(k, 8)
     rm = tl.arange(0, BM)
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -150,9 +154,7 @@ def gemm_tile(row, addr, lds, DT: tl.constexpr, A_T: tl.constexpr, B_T: tl.const
 def copy_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ALIGNED: tl.constexpr):
     """C[i, :N] = A[i, :N] for M rows: a put into the peer's region, or a local copy."""
     m = tl.load(row + C_M)
-    n = tl.load(row + C_N)
-    if ALIGNED:
-        n = tl.multiple_of(n, 8)
+    n = _extent(row, C_N, ALIGNED)
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     for r0 in range(0, m, BR):
@@ -169,9 +171,7 @@ def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
                 ALIGNED: tl.constexpr):
     """C[i, :N] = A[I[i], :N], scaled by W[i] in fp32 when W is given."""
     m = tl.load(row + C_M)
-    n = tl.load(row + C_N)
-    if ALIGNED:
-        n = tl.multiple_of(n, 8)
+    n = _extent(row, C_N, ALIGNED)
     scaled = tl.load(row + C_W) >= 0
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
@@ -195,9 +195,7 @@ def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
                 ALIGNED: tl.constexpr):
     """C[i, j] = silu(A[i, j]) * A[i, N + j], rounded as torch rounds (silu, then product)."""
     m = tl.load(row + C_M)
-    n = tl.load(row + C_N)
-    if ALIGNED:
-        n = tl.multiple_of(n, 8)
+    n = _extent(row, C_N, ALIGNED)
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     for r0 in range(0, m, BR):
@@ -217,9 +215,7 @@ def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.c
                     EMULATE: tl.constexpr, ALIGNED: tl.constexpr):
     """dh = d(silu(gate) * up) given h = A and da = B, as autograd rounds it."""
     m = tl.load(row + C_M)
-    n = tl.load(row + C_N)
-    if ALIGNED:
-        n = tl.multiple_of(n, 8)
+    n = _extent(row, C_N, ALIGNED)
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
@@ -246,9 +242,7 @@ def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexp
              ALIGNED: tl.constexpr):
     """C[i, :] = sum over slots j in order of W[i, j] * A[I[i, j], :] (fp32) + S[i, :]."""
     m = tl.load(row + C_M)
-    n = tl.load(row + C_N)
-    if ALIGNED:
-        n = tl.multiple_of(n, 8)
+    n = _extent(row, C_N, ALIGNED)
     slots = tl.load(row + C_KK)
     weighted = tl.load(row + C_W) >= 0
     shared = tl.load(row + C_S) >= 0
@@ -281,9 +275,7 @@ def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexp
 def rowdot_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ALIGNED: tl.constexpr):
     """C[i, j] = <A[i, :N], B[I[i, j], :N]> in fp32 (C is float32)."""
     m = tl.load(row + C_M)
-    n = tl.load(row + C_N)
-    if ALIGNED:
-        n = tl.multiple_of(n, 8)
+    n = _extent(row, C_N, ALIGNED)
     slots = tl.load(row + C_KK)
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)

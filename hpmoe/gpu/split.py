@@ -80,13 +80,22 @@ def run_ms(sched: Schedule, arena: Arena, config: KernelConfig | None, deadline_
     infinity when a wait passed its deadline."""
     program = DeviceProgram(pack(sched, arena.space), arena.device, arena.dtype, config)
     go = program.launcher(arena.addresses(), deadline_s)
-    go()
+    ms = cuda_ms(go, REPEATS, 1)
+    return math.inf if int(go.errors[:, 0].sum()) else ms
+
+
+def cuda_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` after ``warmup`` ones, each timed
+    with CUDA events around it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(REPEATS):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        go()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return math.inf if int(go.errors[:, 0].sum()) else statistics.median(times)
+    return statistics.median(times)
