@@ -235,7 +235,7 @@ def shape_inputs(spec: MoESpec, ep: int) -> tuple[torch.Tensor, ExpertWeights, R
 
 
 def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
-              out_dir: Path) -> list[dict]:
+              out_dir: Path, details: dict) -> list[dict]:
     x, w, routing, dy = shape_inputs(spec, ep)
     rows: list[dict] = []
     work = {}
@@ -272,7 +272,7 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         record("fwd+bwd", f"persistent/{policy.value}", lambda f=f_go, b=b_go: (f(), b()),
                launchers=(f_go, b_go))
         fwd_regions[policy] = (fwd, bwd)
-    predict(rows, name, fwd_regions, spec, out_dir)
+    details[name] = predict(rows, name, fwd_regions, spec, out_dir)
     fwd, bwd = fwd_regions[SchedulePolicy.HYPERPARALLEL]
     queues = fwd.region.program.packed.num_queues
     f_phases, b_phases = phase_programs(fwd.region, queues), phase_programs(bwd.region, queues)
@@ -310,21 +310,28 @@ def late_waits(launchers: tuple) -> str:
     return f"{late} wait(s) passed the deadline: not timed" if late else ""
 
 
-def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: Path) -> None:
+def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: Path) -> dict:
     """Fit a GPU model to the stamped HYPERPARALLEL forward run and predict every policy's
-    forward makespan with the simulator (rows get ``predicted_ms``; the fit is saved)."""
+    forward makespan with the simulator (rows get ``predicted_ms``).  Returns the fit, the
+    model and the stamped timeline (per task: kind, unit, worker, start and end in us), so
+    the fit can be examined without the GPU; also saved as calibration-<shape>.json."""
     fwd = regions[SchedulePolicy.HYPERPARALLEL][0]
     sched = fwd.region.schedule
-    cal = calibrate(sched, fwd.region.program.timeline(fwd.info.stamps))
+    tl = fwd.region.program.timeline(fwd.info.stamps)
+    cal = calibrate(sched, tl)
     model = calibrated_hardware(hardware_preset("h100"), cal, sched, spec.dtype)
-    (out_dir / f"calibration-{name}.json").write_text(json.dumps(
-        {"fit": dataclasses.asdict(cal), "model": model.to_dict()}, indent=1))
+    stamped = {"kind": tl.kind.tolist(), "unit": tl.unit.tolist(), "worker": tl.worker.tolist(),
+               "start_us": (tl.start * 1e6).round(3).tolist(), "end_us": (tl.end * 1e6).round(3).tolist(),
+               "workers": [tl.workers.matrix, tl.workers.vector]}
+    detail = {"fit": dataclasses.asdict(cal), "model": model.to_dict(), "timeline": stamped}
+    (out_dir / f"calibration-{name}.json").write_text(json.dumps(detail, indent=1))
     for policy, (f, _) in regions.items():
         ms = simulate(f.region.schedule, model).makespan * 1e3
         for r in rows:
             if r["shape"] == name and r["region"] == "fwd" and r["variant"] == f"persistent/{policy.value}":
                 r["predicted_ms"] = ms
                 print(f"{name:>16} fwd {policy.value:>24} predicted {ms:9.3f} ms, measured {r['ms']:9.3f} ms")
+    return detail
 
 
 def save_timeline(fwd, path: Path) -> None:
@@ -370,19 +377,20 @@ def main(argv: list[str] | None = None) -> int:
             "copy_gbs": bw / 1e9, "machine": machine().to_json(),
             "tokens": TOKENS, "tiles": dataclasses.asdict(TILES), "command": " ".join(sys.argv)}
     rows: list[dict] = []
+    details: dict[str, dict] = {}
     for name, spec in shapes(dev).items():
         if a.shapes and name not in a.shapes:
             continue
         try:
-            rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out)
+            rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details)
         except Exception:
             traceback.print_exc()
             rows.append({"shape": name, "experts": spec.experts, "ep": a.ep, "region": "-", "variant": "-",
                          "ms": float("nan"), "tflops": float("nan"), "roofline_fraction": float("nan"),
                          "error": traceback.format_exc(limit=1)})
         torch.cuda.empty_cache()
-    (a.out / "bench_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1,
-                                                     default=lambda o: getattr(o, "value", str(o))))
+    (a.out / "bench_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows, "calibration": details},
+                                                     indent=1, default=lambda o: getattr(o, "value", str(o))))
     (a.out / "bench_gpu.md").write_text(markdown(meta, rows))
     print(markdown(meta, rows))
     return 0
