@@ -3,13 +3,15 @@ by kernel and the serialized baseline: one `hpmoe bench --sweep` per row, with n
 profile on disk and an empty tuning cache (each row tunes from nothing).
 
     .venv/bin/python benchmarks/bench_tune.py [--iters 30] [--warmup 3] [--only ROW ...]
-        [--out results.jsonl]
+        [--order balanced|blocks] [--out results.jsonl]
 
 Rows: presets tiny and small x transports shm and dist x 256, 1024 and 4096 tokens per
 rank, and small with 1024 tokens over shaped links of 1gbit and 500mbit (root).  Prints
 a markdown table; per row, by median and by fastest iteration (in brackets):
 default / sweep best (1.00: as fast as the best; the acceptance asks >= 0.95), default
 over kernel by kernel, default over the serialized baseline, and the tuning's cost.
+``--order blocks`` times each candidate in blocks of 10 back-to-back calls (as training
+runs its one path) instead of one call of each per iteration (``hpmoe bench --order``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ ROWS |= {f"small-link-{rate}-1024": ["--preset", "small", "--tokens", "1024", "-
          for rate in ("1gbit", "500mbit")}
 
 
-def bench(argv: list[str], iters: int, warmup: int) -> dict:
+def bench(argv: list[str], iters: int, warmup: int, order: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpmoe-bench-tune-") as tmp:
         env = {**os.environ, "HPMOE_PROFILE": str(Path(tmp) / "no-profile.json"),
                "HPMOE_TUNE_CACHE": str(Path(tmp) / "tune.json")}
         cmd = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", "--dtype", "fp32", "--sweep", "--json",
-               "--iters", str(iters), "--warmup", str(warmup), *argv]
+               "--iters", str(iters), "--warmup", str(warmup), "--order", order, *argv]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
@@ -74,12 +76,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--only", nargs="*", choices=sorted(ROWS), default=None)
+    p.add_argument("--order", choices=("balanced", "blocks"), default="balanced")
     p.add_argument("--out", default=None, help="append each row's JSON (figures and the bench's report)")
     args = p.parse_args()
     record()
     rows = []
     for name in args.only or ROWS:
-        report = bench(ROWS[name], args.iters, args.warmup)
+        report = bench(ROWS[name], args.iters, args.warmup, args.order)
         rows.append(row(name, report))
         print(json.dumps(rows[-1]), flush=True)
         if args.out:

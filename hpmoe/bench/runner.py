@@ -63,7 +63,7 @@ from ..sim.presets import cpu_nominal
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .forecast import Models, ShareProbe, agreed_models, agreed_profile, slowest_rank
-from .order import iteration_order
+from .order import IterationOrder, run_groups
 from .overhead import host_ticks, steal_fraction
 from .report import BenchReport, Stats, all_equal, max_abs_diff, measured_timeline, predict
 
@@ -99,12 +99,17 @@ class BenchConfig:
     cache_schedules: bool = False
     fault: Fault | None = None
     sweep: bool = False  # also time every candidate of the tuning space (``schedule.tune.Space.every``)
+    order: IterationOrder = IterationOrder.BALANCED  # how the timed calls of the variants interleave
+    block: int = 10  # back-to-back calls of a variant under IterationOrder.BLOCKS
     balance: int | None = None  # redundant slots of a placement planned on the batch's load (0: re-pack only)
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.iters <= 0:
             raise ValueError(f"BenchConfig.warmup={self.warmup} must be >= 1 (the cost model reads "
                              f"it) and BenchConfig.iters={self.iters} > 0")
+        if not isinstance(self.order, IterationOrder) or self.block < 1:
+            raise ValueError(f"BenchConfig.order={self.order!r} must be an IterationOrder and "
+                             f"BenchConfig.block={self.block!r} >= 1")
 
 
 @dataclass(frozen=True)
@@ -241,18 +246,22 @@ PROBE_SETTLE_S, PROBE_WINDOW_S = 0.05, 0.1
 
 
 def timed_loop(iters: int, calls: Calls, session: Session, phase: str,
-               probe: ShareProbe | None = None) -> Samples:
-    """``iters`` iterations, calls interleaved, each after a barrier (under the
-    session's deadline, announced on its board), in the orders of ``iteration_order``:
-    every call follows every other one equally often; with ``probe``, a window of it
-    after each iteration's calls (every rank at once), so that the host's speed is
-    measured over the same minutes as the calls; rank 0 shows progress on stderr
-    (at most one line a second, and the last)."""
+               probe: ShareProbe | None = None, order: IterationOrder = IterationOrder.BALANCED,
+               block: int = 1) -> Samples:
+    """``iters`` calls of each of ``calls``, each after a barrier (under the session's
+    deadline, announced on its board), in the groups of ``run_groups``: one call of each
+    per iteration in the rows of ``iteration_order`` (every call follows every other one
+    equally often), or blocks of ``block`` back-to-back calls; with ``probe``, a window of
+    it after each group (every rank at once), so that the host's speed is measured over
+    the same minutes as the calls; rank 0 shows progress on stderr (at most one line a
+    second, and the last)."""
     s = Samples.empty(list(calls))
     names = list(calls)
     start = shown = time.monotonic()
-    for i in range(iters):
-        for name in iteration_order(names, i):
+    groups = run_groups(names, iters, order, block)
+    iters = len(groups)
+    for i, group in enumerate(groups):
+        for name in group:
             call = calls[name]
             session.collectives.barrier(f"{phase} {i + 1}/{iters}: barrier before {name}", publish=False)
             session.board.enter(f"{phase} {i + 1}/{iters}: {name}", publish=False)
@@ -316,7 +325,7 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
         default = Variant.RUNTIME
     probe = models.probe if config.predict and models is not None else None
     ticks = host_ticks()
-    samples = timed_loop(config.iters, calls, session, "iteration", probe)
+    samples = timed_loop(config.iters, calls, session, "iteration", probe, config.order, config.block)
     steal = steal_fraction(ticks, host_ticks())
     samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     for name, to in aliases.items():

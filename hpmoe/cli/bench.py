@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from ..bench.order import IterationOrder
 from ..bench.report import BenchReport
 from ..bench.runner import STEP_NAMES, BenchConfig, run_bench
 from ..ir.schedule import SchedulePolicy, WorkerCounts
@@ -36,7 +37,7 @@ from .common import DTYPES, add_layer_args, balance_redundant, dtype_choice, emi
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
             "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
-            "trace", "link", "balance")
+            "trace", "link", "balance", "order", "block")
 _FLAGS = ("json", "predict", "cache_schedules", "sweep")
 
 
@@ -59,6 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker and for the baseline")
     p.add_argument("--warmup", type=int, default=5, help="warm-up iterations (the cost model reads them)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations (medians over them)")
+    p.add_argument("--order", choices=[o.value for o in IterationOrder], default="balanced",
+                   help="balanced: one call of each variant per iteration, every variant after every other "
+                        "equally often; blocks: --block back-to-back calls of a variant at a time, as a "
+                        "training loop runs its one path")
+    p.add_argument("--block", type=int, default=10, help="back-to-back calls per block with --order blocks")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--predict", action="store_true", help="also replay the schedules on the cpu model")
     p.add_argument("--sweep", action="store_true",
@@ -106,7 +112,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, iters=args.iters,
         link=LinkSpec(args.link) if args.link else None, predict=args.predict,
         cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None,
-        sweep=args.sweep, balance=balance_redundant(args.balance))
+        sweep=args.sweep, balance=balance_redundant(args.balance), order=IterationOrder(args.order),
+        block=args.block)
 
 
 def run(args: argparse.Namespace) -> int:
