@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,8 +51,9 @@ def sweep_shape(name: str, br_values: list[int], shares: list[float], reps: int,
             if share:
                 matrix = max(1, min(resident - 1, round(resident * share)))
                 workers = WorkerCounts(matrix=matrix, vector=resident - matrix)
-            row = {"shape": name, "br": br, "share": share, "resident": resident}
-            try:
+
+            def fill(row: dict, config=config, workers=workers, phases=share == shares[0],
+                     resident=resident) -> None:
                 fwd = triton_forward(x, w, routing, 1, TILES, TritonOptions(
                     policy=SchedulePolicy.HYPERPARALLEL, workers=workers, config=config))
                 ws = fwd.region.schedule.workers
@@ -59,19 +61,25 @@ def sweep_shape(name: str, br_values: list[int], shares: list[float], reps: int,
                 go = fwd.region.program.launcher(fwd.region.arena.addresses())
                 row["fwd_ms"] = cuda_ms(go, reps, warmup)
                 row["error"] = late_waits((go,))
-                if share == shares[0]:
-                    for p in phase_programs(fwd.region, resident):
-                        if p.kind in (TaskKind.PERMUTE, TaskKind.UNPERMUTE):
-                            ms = cuda_ms(p.launch, reps, warmup)
-                            row[f"{p.kind.name.lower()}_ms"] = ms
-                            row[f"{p.kind.name.lower()}_gbs"] = p.bytes / (ms / 1e3) / 1e9
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"
-                traceback.print_exc()
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            torch.cuda.empty_cache()
+                for p in phase_programs(fwd.region, resident) if phases else ():
+                    if p.kind in (TaskKind.PERMUTE, TaskKind.UNPERMUTE):
+                        ms = cuda_ms(p.launch, reps, warmup)
+                        row[f"{p.kind.name.lower()}_ms"] = ms
+                        row[f"{p.kind.name.lower()}_gbs"] = p.bytes / (ms / 1e3) / 1e9
+            rows.append(measured({"shape": name, "br": br, "share": share, "resident": resident}, fill))
     return rows
+
+
+def measured(row: dict, fill: Callable[[dict], None]) -> dict:
+    """``row`` with what ``fill`` measured into it (or the error it raised), printed."""
+    try:
+        fill(row)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    print(json.dumps(row), flush=True)
+    torch.cuda.empty_cache()
+    return row
 
 
 def sweep_gemm(name: str, configs: list[str], reps: int, warmup: int) -> list[dict]:
@@ -84,8 +92,7 @@ def sweep_gemm(name: str, configs: list[str], reps: int, warmup: int) -> list[di
         bm, bn, bk, warps, stages, maxnreg = (int(v) for v in text.split(","))
         config = KernelConfig(bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages,
                               maxnreg=maxnreg or None)
-        row = {"shape": name, "config": text}
-        try:
+        def fill(row: dict, config=config) -> None:
             res = compiled_resources(torch.device("cuda"), spec.dtype, config, True)
             resident = resident_programs(res, SMLimits.of(torch.device("cuda")))
             row.update(resident=resident, registers=res.registers, spill_bytes=res.spill_bytes,
@@ -98,12 +105,7 @@ def sweep_gemm(name: str, configs: list[str], reps: int, warmup: int) -> list[di
                     ms = cuda_ms(p.launch, reps, warmup)
                     row[f"{p.kind.name.lower()}_tflops"] = p.flops / (ms / 1e3) / 1e12
                     row["error"] = row.get("error", "") + late_waits((p.launch,))
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        torch.cuda.empty_cache()
+        rows.append(measured({"shape": name, "config": text}, fill))
     return rows
 
 
