@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from ..engine import one_process_decision
 from ..exec.exact import execute_forward
 from ..exec.exact_backward import moe_forward_backward
 from ..exec.kernel_by_kernel import kbk_backward, kbk_forward
 from ..routing import Routing
-from ..schedule.auto import PROCESS_DECISIONS, Path, RoutingShape
+from ..schedule.auto import Path
 from ..spec import Activation, DispatchMode, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights
 
@@ -67,10 +68,7 @@ def _tile_spec(fields: list[int]) -> tuple[TileSpec, int]:
 
 def _kernel_by_kernel(w: ExpertWeights, tokens: int, ep: int, tiles: TileSpec, auto: bool) -> bool:
     """Whether AUTO runs the kernel-by-kernel path for this shape (never without ``auto``)."""
-    if not auto:
-        return False
-    shape = RoutingShape.one_process(w.spec, ep, tokens)
-    return PROCESS_DECISIONS.decide(shape, tiles, None).chosen.path is not Path.TASKFLOW
+    return auto and one_process_decision(w.spec, ep, tokens, tiles).chosen.path is not Path.TASKFLOW
 
 
 @torch.library.custom_op("hpmoe::region", mutates_args=())

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine import one_process_decision
 from ..exec.arena import ArenaPool
 from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, execute_forward
@@ -641,8 +642,8 @@ class MoE(nn.Module):
         spec = self._region_spec(dtype)
         backward = torch.is_grad_enabled() if backward is None else backward
         if not o.distributed:
-            shape = RoutingShape.one_process(spec, o.virtual_ep, tokens, backward)
-            return self._decisions.decide(shape, o.tiles, o.hardware)
+            return one_process_decision(spec, o.virtual_ep, tokens, o.tiles, o.hardware, self._decisions,
+                                        backward)
         shape = RoutingShape(spec, o.ranks, tokens, backward)
         workers = WorkerCounts.from_hardware(o.rank_hardware)
         return self._decisions.decide(shape, o.tiles, o.hardware, workers, self.session().collectives)
