@@ -311,3 +311,18 @@ def test_the_two_fastest_race_on_when_they_are_close_and_not_otherwise():
     assert close.count(SPACE.default()) >= need + Budget().final - 1  # ties: the earlier candidate races
     far = _feed(Tuning(SPACE), _times(1.0, **{kbk.name: 0.5}))
     assert far.count(kbk) == need and len(far) <= Budget().max_steps
+
+
+def test_a_taskflow_in_the_lead_races_kernel_by_kernel_not_another_taskflow():
+    """Two taskflows lead, kernel by kernel 10% behind them: the leader races kernel by
+    kernel (the floor), and where the pairs say kernel by kernel is faster it wins."""
+    kbk, lead = KERNEL_BY_KERNEL_KNOBS, SPACE.default()
+    second = next(k for k in SPACE.order() if k not in (kbk, lead))
+    tuning = Tuning(SPACE, Budget(final=4))
+    while tuning.result is None:
+        k = tuning.next()
+        raced = bool(tuning._final)
+        times = {lead: 1.0, second: 1.02, kbk: 1.1} if not raced else {lead: 1.0, kbk: 0.95}
+        tuning.observe(k, times.get(k, 1.5))
+    assert set(tuning._final) == {lead, kbk}
+    assert tuning.result.winner == kbk and tuning.result.runner_up == lead

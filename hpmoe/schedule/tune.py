@@ -20,11 +20,12 @@ of every knob change that beat the default on its own.  Each candidate gets
 fastest), in rounds over the candidates, each round in another order (a slow spell of
 the host, or the call before — a neighbour moves a call's time by ~20% either way on
 the development machine — favours or burdens none); one scored call slower than
-``Budget.slow_factor`` times the best score so far drops it.  Then, when the two
-fastest are within ``Budget.close`` of each other, they race on for ``Budget.final``
-more scored calls each, alternating, and the race decides by its adjacent pairs (the
-median of one's time over the other's, each pair's calls back to back), not by each
-one's fastest call.  Every call is a real step whose output is used.
+``Budget.slow_factor`` times the best score so far drops it.  Then the fastest races a
+challenger within ``Budget.close`` of it — kernel by kernel when a taskflow leads (a
+taskflow replaces the floor only when paired calls say it is faster), else the
+runner-up — for ``Budget.final`` more scored calls each, alternating, and the race
+decides by its adjacent pairs (the median of one's time over the other's, each pair's
+calls back to back), not by each one's fastest call.  Every call is a real step whose output is used.
 """
 
 from __future__ import annotations
@@ -382,16 +383,30 @@ class Tuning:
         return all(k in self._dropped or self._issued.get(k, 0) >= self._need(k) for k in self._order)
 
     def _maybe_race(self) -> None:
-        """Once the search is done, the two fastest race on: ``Budget.final`` more scored
-        calls each, alternating, when the runner-up is within ``Budget.close`` of the
-        winner (under a noisy host three calls cannot tell 10% apart)."""
+        """Once the search is done, the leader races a challenger (``_challenger``):
+        ``Budget.final`` more scored calls each, alternating (under a noisy host three
+        calls cannot tell 10% apart)."""
         if self._raced or not self._combined or not self._all_issued() or self._pending():
             return
         self._raced = True
         ranked = self._ranked()
-        if len(ranked) > 1 and self._score(ranked[1]) < (1.0 + self.budget.close) * self._score(ranked[0]):
-            self._final = {ranked[0]: self.budget.final, ranked[1]: self.budget.final}
+        challenger = self._challenger(ranked) if ranked else None
+        if challenger is not None:
+            self._final = {ranked[0]: self.budget.final, challenger: self.budget.final}
             self._race_from = len(self._trace)
+
+    def _challenger(self, ranked: list[Knobs]) -> Knobs | None:
+        """Who races the leader: kernel by kernel when a taskflow leads and it is within
+        ``Budget.close`` (a taskflow is chosen over the floor only when paired calls say
+        it is faster), else the runner-up when within ``Budget.close``; None: no race."""
+        leader = ranked[0]
+
+        def close(k: Knobs) -> bool:
+            return self._score(k) < (1.0 + self.budget.close) * self._score(leader)
+        kbk = KERNEL_BY_KERNEL_KNOBS
+        if leader != kbk and kbk in ranked and close(kbk):
+            return kbk
+        return ranked[1] if len(ranked) > 1 and close(ranked[1]) else None
 
     def _paired(self, first: Knobs, second: Knobs) -> float | None:
         """The median over the race's adjacent (first, second) call pairs, in either order,
@@ -428,8 +443,10 @@ class Tuning:
         if not ranked:  # nothing scored (every time non-finite): the default order's head
             return TuneResult(self._order[0], math.nan, None, None, None, self.steps, self.seconds)
         win, up = ranked[0], (ranked[1] if len(ranked) > 1 else None)
-        if self._final and set(self._final) == {win, up} and (self._paired(win, up) or 1.0) < 1.0:
-            win, up = up, win  # the race's pairs say the runner-up is faster
+        if self._final:  # the race's pairs decide between its leader and its challenger
+            leader, challenger = self._final
+            faster = (self._paired(leader, challenger) or 1.0) < 1.0
+            win, up = (challenger, leader) if faster else (leader, challenger)
         return TuneResult(win, self._score(win), up, self._score(up) if up else None,
                           self._score(KERNEL_BY_KERNEL_KNOBS), self.steps, self.seconds)
 
