@@ -88,7 +88,7 @@ def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], conte
             counts[e] += 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedForward:
     """A forward region lowered for ``ep`` virtual ranks, with every rank's buffers and
     contexts, ready for ``run_graph``."""
@@ -99,10 +99,14 @@ class PreparedForward:
     buffers: list
     contexts: list
 
-    def run(self, order: Sequence[int] | np.ndarray | None = None) -> ForwardResult:
-        run_graph(self.graph, self.region, self.buffers, self.contexts, order)
+    def run(self, order: Sequence[int] | np.ndarray | None = None,
+            graph: TaskGraph | None = None) -> ForwardResult:
+        """Run every task once in ``order``, under ``graph``'s waits (default: the
+        region's own graph; another one: the same tasks with altered waits)."""
+        graph = self.graph if graph is None else graph
+        run_graph(graph, self.region, self.buffers, self.contexts, order)
         return ForwardResult(out=torch.cat([b.out for b in self.buffers]), buffers=self.buffers,
-                             plan=self.plan, graph=self.graph)
+                             plan=self.plan, graph=graph)
 
 
 def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,

@@ -122,11 +122,10 @@ def interleaved_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routin
     hw = dataclasses.replace(hardware_preset("h100"), matrix_workers=how.workers.matrix,
                              vector_workers=how.workers.vector)
     sched = schedule(prepared.graph, how.policy, hw)
-    if how.dropped is not None:
-        prepared.graph = drop_wait(prepared.graph, how.dropped)
+    graph = prepared.graph if how.dropped is None else drop_wait(prepared.graph, how.dropped)
     for buffers in prepared.buffers:
         for f in dataclasses.fields(buffers):
             t = getattr(buffers, f.name)
             if f.name != "x" and isinstance(t, torch.Tensor) and t.is_floating_point():
                 t.fill_(float("nan"))
-    return prepared.run(device_order(sched, prepared.graph, np.random.default_rng(how.seed))).out
+    return prepared.run(device_order(sched, graph, np.random.default_rng(how.seed)), graph).out

@@ -89,15 +89,15 @@ class PreparedRegion:
                                 stamps=self.options.stamps, delays_ns=delays_ns)
 
 
-def region_schedule(graph: TaskGraph, options: TritonOptions, arena: Arena) -> Schedule:
-    """Schedule ``graph`` on the device's workers (refusing more than can be resident):
-    ``options.workers``, else on a GPU every resident program, split by measuring
-    (``split.measured_schedule``), in the interpreter ``INTERPRETER_WORKERS``."""
+def region_schedule(graph: TaskGraph, tasks: np.ndarray, options: TritonOptions, arena: Arena) -> Schedule:
+    """Schedule ``graph`` (operand rows ``tasks``) on the device's workers (refusing more
+    than can be resident): ``options.workers``, else on a GPU every resident program,
+    split by measuring (``split.measured_schedule``), in the interpreter
+    ``INTERPRETER_WORKERS``."""
     hw = options.hardware or hardware_preset("h100")
     workers = options.workers
     if arena.device.type == "cuda":
-        aligned = (aligned_layout(tasks := describe(graph, arena.space), arena.space)
-                   and aligned_addresses(tasks, arena.host_addresses()))
+        aligned = aligned_layout(tasks, arena.space) and aligned_addresses(tasks, arena.host_addresses())
         per_rank = resident_per_rank(graph, arena.device, arena.dtype, options.config, aligned)
         if workers is None:
             key = split_key(graph, options.policy, arena.dtype, options.config, per_rank)
@@ -110,8 +110,9 @@ def region_schedule(graph: TaskGraph, options: TritonOptions, arena: Arena) -> S
 
 
 def prepare(graph: TaskGraph, arena: Arena, options: TritonOptions) -> PreparedRegion:
-    sched = region_schedule(graph, options, arena)
-    program = DeviceProgram(pack(sched, arena.space), arena.device, arena.dtype, options.config)
+    tasks = describe(graph, arena.space)
+    sched = region_schedule(graph, tasks, options, arena)
+    program = DeviceProgram(pack(sched, arena.space, tasks), arena.device, arena.dtype, options.config)
     return PreparedRegion(schedule=sched, program=program, arena=arena, options=options)
 
 

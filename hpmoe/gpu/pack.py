@@ -74,8 +74,9 @@ class PackedProgram:
         return int(room.min())
 
 
-def pack(schedule: Schedule, space: BufferSpace) -> PackedProgram:
-    """Flatten ``schedule`` (every rank of its region) into device arrays."""
+def pack(schedule: Schedule, space: BufferSpace, tasks: np.ndarray | None = None) -> PackedProgram:
+    """Flatten ``schedule`` (every rank of its region) into device arrays; ``tasks``: the
+    graph's operand rows when the caller has them (``describe``)."""
     g = schedule.graph
     if g.ranks != tuple(range(g.ep)):
         raise ValueError(f"pack needs the graph of every rank of the EP group, got ranks {g.ranks}")
@@ -87,7 +88,7 @@ def pack(schedule: Schedule, space: BufferSpace) -> PackedProgram:
     has = wait >= 0
     safe = np.where(has, wait, 0)
     arrays = {
-        "tasks": describe(g, space), "wait_event": wait,
+        "tasks": describe(g, space) if tasks is None else tasks, "wait_event": wait,
         "wait_threshold": np.where(has, g.threshold[safe] if g.num_events else 0, 0),
         "wait_step": np.where(has, step[safe] if g.num_events else 0, 0),
         "sig_ptr": g.sig_ptr, "sig_event": signals,

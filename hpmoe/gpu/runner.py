@@ -323,15 +323,15 @@ class DeviceProgram:
 
 
 def cooperative_launch(kernel, programs: int, args: tuple, options: dict) -> None:
-    """Launch ``programs`` programs of ``kernel``; a refused cooperative launch (they
-    cannot all be resident now) is named as such."""
+    """Launch ``programs`` programs of ``kernel`` cooperatively; a failed launch is named
+    with the likeliest cause (the driver refuses a cooperative grid that cannot be
+    resident now)."""
     try:
         kernel[(programs,)](*args, **options)
     except RuntimeError as err:
-        raise RuntimeError(f"the persistent kernel's {programs} programs cannot all be resident on "
-                           f"this GPU now (cooperative launch refused: {err}); other kernels, MPS "
-                           "or a partition may hold SMs: run with fewer workers (TritonOptions.workers)"
-                           ) from err
+        raise RuntimeError(f"the cooperative launch of the persistent kernel's {programs} programs failed: "
+                           f"{err}.  If they cannot all be resident now (other kernels, MPS or a "
+                           "partition hold SMs), run with fewer workers (TritonOptions.workers)") from err
 
 
 def kernel_meta(dtype: torch.dtype, config: KernelConfig, interpret: bool, blocking: bool, stamp: int,

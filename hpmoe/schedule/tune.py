@@ -25,7 +25,8 @@ challenger within ``Budget.close`` of it — kernel by kernel when a taskflow le
 taskflow replaces the floor only when paired calls say it is faster), else the
 runner-up — for ``Budget.final`` more scored calls each, alternating, and the race
 decides by its adjacent pairs (the median of one's time over the other's, each pair's
-calls back to back), not by each one's fastest call.  Every call is a real step whose output is used.
+calls back to back), not by each one's fastest call.  Every call is a real step whose
+output is used.
 """
 
 from __future__ import annotations
