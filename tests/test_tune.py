@@ -313,6 +313,19 @@ def test_the_two_fastest_race_on_when_they_are_close_and_not_otherwise():
     assert far.count(kbk) == need and len(far) <= Budget().max_steps
 
 
+def test_short_calls_race_until_each_finalist_ran_race_seconds_long_calls_only_final():
+    """The race's length is time, not a call count: 10 ms calls race on until each
+    finalist has 0.05 s in the race (6 calls of 9.5 ms, over ``final`` = 2), 1 ms calls stop at
+    ``final_max``, 1 s calls at ``final``."""
+    kbk = KERNEL_BY_KERNEL_KNOBS
+    budget = Budget(final=2, final_max=8, race_seconds=0.05)
+    need = budget.warmup + budget.trials
+    for scale, extra in ((0.01, 6), (0.001, 8), (1.0, 2)):
+        ran = _feed(Tuning(SPACE, budget), {k: t * scale for k, t in _times(1.0, **{kbk.name: 0.95}).items()})
+        assert ran.count(kbk) == need + extra, scale
+        assert len(ran) <= budget.max_steps
+
+
 def test_a_taskflow_in_the_lead_races_kernel_by_kernel_not_another_taskflow():
     """Two taskflows lead, kernel by kernel 10% behind them: the leader races kernel by
     kernel (the floor), and where the pairs say kernel by kernel is faster it wins."""

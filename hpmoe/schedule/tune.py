@@ -23,7 +23,9 @@ the development machine — favours or burdens none); one scored call slower tha
 ``Budget.slow_factor`` times the best score so far drops it.  Then the fastest races a
 challenger within ``Budget.close`` of it — kernel by kernel when a taskflow leads (a
 taskflow replaces the floor only when paired calls say it is faster), else the
-runner-up — for ``Budget.final`` more scored calls each, alternating, and the race
+runner-up — for at least ``Budget.final`` more scored calls each, alternating, until
+each has run ``Budget.race_seconds`` in the race (at most ``Budget.final_max`` calls
+each: short calls race longer, so a near tie is decided by more pairs), and the race
 decides by its adjacent pairs (the median of one's time over the other's, each pair's
 calls back to back), not by each one's fastest call.  Every call is a real step whose
 output is used.
@@ -188,8 +190,9 @@ class Budget:
     """Calls per candidate: ``warmup`` unscored then ``trials`` scored; a scored call over
     ``slow_factor`` x the best score so far drops the candidate; at most ``candidates``
     candidates per key; then, when the runner-up's score is within ``close`` (a fraction)
-    of the winner's, ``final`` more scored calls of each.  Worst case per key:
-    ``max_steps``."""
+    of the winner's, at least ``final`` more scored calls of each, more while either has
+    run less than ``race_seconds`` in the race, at most ``final_max``.  Worst case per
+    key: ``max_steps``."""
 
     warmup: int = 1
     trials: int = 3
@@ -197,17 +200,21 @@ class Budget:
     candidates: int = 8
     final: int = 4
     close: float = 0.2
+    race_seconds: float = 0.5
+    final_max: int = 16
 
     def __post_init__(self) -> None:
         if (self.warmup < 0 or self.trials < 1 or self.candidates < 1 or not self.slow_factor > 1.0
-                or self.final < 0 or not self.close >= 0):
-            raise ValueError(f"Budget{(self.warmup, self.trials, self.slow_factor, self.candidates)}: "
-                             "warmup >= 0, trials >= 1, slow_factor > 1, candidates >= 1, final >= 0, "
-                             "close >= 0")
+                or self.final < 0 or not self.close >= 0 or self.final_max < self.final
+                or not self.race_seconds >= 0):
+            raise ValueError(f"Budget{(self.warmup, self.trials, self.slow_factor, self.candidates)}, "
+                             f"final={self.final}, final_max={self.final_max}, close={self.close}, "
+                             f"race_seconds={self.race_seconds}: warmup >= 0, trials >= 1, slow_factor > 1, "
+                             "candidates >= 1, 0 <= final <= final_max, close >= 0, race_seconds >= 0")
 
     @property
     def max_steps(self) -> int:
-        return self.candidates * (self.warmup + self.trials) + 2 * self.final
+        return self.candidates * (self.warmup + self.trials) + 2 * self.final_max
 
 
 @dataclass(frozen=True)
@@ -354,6 +361,7 @@ class Tuning:
             self._dropped.add(knobs)
         self._maybe_combine()
         self._maybe_race()
+        self._extend_race()
         if self._pending() == 0 and self._all_issued():
             self.result = self._result()
 
@@ -392,9 +400,19 @@ class Tuning:
         self._raced = True
         ranked = self._ranked()
         challenger = self._challenger(ranked) if ranked else None
-        if challenger is not None:
+        if challenger is not None and self.budget.final > 0:
             self._final = {ranked[0]: self.budget.final, challenger: self.budget.final}
             self._race_from = len(self._trace)
+
+    def _extend_race(self) -> None:
+        """Once a race's calls are all in, one more call each while either finalist has run
+        less than ``Budget.race_seconds`` in it (up to ``Budget.final_max`` calls each)."""
+        if not self._final or self._pending() or not self._all_issued():
+            return
+        race = self._trace[self._race_from:]
+        short = any(sum(t for k, t in race if k == f) < self.budget.race_seconds for f in self._final)
+        if short and max(self._final.values()) < self.budget.final_max:
+            self._final = {k: n + 1 for k, n in self._final.items()}
 
     def _challenger(self, ranked: list[Knobs]) -> Knobs | None:
         """Who races the leader: kernel by kernel when a taskflow leads and it is within
