@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ir.analysis import GraphError
 from ..ir.graph import TaskGraph
+from ..ir.semantics import EventCounts
 from ..ir.verify import random_order
 from ..regions.base import Region
 from ..regions.dedup_kernels import DedupBuffers
@@ -47,45 +47,37 @@ class ForwardResult:
 
 
 class _VirtualRanks:
-    """Counters of every virtual rank and the in-process put between their buffers."""
+    """The in-process put between the virtual ranks' buffers (its signals are counted
+    by ``run_graph``'s ``EventCounts`` when the put ends)."""
 
-    def __init__(self, buffers: Sequence[object], event_counts: Sequence[int]):
+    def __init__(self, buffers: Sequence[object]):
         self.buffers = buffers
-        self.counts = [[0] * n for n in event_counts]
 
     def put(self, peer: int, view: PeerView, rows: torch.Tensor, signals: tuple[int, ...], seq: int) -> None:
         getattr(self.buffers[peer], view.field)[view.row0:view.row0 + view.rows].copy_(rows)
-        peer_counts = self.counts[peer]
-        for e in signals:
-            peer_counts[e] += 1
 
 
 def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], contexts: Sequence[object],
               order: Sequence[int] | np.ndarray | None = None) -> None:
     """Run every task of ``graph`` (every rank's) once, in the global ``order`` (default:
     task-id order), with ``region``'s kernels and puts; ``buffers`` and ``contexts`` are
-    per rank, of the region's types.  Raises ``GraphError`` when a task would run
-    before its event reached its threshold."""
+    per rank, of the region's types.  The reference of the IR's synchronisation
+    (``ir.semantics.EventCounts``): raises ``GraphError`` when a task would run before its
+    event reached its threshold."""
     order = np.arange(graph.num_tasks) if order is None else np.asarray(order, np.int64)
     if sorted(order.tolist()) != list(range(graph.num_tasks)):
         raise ValueError(f"order must be a permutation of the {graph.num_tasks} task ids")
     programs = [rank_program(graph, region, r) for r in range(graph.ep)]
-    ranks = _VirtualRanks(buffers, [p.num_events for p in programs])
-    calls = [task_calls(p, region.kernels, buffers[r], contexts[r], ranks.put)
-             for r, p in enumerate(programs)]
+    put = _VirtualRanks(buffers).put
+    calls = [task_calls(p, region.kernels, buffers[r], contexts[r], put) for r, p in enumerate(programs)]
     local = np.zeros(graph.num_tasks, np.int64)
     for p in programs:
         local[p.task_ids] = np.arange(p.num_tasks)
+    counts = EventCounts(graph)
     for g, i in zip(order.tolist(), local[order].tolist(), strict=True):
-        r = int(graph.rank[g])
-        p, counts = programs[r], ranks.counts[r]
-        ev = p.wait[i]
-        if ev >= 0 and counts[ev] < p.threshold[ev]:
-            raise GraphError(f"order runs {graph.task(g)} before its event {graph.event_name(r, ev)} "
-                             f"reached {p.threshold[ev]} (at {counts[ev]})")
-        calls[r][i]()
-        for e in p.local_signals[i]:
-            counts[e] += 1
+        counts.start(g)
+        calls[int(graph.rank[g])][i]()
+        counts.signal(g)
 
 
 @dataclass(frozen=True)
