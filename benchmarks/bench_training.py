@@ -34,8 +34,9 @@ import torch
 
 from hpmoe import refs
 from hpmoe.cli.common import dtype_choice
+from hpmoe.engine import RegionState
 from hpmoe.machine import record
-from hpmoe.nn.layer import MoE, RegionState
+from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
 from hpmoe.spec import MoESpec, preset

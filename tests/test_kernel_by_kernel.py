@@ -9,13 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hpmoe.engine import KernelByKernelPath, RegionCall, RegionFunction, run
 from hpmoe.exec.arena import Arena, ArenaPool
 from hpmoe.exec.kernel_by_kernel import (
     ExpertGrads,
     Experts,
     GemmPath,
-    KernelByKernelCall,
-    KernelByKernelFunction,
     experts_backward,
     experts_forward,
     gemm_path,
@@ -109,7 +108,7 @@ def test_scratch_is_reused_across_steps_and_saved_tensors_are_not_scratch() -> N
     assert len(pool) == 1  # scratch is back in the pool while the activations are held
     scratch = {b.untyped_storage().data_ptr() for b in pool.acquire("cpu").buffers()}
     pool.release(pool.acquire("cpu"))
-    saved = [t for t in held.tensors()[:len(held.TENSORS) - 2] if t is not None]
+    saved = [t for t in held.pack()[0][:len(held.TENSORS) - 2] if t is not None]
     assert not scratch & {t.untyped_storage().data_ptr() for t in saved}
     dy = torch.ones_like(first)
     alone = kbk_backward(kbk_forward(x, routing, w, save=True)[1], dy)
@@ -143,7 +142,8 @@ def test_the_autograd_node_saves_through_save_for_backward() -> None:
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or len(packed) - 1,
                                                   lambda i: packed[i]):
-        out = KernelByKernelFunction.apply(*leaves, KernelByKernelCall(w.spec, routing.ids))
+        out = run(KernelByKernelPath(), leaves[0], Routing(routing.ids, leaves[1]),
+                  ExpertWeights.routed(w.spec, *leaves[2:]))
     assert any(t.shape == (16 * w.spec.top_k, w.spec.hidden) for t in packed)  # the activations
     out.backward(torch.ones_like(out))
     want = _autograd_grads(x, routing, w, torch.ones_like(out))
@@ -195,16 +195,17 @@ def _check_ranks(res: list[dict], dtype: torch.dtype) -> None:
 
 
 def test_an_inference_call_saves_nothing(monkeypatch) -> None:
-    import hpmoe.exec.kernel_by_kernel as kbk
+    import hpmoe.engine.paths as paths
 
-    saves, forward = [], kbk.kbk_forward
-    monkeypatch.setattr(kbk, "kbk_forward", lambda *a: saves.append(a[5]) or forward(*a))
+    saves, forward = [], paths.kbk_forward
+    monkeypatch.setattr(paths, "kbk_forward", lambda *a: saves.append(a[5]) or forward(*a))
     x, routing, w = _inputs(torch.float32, RoutingKind.ZIPF, tokens=8)
     w13 = w.w13.clone().requires_grad_()  # needs_input_grad is True even under no_grad
     args = (x, routing.weights, w13, w.w2, w.shared_w13, w.shared_w2)
+    path = KernelByKernelPath()
     with torch.no_grad():
-        KernelByKernelFunction.apply(*args, KernelByKernelCall(w.spec, routing.ids, grad=False))
-    KernelByKernelFunction.apply(*args, KernelByKernelCall(w.spec, routing.ids))
+        RegionFunction.apply(*args, None, None, RegionCall(w.spec, routing.ids, path, grad=False))
+    RegionFunction.apply(*args, None, None, RegionCall(w.spec, routing.ids, path))
     assert saves == [False, True]
 
 

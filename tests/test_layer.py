@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from hpmoe import refs
+from hpmoe.engine import ExactPath, RegionState
 from hpmoe.machine import machine
-from hpmoe.nn.layer import MoE, RegionCall, RegionOptions, RegionState, _virtual_forward
+from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
@@ -151,8 +152,7 @@ def test_the_taskflow_state_keeps_no_tensor_outside_save_for_backward():
     w = ExpertWeights.random(spec, 0)
     x = _data(spec, 16)[0].reshape(-1, spec.hidden)
     routing = route(x, w)
-    options = RegionOptions(virtual_ep=2, tiles=TINY_TILES, schedule=None)
-    _, state = _virtual_forward(x, w, routing, RegionCall(spec=w.spec, ids=routing.ids, options=options))
+    _, state = ExactPath(2, TINY_TILES).forward(x, routing, w, True)
     tensors, bare = state.pack()
     assert not [f.name for f in dataclasses.fields(bare) if isinstance(getattr(bare, f.name), torch.Tensor)]
     assert bare.routing is None and bare.weights is None and bare.saved == [None, None]
@@ -287,7 +287,7 @@ def test_auto_runs_kernel_by_kernel_without_a_profile_and_caches_per_shape(monke
         layer(x)
     d = layer.decision(16)
     assert d.reason is Reason.NO_MODEL and d.chosen.path is Path.KERNEL_BY_KERNEL
-    assert len(layer._decisions) == 2  # forward+backward and forward-only shapes
+    assert len(layer._auto.decisions) == 2  # forward+backward and forward-only shapes
 
 
 def test_auto_forecasts_on_a_given_model_and_runs_its_choice():

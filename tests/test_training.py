@@ -109,7 +109,7 @@ def test_data_parallel_wrappers_give_the_full_batch_gradients(case, wrapped_runs
 
 
 def _spy_taskflow(monkeypatch, packed: list) -> dict:
-    from hpmoe.nn.layer import RegionState
+    from hpmoe.engine import RegionState
     from hpmoe.regions.backward_kernels import SavedActivations
 
     names = [f.name for f in dataclasses.fields(SavedActivations) if f.name != "x"]
@@ -127,14 +127,14 @@ def _spy_taskflow(monkeypatch, packed: list) -> dict:
 def _spy_kernel_by_kernel(monkeypatch, packed: list) -> dict:
     from hpmoe.exec.kernel_by_kernel import KernelByKernelState
 
-    tensors = KernelByKernelState.tensors
+    pack = KernelByKernelState.pack
     activations = [n for n in KernelByKernelState.TENSORS if n not in ("x", "topk_weights")]
 
     def spy(state):
         packed.extend(weakref.ref(getattr(state, n)) for n in activations if getattr(state, n) is not None)
-        return tensors(state)
+        return pack(state)
 
-    monkeypatch.setattr(KernelByKernelState, "tensors", spy)
+    monkeypatch.setattr(KernelByKernelState, "pack", spy)
     return {}  # AUTO without a profile: the kernel-by-kernel path
 
 

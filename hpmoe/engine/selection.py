@@ -1,55 +1,101 @@
-"""The front door of a one-process region call: ``moe_forward`` chooses the path (the
-exact taskflow executor, kernel by kernel under AUTO, or the persistent Triton kernel)
-and calls it; ``one_process_decision`` is AUTO's choice in one process, which
-``moe_forward``, the layer (``virtual_ep``) and the compile path all read.  The
-executors do not import one another; this module imports them."""
+"""``select``: the one place that chooses a region call's path (``engine.paths``) — what
+``RegionOptions`` fixes, or AUTO's choice.  AUTO with an ep_group and no explicit
+hardware model measures (``schedule.tune``, every rank in step through the call's
+agreement); otherwise it forecasts on a model (``hardware``, else the saved cpu
+profile; in one process with neither, the kernel-by-kernel path).  ``Auto`` is a
+caller's memory of it: the layer keeps one, one-process callers share the process's."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
 import torch
 
-from .exec.backend import Backend, as_backend
-from .exec.exact import DEFAULT_TILES, Order, execute_forward
-from .exec.kernel_by_kernel import kbk_forward
-from .ir.schedule import SchedulePolicy
-from .routing import Routing, check_hidden
-from .schedule.auto import PROCESS_DECISIONS, AutoDecision, DecisionCache, Path, RoutingShape
-from .sim.hardware import HardwareModel
-from .spec import MoESpec, TileSpec, require_per_expert
-from .weights import ExpertWeights
+from ..exec.arena import ArenaPool
+from ..exec.backend import Backend
+from ..exec.exact import DEFAULT_TILES
+from ..ir.schedule import SchedulePolicy, WorkerCounts
+from ..schedule.auto import PROCESS_DECISIONS, AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
+from ..schedule.tune import Knobs, Space, TuneKey, TuneResult
+from ..schedule.tuner import Trial, Tuner
+from ..sim.hardware import HardwareModel
+from ..sim.presets import cpu_nominal
+from ..spec import MoESpec, TileSpec
+from .options import RegionOptions
+from .paths import ExactPath, KernelByKernelPath, RegionPath, RuntimePath, TritonPath
 
-_TRITON = "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, PARTIAL_SUM)"
+if TYPE_CHECKING:
+    from ..runtime import Session
+
+_UNREAD = object()  # the saved profile before it is read
 
 
-def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int = 1,
-                tiles: TileSpec = DEFAULT_TILES, order: Order = None,
-                backend: Backend | str = Backend.EXACT, policy: SchedulePolicy = SchedulePolicy.AUTO,
-                hardware: HardwareModel | None = None, decisions: DecisionCache | None = None
-                ) -> torch.Tensor:
-    """Routed plus shared-expert output [N, H] of the MoE layer of ``ep`` expert-parallel
-    ranks in one process.
+@dataclass
+class Auto:
+    """AUTO's memory for one caller: decisions forecast on a model, the tuner's
+    measurements, and the saved cpu profile (read once)."""
 
-    policy: AUTO (default, with ``order`` None) runs what ``schedule.auto`` forecasts
-    faster for this routing shape on ``hardware`` (default: the saved cpu profile; none:
-    the kernel-by-kernel path), decided once per routing shape and kept in ``decisions``
-    (default: ``schedule.auto.PROCESS_DECISIONS``);
-    SERIAL (or any ``order``) runs the tile task graph (see ``execute_forward``).
-    ``backend="triton"``: one persistent Triton kernel on ``x.device`` (``hpmoe.gpu``);
-    ``order`` is then not used and must be None."""
-    if as_backend(backend) is Backend.TRITON:
-        if order is not None:
-            raise ValueError(f"order={order!r}: the triton backend runs a schedule, not a task order")
-        require_per_expert(tiles, _TRITON)
-        from .gpu.backend import triton_forward
-        return triton_forward(x, weights, routing, ep, tiles).out
-    if policy not in (SchedulePolicy.AUTO, SchedulePolicy.SERIAL):
-        raise ValueError(f"policy={policy!r}: in one process, AUTO or SERIAL (the task graph)")
-    if policy is SchedulePolicy.AUTO and order is None:
-        check_hidden(x, weights.spec)
-        decision = one_process_decision(weights.spec, ep, x.shape[0], tiles, hardware, decisions)
-        if decision.chosen.path is not Path.TASKFLOW:
-            return kbk_forward(x, routing, weights)[0]
-    return execute_forward(x, weights, routing, ep, tiles, order).out
+    decisions: DecisionCache = field(default_factory=DecisionCache)
+    tuner: Tuner = field(default_factory=Tuner)
+    _profile: Any = _UNREAD
+
+    def profile(self) -> HardwareModel | None:
+        """The saved cpu profile (None when there is none)."""
+        if self._profile is _UNREAD:
+            self._profile = saved_profile()
+        return self._profile
+
+
+PROCESS_AUTO = Auto(PROCESS_DECISIONS)  # callers that keep none: moe_forward, the compile path
+
+
+def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Session | None = None,
+           pool: ArenaPool | None = None) -> tuple[RegionPath, Trial | None]:
+    """The path of a call of ``tokens`` tokens (per rank with an ep_group, after padding;
+    the whole batch in one process) computing ``spec`` (its dtype: the compute dtype), and
+    the tuning trial it is (None: not tuning).  Collective over ``session``'s group."""
+    chosen, trial = _choose(o, spec, tokens, auto, session)
+    if chosen is None:
+        return KernelByKernelPath(session, o.tiles, pool, o.recompute), trial
+    if o.distributed:
+        return RuntimePath(session, chosen.tiles, chosen.policy, chosen.rank_hardware, chosen.nodes,
+                           chosen.recompute), trial
+    if o.backend is Backend.TRITON:
+        return TritonPath(o.virtual_ep, o.tiles, o.policy, o.hardware, o.recompute), trial
+    return ExactPath(o.virtual_ep, chosen.tiles, chosen.schedule, chosen.nodes, chosen.recompute), trial
+
+
+def _choose(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto,
+            session: Session | None) -> tuple[RegionOptions | None, Trial | None]:
+    """The taskflow's options (None: the kernel-by-kernel path) and the trial."""
+    if o.schedule is not SchedulePolicy.AUTO or o.backend is Backend.TRITON:
+        return o, None
+    if o.distributed and o.hardware is None:
+        space = Space.around(o.tiles, DEFAULT_TILES, o.nodes)
+        key = tune_key(o, spec, tokens, torch.is_grad_enabled(), auto, session)
+        first = None if auto.tuner.knows(key) else _model_first(o, spec, tokens, auto, session, space)
+        trial = auto.tuner.start(key, space, session.collectives, first)
+        return _knob_options(o, trial.knobs, auto), trial
+    chosen = decision(o, spec, tokens, torch.is_grad_enabled(), auto, session).chosen
+    if chosen.path is not Path.TASKFLOW:
+        return None, None
+    if o.distributed:
+        return replace(o, schedule=chosen.policy), None
+    return replace(o, schedule=None, hardware=None), None  # task-id order; AUTO's model has served
+
+
+def decision(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,
+             session: Session | None = None) -> AutoDecision:
+    """AUTO's forecast for ``tokens`` tokens: in one process over ``o.virtual_ep``
+    virtual ranks; with an ep_group per rank, group rank 0 forecasting and broadcasting
+    (collective).  Made once per shape and kept in ``auto.decisions``."""
+    if not o.distributed:
+        return one_process_decision(spec, o.virtual_ep, tokens, o.tiles, o.hardware, auto.decisions, backward)
+    shape = RoutingShape(spec, o.ranks, tokens, backward)
+    workers = WorkerCounts.from_hardware(o.rank_hardware)
+    return auto.decisions.decide(shape, o.tiles, o.hardware, workers, session.collectives)
 
 
 def one_process_decision(spec: MoESpec, ep: int, tokens: int, tiles: TileSpec,
@@ -61,3 +107,39 @@ def one_process_decision(spec: MoESpec, ep: int, tokens: int, tiles: TileSpec,
     process's, ``schedule.auto.PROCESS_DECISIONS``)."""
     cache = decisions if decisions is not None else PROCESS_DECISIONS
     return cache.decide(RoutingShape.one_process(spec, ep, tokens, backward), tiles, hardware)
+
+
+def tune_key(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,
+             session: Session) -> TuneKey:
+    """The tuning key of a distributed call (machine, layer, EP group, network, dtype,
+    token bucket, direction)."""
+    network = session.config.tuning_network
+    return auto.tuner.key(spec, o.ranks, o.nodes, network, tokens, backward)
+
+
+def tuned(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,
+          session: Session | None) -> TuneResult | None:
+    """What the tuning settled on for this key (None: still tuning, or not tuning)."""
+    if not o.distributed:
+        return None
+    return auto.tuner.result(tune_key(o, spec, tokens, backward, auto, session))
+
+
+def _model_first(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Session,
+                 space: Space) -> Knobs | None:
+    """What the saved profile forecasts fastest (the tuner measures it first); None
+    without one."""
+    if auto.profile() is None:
+        return None
+    return space.of(decision(o, spec, tokens, torch.is_grad_enabled(), auto, session).chosen)
+
+
+def _knob_options(o: RegionOptions, knobs: Knobs, auto: Auto) -> RegionOptions | None:
+    """The options that run ``knobs`` (None: the kernel-by-kernel path); the worker
+    threads are the rank model's (the saved profile's rates, else nominal ones)."""
+    if knobs.path is not Path.TASKFLOW:
+        return None
+    base = auto.profile() or cpu_nominal()
+    w = knobs.workers
+    hw = dataclasses.replace(base, matrix_workers=w.matrix, vector_workers=w.vector)
+    return replace(o, schedule=knobs.policy, tiles=knobs.tiles, hardware=hw)

@@ -46,7 +46,7 @@ class Gradients:
 
     @property
     def expert_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """In the order of ``MoEFunction``'s weight inputs: dw13, dw2, dshared_w13,
+        """In the order of ``engine.RegionFunction``'s weight inputs: dw13, dw2, dshared_w13,
         dshared_w2, db13, db2."""
         return self.dw13, self.dw2, self.dshared_w13, self.dshared_w2, self.db13, self.db2
 

@@ -38,17 +38,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..refs import inverse_permutation
 from ..regions.backward_kernels import glu_backward
-from ..regions.base import RegionKind
 from ..regions.kernels import gemm_bias, glu
 from ..routing import Routing, check_hidden, check_routing
-from ..schedule.tuner import timed
 from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
@@ -56,9 +54,6 @@ from .exact_backward import Gradients
 
 if TYPE_CHECKING:  # the runtime loads on first distributed use, never by ``import hpmoe``
     from ..runtime.collective import Collectives
-    from ..runtime.session import Session
-    from ..schedule.tuner import Trial
-    from ..spec import TileSpec
 
 Segments = list[tuple[int, int, int]]  # (local expert, first row, end row) of non-empty experts
 
@@ -398,22 +393,21 @@ class KernelByKernelState:
     x: torch.Tensor | None
     topk_weights: torch.Tensor | None
     weights: ExpertWeights | None
+    spec: MoESpec | None = None  # the weights' spec while they are packed away
 
     TENSORS = ("xs", "h", "a", "y", "sh", "sa", "x", "topk_weights")
     WEIGHTS = ("w13", "w2", "shared_w13", "shared_w2", "b13", "b2")
 
-    def tensors(self) -> list[torch.Tensor | None]:
+    def pack(self) -> tuple[list[torch.Tensor | None], KernelByKernelState]:
+        """Every tensor of the state (for ``save_for_backward``) and the state without them."""
         w = self.weights
-        return [getattr(self, n) for n in self.TENSORS] + [getattr(w, n) for n in self.WEIGHTS]
+        tensors = [getattr(self, n) for n in self.TENSORS] + [getattr(w, n) for n in self.WEIGHTS]
+        return tensors, replace(self, **dict.fromkeys(self.TENSORS), weights=None, spec=w.spec)
 
-    def bare(self) -> KernelByKernelState:
-        """This state without its tensors (those go to ``save_for_backward``)."""
-        return replace(self, **dict.fromkeys(self.TENSORS), weights=None)
-
-    def with_tensors(self, tensors: Sequence[torch.Tensor | None], spec: MoESpec) -> KernelByKernelState:
-        """The inverse of ``bare``: this state with ``tensors()`` put back."""
+    def unpack(self, tensors: Sequence[torch.Tensor | None]) -> KernelByKernelState:
+        """The inverse of ``pack``: this state with its tensors put back."""
         n = len(self.TENSORS)
-        weights = ExpertWeights.routed(spec, *tensors[n:])
+        weights = ExpertWeights.routed(self.spec, *tensors[n:])
         return replace(self, **dict(zip(self.TENSORS, tensors[:n], strict=True)), weights=weights)
 
 
@@ -514,64 +508,3 @@ def _weight_buffer(w: torch.Tensor, mine: slice) -> torch.Tensor:
     out[:mine.start].zero_()
     out[mine.stop:].zero_()
     return out
-
-
-# ---------------------------------------------------------------------------- autograd
-
-
-@dataclass(frozen=True)
-class KernelByKernelCall:
-    """Non-tensor inputs of one call: the spec (dtype: the compute dtype), ids [T, k]
-    int64 global expert ids, the runtime session of a distributed layer (None: one
-    process) and its tiles (fingerprinted in the backward's agreement), the layer's
-    arena pool, whether backward recomputes the gated activations, and whether grad mode
-    was on at the call (inside ``forward`` it is always off, and ``ctx.needs_input_grad``
-    ignores it: without this an inference forward would save activations it never frees
-    early)."""
-
-    spec: MoESpec
-    ids: torch.Tensor
-    session: Session | None = None
-    tiles: TileSpec | None = None
-    pool: ArenaPool | None = None
-    recompute: bool = False
-    grad: bool = True
-    trial: Trial | None = None  # the tuner's trial of this call: the backward's seconds go into it
-
-    @property
-    def coll(self) -> Collectives | None:
-        return self.session.collectives if self.session is not None else None
-
-
-class KernelByKernelFunction(torch.autograd.Function):
-    """The kernel-by-kernel region as one autograd node; inputs as ``nn.layer.MoEFunction``:
-    x [T, H], topk weights [T, k] fp32, w13, w2, shared_w13 | None, shared_w2 | None,
-    b13 | None, b2 | None, call.
-    Distributed, the caller opened the forward with the session's agreement; the
-    backward opens with its own, which checks that the ranks are in step and agree on
-    the region, not dout's values: an inf or NaN gradient flows through, as on the
-    runtime's backward, for a loss scaler to see."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
-        *weight_tensors, call = tensors
-        x, topk_weights = x.detach(), topk_weights.detach()
-        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors))
-        save = call.grad and any(ctx.needs_input_grad[:-1])
-        out, state = kbk_forward(x, Routing(call.ids, topk_weights), weights, call.coll, call.pool, save,
-                                 call.recompute)
-        if state is not None:
-            ctx.save_for_backward(*state.tensors())
-            ctx.state, ctx.call = state.bare(), call
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        call: KernelByKernelCall = ctx.call
-        state = ctx.state.with_tensors(ctx.saved_tensors, call.spec)
-        ctx.state = None
-        with timed(call.trial):
-            if call.session is not None:
-                call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dout.shape[0])
-            g = kbk_backward(state, dout.contiguous(), call.pool)
-        return g.dx, g.dweights, *g.expert_tensors, None

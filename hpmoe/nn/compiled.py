@@ -4,10 +4,11 @@
 numbers, have fake (meta) implementations giving their output shapes, and are tied by
 ``register_autograd``: a model whose hpmoe layers run in one process (virtual EP, exact
 backend) compiles with ``fullgraph=True`` and no graph break from hpmoe.  The layer takes
-this path while ``torch.compiler.is_compiling()``; eager runs keep ``MoEFunction``.
+this path while ``torch.compiler.is_compiling()``; eager runs keep ``engine.RegionFunction``.
 
-With ``auto`` (the layer's ``SchedulePolicy.AUTO``) each op runs the path AUTO decides
-for its shape on the saved cpu profile (``schedule.auto.PROCESS_DECISIONS``): the
+Each op runs the path ``engine.select`` chooses: with ``auto`` (the layer's
+``SchedulePolicy.AUTO``) what AUTO decides for its shape on the saved cpu profile
+(the process's decisions, ``engine.PROCESS_AUTO``): the
 kernel-by-kernel path or the taskflow, the same in forward and backward.  The backward
 op reruns the forward to rebuild the saved activations (a custom op passes no state
 from forward to backward but its outputs), then runs the backward: the cost of
@@ -19,12 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import one_process_decision
-from ..exec.exact import execute_forward
-from ..exec.exact_backward import moe_forward_backward
-from ..exec.kernel_by_kernel import kbk_backward, kbk_forward
+from ..engine import PROCESS_AUTO, RegionOptions, RegionPath, select
+from ..ir.schedule import SchedulePolicy
 from ..routing import Routing
-from ..schedule.auto import Path
 from ..spec import Activation, DispatchMode, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights
 
@@ -66,9 +64,12 @@ def _tile_spec(fields: list[int]) -> tuple[TileSpec, int]:
     return TileSpec(rows, gemm_rows, gemm_cols, splits, _DISPATCH[dispatch], _WIRE[wire]), nodes
 
 
-def _kernel_by_kernel(w: ExpertWeights, tokens: int, ep: int, tiles: TileSpec, auto: bool) -> bool:
-    """Whether AUTO runs the kernel-by-kernel path for this shape (never without ``auto``)."""
-    return auto and one_process_decision(w.spec, ep, tokens, tiles).chosen.path is not Path.TASKFLOW
+def _path(w: ExpertWeights, tokens: int, ep: int, fields: list[int], auto: bool) -> RegionPath:
+    """The path of a call: AUTO's for this shape with ``auto``, else the taskflow."""
+    tiles, nodes = _tile_spec(fields)
+    schedule = SchedulePolicy.AUTO if auto else None
+    options = RegionOptions(virtual_ep=ep, schedule=schedule, tiles=tiles, nodes=nodes)
+    return select(options, w.spec, tokens, PROCESS_AUTO)[0]
 
 
 @torch.library.custom_op("hpmoe::region", mutates_args=())
@@ -81,10 +82,7 @@ def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
     glu: the ``GluForm`` (``_glu_fields``); auto: AUTO picks the path.  Returns [N, H] in
     x's dtype."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
-    spec, nodes = _tile_spec(tiles)
-    if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
-        return kbk_forward(x, routing, w)[0]
-    return execute_forward(x, w, routing, ep, spec, None, nodes).out
+    return _path(w, x.shape[0], ep, tiles, auto).forward(x, routing, w, False)[0]
 
 
 @region.register_fake
@@ -100,12 +98,8 @@ def region_backward(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weight
     """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2, db13, db2] of ``region`` given dy [N, H]
     (zeros for the absent, width-0 ones)."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
-    spec, nodes = _tile_spec(tiles)
-    dy = dy.to(x.dtype).contiguous()
-    if _kernel_by_kernel(w, x.shape[0], ep, spec, auto):
-        g = kbk_backward(kbk_forward(x, routing, w, save=True)[1], dy)
-    else:
-        g = moe_forward_backward(x, w, routing, dy, ep, spec, nodes=nodes).backward.grads
+    path = _path(w, x.shape[0], ep, tiles, auto)
+    g = path.backward(path.forward(x, routing, w, True)[1], dy.to(x.dtype).contiguous())
     absent = (sw13, sw2, b13, b2)  # dshared_w13, dshared_w2, db13, db2: zeros of width 0 where None
     rest = zip(g.expert_tensors[2:], absent, strict=True)
     return [g.dx, g.dweights, g.dw13, g.dw2, *(torch.zeros_like(z) if t is None else t for t, z in rest)]

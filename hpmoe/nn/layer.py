@@ -4,10 +4,11 @@ Routing runs in ordinary autograd — hpmoe's own gate (``MoE(spec)``) or, for a
 built over a transformers block (``MoE.from_hf``, ``replace_moe_blocks``), the block's own
 router module called as the block calls it, so output-capturing hooks, router logits and
 auxiliary losses are those of transformers.  The region — dispatch, expert GEMMs and the
-gated activation (``spec.activation``), combine, fusable shared experts — runs through
-``MoEFunction``: the forward taskflow keeps minimal activations (``SavedActivations``,
-handed to ``ctx.save_for_backward`` so saved-tensor hooks such as non-reentrant
-checkpointing manage them), the backward taskflow returns the gradients of the input, of
+gated activation (``spec.activation``), combine, fusable shared experts — runs on the
+path ``engine.select`` chooses, as one autograd node (``engine.RegionFunction``): the
+forward keeps minimal activations (``SavedActivations``, handed to
+``ctx.save_for_backward`` so saved-tensor hooks such as non-reentrant checkpointing
+manage them), the backward returns the gradients of the input, of
 the routing weights (autograd carries them on to the router), of the expert weights and
 of the shared-expert weights.  Any token count works (0 included): the layer pads every
 (virtual) rank to the same count with zero tokens of routing weight 0.
@@ -31,8 +32,7 @@ Execution:
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,33 +40,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine import one_process_decision
+from ..engine import Auto, RegionOptions, decision, run, select, tuned
 from ..exec.arena import ArenaPool
-from ..exec.backend import Backend, as_backend
-from ..exec.exact import DEFAULT_TILES, execute_forward
-from ..exec.exact_backward import Gradients, execute_backward
-from ..exec.kernel_by_kernel import KernelByKernelCall, KernelByKernelFunction
-from ..ir.schedule import SchedulePolicy, WorkerCounts
+from ..exec.backend import Backend
+from ..exec.exact import DEFAULT_TILES
+from ..ir.schedule import SchedulePolicy
 from ..placement import Placement, plan_placement, rank_loads
-from ..regions.backward_kernels import SavedActivations
 from ..regions.base import RegionKind
-from ..regions.dedup_backward_kernels import DedupSaved
-from ..regions.family import RegionFamily, region_family
-from ..routing import Routing, RoutingPlan, input_error, route
-from ..schedule.auto import AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
-from ..schedule.tune import Knobs, Space, TuneKey, TuneResult
-from ..schedule.tuner import Trial, Tuner, timed
+from ..routing import Routing, input_error, route
+from ..schedule.auto import AutoDecision
+from ..schedule.tune import TuneResult
 from ..sim.hardware import HardwareModel
-from ..sim.presets import cpu_nominal
-from ..spec import GateKind, MoESpec, ParallelSpec, TileSpec, require_per_expert
+from ..spec import GateKind, MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .compiled import run_region
-from .experts_impl import register, runs_region, select
+from .experts_impl import register, runs_region
+from .experts_impl import select as select_experts
 from .families import FAMILIES, computing_experts, family_of, read_block
 from .families.base import ExpertsLayout, ExpertTensors, Family, ScoreSide, expert_tensors, experts_dtype
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
-    from ..runtime import ForwardOptions, RuntimeConfig, Session
+    from ..runtime import RuntimeConfig, Session
 
 # ---------------------------------------------------------------------------- parameters
 
@@ -120,163 +114,8 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
 # ---------------------------------------------------------------------------- options
 
 
-@dataclass(frozen=True)
-class RegionOptions:
-    """How the region runs.
-
-    ep_group: None (one process); a torch.distributed process group of the EP ranks
-      (the layer opens a runtime ``Session`` on it at its first forward, configured by
-      ``runtime``); or a runtime ``Session`` shared between layers.
-    virtual_ep: EP ranks simulated in one process (must be 1 with an ep_group).
-    schedule: ``SchedulePolicy.AUTO`` (default).  With an ep_group and no ``hardware``,
-      AUTO measures (``schedule.tune``): per key (machine, layer, EP group and network,
-      dtype, tokens per rank to a power of two, with or without backward) the first calls
-      try the candidates — the kernel-by-kernel path (``exec.kernel_by_kernel``: grouped
-      GEMMs per phase, all-to-all over the ep_group) and the taskflow under each schedule
-      policy, worker split, tile rows and dispatch mode (tiles only when left at their
-      default) — every call a real step; the slowest rank's times decide, every rank runs
-      the same winner from then on, and the choice is saved in the tuning cache
-      (``hpmoe tune --show``) for later processes; see ``MoE.tuned``.  Candidates differ
-      in rounding only by path and dispatch mode, so bits can differ between runs until
-      the choice is cached: pin ``schedule`` for bitwise-reproducible runs.  With
-      ``hardware`` (or in one process), whichever of the taskflow and the kernel-by-kernel
-      path is forecast faster on ``hardware`` (else the calibrated profile of
-      ``hpmoe calibrate``; in one process with neither, the kernel-by-kernel path); see
-      ``MoE.decision``.  Otherwise the taskflow: with an ep_group, the runtime's
-      ``SchedulePolicy`` (None: HYPERPARALLEL); in one process, the exact executors' task
-      order: None (task-id order) or an int seeding a random valid order — every order
-      gives the same bits.  Under ``torch.compile`` (one process) AUTO decides on the saved
-      profile alone (``nn.compiled``).
-    recompute: recompute the gated activations in backward instead of saving them.
-    tiles: the tiling of the taskflow, its ``dispatch`` included: ``DispatchMode.PER_RANK``
-      and ``PER_NODE`` run the deduplicated forward and backward regions (exact executors
-      in one process, the runtime with an ep_group; gradients equal the per-expert ones but
-      for dx, summed per rank first as ``refs.rank_partials_sum`` does).  The tiles describe
-      the taskflow only: AUTO still picks the path (forecasting the deduplicated taskflow,
-      on one node) and the kernel-by-kernel path ignores them.
-    nodes: nodes the EP ranks span (``virtual_ep`` or the ep_group's size a multiple of
-      it); only ``DispatchMode.PER_NODE`` relays between them.
-    runtime: ``RuntimeConfig`` of the session the layer opens.
-    hardware: the cost model of AUTO and of the CRITICAL_PATH scheduler.
-    rebalance_every: every that many training calls (grad mode on), ``MoE.rebalance``
-      with ``redundant`` extra replicas (0: never; a collective over the ep_group).
-    backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
-      persistent Triton kernel on the input's device; ``schedule`` is then a
-      ``SchedulePolicy``, AUTO and None meaning HYPERPARALLEL).
-    """
-
-    ep_group: Any = None
-    virtual_ep: int = 1
-    schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO
-    recompute: bool = False
-    tiles: TileSpec = DEFAULT_TILES
-    runtime: RuntimeConfig | None = None
-    hardware: HardwareModel | None = None
-    backend: Backend | str = Backend.EXACT
-    nodes: int = 1
-    rebalance_every: int = 0
-    redundant: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "backend", as_backend(self.backend))
-        for name in ("rebalance_every", "redundant"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.virtual_ep, int) or isinstance(self.virtual_ep, bool) or self.virtual_ep <= 0:
-            raise ValueError(f"virtual_ep must be a positive int, got {self.virtual_ep!r}")
-        if not isinstance(self.recompute, bool):
-            raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
-        if not isinstance(self.tiles, TileSpec):
-            raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
-        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes <= 0:
-            raise ValueError(f"nodes must be a positive int, got {self.nodes!r}")
-        if self.runtime is not None:
-            from ..runtime import RuntimeConfig
-
-            if not isinstance(self.runtime, RuntimeConfig):
-                raise TypeError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
-        if self.hardware is not None and not isinstance(self.hardware, HardwareModel):
-            raise TypeError(f"hardware must be a HardwareModel, got {type(self.hardware).__name__}")
-        if self.distributed:
-            self._check_distributed()
-        else:
-            self._check_single_process()
-
-    def _check_distributed(self) -> None:
-        if self.backend is not Backend.EXACT:
-            raise ValueError(f"backend={self.backend.value!r} runs in one process, without an ep_group")
-        if self.virtual_ep != 1:
-            raise ValueError(f"virtual_ep={self.virtual_ep} cannot be combined with an ep_group")
-        if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
-            raise ValueError(f"schedule={self.schedule!r}: with an ep_group, schedule is a SchedulePolicy")
-        if self.session is not None and self.runtime is not None:
-            raise ValueError("runtime configures a session the layer opens; ep_group is already a Session")
-
-    def _check_single_process(self) -> None:
-        if self.backend is Backend.TRITON:
-            require_per_expert(self.tiles, "the triton backend")
-            if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
-                raise ValueError(f"schedule={self.schedule!r}: the triton backend takes a SchedulePolicy")
-            if self.runtime is not None:
-                raise ValueError("runtime configures the multi-rank runtime, not the triton backend")
-            return
-        seed = isinstance(self.schedule, int) and not isinstance(self.schedule, bool)
-        auto = self.schedule is SchedulePolicy.AUTO
-        if self.schedule is not None and not seed and not auto:
-            raise ValueError(f"schedule={self.schedule!r}: in one process, schedule is AUTO, None or an "
-                             "int seed (other scheduling policies need an ep_group)")
-        if self.runtime is not None:
-            raise ValueError("runtime configures the multi-rank runtime: it needs an ep_group")
-        if self.hardware is not None and not auto:
-            raise ValueError(f"hardware is AUTO's cost model in one process: schedule={self.schedule!r} "
-                             "runs the taskflow without one")
-
-    @property
-    def distributed(self) -> bool:
-        return self.ep_group is not None
-
-    @property
-    def regions(self) -> RegionFamily:
-        """The region family the taskflow runs (per expert, or deduplicated)."""
-        return region_family(self.tiles)
-
-    @property
-    def session(self) -> Session | None:
-        """``ep_group`` when it is a runtime ``Session`` shared between layers."""
-        if not self.distributed:
-            return None
-        from ..runtime import Session
-
-        return self.ep_group if isinstance(self.ep_group, Session) else None
-
-    @property
-    def rank_hardware(self) -> HardwareModel:
-        """The rank's hardware model on the runtime (default ``cpu_nominal()``)."""
-        return self.hardware if self.hardware is not None else cpu_nominal()
-
-    @property
-    def ranks(self) -> int:
-        """EP ranks: the ep_group's size, else ``virtual_ep``."""
-        return dist.get_world_size(self.group) if self.distributed else self.virtual_ep
-
-    @property
-    def group(self) -> Any:
-        """The torch.distributed group of the EP ranks (None in one process)."""
-        session = self.session
-        return session.group if session is not None else self.ep_group
-
-    @property
-    def policy(self) -> SchedulePolicy:
-        """The runtime's scheduling policy (distributed runs; AUTO's taskflow and None
-        mean HYPERPARALLEL)."""
-        fixed = isinstance(self.schedule, SchedulePolicy) and self.schedule is not SchedulePolicy.AUTO
-        return self.schedule if fixed else SchedulePolicy.HYPERPARALLEL
-
-
 # ---------------------------------------------------------------------------- module
 
-_UNREAD = object()  # a layer's saved profile before it is read
 LOAD_DECAY = 0.9  # of the measured per-expert load, per call
 MIN_REBALANCE_GAIN = 1.05  # a new placement must lower the busiest rank's predicted load this much
 
@@ -327,12 +166,10 @@ class MoE(nn.Module):
         self.options = options
         self._session = options.session
         self._owns_session = False
-        self._decisions = DecisionCache()
-        self._tuner = Tuner()
+        self._auto = Auto()
         self._placement: Placement | None = None
         self._load = torch.zeros(spec.experts, dtype=torch.float64, device="cpu")  # moves to the routing's
         self._calls = 0
-        self._profile: Any = _UNREAD
         self._arenas = ArenaPool()
         self._computing: int | None = None  # computing experts when some are identity ones
 
@@ -351,7 +188,7 @@ class MoE(nn.Module):
         checked = RegionOptions(**options)
         layout = read_block(module, family, checked.virtual_ep)
         register()
-        select(getattr(module, "experts", None))
+        select_experts(getattr(module, "experts", None))
         moe = cls.__new__(cls)
         nn.Module.__init__(moe)
         for name, p in module.named_parameters(recurse=False):  # a shared output bias (JetMoE)
@@ -542,31 +379,24 @@ class MoE(nn.Module):
         verdict on its own input; it also carries each rank's time of the previous call
         (the tuner's trial).  Every rank raises the same named error when one objects;
         else returns every rank's token count."""
-        trial, micros = self._tuner.report()
+        trial, micros = self._auto.tuner.report()
         layout = self._placement.digest() if self._placement is not None else 0
         table = self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error,
-                                         (trial, micros), self._tuner.digest(), layout)
-        self._tuner.observe(table[:, 1].tolist(), table[:, 2].tolist(), self.session().rank)
+                                         (trial, micros), self._auto.tuner.digest(), layout)
+        self._auto.tuner.observe(table[:, 1].tolist(), table[:, 2].tolist(), self.session().rank)
         return table[:, 0].tolist()
 
     def _run(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
              w: ExpertWeights) -> torch.Tensor:
-        """The region on padded inputs, on the path AUTO chose (or is trying) or the
-        options fix; a tuning trial is timed here and in the backward."""
+        """The region on padded inputs, on the path ``engine.select`` chooses; a tuning
+        trial is timed here and in the backward."""
         o = self.options
-        tensors = (x, topk_weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2)
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
-        options, trial = self._choose(x.shape[0], w.spec.dtype)
-        with timed(trial):
-            if options is None:
-                grad = torch.is_grad_enabled()
-                call = KernelByKernelCall(w.spec, ids, self.session() if o.distributed else None, o.tiles,
-                                          self._arenas, o.recompute, grad, trial)
-                return KernelByKernelFunction.apply(*tensors, call)
-            call = RegionCall(spec=w.spec, ids=ids, options=options, session=self.session(), trial=trial)
-            return MoEFunction.apply(*tensors, call)
+        session = self.session() if o.distributed else None
+        path, trial = select(o, w.spec, x.shape[0], self._auto, session, self._arenas)
+        return run(path, x, Routing(ids, topk_weights), w, trial)
 
     # ------------------------------------------------------------------ placement
 
@@ -638,15 +468,9 @@ class MoE(nn.Module):
         (default: grad mode is on), computing in ``dtype`` (default: the parameters').
         Made at the first call of each shape (collective over the ep_group: group rank 0
         forecasts and broadcasts), then cached."""
-        o = self.options
-        spec = self._region_spec(dtype)
         backward = torch.is_grad_enabled() if backward is None else backward
-        if not o.distributed:
-            return one_process_decision(spec, o.virtual_ep, tokens, o.tiles, o.hardware, self._decisions,
-                                        backward)
-        shape = RoutingShape(spec, o.ranks, tokens, backward)
-        workers = WorkerCounts.from_hardware(o.rank_hardware)
-        return self._decisions.decide(shape, o.tiles, o.hardware, workers, self.session().collectives)
+        session = self.session() if self.options.distributed else None
+        return decision(self.options, self._region_spec(dtype), tokens, backward, self._auto, session)
 
     def tuned(self, tokens: int, backward: bool | None = None,
               dtype: torch.dtype | None = None) -> TuneResult | None:
@@ -656,60 +480,9 @@ class MoE(nn.Module):
         kernel-by-kernel path's time and the tuning's cost; None while it is still tuning
         (or the layer does not tune: one process, a fixed schedule, an explicit
         ``hardware`` model)."""
-        if not self.options.distributed:
-            return None
-        return self._tuner.result(self._tune_key(tokens, backward, dtype))
-
-    def _tune_key(self, tokens: int, backward: bool | None, dtype: torch.dtype | None) -> TuneKey:
-        o = self.options
-        spec = self._region_spec(dtype)
         backward = torch.is_grad_enabled() if backward is None else backward
-        network = self.session().config.tuning_network
-        return self._tuner.key(spec, o.ranks, o.nodes, network, tokens, backward)
-
-    def _choose(self, tokens: int, dtype: torch.dtype) -> tuple[RegionOptions | None, Trial | None]:
-        """The taskflow's options for a call computing in ``dtype`` (None: the
-        kernel-by-kernel path) and the tuning trial it is (None: not tuning).  AUTO with
-        an ep_group and no explicit ``hardware`` measures (``schedule.tune``); otherwise
-        the model decides (``decision``)."""
-        o = self.options
-        if o.schedule is not SchedulePolicy.AUTO or o.backend is Backend.TRITON:
-            return o, None
-        if o.distributed and o.hardware is None:
-            space = Space.around(o.tiles, DEFAULT_TILES, o.nodes)
-            key = self._tune_key(tokens, None, dtype)
-            first = None if self._tuner.knows(key) else self._model_first(tokens, dtype, space)
-            trial = self._tuner.start(key, space, self.session().collectives, first)
-            return self._knob_options(trial.knobs), trial
-        chosen = self.decision(tokens, dtype=dtype).chosen
-        if chosen.path is not Path.TASKFLOW:
-            return None, None
-        if o.distributed:
-            return replace(o, schedule=chosen.policy), None
-        return replace(o, schedule=None, hardware=None), None  # task-id order; AUTO's model has served
-
-    def _model_first(self, tokens: int, dtype: torch.dtype, space: Space) -> Knobs | None:
-        """What the saved profile forecasts fastest (the tuner measures it first); None
-        without one."""
-        if self._rank_model() is None:
-            return None
-        return space.of(self.decision(tokens, dtype=dtype).chosen)
-
-    def _rank_model(self) -> HardwareModel | None:
-        """The saved cpu profile, read once per layer (None when there is none)."""
-        if self._profile is _UNREAD:
-            self._profile = saved_profile()
-        return self._profile
-
-    def _knob_options(self, knobs: Knobs) -> RegionOptions | None:
-        """The options that run ``knobs`` (None: the kernel-by-kernel path); the worker
-        threads are the rank model's (the saved profile's rates, else nominal ones)."""
-        if knobs.path is not Path.TASKFLOW:
-            return None
-        base = self._rank_model() or cpu_nominal()
-        w = knobs.workers
-        hw = dataclasses.replace(base, matrix_workers=w.matrix, vector_workers=w.vector)
-        return replace(self.options, schedule=knobs.policy, tiles=knobs.tiles, hardware=hw)
+        session = self.session() if self.options.distributed else None
+        return tuned(self.options, self._region_spec(dtype), tokens, backward, self._auto, session)
 
     def extra_repr(self) -> str:
         o = self.options
@@ -750,144 +523,3 @@ def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, 
     pad_ids = (owner * local).clamp(max=spec.experts - 1).unsqueeze(1).expand(total - n, k)
     return (torch.cat([x, x.new_zeros(total - n, x.shape[1])]), torch.cat([ids, pad_ids]),
             torch.cat([weights, weights.new_zeros(total - n, k)]))
-
-
-# ---------------------------------------------------------------------------- autograd
-
-
-@dataclass(frozen=True)
-class RegionCall:
-    """Non-tensor inputs of one region call: the spec (dtype: the compute dtype); ids
-    [N, k] int64 top-k expert ids of the local tokens; session: the runtime session of a
-    distributed layer, else None."""
-
-    spec: MoESpec
-    ids: torch.Tensor
-    options: RegionOptions
-    session: Session | None = None
-    trial: Trial | None = None  # the tuner's trial of this call: the backward's seconds go into it
-
-
-@dataclass
-class RegionState:
-    """What the backward taskflow needs from the forward one: the plan, per (virtual or
-    local) rank the saved activations (``DedupSaved`` under deduplicated tiles), the
-    detached weights, the routing the contexts are built from (ids and top-k weights
-    [N, k] float32: this rank's, or every rank's under deduplicated tiles on the
-    runtime, whose receivers weigh rows), the options and the session (distributed runs)."""
-
-    plan: RoutingPlan
-    saved: list[SavedActivations] | list[DedupSaved]
-    weights: ExpertWeights | None
-    routing: Routing | None
-    options: RegionOptions
-    session: Session | None = None
-    device: Any = None  # the triton backend's forward (its arena holds the saved activations)
-    nbytes: int = 0
-    trial: Trial | None = None
-
-    def saved_bytes(self) -> int:
-        """Bytes of the saved activations (the input x excluded)."""
-        return self.nbytes or sum(s.nbytes() for s in self.saved)
-
-    def pack(self) -> tuple[list[torch.Tensor | None], RegionState]:
-        """Every tensor of the state, for ``ctx.save_for_backward`` (so saved-tensor hooks,
-        e.g. non-reentrant activation checkpointing, see and may free them), and the state
-        without them."""
-        w = self.weights
-        tensors = [getattr(s, f.name) for s in self.saved for f in fields(s)]
-        tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
-                    self.routing.ids, self.routing.weights]
-        bare = replace(self, saved=[None] * len(self.saved), weights=None, routing=None,
-                       nbytes=self.saved_bytes())
-        return tensors, bare
-
-    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
-        """The inverse of ``pack``: this bare state with ``tensors`` put back."""
-        kind = self.options.regions.saved_kind
-        n, ranks = len(fields(kind)), len(self.saved)
-        saved = [kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
-        *weight_tensors, ids, topk = tensors[ranks * n:]
-        weights = ExpertWeights(self.plan.moe, *weight_tensors)
-        return replace(self, saved=saved, weights=weights, routing=Routing(ids, topk))
-
-
-class MoEFunction(torch.autograd.Function):
-    """The MoE region as one autograd node.  Inputs: x [N, H] spec.dtype, routing
-    weights [N, k] float32, w13 [E, 2F, H], w2 [E, H, F], shared_w13 [2Fs, H] | None,
-    shared_w2 [H, Fs] | None, b13 [E, 2F] | None, b2 [E, H] | None, a ``RegionCall``.
-    Output: [N, H] spec.dtype."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
-        *weight_tensors, call = tensors
-        # detached: the runtime's worker threads run with grad mode on (it is per thread)
-        x, topk_weights = x.detach(), topk_weights.detach()
-        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors))
-        routing = Routing(ids=call.ids, weights=topk_weights)
-        run = _dist_forward if call.options.distributed else _virtual_forward
-        out, state = run(x, weights, routing, call)
-        tensors, ctx.state = replace(state, trial=call.trial).pack()
-        ctx.save_for_backward(*tensors)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        state: RegionState = ctx.state.unpack(ctx.saved_tensors)
-        dy = dout.to(state.weights.spec.dtype).contiguous()
-        run = _dist_backward if state.options.distributed else _virtual_backward
-        with timed(state.trial):
-            g = run(state, dy)
-        return g.dx, g.dweights, *g.expert_tensors, None
-
-
-def _virtual_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
-                     call: RegionCall) -> tuple[torch.Tensor, RegionState]:
-    opt = call.options
-    if opt.backend is Backend.TRITON:
-        from ..gpu.backend import TritonOptions, triton_forward
-        options = TritonOptions(policy=opt.policy, hardware=opt.hardware)
-        fwd = triton_forward(x, weights, routing, opt.virtual_ep, opt.tiles, options)
-        return fwd.out, RegionState(fwd.plan, [], weights, routing, opt, device=fwd)
-    fwd = execute_forward(x, weights, routing, opt.virtual_ep, opt.tiles, opt.schedule, opt.nodes)
-    saved = [opt.regions.saved(b, opt.recompute) for b in fwd.buffers]
-    return fwd.out, RegionState(fwd.plan, saved, weights, routing, opt)
-
-
-def _virtual_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
-    opt = state.options
-    if state.device is not None:
-        from ..gpu.backend import triton_backward
-        return triton_backward(state.device, dy, opt.recompute).grads
-    return execute_backward(state.saved, state.plan, dy, state.weights, state.routing, opt.tiles,
-                            opt.recompute, opt.schedule).grads
-
-
-# ---------------------------------------------------------------------------- distributed
-
-
-def _dist_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing,
-                  call: RegionCall) -> tuple[torch.Tensor, RegionState]:
-    """This rank's part of the forward region on the runtime: x [T, H] -> out [T, H]."""
-    from ..runtime import ForwardRunner
-
-    s, opt = call.session, call.options
-    fwd = ForwardRunner(s, weights, _runtime_options(opt))(x, routing)
-    saved = opt.regions.saved(fwd.buffers, opt.recompute, symmetric=True)
-    return fwd.out, RegionState(fwd.plan, [saved], weights, fwd.routing, opt, s)
-
-
-def _dist_backward(state: RegionState, dy: torch.Tensor) -> Gradients:
-    """This rank's part of the backward region (``runtime.run_backward``); expert
-    gradients are full-size [E, ...] with this rank's experts filled in and zeros elsewhere."""
-    from ..runtime import run_backward
-
-    opt = state.options
-    return run_backward(state.session, state.plan, state.saved[0], dy, state.weights, state.routing,
-                        _runtime_options(opt), opt.recompute).grads
-
-
-def _runtime_options(opt: RegionOptions) -> ForwardOptions:
-    from ..runtime import ForwardOptions
-
-    return ForwardOptions(tiles=opt.tiles, policy=opt.policy, hardware=opt.rank_hardware, nodes=opt.nodes)

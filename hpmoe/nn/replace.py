@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ..engine import RegionOptions
 from .families import FAMILIES, family_of, read_block
-from .layer import MoE, RegionOptions
+from .layer import MoE
 
 if TYPE_CHECKING:  # imported on first distributed use
     from ..runtime import Session

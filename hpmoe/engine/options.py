@@ -1,0 +1,178 @@
+"""``RegionOptions``: how a region call runs — one process or an EP group, the schedule
+(AUTO, a policy, a task order), tiles, recompute, backend, AUTO's cost model — checked
+once, naming the field and its value.  ``engine.select`` reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch.distributed as dist
+
+from ..exec.backend import Backend, as_backend
+from ..exec.exact import DEFAULT_TILES
+from ..ir.schedule import SchedulePolicy
+from ..regions.family import RegionFamily, region_family
+from ..sim.hardware import HardwareModel
+from ..sim.presets import cpu_nominal
+from ..spec import TileSpec, require_per_expert
+
+if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
+    from ..runtime import RuntimeConfig, Session
+
+
+@dataclass(frozen=True)
+class RegionOptions:
+    """How the region runs.
+
+    ep_group: None (one process); a torch.distributed process group of the EP ranks
+      (the layer opens a runtime ``Session`` on it at its first forward, configured by
+      ``runtime``); or a runtime ``Session`` shared between layers.
+    virtual_ep: EP ranks simulated in one process (must be 1 with an ep_group).
+    schedule: ``SchedulePolicy.AUTO`` (default).  With an ep_group and no ``hardware``,
+      AUTO measures (``schedule.tune``): per key (machine, layer, EP group and network,
+      dtype, tokens per rank to a power of two, with or without backward) the first calls
+      try the candidates — the kernel-by-kernel path (``exec.kernel_by_kernel``: grouped
+      GEMMs per phase, all-to-all over the ep_group) and the taskflow under each schedule
+      policy, worker split, tile rows and dispatch mode (tiles only when left at their
+      default) — every call a real step; the slowest rank's times decide, every rank runs
+      the same winner from then on, and the choice is saved in the tuning cache
+      (``hpmoe tune --show``) for later processes; see ``MoE.tuned``.  Candidates differ
+      in rounding only by path and dispatch mode, so bits can differ between runs until
+      the choice is cached: pin ``schedule`` for bitwise-reproducible runs.  With
+      ``hardware`` (or in one process), whichever of the taskflow and the kernel-by-kernel
+      path is forecast faster on ``hardware`` (else the calibrated profile of
+      ``hpmoe calibrate``; in one process with neither, the kernel-by-kernel path); see
+      ``MoE.decision``.  Otherwise the taskflow: with an ep_group, the runtime's
+      ``SchedulePolicy`` (None: HYPERPARALLEL); in one process, the exact executors' task
+      order: None (task-id order), an int seeding a random valid order, or the task ids
+      in order (``moe_forward``'s ``order``) — every order
+      gives the same bits.  Under ``torch.compile`` (one process) AUTO decides on the saved
+      profile alone (``nn.compiled``).
+    recompute: recompute the gated activations in backward instead of saving them.
+    tiles: the tiling of the taskflow, its ``dispatch`` included: ``DispatchMode.PER_RANK``
+      and ``PER_NODE`` run the deduplicated forward and backward regions (exact executors
+      in one process, the runtime with an ep_group; gradients equal the per-expert ones but
+      for dx, summed per rank first as ``refs.rank_partials_sum`` does).  The tiles describe
+      the taskflow only: AUTO still picks the path (forecasting the deduplicated taskflow,
+      on one node) and the kernel-by-kernel path ignores them.
+    nodes: nodes the EP ranks span (``virtual_ep`` or the ep_group's size a multiple of
+      it); only ``DispatchMode.PER_NODE`` relays between them.
+    runtime: ``RuntimeConfig`` of the session the layer opens.
+    hardware: the cost model of AUTO and of the CRITICAL_PATH scheduler.
+    rebalance_every: every that many training calls (grad mode on), ``MoE.rebalance``
+      with ``redundant`` extra replicas (0: never; a collective over the ep_group).
+    backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
+      persistent Triton kernel on the input's device; ``schedule`` is then a
+      ``SchedulePolicy``, AUTO and None meaning HYPERPARALLEL).
+    """
+
+    ep_group: Any = None
+    virtual_ep: int = 1
+    schedule: SchedulePolicy | int | np.ndarray | None = SchedulePolicy.AUTO
+    recompute: bool = False
+    tiles: TileSpec = DEFAULT_TILES
+    runtime: RuntimeConfig | None = None
+    hardware: HardwareModel | None = None
+    backend: Backend | str = Backend.EXACT
+    nodes: int = 1
+    rebalance_every: int = 0
+    redundant: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", as_backend(self.backend))
+        for name in ("rebalance_every", "redundant"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.virtual_ep, int) or isinstance(self.virtual_ep, bool) or self.virtual_ep <= 0:
+            raise ValueError(f"virtual_ep must be a positive int, got {self.virtual_ep!r}")
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
+        if not isinstance(self.tiles, TileSpec):
+            raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
+        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes <= 0:
+            raise ValueError(f"nodes must be a positive int, got {self.nodes!r}")
+        if self.runtime is not None:
+            from ..runtime import RuntimeConfig
+
+            if not isinstance(self.runtime, RuntimeConfig):
+                raise TypeError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
+        if self.hardware is not None and not isinstance(self.hardware, HardwareModel):
+            raise TypeError(f"hardware must be a HardwareModel, got {type(self.hardware).__name__}")
+        if self.distributed:
+            self._check_distributed()
+        else:
+            self._check_single_process()
+
+    def _check_distributed(self) -> None:
+        if self.backend is not Backend.EXACT:
+            raise ValueError(f"backend={self.backend.value!r} runs in one process, without an ep_group")
+        if self.virtual_ep != 1:
+            raise ValueError(f"virtual_ep={self.virtual_ep} cannot be combined with an ep_group")
+        if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
+            raise ValueError(f"schedule={self.schedule!r}: with an ep_group, schedule is a SchedulePolicy")
+        if self.session is not None and self.runtime is not None:
+            raise ValueError("runtime configures a session the layer opens; ep_group is already a Session")
+
+    def _check_single_process(self) -> None:
+        if self.backend is Backend.TRITON:
+            require_per_expert(self.tiles, "the triton backend")
+            if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):
+                raise ValueError(f"schedule={self.schedule!r}: the triton backend takes a SchedulePolicy")
+            if self.runtime is not None:
+                raise ValueError("runtime configures the multi-rank runtime, not the triton backend")
+            return
+        seed = (isinstance(self.schedule, int | np.ndarray | list | tuple)
+                and not isinstance(self.schedule, bool))
+        auto = self.schedule is SchedulePolicy.AUTO
+        if self.schedule is not None and not seed and not auto:
+            raise ValueError(f"schedule={self.schedule!r}: in one process, schedule is AUTO, None or an "
+                             "int seed (other scheduling policies need an ep_group)")
+        if self.runtime is not None:
+            raise ValueError("runtime configures the multi-rank runtime: it needs an ep_group")
+        if self.hardware is not None and not auto:
+            raise ValueError(f"hardware is AUTO's cost model in one process: schedule={self.schedule!r} "
+                             "runs the taskflow without one")
+
+    @property
+    def distributed(self) -> bool:
+        return self.ep_group is not None
+
+    @property
+    def regions(self) -> RegionFamily:
+        """The region family the taskflow runs (per expert, or deduplicated)."""
+        return region_family(self.tiles)
+
+    @property
+    def session(self) -> Session | None:
+        """``ep_group`` when it is a runtime ``Session`` shared between layers."""
+        if not self.distributed:
+            return None
+        from ..runtime import Session
+
+        return self.ep_group if isinstance(self.ep_group, Session) else None
+
+    @property
+    def rank_hardware(self) -> HardwareModel:
+        """The rank's hardware model on the runtime (default ``cpu_nominal()``)."""
+        return self.hardware if self.hardware is not None else cpu_nominal()
+
+    @property
+    def ranks(self) -> int:
+        """EP ranks: the ep_group's size, else ``virtual_ep``."""
+        return dist.get_world_size(self.group) if self.distributed else self.virtual_ep
+
+    @property
+    def group(self) -> Any:
+        """The torch.distributed group of the EP ranks (None in one process)."""
+        session = self.session
+        return session.group if session is not None else self.ep_group
+
+    @property
+    def policy(self) -> SchedulePolicy:
+        """The runtime's scheduling policy (distributed runs; AUTO's taskflow and None
+        mean HYPERPARALLEL)."""
+        fixed = isinstance(self.schedule, SchedulePolicy) and self.schedule is not SchedulePolicy.AUTO
+        return self.schedule if fixed else SchedulePolicy.HYPERPARALLEL

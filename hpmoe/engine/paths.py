@@ -1,0 +1,280 @@
+"""The ways to run one region call, behind one protocol (``RegionPath``), and the one
+autograd node that runs any of them (``RegionFunction``).
+
+A path's ``forward(x, routing, weights, save)`` returns the output and, when ``save``,
+the state its ``backward(state, dy)`` reads; a state's ``pack()`` hands every tensor it
+holds to ``ctx.save_for_backward`` (so saved-tensor hooks such as non-reentrant
+checkpointing see them) and ``unpack`` puts them back.
+
+- ``ExactPath``: the taskflow of ``ep`` virtual ranks in one process (the exact
+  executors, any valid task order);
+- ``RuntimePath``: this rank's part of the taskflow on the multi-rank runtime;
+- ``TritonPath``: the taskflow as one persistent Triton kernel on the input's device;
+- ``KernelByKernelPath``: the region without tiles (grouped GEMMs, all-to-all).
+
+Distributed paths are collective; the caller opened the forward with the session's
+agreement, and each backward opens with its own (the runtime's inside ``run_backward``,
+the kernel-by-kernel one here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ..exec.arena import ArenaPool
+from ..exec.exact import Order, execute_forward
+from ..exec.exact_backward import Gradients, execute_backward
+from ..exec.kernel_by_kernel import KernelByKernelState, kbk_backward, kbk_forward
+from ..ir.schedule import SchedulePolicy
+from ..regions.base import RegionKind
+from ..regions.family import region_family
+from ..routing import Routing, RoutingPlan
+from ..schedule.auto import Path
+from ..schedule.tuner import Trial, timed
+from ..sim.hardware import HardwareModel
+from ..spec import MoESpec, TileSpec
+from ..weights import ExpertWeights
+
+if TYPE_CHECKING:
+    from ..runtime import ForwardOptions, Session
+
+
+class PathState(Protocol):
+    def pack(self) -> tuple[list[torch.Tensor | None], PathState]: ...
+
+    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> PathState: ...
+
+
+class RegionPath(Protocol):
+    """One way to run the region (``kind``: the taskflow or kernel by kernel)."""
+
+    kind: Path
+
+    def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
+                save: bool) -> tuple[torch.Tensor, PathState | None]: ...
+
+    def backward(self, state: Any, dy: torch.Tensor) -> Gradients: ...
+
+
+@dataclass
+class RegionState:
+    """What a taskflow's backward reads: the plan, per (virtual or local) rank the saved
+    activations (``saved_kind``: ``SavedActivations``, or ``DedupSaved`` under
+    deduplicated tiles), the detached weights and the routing the contexts are built from
+    (ids and top-k weights [N, k] float32: this rank's, or every rank's under
+    deduplicated tiles on the runtime, whose receivers weigh rows)."""
+
+    plan: RoutingPlan
+    saved: list
+    weights: ExpertWeights | None
+    routing: Routing | None
+    saved_kind: type
+    nbytes: int = 0
+
+    def saved_bytes(self) -> int:
+        """Bytes of the saved activations (the input x excluded)."""
+        return self.nbytes or sum(s.nbytes() for s in self.saved)
+
+    def pack(self) -> tuple[list[torch.Tensor | None], RegionState]:
+        """Every tensor of the state and the state without them."""
+        w = self.weights
+        tensors = [getattr(s, f.name) for s in self.saved for f in fields(s)]
+        tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
+                    self.routing.ids, self.routing.weights]
+        bare = replace(self, saved=[None] * len(self.saved), weights=None, routing=None,
+                       nbytes=self.saved_bytes())
+        return tensors, bare
+
+    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
+        """The inverse of ``pack``: this bare state with ``tensors`` put back."""
+        n, ranks = len(fields(self.saved_kind)), len(self.saved)
+        saved = [self.saved_kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
+        *weight_tensors, ids, topk = tensors[ranks * n:]
+        weights = ExpertWeights(self.plan.moe, *weight_tensors)
+        return replace(self, saved=saved, weights=weights, routing=Routing(ids, topk))
+
+
+@dataclass(frozen=True)
+class ExactPath:
+    """``ep`` virtual ranks in one process; ``order``: None (task-id order), a seed of a
+    random valid order, or task ids (every order gives the same bits)."""
+
+    ep: int
+    tiles: TileSpec
+    order: Order = None
+    nodes: int = 1
+    recompute: bool = False
+    kind: Path = Path.TASKFLOW
+
+    def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
+                save: bool) -> tuple[torch.Tensor, RegionState | None]:
+        fwd = execute_forward(x, weights, routing, self.ep, self.tiles, self.order, self.nodes)
+        if not save:
+            return fwd.out, None
+        family = region_family(self.tiles)
+        saved = [family.saved(b, self.recompute) for b in fwd.buffers]
+        return fwd.out, RegionState(fwd.plan, saved, weights, routing, family.saved_kind)
+
+    def backward(self, state: RegionState, dy: torch.Tensor) -> Gradients:
+        return execute_backward(state.saved, state.plan, dy, state.weights, state.routing, self.tiles,
+                                self.recompute, self.order).grads
+
+
+@dataclass(frozen=True)
+class RuntimePath:
+    """This rank's part of the taskflow on the runtime of ``session``, scheduled by
+    ``policy`` on ``hardware``'s workers.  Expert gradients are full-size [E, ...] with
+    this rank's experts filled in and zeros elsewhere."""
+
+    session: Session
+    tiles: TileSpec
+    policy: SchedulePolicy
+    hardware: HardwareModel
+    nodes: int = 1
+    recompute: bool = False
+    kind: Path = Path.TASKFLOW
+
+    def options(self) -> ForwardOptions:
+        from ..runtime import ForwardOptions
+
+        return ForwardOptions(tiles=self.tiles, policy=self.policy, hardware=self.hardware, nodes=self.nodes)
+
+    def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
+                save: bool) -> tuple[torch.Tensor, RegionState | None]:
+        from ..runtime import ForwardRunner
+
+        fwd = ForwardRunner(self.session, weights, self.options())(x, routing)
+        if not save:
+            return fwd.out, None
+        family = region_family(self.tiles)
+        saved = family.saved(fwd.buffers, self.recompute, symmetric=True)
+        return fwd.out, RegionState(fwd.plan, [saved], weights, fwd.routing, family.saved_kind)
+
+    def backward(self, state: RegionState, dy: torch.Tensor) -> Gradients:
+        from ..runtime import run_backward
+
+        return run_backward(self.session, state.plan, state.saved[0], dy, state.weights, state.routing,
+                            self.options(), self.recompute).grads
+
+
+@dataclass
+class TritonState:
+    """The triton forward (its arena holds the saved activations)."""
+
+    forward: Any
+
+    def pack(self) -> tuple[list[torch.Tensor | None], TritonState]:
+        return [], self
+
+    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> TritonState:
+        return self
+
+
+@dataclass(frozen=True)
+class TritonPath:
+    """One persistent Triton kernel per region on the input's device (``hpmoe.gpu``)."""
+
+    ep: int
+    tiles: TileSpec
+    policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
+    hardware: HardwareModel | None = None
+    recompute: bool = False
+    kind: Path = Path.TASKFLOW
+
+    def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
+                save: bool) -> tuple[torch.Tensor, TritonState | None]:
+        from ..gpu.backend import TritonOptions, triton_forward
+
+        fwd = triton_forward(x, weights, routing, self.ep, self.tiles, TritonOptions(self.policy,
+                                                                                   hardware=self.hardware))
+        return fwd.out, TritonState(fwd) if save else None
+
+    def backward(self, state: TritonState, dy: torch.Tensor) -> Gradients:
+        from ..gpu.backend import triton_backward
+
+        return triton_backward(state.forward, dy, self.recompute).grads
+
+
+@dataclass(frozen=True)
+class KernelByKernelPath:
+    """The region without tiles (``exec.kernel_by_kernel``): in one process, or over the
+    EP group of ``session`` (its deadline-bounded collectives); scratch from ``pool``."""
+
+    session: Session | None = None
+    tiles: TileSpec | None = None  # fingerprinted in the backward's agreement
+    pool: ArenaPool | None = None
+    recompute: bool = False
+    kind: Path = Path.KERNEL_BY_KERNEL
+
+    def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
+                save: bool) -> tuple[torch.Tensor, KernelByKernelState | None]:
+        coll = self.session.collectives if self.session is not None else None
+        return kbk_forward(x, routing, weights, coll, self.pool, save, self.recompute)
+
+    def backward(self, state: KernelByKernelState, dy: torch.Tensor) -> Gradients:
+        """Opens with the session's agreement: the ranks are in step and agree on the
+        region (not on dy's values: an inf gradient reaches a loss scaler)."""
+        if self.session is not None:
+            self.session.open_call(RegionKind.BACKWARD, state.weights, self.tiles, dy.shape[0])
+        return kbk_backward(state, dy, self.pool)
+
+
+# ---------------------------------------------------------------------------- autograd
+
+
+@dataclass(frozen=True)
+class RegionCall:
+    """Non-tensor inputs of one region call: the spec (dtype: the compute dtype), ids
+    [N, k] int64 expert ids of the local tokens, the path, whether grad mode was on at the
+    call (inside ``forward`` it is always off, and ``ctx.needs_input_grad`` ignores it:
+    without this an inference call would save activations) and the tuner's trial (the
+    backward's seconds go into it)."""
+
+    spec: MoESpec
+    ids: torch.Tensor
+    path: RegionPath
+    grad: bool = True
+    trial: Trial | None = None
+
+
+class RegionFunction(torch.autograd.Function):
+    """The region as one autograd node, on any path.  Inputs: x [N, H] spec.dtype,
+    routing weights [N, k] float32, w13 [E, 2F, H], w2 [E, H, F], shared_w13 [2Fs, H] |
+    None, shared_w2 [H, Fs] | None, b13 [E, 2F] | None, b2 [E, H] | None, a
+    ``RegionCall``.  Output: [N, H] spec.dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
+        *weight_tensors, call = tensors
+        # detached: the runtime's worker threads run with grad mode on (it is per thread)
+        x, topk_weights = x.detach(), topk_weights.detach()
+        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors))
+        save = call.grad and any(ctx.needs_input_grad[:-1])
+        out, state = call.path.forward(x, Routing(call.ids, topk_weights), weights, save)
+        if state is not None:
+            tensors, ctx.state = state.pack()
+            ctx.save_for_backward(*tensors)
+            ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        call: RegionCall = ctx.call
+        state, ctx.state = ctx.state.unpack(ctx.saved_tensors), None
+        dy = dout.to(call.spec.dtype).contiguous()
+        with timed(call.trial):
+            g = call.path.backward(state, dy)
+        return g.dx, g.dweights, *g.expert_tensors, None
+
+
+def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
+        trial: Trial | None = None) -> torch.Tensor:
+    """The region on ``path`` as one autograd node (gradients flow to x, the routing
+    weights and every expert tensor); a tuning ``trial`` is timed forward and backward."""
+    w = weights
+    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial)
+    with timed(trial):
+        return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
+                                    call)
