@@ -29,11 +29,11 @@ from .paths import (
     TritonPath,
     run,
 )
-from .selection import PROCESS_AUTO, Auto, decision, one_process_decision, select, tune_key, tuned
+from .selection import PROCESS_AUTO, Auto, decision, select, tune_key, tuned
 
 __all__ = ["PROCESS_AUTO", "Auto", "ExactPath", "KernelByKernelPath", "RegionCall", "RegionFunction",
            "RegionOptions", "RegionPath", "RegionState", "RuntimePath", "TritonPath", "decision",
-           "moe_forward", "one_process_decision", "run", "select", "tune_key", "tuned"]
+           "moe_forward", "run", "select", "tune_key", "tuned"]
 
 _TRITON = "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, PARTIAL_SUM)"
 

@@ -22,7 +22,7 @@ from ..schedule.tune import Knobs, Space, TuneKey, TuneResult
 from ..schedule.tuner import Trial, Tuner
 from ..sim.hardware import HardwareModel
 from ..sim.presets import cpu_nominal
-from ..spec import MoESpec, TileSpec
+from ..spec import MoESpec
 from .options import RegionOptions
 from .paths import ExactPath, KernelByKernelPath, RegionPath, RuntimePath, TritonPath
 
@@ -91,22 +91,12 @@ def decision(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto:
     """AUTO's forecast for ``tokens`` tokens: in one process over ``o.virtual_ep``
     virtual ranks; with an ep_group per rank, group rank 0 forecasting and broadcasting
     (collective).  Made once per shape and kept in ``auto.decisions``."""
-    if not o.distributed:
-        return one_process_decision(spec, o.virtual_ep, tokens, o.tiles, o.hardware, auto.decisions, backward)
+    if not o.distributed:  # raises naming ``virtual_ep`` when it divides neither tokens nor experts
+        shape = RoutingShape.one_process(spec, o.virtual_ep, tokens, backward)
+        return auto.decisions.decide(shape, o.tiles, o.hardware)
     shape = RoutingShape(spec, o.ranks, tokens, backward)
     workers = WorkerCounts.from_hardware(o.rank_hardware)
     return auto.decisions.decide(shape, o.tiles, o.hardware, workers, session.collectives)
-
-
-def one_process_decision(spec: MoESpec, ep: int, tokens: int, tiles: TileSpec,
-                         hardware: HardwareModel | None = None, decisions: DecisionCache | None = None,
-                         backward: bool = False) -> AutoDecision:
-    """AUTO's choice for ``tokens`` tokens over ``ep`` virtual ranks in one process: what
-    ``hardware`` (default: the saved cpu profile) forecasts faster, the kernel-by-kernel
-    path without one; made once per shape and kept in ``decisions`` (default: the
-    process's, ``schedule.auto.PROCESS_DECISIONS``)."""
-    cache = decisions if decisions is not None else PROCESS_DECISIONS
-    return cache.decide(RoutingShape.one_process(spec, ep, tokens, backward), tiles, hardware)
 
 
 def tune_key(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,

@@ -111,9 +111,6 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return lin
 
 
-# ---------------------------------------------------------------------------- options
-
-
 # ---------------------------------------------------------------------------- module
 
 LOAD_DECAY = 0.9  # of the measured per-expert load, per call
@@ -394,8 +391,7 @@ class MoE(nn.Module):
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
-        session = self.session() if o.distributed else None
-        path, trial = select(o, w.spec, x.shape[0], self._auto, session, self._arenas)
+        path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas)
         return run(path, x, Routing(ids, topk_weights), w, trial)
 
     # ------------------------------------------------------------------ placement
@@ -469,8 +465,7 @@ class MoE(nn.Module):
         Made at the first call of each shape (collective over the ep_group: group rank 0
         forecasts and broadcasts), then cached."""
         backward = torch.is_grad_enabled() if backward is None else backward
-        session = self.session() if self.options.distributed else None
-        return decision(self.options, self._region_spec(dtype), tokens, backward, self._auto, session)
+        return decision(self.options, self._region_spec(dtype), tokens, backward, self._auto, self.session())
 
     def tuned(self, tokens: int, backward: bool | None = None,
               dtype: torch.dtype | None = None) -> TuneResult | None:
@@ -481,8 +476,7 @@ class MoE(nn.Module):
         (or the layer does not tune: one process, a fixed schedule, an explicit
         ``hardware`` model)."""
         backward = torch.is_grad_enabled() if backward is None else backward
-        session = self.session() if self.options.distributed else None
-        return tuned(self.options, self._region_spec(dtype), tokens, backward, self._auto, session)
+        return tuned(self.options, self._region_spec(dtype), tokens, backward, self._auto, self.session())
 
     def extra_repr(self) -> str:
         o = self.options
