@@ -125,12 +125,13 @@ def test_replay_reproduces_the_list_schedule(order):
     hw = hardware_preset("ascend-a3")
     workers, costs = WorkerCounts.from_hardware(hw), task_costs(g, hw)
     prio = cp_module.priority_rank(g, costs, workers, order)
-    port = prio if order is cp_module.PutOrder.PRIORITY else cp_module.port_order(g, rounds=False)
-    state = cp_module._ListState(g, costs, workers, prio, port)
-    state.run()
+    by_prio = order in (cp_module.PutOrder.PRIORITY, cp_module.PutOrder.EXPERT)
+    port = prio if by_prio else cp_module.port_order(g, rounds=False)
+    state = cp_module._ListReplay(g, costs, workers, prio, port)
+    state.loop()
     s = cp_module.list_schedule(g, costs, workers, order)
     verify_schedule(s)
-    assert np.array_equal(replay(s, costs)[1], np.asarray(state.finish))
+    assert np.array_equal(replay(s, costs)[1], np.asarray(state.end))
 
 
 def test_queue_order_against_a_dependency_is_a_named_cycle():

@@ -6,11 +6,12 @@ Plan of ``critical_path_schedule``:
      remote put's chain also counts the transfers queued behind it at its egress and
      ingress ports (ports are servers too), so that the GEMMs whose outputs must cross
      a busy link start early enough;
-  2. a time-ordered list schedule of every rank at once, on the simulator's link
-     model: whenever a worker is idle it takes the highest-priority ready task of its
-     rank and unit.  Remote puts go to a few dedicated vector workers per rank
-     (``link_workers``: just enough to keep the link busy), so no other vector worker
-     is ever parked behind a busy link.  Puts reach their real peers, so skew shows.
+  2. a time-ordered list schedule of every rank at once, run by the simulator's replay
+     loop (``sim.simulate.Replay``: its events, counters and link model): whenever a
+     worker is idle it takes the highest-priority ready task of its rank and unit.
+     Remote puts go to a few dedicated vector workers per rank (``link_workers``: just
+     enough to keep the link busy), so no other vector worker is ever parked behind a
+     busy link.  Puts reach their real peers, so skew shows.
      The policy is greedy (no worker idles while a task it may run is ready), so the
      replay of its queues reproduces its timeline;
   3. three such list schedules (``PutOrder``): puts in a fixed all-to-all order (what
@@ -37,8 +38,8 @@ from ..ir.schedule import Schedule, SchedulePolicy, WorkerCounts, schedule_from_
 from ..ir.schedule_verify import require_all_ranks
 from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
 from ..sim.hardware import HardwareModel, LinkDirection
-from ..sim.resources import CODES, END, ISSUE, LINK_DONE, HostCores, LinkPorts, MemorySystem
-from ..sim.simulate import makespan
+from ..sim.resources import CODES, WAKE, HostCores, MemorySystem
+from ..sim.simulate import Replay, makespan
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
 
@@ -207,8 +208,8 @@ def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     taken in ``order``."""
     prio = priority_rank(graph, costs, workers, order)
     port = prio if order in (PutOrder.PRIORITY, PutOrder.EXPERT) else port_order(graph, rounds=False)
-    state = _ListState(graph, costs, workers, prio, port)
-    state.run()
+    state = _ListReplay(graph, costs, workers, prio, port)
+    state.loop()
     if state.assigned != graph.num_tasks:
         raise GraphError(f"{graph.num_tasks - state.assigned} tasks never became ready; "
                          "run hpmoe.ir.verify.verify_graph for the cause")
@@ -232,19 +233,22 @@ def link_workers(workers: WorkerCounts, costs: TaskCosts) -> int:
     return k if 2 * k <= workers.vector else 0
 
 
-class _ListState:
-    """Python lists for the hot loop.  Pools are (rank, unit): ``rank * 2 + unit``.
-    Events share ``hpmoe.sim.simulate``'s heap codes, so links behave as in the replay."""
+class _ListReplay(Replay):
+    """The list schedule as a replay (``sim.simulate.Replay``: its event loop, links and
+    counters) that hands out tasks as workers free up, instead of running fixed queues.
+    Pools are (rank, unit): ``rank * 2 + unit``.  Every event of an instant is processed
+    before the pools it touched are filled (the fill is a ``WAKE`` entry of a task id past
+    the last, so it sorts after every task's entry of its time: no worker sleeps on an
+    event here), so ties resolve by priority, not by heap order."""
 
     def __init__(self, graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, prio: np.ndarray,
                  port: np.ndarray):
+        super().__init__(graph, costs, None)
         n, pools = graph.num_tasks, 2 * graph.ep
+        self.fill_code = CODES * 2 * n + WAKE  # above every task's code
         self.prio, self.task_of = prio.tolist(), np.argsort(prio).tolist()
         self.port, self.put_of = port.tolist(), np.argsort(port).tolist()
         self.pool = (graph.rank.astype(np.int64) * 2 + graph.unit).tolist()
-        self.work, self.remote = costs.work.tolist(), (costs.transfer > 0).tolist()
-        self.threshold = graph.threshold.tolist()
-        self.sig_ptr, self.signals = graph.sig_ptr.tolist(), graph.signals_global().tolist()
         self.waiters = _waiters(graph)
         self.plain: list[list[int]] = [[] for _ in range(pools)]
         self.puts: list[list[int]] = [[] for _ in range(pools)]
@@ -254,12 +258,13 @@ class _ListState:
                      for p in range(pools)]
         self.link_idle = [[] if p % 2 == Unit.MATRIX else list(range(self.first_link, workers.vector))
                           for p in range(pools)]
-        self.worker, self.seq, self.finish = [0] * n, [0] * n, [0.0] * n
-        self.events: list[tuple[float, int]] = []
-        self.ports = LinkPorts(graph, costs, self.events)
+        self.worker, self.seq = [0] * n, [0] * n
         self.assigned = 0
+        self.touched: set[int] = set(range(pools))
+        self.filling = False
         for i in np.flatnonzero(initially_ready(graph)).tolist():
             self.make_ready(i)
+        self.fill_at(0.0)
 
     def make_ready(self, i: int) -> None:
         if self.remote[i]:
@@ -267,43 +272,29 @@ class _ListState:
         else:
             heapq.heappush(self.plain[self.pool[i]], self.prio[i])
 
-    def run(self) -> None:
-        touched = set(range(len(self.plain)))
-        now = 0.0
-        while True:
-            for p in sorted(touched):
-                self.fill(p, now)
-            if not self.events:
-                return
-            now, touched = self.pop_instant()
+    def fill_at(self, now: float) -> None:
+        if not self.filling:
+            self.filling = True
+            heapq.heappush(self.heap, (now, self.fill_code))
 
-    def pop_instant(self) -> tuple[float, set[int]]:
-        """Process every event at the earliest time; the pools they touch."""
-        now = self.events[0][0]
-        touched: set[int] = set()
-        while self.events and self.events[0][0] == now:
-            i, kind = divmod(heapq.heappop(self.events)[1], CODES)
-            if kind == ISSUE:
-                self.ports.issue(i, now)
-            elif kind == LINK_DONE:
-                self.ports.done(i, now)
-            else:
-                self.finish[i] = now
-                p, w = self.pool[i], self.worker[i]
-                linker = p % 2 == Unit.VECTOR and w >= self.first_link
-                heapq.heappush(self.link_idle[p] if linker else self.idle[p], w)
-                touched.add(p)
-                self.signal(i, touched)
-        return now, touched
+    def fired(self, e: int, now: float) -> None:
+        for j in self.waiters[e]:
+            self.make_ready(j)
+            self.touched.add(self.pool[j])
+        self.fill_at(now)
 
-    def signal(self, i: int, touched: set[int]) -> None:
-        for s in range(self.sig_ptr[i], self.sig_ptr[i + 1]):
-            e = self.signals[s]
-            self.threshold[e] -= 1
-            if self.threshold[e] == 0:
-                for j in self.waiters[e]:
-                    self.make_ready(j)
-                    touched.add(self.pool[j])
+    def freed(self, i: int, now: float) -> None:
+        p, w = self.pool[i], self.worker[i]
+        linker = p % 2 == Unit.VECTOR and w >= self.first_link
+        heapq.heappush(self.link_idle[p] if linker else self.idle[p], w)
+        self.touched.add(p)
+        self.fill_at(now)
+
+    def woken(self, i: int, now: float) -> None:
+        """The fill of every pool the instant's events touched."""
+        touched, self.touched, self.filling = self.touched, set(), False
+        for p in sorted(touched):
+            self.fill(p, now)
 
     def fill(self, p: int, now: float) -> None:
         """Give ready tasks of pool ``p`` to its idle workers: link workers take remote
@@ -311,7 +302,7 @@ class _ListState:
         included only when the rank has no link workers."""
         plain, puts, idle, link_idle = self.plain[p], self.puts[p], self.idle[p], self.link_idle[p]
         while link_idle and puts:
-            self.start(self.put_of[heapq.heappop(puts)], heapq.heappop(link_idle), now)
+            self.assign(self.put_of[heapq.heappop(puts)], heapq.heappop(link_idle), now)
         mixed = self.links == 0
         while idle and (plain or (mixed and puts)):
             put = self.put_of[puts[0]] if mixed and puts else -1
@@ -320,12 +311,12 @@ class _ListState:
             else:
                 i = put
                 heapq.heappop(puts)
-            self.start(i, heapq.heappop(idle), now)
+            self.assign(i, heapq.heappop(idle), now)
 
-    def start(self, i: int, w: int, now: float) -> None:
+    def assign(self, i: int, w: int, now: float) -> None:
         self.worker[i], self.seq[i] = w, self.assigned
         self.assigned += 1
-        heapq.heappush(self.events, (now + self.work[i], CODES * i + (ISSUE if self.remote[i] else END)))
+        self.launch(i, now)
 
 
 def _waiters(graph: TaskGraph) -> list[list[int]]:

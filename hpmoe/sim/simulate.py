@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir.analysis import GraphError
+from ..ir.graph import TaskGraph
 from ..ir.schedule import Schedule, SchedulePolicy, WorkerCounts
 from ..ir.schedule_verify import require_all_ranks, verify_schedule
 from .bounds import Bounds, bounds
@@ -174,38 +175,38 @@ def replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None = N
 
 
 def run_replay(schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None,
-               cores: HostCores | None = None, entry: np.ndarray | None = None) -> _ReplayState:
-    state = _ReplayState(schedule, costs, memory, cores)
+               cores: HostCores | None = None, entry: np.ndarray | None = None) -> QueueReplay:
+    state = QueueReplay(schedule, costs, memory, cores)
     state.run(entry)
     if state.done != schedule.graph.num_tasks:
         raise GraphError(_stall_message(schedule, state))
     return state
 
 
-class _ReplayState:
-    """Lists (not numpy scalars) for the hot loop; see the module docstring.
+class Replay:
+    """The replay's event loop over one graph, without a say in what runs next: lists
+    (not numpy scalars) for the hot loop; see the module docstring.  ``launch`` starts
+    a task now; a task's end counts its signals (``fired`` when an event reaches its
+    threshold) and frees its worker (``freed``).  ``QueueReplay`` runs a schedule's
+    queues; the critical-path list scheduler hands out tasks as workers free up.
 
     The heap holds ``(time, CODES * task + code)``: a task's end, a put's issue to its
     egress queue, the end of a put's transfer, or the end of a task's floor; and the
     HBM's finish events (negative codes, ``HbmShare``).
     """
 
-    def __init__(self, schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None,
+    def __init__(self, graph: TaskGraph, costs: TaskCosts, memory: MemorySystem | None,
                  cores: HostCores | None = None):
-        g = schedule.graph
+        g = graph
         n = g.num_tasks
         self.graph = g
         self.remote = (costs.transfer > 0).tolist()
         self.wait = g.wait_global().tolist()
         self.threshold = g.threshold.tolist()
+        self.count = [0] * len(self.threshold)
         self.sig_ptr, self.signals = g.sig_ptr.tolist(), g.signals_global().tolist()
-        self.queue_of = schedule.queue.tolist()
-        self.qtask = schedule.queue_task.tolist()
-        self.head = schedule.queue_ptr[:-1].tolist()
-        self.tail = schedule.queue_ptr[1:].tolist()
         self.fire = [0.0 if t <= 0 else -1.0 for t in self.threshold]
         self.start, self.end = [0.0] * n, [0.0] * n
-        self.blocked: dict[int, list[int]] = {}
         self.heap: list[tuple[float, int]] = []
         self.ports = LinkPorts(g, costs, self.heap)
         self.done = 0
@@ -233,16 +234,8 @@ class _ReplayState:
         self.shares = [self.share, self.host_memory]  # indexed by HbmShare.tag
         self.task_bytes = [0.0] * n
 
-    def begin(self, q: int, now: float) -> None:
-        """Start the head task of queue ``q`` at ``now`` if its event has fired."""
-        h = self.head[q]
-        if h == self.tail[q]:
-            return
-        i = self.qtask[h]
-        e = self.wait[i]
-        if e >= 0 and self.fire[e] < 0.0:
-            self.blocked.setdefault(e, []).append(q)
-            return
+    def launch(self, i: int, now: float) -> None:
+        """Task ``i`` starts at ``now`` (its event has fired)."""
         self.start[i] = now
         if self.cores is not None:
             self.begin_on_core(i, now)
@@ -256,13 +249,6 @@ class _ReplayState:
         heapq.heappush(self.heap, (now + self.floor[i], CODES * i + WORK))
         if nbytes > 0:
             self.hbm.add(self.rank[i], i, nbytes, now)
-
-    def wake(self, q: int, now: float) -> None:
-        """Queue ``q``'s worker slept on its head task's event, which fired at ``now``."""
-        if self.cores is None or self.cores.wake <= 0:
-            self.begin(q, now)
-            return
-        heapq.heappush(self.heap, (now + self.cores.wake, CODES * self.qtask[self.head[q]] + WAKE))
 
     def task_hbm_bytes(self, i: int) -> float:
         """Task ``i``'s HBM bytes: its fixed bytes and its L2 misses (looked up now)."""
@@ -301,31 +287,29 @@ class _ReplayState:
                 self.finish(i, now)
 
     def finish(self, i: int, now: float) -> None:
+        """Task ``i`` ends: its signals count, then its worker is free."""
         self.end[i] = now
         self.done += 1
-        count, threshold, fire, blocked = self.count, self.threshold, self.fire, self.blocked
+        count, threshold, fire = self.count, self.threshold, self.fire
         for s in range(self.sig_ptr[i], self.sig_ptr[i + 1]):
             e = self.signals[s]
             c = count[e] = count[e] + 1
             if c == threshold[e]:
                 fire[e] = now
-                for q in blocked.pop(e, ()):
-                    self.wake(q, now)
-        q = self.queue_of[i]
-        self.head[q] += 1
-        self.begin(q, now)
+                self.fired(e, now)
+        self.freed(i, now)
 
-    def run(self, entry: np.ndarray | None = None) -> None:
-        """Replay; ``entry`` [ep]: when each rank's workers start (None: all at 0)."""
-        self.count = [0] * len(self.threshold)
-        for q in range(len(self.head)):
-            if self.head[q] == self.tail[q]:
-                continue
-            i = self.qtask[self.head[q]]
-            if entry is None or entry[self.rank[i]] <= 0:
-                self.begin(q, 0.0)
-            else:  # the worker starts later: its first task begins as a woken one would
-                heapq.heappush(self.heap, (float(entry[self.rank[i]]), CODES * i + WAKE))
+    def fired(self, e: int, now: float) -> None:
+        """Event ``e`` reached its threshold at ``now``."""
+
+    def freed(self, i: int, now: float) -> None:
+        """Task ``i``'s worker is free at ``now``."""
+
+    def woken(self, i: int, now: float) -> None:
+        """The worker that slept on task ``i``'s event (or starts late) wakes at ``now``."""
+
+    def loop(self) -> None:
+        """Run the heap's events to the end."""
         heap, pop, ports, n = self.heap, heapq.heappop, self.ports, len(self.start)
         while heap:
             now, code = pop(heap)
@@ -342,7 +326,7 @@ class _ReplayState:
             elif kind == ISSUE:
                 ports.issue(i, now)
             elif kind == WAKE:
-                self.begin(self.queue_of[i], now)
+                self.woken(i, now)
             else:
                 ports.done(i, now)
 
@@ -364,7 +348,64 @@ class _ReplayState:
                            busy=np.asarray(self.hbm.busy), task_bytes=task_bytes)
 
 
-def _stall_message(schedule: Schedule, state: _ReplayState) -> str:
+class QueueReplay(Replay):
+    """A schedule's replay: every worker runs its queue in order, its head task as soon
+    as the worker is free and the task's event has fired (step 1)."""
+
+    def __init__(self, schedule: Schedule, costs: TaskCosts, memory: MemorySystem | None,
+                 cores: HostCores | None = None):
+        super().__init__(schedule.graph, costs, memory, cores)
+        self.queue_of = schedule.queue.tolist()
+        self.qtask = schedule.queue_task.tolist()
+        self.head = schedule.queue_ptr[:-1].tolist()
+        self.tail = schedule.queue_ptr[1:].tolist()
+        self.blocked: dict[int, list[int]] = {}
+
+    def begin(self, q: int, now: float) -> None:
+        """Start the head task of queue ``q`` at ``now`` if its event has fired."""
+        h = self.head[q]
+        if h == self.tail[q]:
+            return
+        i = self.qtask[h]
+        e = self.wait[i]
+        if e >= 0 and self.fire[e] < 0.0:
+            self.blocked.setdefault(e, []).append(q)
+            return
+        self.launch(i, now)
+
+    def wake(self, q: int, now: float) -> None:
+        """Queue ``q``'s worker slept on its head task's event, which fired at ``now``."""
+        if self.cores is None or self.cores.wake <= 0:
+            self.begin(q, now)
+            return
+        heapq.heappush(self.heap, (now + self.cores.wake, CODES * self.qtask[self.head[q]] + WAKE))
+
+    def fired(self, e: int, now: float) -> None:
+        for q in self.blocked.pop(e, ()):
+            self.wake(q, now)
+
+    def freed(self, i: int, now: float) -> None:
+        q = self.queue_of[i]
+        self.head[q] += 1
+        self.begin(q, now)
+
+    def woken(self, i: int, now: float) -> None:
+        self.begin(self.queue_of[i], now)
+
+    def run(self, entry: np.ndarray | None = None) -> None:
+        """Replay; ``entry`` [ep]: when each rank's workers start (None: all at 0)."""
+        for q in range(len(self.head)):
+            if self.head[q] == self.tail[q]:
+                continue
+            i = self.qtask[self.head[q]]
+            if entry is None or entry[self.rank[i]] <= 0:
+                self.begin(q, 0.0)
+            else:  # the worker starts later: its first task begins as a woken one would
+                heapq.heappush(self.heap, (float(entry[self.rank[i]]), CODES * i + WAKE))
+        self.loop()
+
+
+def _stall_message(schedule: Schedule, state: QueueReplay) -> str:
     verify_schedule(schedule)  # raises with the cycle or the unreachable threshold
     stuck = [q for q in range(len(state.head)) if state.head[q] < state.tail[q]]
     return (f"replay stalled with {schedule.graph.num_tasks - state.done} tasks left; blocked: "
