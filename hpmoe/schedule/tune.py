@@ -393,8 +393,8 @@ class Tuning:
 
     def _maybe_race(self) -> None:
         """Once the search is done, the leader races a challenger (``_challenger``):
-        ``Budget.final`` more scored calls each, alternating (under a noisy host three
-        calls cannot tell 10% apart)."""
+        ``Budget.final`` more scored calls each to begin with, alternating, extended by
+        ``_extend_race`` (under a noisy host three calls cannot tell 10% apart)."""
         if self._raced or not self._combined or not self._all_issued() or self._pending():
             return
         self._raced = True
