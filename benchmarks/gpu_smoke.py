@@ -10,6 +10,8 @@ Steps (each reported, none fatal to the next):
              on the CPU; wall time of a second run
   layer      ``hpmoe.nn.MoE`` moved to CUDA on its default path, forward and backward,
              against the same layer on the CPU
+  auto       the same layer with ``backend="auto"`` trained until its tuning settles:
+             each candidate's steps, the winner, and every step against the default path
 
     python benchmarks/gpu_smoke.py --json smoke.json
 
@@ -128,7 +130,26 @@ def layer() -> dict:
     return out
 
 
-STEPS: dict[str, Callable[[], dict]] = {"env": env, "resources": resources, "region": region, "layer": layer}
+def auto() -> dict:
+    """``backend="auto"`` on CUDA (bf16): the steps until the tuning settles, each against
+    the default path's output, and the tuner's result."""
+    from hpmoe.nn.layer import MoE
+    from hpmoe.schedule.tune import Budget
+
+    spec = SPEC.with_dtype(torch.bfloat16)
+    x = torch.randn(TOKENS, spec.hidden, generator=torch.Generator().manual_seed(3)).to(spec.dtype).cuda()
+    base, layer = MoE(spec, seed=0, tiles=TILES).cuda(), MoE(spec, seed=0, tiles=TILES, backend="auto").cuda()
+    want, worst, steps = base(x).float(), 0.0, 0
+    while layer.tuned(TOKENS) is None and steps < Budget().max_steps + 2:
+        y = layer(x)
+        y.float().square().sum().backward()
+        worst, steps = max(worst, rel(y, want)), steps + 1
+    result = layer.tuned(TOKENS)
+    return {"steps": steps, "worst_y_rel": worst, "result": result.to_json() if result else None}
+
+
+STEPS: dict[str, Callable[[], dict]] = {"env": env, "resources": resources, "region": region, "layer": layer,
+                                        "auto": auto}
 
 
 def main(argv: list[str] | None = None) -> int:

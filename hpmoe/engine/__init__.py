@@ -54,6 +54,8 @@ def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: i
     ``backend="triton"``: one persistent Triton kernel on ``x.device`` (``hpmoe.gpu``);
     ``order`` is then not used and must be None."""
     backend = as_backend(backend)
+    if backend is Backend.AUTO:
+        raise ValueError("backend='auto' measures over a layer's calls: use hpmoe.MoE(..., backend='auto')")
     if backend is Backend.TRITON:
         if order is not None:
             raise ValueError(f"order={order!r}: the triton backend runs a schedule, not a task order")

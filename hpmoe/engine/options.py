@@ -65,7 +65,11 @@ class RegionOptions:
       with ``redundant`` extra replicas (0: never; a collective over the ep_group).
     backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
       persistent Triton kernel on the input's device; ``schedule`` is then a
-      ``SchedulePolicy``, AUTO and None meaning HYPERPARALLEL).
+      ``SchedulePolicy``, AUTO and None meaning HYPERPARALLEL), or ``"auto"``: the first
+      calls of each shape time the kernel-by-kernel path and the persistent kernel under
+      each policy (``schedule.tune.DeviceSpace``; on CUDA each call waited for), every
+      call a real step, and the fastest runs from then on (``MoE.tuned``; saved in the
+      tuning cache).  Per-expert tiles, a plain gated activation, no expert biases.
     """
 
     ep_group: Any = None
@@ -117,6 +121,13 @@ class RegionOptions:
             raise ValueError("runtime configures a session the layer opens; ep_group is already a Session")
 
     def _check_single_process(self) -> None:
+        if self.backend is Backend.AUTO:
+            require_per_expert(self.tiles, "backend='auto' (the persistent kernel is a candidate)")
+            fixed = self.hardware is not None or self.runtime is not None
+            if self.schedule is not SchedulePolicy.AUTO or fixed:
+                raise ValueError(f"backend='auto' measures its own choice: schedule must be AUTO "
+                                 f"(got {self.schedule!r}), without hardware or runtime")
+            return
         if self.backend is Backend.TRITON:
             require_per_expert(self.tiles, "the triton backend")
             if self.schedule is not None and not isinstance(self.schedule, SchedulePolicy):

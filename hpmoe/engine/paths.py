@@ -264,7 +264,7 @@ class RegionFunction(torch.autograd.Function):
         call: RegionCall = ctx.call
         state, ctx.state = ctx.state.unpack(ctx.saved_tensors), None
         dy = dout.to(call.spec.dtype).contiguous()
-        with timed(call.trial):
+        with timed(call.trial, dy.device):
             g = call.path.backward(state, dy)
         return g.dx, g.dweights, *g.expert_tensors, None
 
@@ -275,6 +275,6 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
     weights and every expert tensor); a tuning ``trial`` is timed forward and backward."""
     w = weights
     call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial)
-    with timed(trial):
+    with timed(trial, x.device):
         return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
                                     call)

@@ -18,8 +18,8 @@ from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..schedule.auto import PROCESS_DECISIONS, AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
-from ..schedule.tune import Knobs, Space, TuneKey, TuneResult
-from ..schedule.tuner import Trial, Tuner
+from ..schedule.tune import DeviceSpace, Knobs, Space, TuneKey, TuneResult
+from ..schedule.tuner import OneProcess, Trial, Tuner
 from ..sim.hardware import HardwareModel
 from ..sim.presets import cpu_nominal
 from ..spec import MoESpec
@@ -52,10 +52,19 @@ PROCESS_AUTO = Auto(PROCESS_DECISIONS)  # callers that keep none: moe_forward, t
 
 
 def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Session | None = None,
-           pool: ArenaPool | None = None) -> tuple[RegionPath, Trial | None]:
+           pool: ArenaPool | None = None, device: torch.device | None = None
+           ) -> tuple[RegionPath, Trial | None]:
     """The path of a call of ``tokens`` tokens (per rank with an ep_group, after padding;
-    the whole batch in one process) computing ``spec`` (its dtype: the compute dtype), and
-    the tuning trial it is (None: not tuning).  Collective over ``session``'s group."""
+    the whole batch in one process) computing ``spec`` (its dtype: the compute dtype) on
+    ``device`` (default: the CPU), and the tuning trial it is (None: not tuning).
+    Collective over ``session``'s group."""
+    if o.backend is Backend.AUTO:
+        auto.tuner.observe_own()
+        key = device_key(o, spec, tokens, torch.is_grad_enabled(), auto, device)
+        trial = auto.tuner.start(key, DeviceSpace(), OneProcess())
+        if trial.knobs.path is Path.PERSISTENT:
+            return TritonPath(o.virtual_ep, o.tiles, trial.knobs.policy, None, o.recompute), trial
+        return KernelByKernelPath(None, o.tiles, pool, o.recompute), trial
     chosen, trial = _choose(o, spec, tokens, auto, session)
     if chosen is None:
         return KernelByKernelPath(session, o.tiles, pool, o.recompute), trial
@@ -107,9 +116,19 @@ def tune_key(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto:
     return auto.tuner.key(spec, o.ranks, o.nodes, network, tokens, backward)
 
 
+def device_key(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,
+               device: torch.device | None) -> TuneKey:
+    """The tuning key of a one-process call on ``device``: its name stands for the network."""
+    device = torch.device("cpu") if device is None else device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return auto.tuner.key(spec, o.virtual_ep, o.nodes, f"one process on {name}", tokens, backward)
+
+
 def tuned(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,
-          session: Session | None) -> TuneResult | None:
+          session: Session | None, device: torch.device | None = None) -> TuneResult | None:
     """What the tuning settled on for this key (None: still tuning, or not tuning)."""
+    if o.backend is Backend.AUTO:
+        return auto.tuner.result(device_key(o, spec, tokens, backward, auto, device))
     if not o.distributed:
         return None
     return auto.tuner.result(tune_key(o, spec, tokens, backward, auto, session))

@@ -8,6 +8,7 @@ import enum
 class Backend(enum.Enum):
     EXACT = "exact"  # torch kernels, task by task, every virtual rank in this process
     TRITON = "triton"  # one persistent Triton kernel on the input's device (hpmoe.gpu)
+    AUTO = "auto"  # measured on real calls: kernel by kernel or the persistent kernel
 
 
 def as_backend(value: Backend | str) -> Backend:

@@ -391,7 +391,7 @@ class MoE(nn.Module):
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
-        path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas)
+        path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas, x.device)
         return run(path, x, Routing(ids, topk_weights), w, trial)
 
     # ------------------------------------------------------------------ placement
@@ -473,10 +473,11 @@ class MoE(nn.Module):
         with the backward when ``backward`` (default: grad mode is on), computing in
         ``dtype`` (default: the parameters'): the winner, its time, the runner-up, the
         kernel-by-kernel path's time and the tuning's cost; None while it is still tuning
-        (or the layer does not tune: one process, a fixed schedule, an explicit
-        ``hardware`` model)."""
+        (or the layer does not tune: one process without ``backend='auto'``, a fixed
+        schedule, an explicit ``hardware`` model)."""
         backward = torch.is_grad_enabled() if backward is None else backward
-        return tuned(self.options, self._region_spec(dtype), tokens, backward, self._auto, self.session())
+        return tuned(self.options, self._region_spec(dtype), tokens, backward, self._auto, self.session(),
+                     next(self.parameters()).device)
 
     def extra_repr(self) -> str:
         o = self.options

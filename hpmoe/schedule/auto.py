@@ -47,6 +47,7 @@ class Path(enum.Enum):
 
     TASKFLOW = "taskflow"  # tile tasks under a scheduling policy
     KERNEL_BY_KERNEL = "kernel-by-kernel"  # exec.kernel_by_kernel: grouped GEMMs per phase
+    PERSISTENT = "persistent"  # hpmoe.gpu: the taskflow as one persistent Triton kernel
     BASELINE = "baseline"  # refs: serialized_ep_forward / dense_moe
 
 

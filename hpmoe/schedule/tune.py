@@ -55,12 +55,18 @@ class Knobs:
     tiles: TileSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.path not in (Path.TASKFLOW, Path.KERNEL_BY_KERNEL):
-            raise ValueError(f"Knobs.path must be taskflow or kernel-by-kernel, got {self.path!r}")
+        if self.path not in (Path.TASKFLOW, Path.KERNEL_BY_KERNEL, Path.PERSISTENT):
+            raise ValueError(f"Knobs.path must be taskflow, kernel-by-kernel or persistent, "
+                             f"got {self.path!r}")
         flow = (self.policy, self.workers, self.tiles)
-        if self.path is Path.TASKFLOW:
-            if (not isinstance(self.policy, SchedulePolicy) or self.policy is SchedulePolicy.AUTO
-                    or not isinstance(self.workers, WorkerCounts) or not isinstance(self.tiles, TileSpec)):
+        concrete = isinstance(self.policy, SchedulePolicy) and self.policy is not SchedulePolicy.AUTO
+        if self.path is Path.PERSISTENT:
+            if not concrete or flow[1:] != (None, None):
+                raise ValueError(f"Knobs {flow!r}: the persistent kernel takes a concrete SchedulePolicy "
+                                 "only")
+        elif self.path is Path.TASKFLOW:
+            typed = isinstance(self.workers, WorkerCounts) and isinstance(self.tiles, TileSpec)
+            if not concrete or not typed:
                 raise ValueError(f"Knobs {flow!r}: a taskflow needs a concrete SchedulePolicy, "
                                  "WorkerCounts and a TileSpec")
         elif flow != (None, None, None):
@@ -70,6 +76,8 @@ class Knobs:
     def name(self) -> str:
         if self.path is Path.KERNEL_BY_KERNEL:
             return self.path.value
+        if self.path is Path.PERSISTENT:
+            return f"{self.path.value}:{self.policy.value}"
         t = self.tiles
         return (f"taskflow:{self.policy.value} workers {self.workers.matrix},{self.workers.vector} "
                 f"rows {t.rows}/{t.gemm_rows} {t.dispatch.value}")
@@ -77,13 +85,15 @@ class Knobs:
     @property
     def rounding(self) -> tuple:
         """Candidates with equal ``rounding`` compute bitwise-equal results."""
-        if self.path is Path.KERNEL_BY_KERNEL:
+        if self.path is not Path.TASKFLOW:  # the persistent kernel: the exact executors' bits
             return (self.path,)
         return (self.path, self.tiles.dispatch, self.tiles.partial_dtype)
 
     def to_json(self) -> dict:
         if self.path is Path.KERNEL_BY_KERNEL:
             return {"path": self.path.value}
+        if self.path is Path.PERSISTENT:
+            return {"path": self.path.value, "policy": self.policy.value}
         t = self.tiles
         return {"path": self.path.value, "policy": self.policy.value,
                 "workers": [self.workers.matrix, self.workers.vector],
@@ -95,6 +105,8 @@ class Knobs:
         path = Path(doc["path"])
         if path is Path.KERNEL_BY_KERNEL:
             return KERNEL_BY_KERNEL_KNOBS
+        if path is Path.PERSISTENT:
+            return Knobs(path, SchedulePolicy(doc["policy"]))
         t = doc["tiles"]
         tiles = TileSpec(rows=t["rows"], gemm_rows=t["gemm_rows"], gemm_cols=t["gemm_cols"],
                          gemm_splits=t["gemm_splits"], dispatch=DispatchMode(t["dispatch"]))
@@ -179,6 +191,28 @@ class Space:
         for k in flows:
             pick |= {name: value for name, value in _parts(k).items() if value != base[name]}
         return self.knobs(**pick)
+
+
+@dataclass(frozen=True)
+class DeviceSpace:
+    """One process on a device: the kernel-by-kernel path and the persistent kernel under
+    each of ``policies`` (the first: the default).  The tuner's interface of ``Space``;
+    no knob combines with another."""
+
+    policies: tuple[SchedulePolicy, ...] = (SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH)
+
+    def default(self) -> Knobs:
+        return Knobs(Path.PERSISTENT, self.policies[0])
+
+    def every(self) -> list[Knobs]:
+        return [KERNEL_BY_KERNEL_KNOBS, *(Knobs(Path.PERSISTENT, p) for p in self.policies)]
+
+    def order(self, first: Knobs | None = None) -> list[Knobs]:
+        every = self.every()
+        return list(dict.fromkeys([*([first] if first else []), self.default(), *every]))
+
+    def combine(self, wins: list[Knobs]) -> Knobs | None:
+        return None
 
 
 def _parts(k: Knobs) -> dict:

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..machine import Machine, machine
 from .tune import Budget, Knobs, Space, TuneKey, TuneResult, Tuning
 from .tune_cache import TuneCache
@@ -43,14 +45,29 @@ class Trial:
 
 
 @contextmanager
-def timed(trial: Trial | None) -> Iterator[None]:
-    """Add the block's wall seconds to ``trial`` (None: nothing)."""
+def timed(trial: Trial | None, device: torch.device | None = None) -> Iterator[None]:
+    """Add the block's wall seconds to ``trial`` (None: nothing); on a CUDA ``device``
+    the block's kernels are waited for at both ends (they run asynchronously)."""
+    sync = trial is not None and device is not None and device.type == "cuda"
+    if sync:
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     try:
         yield
     finally:
         if trial is not None:
+            if sync:
+                torch.cuda.synchronize(device)
             trial.seconds += time.perf_counter() - t0
+
+
+class OneProcess:
+    """The collectives of a tuning in one process: rank 0 of one."""
+
+    rank = 0
+
+    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
+        return data
 
 
 class Tuner:
@@ -98,6 +115,11 @@ class Tuner:
         self._digest = None
         if tuning.result is not None:
             self._commit(trial.key, tuning.result, rank)
+
+    def observe_own(self) -> None:
+        """In one process: the previous call's own time is the slowest rank's."""
+        trial, micros = self.report()
+        self.observe([trial], [micros], 0)
 
     def digest(self) -> int:
         """31 bits of every key's history (equal on ranks in step); recomputed only when
