@@ -453,19 +453,6 @@ def bench_models(config: BenchConfig, profile: HardwareModel | None,
     return agreed_models(profile, config.runtime, config.workers, moe.dtype, nbytes, put_bytes, group, rate)
 
 
-def _runtime_policy(decision: AutoDecision | None, policies: list[SchedulePolicy]) -> SchedulePolicy:
-    """The runtime schedule the report's ``runtime_taskflow`` runs: AUTO's best taskflow."""
-    if decision is None:
-        return policies[0]
-    flows = [f for f in decision.forecasts if f.candidate.path is Path.TASKFLOW]
-    return min(flows, key=lambda f: f.total_s).candidate.policy if flows else policies[0]
-
-
-def _variant(candidate: Candidate) -> Variant:
-    return {Path.TASKFLOW: Variant.RUNTIME, Path.KERNEL_BY_KERNEL: Variant.KERNEL_BY_KERNEL,
-            Path.BASELINE: Variant.SERIAL}[candidate.path]
-
-
 def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy],
             group: dist.ProcessGroup | None) -> AutoDecision:
     """AUTO's choice (``schedule.auto.decide``) from forecasts of every candidate:
