@@ -31,7 +31,6 @@ from ..ir.schedule import SchedulePolicy
 from ..regions.base import RegionKind
 from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
-from ..schedule.auto import Path
 from ..schedule.tuner import Trial, timed
 from ..sim.hardware import HardwareModel
 from ..spec import MoESpec, TileSpec
@@ -48,9 +47,7 @@ class PathState(Protocol):
 
 
 class RegionPath(Protocol):
-    """One way to run the region (``kind``: the taskflow or kernel by kernel)."""
-
-    kind: Path
+    """One way to run the region."""
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, PathState | None]: ...
@@ -106,7 +103,6 @@ class ExactPath:
     order: Order = None
     nodes: int = 1
     recompute: bool = False
-    kind: Path = Path.TASKFLOW
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, RegionState | None]:
@@ -134,7 +130,6 @@ class RuntimePath:
     hardware: HardwareModel
     nodes: int = 1
     recompute: bool = False
-    kind: Path = Path.TASKFLOW
 
     def options(self) -> ForwardOptions:
         from ..runtime import ForwardOptions
@@ -181,7 +176,6 @@ class TritonPath:
     policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
     hardware: HardwareModel | None = None
     recompute: bool = False
-    kind: Path = Path.TASKFLOW
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, TritonState | None]:
@@ -206,7 +200,6 @@ class KernelByKernelPath:
     tiles: TileSpec | None = None  # fingerprinted in the backward's agreement
     pool: ArenaPool | None = None
     recompute: bool = False
-    kind: Path = Path.KERNEL_BY_KERNEL
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, KernelByKernelState | None]:
