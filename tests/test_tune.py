@@ -4,7 +4,6 @@ agreement on one winner, the cache's reuse and the bits each candidate claims.""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import subprocess
@@ -307,45 +306,24 @@ def test_the_race_decides_by_paired_calls_not_by_each_ones_fastest_call():
 def test_the_two_fastest_race_on_when_they_are_close_and_not_otherwise():
     kbk = KERNEL_BY_KERNEL_KNOBS
     close = _feed(Tuning(SPACE), _times(1.0, **{kbk.name: 0.95}))
-    b = Budget()
-    need, race = b.warmup + b.trials, -(-b.final // b.race_block) * b.race_block  # whole blocks
-    assert close.count(kbk) == need + race  # raced the default taskflow (within 20%)
-    assert close.count(SPACE.default()) >= need + race - 1  # ties: the earlier candidate races
+    need = Budget().warmup + Budget().trials
+    assert close.count(kbk) == need + Budget().final  # raced the default taskflow (within 20%)
+    assert close.count(SPACE.default()) >= need + Budget().final - 1  # ties: the earlier candidate races
     far = _feed(Tuning(SPACE), _times(1.0, **{kbk.name: 0.5}))
     assert far.count(kbk) == need and len(far) <= Budget().max_steps
 
 
 def test_short_calls_race_until_each_finalist_ran_race_seconds_long_calls_only_final():
-    """The race's length is time, not a call count, in whole blocks of 3: 10 ms calls race
-    on until each finalist has 0.05 s in the race (6 calls of 9.5 ms, over ``final`` = 2),
-    1 ms calls stop at ``final_max`` = 9, 1 s calls at ``final`` rounded up to a block."""
+    """The race's length is time, not a call count: 10 ms calls race on until each
+    finalist has 0.05 s in the race (6 calls of 9.5 ms, over ``final`` = 2), 1 ms calls stop at
+    ``final_max``, 1 s calls at ``final``."""
     kbk = KERNEL_BY_KERNEL_KNOBS
-    budget = Budget(final=2, final_max=9, race_seconds=0.05, race_block=3)
+    budget = Budget(final=2, final_max=8, race_seconds=0.05)
     need = budget.warmup + budget.trials
-    for scale, extra in ((0.01, 6), (0.001, 9), (1.0, 3)):
+    for scale, extra in ((0.01, 6), (0.001, 8), (1.0, 2)):
         ran = _feed(Tuning(SPACE, budget), {k: t * scale for k, t in _times(1.0, **{kbk.name: 0.95}).items()})
         assert ran.count(kbk) == need + extra, scale
         assert len(ran) <= budget.max_steps
-
-
-def test_the_race_runs_in_blocks_and_a_switch_of_path_does_not_decide_it():
-    """In the race kernel by kernel is 10% faster back to back, but its first call after
-    the taskflow pays 30% for the switch (the taskflow pays nothing).  Alternating every call, each of
-    its calls would pay and the taskflow would win; in blocks of three the calls after the
-    first decide, and kernel by kernel wins."""
-    kbk, lead = KERNEL_BY_KERNEL_KNOBS, SPACE.default()
-    tuning = Tuning(SPACE, Budget(final=6, race_block=3))
-    previous = None
-    while tuning.result is None:
-        k = tuning.next()
-        steady = {lead: 1.0, kbk: 0.9}.get(k, 1.5) if tuning._final else {lead: 1.0, kbk: 1.05}.get(k, 1.5)
-        switched = bool(tuning._final) and k == kbk and previous not in (None, kbk)
-        tuning.observe(k, steady * (1.3 if switched else 1.0))
-        previous = k
-    assert set(tuning._final) == {lead, kbk}
-    runs = [len(list(g)) for _, g in itertools.groupby(tuning._race_issued)]
-    assert max(runs) == 3
-    assert tuning.result.winner == kbk and tuning._paired(lead, kbk) == pytest.approx(0.9)
 
 
 def test_a_taskflow_in_the_lead_races_kernel_by_kernel_not_another_taskflow():

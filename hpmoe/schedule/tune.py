@@ -23,13 +23,12 @@ the development machine — favours or burdens none); one scored call slower tha
 ``Budget.slow_factor`` times the best score so far drops it.  Then the fastest races a
 challenger within ``Budget.close`` of it — kernel by kernel when a taskflow leads (a
 taskflow replaces the floor only when paired calls say it is faster), else the
-runner-up — for at least ``Budget.final`` more scored calls each, in blocks of
-``Budget.race_block`` back-to-back calls of one (as a training loop runs one path), until
+runner-up — for at least ``Budget.final`` more scored calls each, alternating, until
 each has run ``Budget.race_seconds`` in the race (at most ``Budget.final_max`` calls
-each: short calls race longer, so a near tie is decided by more blocks), and the race
-decides by its adjacent blocks (the median of one's steady time over the other's: each
-block's calls after its first, which pays for the switch), not by each one's fastest
-call.  Every call is a real step whose output is used.
+each: short calls race longer, so a near tie is decided by more pairs), and the race
+decides by its adjacent pairs (the median of one's time over the other's, each pair's
+calls back to back), not by each one's fastest call.  Every call is a real step whose
+output is used.
 """
 
 from __future__ import annotations
@@ -237,17 +236,15 @@ class Budget:
     close: float = 0.2
     race_seconds: float = 0.5
     final_max: int = 16
-    race_block: int = 3
 
     def __post_init__(self) -> None:
         if (self.warmup < 0 or self.trials < 1 or self.candidates < 1 or not self.slow_factor > 1.0
                 or self.final < 0 or not self.close >= 0 or self.final_max < self.final
-                or not self.race_seconds >= 0 or self.race_block < 2):
+                or not self.race_seconds >= 0):
             raise ValueError(f"Budget{(self.warmup, self.trials, self.slow_factor, self.candidates)}, "
                              f"final={self.final}, final_max={self.final_max}, close={self.close}, "
-                             f"race_seconds={self.race_seconds}, race_block={self.race_block}: "
-                             "warmup >= 0, trials >= 1, slow_factor > 1, candidates >= 1, "
-                             "0 <= final <= final_max, close >= 0, race_seconds >= 0, race_block >= 2")
+                             f"race_seconds={self.race_seconds}: warmup >= 0, trials >= 1, slow_factor > 1, "
+                             "candidates >= 1, 0 <= final <= final_max, close >= 0, race_seconds >= 0")
 
     @property
     def max_steps(self) -> int:
@@ -352,7 +349,6 @@ class Tuning:
     _raced: bool = False
     _trace: list[tuple[Knobs, float]] = field(default_factory=list)  # every observation, in order
     _race_from: int = 0  # where the race's observations begin in ``_trace``
-    _race_issued: list[Knobs] = field(default_factory=list)  # the race's calls, in the order issued
 
     def __post_init__(self) -> None:
         self._order = self.space.order(self.first)[:self.budget.candidates]
@@ -367,27 +363,12 @@ class Tuning:
             return self.result.winner
         open_ = [k for k in self._order if k not in self._dropped and self._issued.get(k, 0) < self._need(k)]
         if open_:
-            racing = self._final and set(open_) <= set(self._final)
-            k = self._in_block(open_) if racing else self._in_round(open_)
+            k = self._in_round(open_)
             self._issued[k] = self._issued.get(k, 0) + 1
             return k
         best = self._best()  # waiting for the last time: run the best so far, scored too
         self._issued[best] = self._issued.get(best, 0) + 1
         return best
-
-    def _in_block(self, open_: list[Knobs]) -> Knobs:
-        """The race's next call: the finalist whose block of ``Budget.race_block``
-        back-to-back calls is under way, else the other one (a training loop runs one path
-        back to back: a call right after the other path may pay for the switch)."""
-        issued = self._race_issued
-        last = issued[-1] if issued else None
-        run = next((i for i, k in enumerate(reversed(issued)) if k != last), len(issued))
-        if last in open_ and run < self.budget.race_block:
-            k = last
-        else:
-            k = next((f for f in open_ if f != last), open_[0])
-        issued.append(k)
-        return k
 
     def _in_round(self, open_: list[Knobs]) -> Knobs:
         """The next candidate of the current round (the fewest calls so far): round ``r``
@@ -454,20 +435,18 @@ class Tuning:
         ranked = self._ranked()
         challenger = self._challenger(ranked) if ranked else None
         if challenger is not None and self.budget.final > 0:
-            n = -(-self.budget.final // self.budget.race_block) * self.budget.race_block  # whole blocks
-            self._final = {ranked[0]: n, challenger: n}
+            self._final = {ranked[0]: self.budget.final, challenger: self.budget.final}
             self._race_from = len(self._trace)
 
     def _extend_race(self) -> None:
-        """Once a race's calls are all in, one more block each while either finalist has run
+        """Once a race's calls are all in, one more call each while either finalist has run
         less than ``Budget.race_seconds`` in it (up to ``Budget.final_max`` calls each)."""
         if not self._final or self._pending() or not self._all_issued():
             return
         race = self._trace[self._race_from:]
         short = any(sum(t for k, t in race if k == f) < self.budget.race_seconds for f in self._final)
-        block = self.budget.race_block
-        if short and max(self._final.values()) + block <= self.budget.final_max:
-            self._final = {k: n + block for k, n in self._final.items()}
+        if short and max(self._final.values()) < self.budget.final_max:
+            self._final = {k: n + 1 for k, n in self._final.items()}
 
     def _challenger(self, ranked: list[Knobs]) -> Knobs | None:
         """Who races the leader: kernel by kernel when a taskflow leads and it is within
@@ -483,16 +462,19 @@ class Tuning:
         return ranked[1] if len(ranked) > 1 and close(ranked[1]) else None
 
     def _paired(self, first: Knobs, second: Knobs) -> float | None:
-        """The median over the race's adjacent blocks of the two, in either order, of
-        second's steady time over first's; None without such a pair.  A block's steady time
-        is the median of its calls after the first (the first pays for the switch of path);
-        two adjacent blocks ran one after the other, so a slow spell of the host moves
-        both: their ratio is what the race decides by, not each one's fastest call."""
-        calls = [(k, t) for k, t in self._trace[self._race_from:] if k in (first, second) and t > 0]
-        blocks = [(k, [t for _, t in run]) for k, run in itertools.groupby(calls, key=lambda c: c[0])]
-        steady = [(k, statistics.median(ts[1:] or ts)) for k, ts in blocks]
-        ratios = [(tb / ta if a == first else ta / tb)
-                  for (a, ta), (b, tb) in itertools.pairwise(steady) if a != b]
+        """The median over the race's adjacent (first, second) call pairs, in either order,
+        of second's time over first's; None without a pair.  A pair's two calls ran one
+        after the other, so a slow spell of the host or the call before moves both: their
+        ratio is what the race decides by, not each one's fastest call."""
+        calls = [(k, t) for k, t in self._trace[self._race_from:] if k in (first, second)]
+        ratios, i = [], 0
+        while i + 1 < len(calls):
+            (a, ta), (b, tb) = calls[i], calls[i + 1]
+            if a != b and ta > 0 and tb > 0:
+                ratios.append(tb / ta if a == first else ta / tb)
+                i += 2
+            else:
+                i += 1
         return statistics.median(ratios) if ratios else None
 
     def _maybe_combine(self) -> None:
