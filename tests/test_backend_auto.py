@@ -88,3 +88,27 @@ def test_auto_backend_refuses_what_it_cannot_run():
     x = torch.randn(4, spec.hidden)
     with pytest.raises(ValueError, match="use hpmoe.MoE"):
         moe_forward(x, w, route(x, w), backend="auto")
+
+
+def test_the_persistent_candidates_claim_equal_bits_and_compute_them():
+    """``Knobs.rounding`` says the persistent kernel's policies compute the same bits
+    (every tile one task over its whole reduction): forward outputs and gradients equal
+    bitwise under each, in the interpreter."""
+    from hpmoe.engine import TritonPath
+    from hpmoe.routing import Routing
+
+    persistent = [k for k in DeviceSpace().every() if k.path is Path.PERSISTENT]
+    assert len({k.rounding for k in persistent}) == 1 and len(persistent) == 2
+    spec = preset("tiny")
+    w = ExpertWeights.random(spec, 4)
+    x = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(5))
+    r = route(x, w)
+    dy = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(6))
+    runs = []
+    for k in persistent:
+        path = TritonPath(1, TILES, k.policy)
+        out, state = path.forward(x, Routing(r.ids, r.weights), w, True)
+        g = path.backward(state, dy)
+        runs.append((out, g.dx, g.dweights, g.dw13, g.dw2))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -12,7 +12,7 @@ under every valid order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,15 +46,12 @@ class ForwardResult:
     graph: TaskGraph
 
 
-class _VirtualRanks:
+def _copy_put(buffers: Sequence[object]) -> Callable[..., None]:
     """The in-process put between the virtual ranks' buffers (its signals are counted
     by ``run_graph``'s ``EventCounts`` when the put ends)."""
-
-    def __init__(self, buffers: Sequence[object]):
-        self.buffers = buffers
-
-    def put(self, peer: int, view: PeerView, rows: torch.Tensor, signals: tuple[int, ...], seq: int) -> None:
-        getattr(self.buffers[peer], view.field)[view.row0:view.row0 + view.rows].copy_(rows)
+    def put(peer: int, view: PeerView, rows: torch.Tensor, signals: tuple[int, ...], seq: int) -> None:
+        getattr(buffers[peer], view.field)[view.row0:view.row0 + view.rows].copy_(rows)
+    return put
 
 
 def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], contexts: Sequence[object],
@@ -68,7 +65,7 @@ def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], conte
     if sorted(order.tolist()) != list(range(graph.num_tasks)):
         raise ValueError(f"order must be a permutation of the {graph.num_tasks} task ids")
     programs = [rank_program(graph, region, r) for r in range(graph.ep)]
-    put = _VirtualRanks(buffers).put
+    put = _copy_put(buffers)
     calls = [task_calls(p, region.kernels, buffers[r], contexts[r], put) for r, p in enumerate(programs)]
     local = np.zeros(graph.num_tasks, np.int64)
     for p in programs:

@@ -85,7 +85,7 @@ class Knobs:
     @property
     def rounding(self) -> tuple:
         """Candidates with equal ``rounding`` compute bitwise-equal results."""
-        if self.path is not Path.TASKFLOW:  # the persistent kernel: the exact executors' bits
+        if self.path is not Path.TASKFLOW:  # persistent: one task per tile under every policy
             return (self.path,)
         return (self.path, self.tiles.dispatch, self.tiles.partial_dtype)
 
