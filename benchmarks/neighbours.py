@@ -20,7 +20,7 @@ PAIRS = 12
 
 
 def _rank(rank: int, world: int) -> dict[str, list[float]]:
-    from hpmoe.bench.runner import BenchConfig, KnobCalls, Output, make_inputs
+    from hpmoe.bench.runner import BenchConfig, Output, make_inputs, runtime_call
     from hpmoe.exec.arena import ArenaPool
     from hpmoe.exec.kernel_by_kernel import kbk_forward
     from hpmoe.ir.schedule import SchedulePolicy, WorkerCounts
@@ -41,7 +41,7 @@ def _rank(rank: int, world: int) -> dict[str, list[float]]:
         def kbk() -> Output:
             return Output(kbk_forward(data.x, data.routing, data.weights, s.collectives, pool)[0])
 
-        flow = KnobCalls(cfg, s, data, cpu_nominal(), kbk)(Space().default())
+        flow = runtime_call(cfg, s, data, Space().default(), cpu_nominal())
 
         def timed(call: Callable[[], object]) -> float:
             s.collectives.barrier("neighbours", publish=False)

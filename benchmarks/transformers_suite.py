@@ -140,7 +140,7 @@ if os.environ.get("HPMOE_SUITE_REPLACE") == "1":
     VIRTUAL_EP = int(os.environ.get("HPMOE_SUITE_VIRTUAL_EP", "2"))
     # "taskflow": every region runs the tile taskflow (schedule None); "auto": the default
     SCHEDULE = {"taskflow": {"schedule": None}, "auto": {}}[os.environ.get("HPMOE_SUITE_PATH", "taskflow")]
-    # per family (the test file running): models built with hpmoe blocks, eager MoE._region
+    # per family (the test file running): models built with hpmoe blocks, eager MoE.region
     # calls, models left in place {reason: count}
     COUNTS = {}
     CURRENT = {"family": "(collection)"}
@@ -191,14 +191,14 @@ if os.environ.get("HPMOE_SUITE_REPLACE") == "1":
 
     from hpmoe.nn.layer import MoE
 
-    _region = MoE._region
+    _region = MoE.region
 
     def counted_region(self, *args, **kwargs):
         if not torch.compiler.is_compiling():  # a counter in a compiled graph makes it recompile
             _counts()["regions"] += 1
         return _region(self, *args, **kwargs)
 
-    MoE._region = counted_region
+    MoE.region = counted_region
 
     def pytest_sessionfinish(session):
         path = os.environ.get("HPMOE_SUITE_COUNTS")

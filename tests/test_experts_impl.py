@@ -55,7 +55,7 @@ def test_replaced_model_follows_set_experts_implementation(name):
     assert model.config._experts_implementation == HPMOE
     spies = {impl: mock.Mock(wraps=fn) for impl, fn in hf_moe.ALL_EXPERTS_FUNCTIONS._global_mapping.items()}
     with (mock.patch.dict(hf_moe.ALL_EXPERTS_FUNCTIONS._global_mapping, spies),
-          mock.patch.object(MoE, "_region", autospec=True, side_effect=MoE._region) as region):
+          mock.patch.object(MoE, "region", autospec=True, side_effect=MoE.region) as region):
         for impl in ("eager", "batched_mm", "grouped_mm", HPMOE):
             model.set_experts_implementation(impl)
             _assert_same(_logits_and_grads(model), want)

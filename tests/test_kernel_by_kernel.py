@@ -241,3 +241,48 @@ def test_the_grouped_path_is_a_gpus_and_refuses_biases() -> None:
     assert gemm_path(torch.zeros(4, 8, dtype=torch.bfloat16), biased) is GemmPath.PER_EXPERT
     with pytest.raises(ValueError, match="adds no expert biases"):
         experts_forward(torch.zeros(4, 8), segments([4, 0]), biased, Arena("cpu"), "", GemmPath.GROUPED)
+
+
+def _pinned_layer(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from hpmoe.nn.layer import MoE
+
+    spec = preset("tiny", torch.float32)
+    layer = MoE(spec, ExpertWeights.random(spec, 2), ep_group=dist.group.WORLD, backend="kernel_by_kernel")
+    x = torch.randn(world * 16, spec.hidden, generator=torch.Generator().manual_seed(4))
+    mine = x[rank * 16:(rank + 1) * 16].clone().requires_grad_()
+    out = layer(mine)
+    out.square().sum().backward()
+    grad = layer.experts.gate_up_proj.grad.clone()
+    dist.all_reduce(grad)
+    layer.close()
+    return out.detach(), mine.grad, grad
+
+
+def test_the_pinned_backend_runs_kernel_by_kernel_in_one_process_and_on_an_ep_group() -> None:
+    """``backend="kernel_by_kernel"``: what AUTO may choose, chosen by the user; in one
+    process and on 2 gloo ranks the outputs and gradients are the taskflow's."""
+    from hpmoe.engine import RegionOptions, select
+    from hpmoe.engine.selection import Auto
+    from hpmoe.nn.layer import MoE
+    from hpmoe.runtime import RuntimeConfig
+
+    spec = preset("tiny", torch.float32)
+    path, trial = select(RegionOptions(backend="kernel_by_kernel"), spec, 32, Auto())
+    assert isinstance(path, KernelByKernelPath) and trial is None
+    with pytest.raises(ValueError, match="runtime configures the multi-rank runtime"):
+        RegionOptions(backend="kernel_by_kernel", runtime=RuntimeConfig())
+    x = torch.randn(32, spec.hidden, generator=torch.Generator().manual_seed(4))
+    def step(layer: MoE) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.square().sum().backward()
+        return [out.detach(), xi.grad, layer.experts.gate_up_proj.grad]
+
+    w = ExpertWeights.random(spec, 2)
+    want = step(MoE(spec, w, virtual_ep=2, schedule=None))  # the taskflow of 2 virtual ranks
+    for a, b in zip(step(MoE(spec, w, backend="kernel_by_kernel")), want, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    ranks = spawn_gloo(_pinned_layer, 2, timeout=120)
+    for a, b in zip((torch.cat([r[0] for r in ranks]), torch.cat([r[1] for r in ranks]), ranks[0][2]),
+                    want, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])

@@ -62,7 +62,7 @@ def _bad_inputs_then_a_clean_step(rank: int, world: int, path: str) -> dict:
     ids[2, 1] = 99 if rank == 0 else 0
     weights = torch.full((TOKENS, layer.spec.top_k), 0.5)
     zeros = torch.zeros_like(nan)
-    got = {"nan": _error(lambda: layer(nan)), "ids": _error(lambda: layer._region(zeros, ids, weights))}
+    got = {"nan": _error(lambda: layer(nan)), "ids": _error(lambda: layer.region(zeros, ids, weights))}
     out = layer(mine)
     out.backward(torch.ones_like(out))
     got |= {"out": out.detach(), "dx": mine.grad}

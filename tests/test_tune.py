@@ -261,6 +261,19 @@ def test_hpmoe_tune_saves_a_choice_that_bench_reuses_without_tuning(tmp_path, mo
     assert "1 entries" in shown and f"| {report['tune_winner']} |" in shown and "| yes |" in shown
 
 
+def test_bench_tunes_its_default_path_through_the_layer_and_saves_the_choice(tmp_path, monkeypatch):
+    """The bench's default path is a user's layer: its first calls tune, the layer's tuner
+    saves the winner, and a second bench reads it and tunes nothing."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "tune.json"))
+    args = ["bench", "--ep", "2", "--preset", "tiny", "--tokens", "64", "--dtype", "fp32", "--deadline", "30",
+            "--json", "--iters", "2", "--warmup", "1"]
+    first = json.loads(_hpmoe(*args).stdout.splitlines()[-1])
+    assert first["tune_source"] == "measured" and 0 < first["tune_steps"] <= Budget().max_steps
+    second = json.loads(_hpmoe(*args).stdout.splitlines()[-1])
+    assert second["tune_source"] == "cache" and second["tune_steps"] == 0
+    assert second["tune_winner"] == first["tune_winner"]
+
+
 def _first_tried(rank, world, profile):
     os.environ["HPMOE_PROFILE"] = profile
     spec = preset("tiny")

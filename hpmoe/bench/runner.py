@@ -1,20 +1,23 @@
 """Dispatch-to-Combine latency on identical inputs: the serialized torch.distributed
 baseline, the kernel-by-kernel path, the serial schedule on hpmoe's runtime, the
-taskflow, and what ``SchedulePolicy.AUTO`` runs (``taskflow`` in the report).
+runtime taskflow, and what a user's layer runs by default (``taskflow`` in the report).
 
 Plan of ``run_bench`` (every rank, collectively):
   1. every rank builds the same global batch from the seed and keeps its slice;
-  2. the cost models (``costmodel``): calibrated profile + measured link and
-     executor overhead, agreed by all ranks;
-  3. warm-up iterations of every variant; ``schedule.auto.decide`` then picks what
-     hpmoe runs ("taskflow") from the forecasts of every candidate (region on the
-     cost model plus measured per-step setup), the warm-up times able to veto a
-     taskflow; without a calibrated profile, the kernel-by-kernel path;
-  4. timed iterations, variants interleaved in a balanced order (``bench.order``:
-     each variant runs right after each other one equally often), each after a
-     barrier; a variant's time in an iteration is the slowest rank's; medians and
-     quartiles over them.  ``taskflow`` is the samples of the variant AUTO chose,
-     not a second measurement of it.
+  2. with a saved cpu profile, the cost models (``bench.forecast``): calibrated
+     profile + measured link and executor overhead, agreed by all ranks;
+  3. warm-up iterations of every variant; with the cost models, the forecast of every
+     candidate (``schedule.auto.decide``: reported; AUTO's tuning measures its choice
+     first);
+  4. the default path: ``hpmoe.MoE`` on the bench's session, called on the bench's
+     routing through the front door of every call (agreement, ``engine.select``);
+     under AUTO its first calls tune (``schedule.tuner``) or read the tuning cache; the
+     runtime taskflow variant then runs the tuned taskflow (else the runner-up, else
+     the space's default) for its per-step times and timeline;
+  5. timed iterations, variants interleaved in a balanced order (``bench.order``:
+     each variant runs right after each other one equally often) or in blocks, each
+     after a barrier; a variant's time in an iteration is the slowest rank's; medians
+     and quartiles over them.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..exec.arena import ArenaPool
-from ..exec.kernel_by_kernel import kbk_forward
+from ..engine.options import RegionOptions
+from ..engine.selection import knob_options
+from ..exec.backend import Backend
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..launch.netns import LinkSpec
-from ..machine import machine
+from ..nn.layer import MoE
 from ..placement import place_on_load
 from ..refs import serialized_ep_forward
 from ..routing import Routing, RoutingKind, synthetic_routing
@@ -55,8 +59,7 @@ from ..schedule.auto import (
     kernel_by_kernel_forecast,
     no_model,
 )
-from ..schedule.tune import KERNEL_BY_KERNEL_KNOBS, Budget, Knobs, Space, TuneKey, TuneResult, Tuning
-from ..schedule.tuner import shared_lookup
+from ..schedule.tune import KERNEL_BY_KERNEL_KNOBS, Budget, Knobs, Space, TuneResult
 from ..sim.forecast import forecast_region
 from ..sim.hardware import HardwareModel
 from ..sim.presets import cpu_nominal
@@ -220,21 +223,38 @@ def runtime_name(policy: SchedulePolicy) -> str:
 
 def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: HardwareModel,
                policies: list[SchedulePolicy]) -> Calls:
-    """The baseline, the serial schedule, and one runtime call per candidate policy."""
-    def runner(policy: SchedulePolicy) -> ForwardRunner:
-        return ForwardRunner(session, data.weights, ForwardOptions(
-            tiles=config.tiles, policy=policy, hardware=hardware, cache_schedules=config.cache_schedules))
+    """The baseline, kernel by kernel (a layer pinned to it: the front door, as a user
+    runs it), the serial schedule, and one bare runtime call per candidate policy."""
+    def runtime(policy: SchedulePolicy) -> Callable[[], object]:
+        knobs = Knobs(Path.TASKFLOW, policy, WorkerCounts.from_hardware(hardware), config.tiles)
+        return runtime_call(config, session, data, knobs, hardware)
 
-    def runtime(r: ForwardRunner) -> Callable[[], object]:
-        return lambda: r(data.x, data.routing, config.fault)
-
-    serial, group, pool = runner(SchedulePolicy.SERIAL), session.group, ArenaPool()
+    group, pinned = session.group, RegionOptions(ep_group=session, backend=Backend.KERNEL_BY_KERNEL)
     calls: Calls = {Variant.SERIAL.value: lambda: serialized_ep_forward(data.x, data.weights, data.routing,
                                                                         group),
-                    Variant.KERNEL_BY_KERNEL.value: lambda: Output(kbk_forward(
-                        data.x, data.routing, data.weights, session.collectives, pool)[0]),
-                    Variant.SERIAL_SAME_TRANSPORT.value: lambda: serial(data.x, data.routing)}
-    return calls | {runtime_name(p): runtime(runner(p)) for p in policies}
+                    Variant.KERNEL_BY_KERNEL.value: layer_call(data, pinned)[1],
+                    Variant.SERIAL_SAME_TRANSPORT.value: runtime(SchedulePolicy.SERIAL)}
+    return calls | {runtime_name(p): runtime(p) for p in policies}
+
+
+def layer_call(data: Inputs, options: RegionOptions) -> tuple[MoE, Callable[[], object]]:
+    """``hpmoe.MoE`` of the bench's weights under ``options``, called on the bench's
+    routing: every call through the front door (agreement, ``engine.select``)."""
+    w = data.weights
+    layer = MoE(w.spec, w, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+    return layer, lambda: Output(layer.region(data.x, data.routing.ids, data.routing.weights))
+
+
+def runtime_call(config: BenchConfig, session: Session, data: Inputs, knobs: Knobs,
+                 hardware: HardwareModel) -> Callable[[], object]:
+    """A bare runtime call (``ForwardRunner``, its ``ForwardOutput`` with per-step times
+    and timeline; the bench's ``--fault``) of the taskflow ``knobs``: its policy, tiles
+    and worker threads at ``hardware``'s rates."""
+    w = knobs.workers
+    hw = dataclasses.replace(hardware, matrix_workers=w.matrix, vector_workers=w.vector)
+    runner = ForwardRunner(session, data.weights, ForwardOptions(
+        tiles=knobs.tiles, policy=knobs.policy, hardware=hw, cache_schedules=config.cache_schedules))
+    return lambda: runner(data.x, data.routing, config.fault)
 
 
 @dataclass(frozen=True)
@@ -307,27 +327,24 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     session.board.enter("bench: decision")
     decision = _decide(warm, models, policies, group) if config.policy is SchedulePolicy.AUTO else None
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
-    tuned, aliases = None, {}  # aliases: a sweep candidate that already runs as a variant is not run twice
-    if config.policy is SchedulePolicy.AUTO:
-        first = _model_knobs(decision, config.tiles) if models is not None else None
-        knob = KnobCalls(config, session, data, hardware, every[Variant.KERNEL_BY_KERNEL.value])
-        tuned = tune(config, session, knob, first)
+    layer, calls[Variant.TASKFLOW.value] = default_call(config, session, data, hardware)
+    tuned = settle(layer, calls[Variant.TASKFLOW.value], config, session)
+    aliases = {}  # a sweep candidate that already runs as a variant is not run twice
+    if tuned is not None:
         flow = _runtime_knobs(tuned.result, config.tiles)
-        chosen, calls[Variant.RUNTIME.value] = flow.policy, knob(flow)
-        default = Variant.RUNTIME if tuned.result.winner.path is Path.TASKFLOW else Variant.KERNEL_BY_KERNEL
+        chosen = flow.policy
+        calls[Variant.RUNTIME.value] = runtime_call(config, session, data, flow, hardware)
         if config.sweep:
-            aliases = {sweep_name(KERNEL_BY_KERNEL_KNOBS): Variant.KERNEL_BY_KERNEL.value,
-                       sweep_name(flow): Variant.RUNTIME.value}
+            knob = KnobCalls(session, data, hardware, every)
+            aliases = {sweep_name(KERNEL_BY_KERNEL_KNOBS): Variant.KERNEL_BY_KERNEL.value}
             calls |= {sweep_name(k): knob(k) for k in tuned.space.every() if sweep_name(k) not in aliases}
     else:
         chosen = policies[0]
         calls[Variant.RUNTIME.value] = every[runtime_name(chosen)]
-        default = Variant.RUNTIME
     probe = models.probe if config.predict and models is not None else None
     ticks = host_ticks()
     samples = timed_loop(config.iters, calls, session, "iteration", probe, config.order, config.block)
     steal = steal_fraction(ticks, host_ticks())
-    samples.alias(Variant.TASKFLOW.value, default.value)  # the very samples of what ran: no second copy
     for name, to in aliases.items():
         samples.alias(name, to)
     session.board.enter("bench: report")
@@ -343,31 +360,26 @@ def sweep_name(knobs: Knobs) -> str:
 
 
 class KnobCalls:
-    """The bench's call of each candidate of the tuning space, made once on first use:
-    the kernel-by-kernel variant's call, or a runtime ``ForwardRunner`` with the
-    candidate's policy, tiles and worker threads (rates of ``hardware``)."""
+    """The bench's call of each candidate of the tuning space through the front door,
+    made once on first use: a layer pinned to it (``engine.selection.knob_options``; the
+    taskflow's worker threads at ``hardware``'s rates)."""
 
-    def __init__(self, config: BenchConfig, session: Session, data: Inputs, hardware: HardwareModel,
-                 kernel_by_kernel: Callable[[], object]):
-        self.config, self.session, self.data, self.hardware = config, session, data, hardware
-        self.calls: dict[Knobs, Callable[[], object]] = {KERNEL_BY_KERNEL_KNOBS: kernel_by_kernel}
+    def __init__(self, session: Session, data: Inputs, hardware: HardwareModel, known: Calls):
+        self.session, self.data, self.hardware = session, data, hardware
+        self.calls = {KERNEL_BY_KERNEL_KNOBS: known[Variant.KERNEL_BY_KERNEL.value]}
 
     def __call__(self, knobs: Knobs) -> Callable[[], object]:
         if knobs not in self.calls:
-            hw = dataclasses.replace(self.hardware, matrix_workers=knobs.workers.matrix,
-                                     vector_workers=knobs.workers.vector)
-            runner = ForwardRunner(self.session, self.data.weights, ForwardOptions(
-                tiles=knobs.tiles, policy=knobs.policy, hardware=hw,
-                cache_schedules=self.config.cache_schedules))
-            self.calls[knobs] = lambda: runner(self.data.x, self.data.routing, self.config.fault)
+            options = knob_options(RegionOptions(ep_group=self.session), knobs, self.hardware)
+            self.calls[knobs] = layer_call(self.data, options)[1]
         return self.calls[knobs]
 
 
 @dataclass(frozen=True)
 class Tuned:
-    """The bench's tuning: its key, space, result and notes (stale cache entries)."""
+    """The default path's tuning: the space, the layer's result and its notes (stale
+    cache entries)."""
 
-    key: TuneKey
     space: Space
     result: TuneResult
     notes: tuple[str, ...] = ()
@@ -384,44 +396,32 @@ class Tuned:
         return out | ({"tune_note": "; ".join(self.notes)} if self.notes else {})
 
 
-def bench_key(config: BenchConfig, moe: MoESpec, world: int) -> TuneKey:
-    """The tuning key of a bench of layer ``moe`` (forward only; its shaped link is the
-    runtime's network)."""
-    return TuneKey.of(machine().fingerprint(), moe, world, 1, config.runtime.tuning_network, config.tokens,
-                      False)
+def default_call(config: BenchConfig, session: Session, data: Inputs,
+                 hardware: HardwareModel) -> tuple[MoE, Callable[[], object]]:
+    """What a user's layer runs by default (or under the bench's ``--schedule``)."""
+    auto = config.policy is SchedulePolicy.AUTO
+    return layer_call(data, RegionOptions(ep_group=session, schedule=config.policy, tiles=config.tiles,
+                                          hardware=None if auto else hardware))
 
 
-def tune(config: BenchConfig, session: Session, knob: KnobCalls, first: Knobs | None = None,
-         use_cache: bool = True) -> Tuned:
-    """AUTO's tuning of the bench's forward (collective): the cached choice (group rank
-    0's cache) or ``schedule.tune.Tuning`` fed each step's slowest-rank seconds."""
-    key = bench_key(config, knob.data.weights.spec, session.world)
-    space = Space.around(config.tiles, TileSpec(), 1)
-    notes: list[str] = []
-    cached = None
-    if use_cache:
-        cached = shared_lookup(key, session.collectives, machine().versions(), notes.append)
-    if cached is not None:
-        return Tuned(key, space, cached, tuple(notes))
-    tuning = Tuning(space, Budget(), first)
-    coll = session.collectives
-    while tuning.result is None:
-        k = tuning.next()
-        call = knob(k)
-        coll.barrier(f"tuning step {tuning.steps + 1}: barrier before {k.name}", publish=False)
-        session.board.enter(f"tuning step {tuning.steps + 1}: {k.name}", publish=False)
-        t0 = time.perf_counter()
+def settle(layer: MoE, call: Callable[[], object], config: BenchConfig, session: Session) -> Tuned | None:
+    """Calls of the default path alone, back to back, until AUTO's tuning settles (a
+    cached choice settles at once), and at least ``config.warmup`` of them; the tuning
+    (None: the layer does not tune, its schedule fixed).  Collective."""
+    auto = config.policy is SchedulePolicy.AUTO
+    for step in range(config.warmup + Budget().max_steps + 2):
+        if step >= config.warmup and (not auto or layer.tuned(config.tokens, backward=False)):
+            break
+        session.collectives.barrier(f"default path {step + 1}: barrier", publish=False)
+        session.board.enter(f"default path {step + 1}: {'tuning' if auto else 'warm-up'}", publish=False)
         call()
-        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device="cpu")
-        tuning.observe(k, float(coll.all_gather(mine, "tuning step time", publish=False).max()))
-    return Tuned(key, space, tuning.result, tuple(notes))
-
-
-def _model_knobs(decision: AutoDecision | None, tiles: TileSpec) -> Knobs | None:
-    """The model's choice as knobs (the tuner measures it first)."""
-    if decision is None or not decision.forecasts:
+    if not auto:
         return None
-    return Space.around(tiles, TileSpec(), 1).of(decision.chosen)
+    result = layer.tuned(config.tokens, backward=False)
+    if result is None:
+        raise RuntimeError(f"AUTO's tuning did not settle within {Budget().max_steps} calls "
+                           f"(Budget.max_steps) of tokens={config.tokens}")
+    return Tuned(Space.around(config.tiles, TileSpec(), 1), result, layer.tuning_notes)
 
 
 def _runtime_knobs(result: TuneResult, tiles: TileSpec) -> Knobs:

@@ -70,6 +70,9 @@ class RegionOptions:
       each policy (``schedule.tune.DeviceSpace``; on CUDA each call waited for), every
       call a real step, and the fastest runs from then on (``MoE.tuned``; saved in the
       tuning cache).  Per-expert tiles, a plain gated activation, no expert biases.
+      ``"kernel_by_kernel"``, in one process or with an ep_group: the region without
+      tiles (``exec.kernel_by_kernel``), pinned — what AUTO may choose, chosen by the
+      user; ``schedule`` and ``tiles`` are then not read (but fingerprinted).
     """
 
     ep_group: Any = None
@@ -111,7 +114,7 @@ class RegionOptions:
             self._check_single_process()
 
     def _check_distributed(self) -> None:
-        if self.backend is not Backend.EXACT:
+        if self.backend not in (Backend.EXACT, Backend.KERNEL_BY_KERNEL):
             raise ValueError(f"backend={self.backend.value!r} runs in one process, without an ep_group")
         if self.virtual_ep != 1:
             raise ValueError(f"virtual_ep={self.virtual_ep} cannot be combined with an ep_group")
@@ -121,6 +124,10 @@ class RegionOptions:
             raise ValueError("runtime configures a session the layer opens; ep_group is already a Session")
 
     def _check_single_process(self) -> None:
+        if self.backend is Backend.KERNEL_BY_KERNEL:
+            if self.runtime is not None:
+                raise ValueError("runtime configures the multi-rank runtime: it needs an ep_group")
+            return
         if self.backend is Backend.AUTO:
             require_per_expert(self.tiles, "backend='auto' (the persistent kernel is a candidate)")
             fixed = self.hardware is not None or self.runtime is not None

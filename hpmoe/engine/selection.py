@@ -66,7 +66,7 @@ def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Se
             return TritonPath(o.virtual_ep, o.tiles, trial.knobs.policy, None, o.recompute), trial
         return KernelByKernelPath(None, o.tiles, pool, o.recompute), trial
     chosen, trial = _choose(o, spec, tokens, auto, session)
-    if chosen is None:
+    if chosen.backend is Backend.KERNEL_BY_KERNEL:
         return KernelByKernelPath(session, o.tiles, pool, o.recompute), trial
     if o.distributed:
         return RuntimePath(session, chosen.tiles, chosen.policy, chosen.rank_hardware, chosen.nodes,
@@ -77,19 +77,19 @@ def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Se
 
 
 def _choose(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto,
-            session: Session | None) -> tuple[RegionOptions | None, Trial | None]:
-    """The taskflow's options (None: the kernel-by-kernel path) and the trial."""
-    if o.schedule is not SchedulePolicy.AUTO or o.backend is Backend.TRITON:
+            session: Session | None) -> tuple[RegionOptions, Trial | None]:
+    """The options that run the call (AUTO's choice made) and the trial."""
+    if o.schedule is not SchedulePolicy.AUTO or o.backend is not Backend.EXACT:
         return o, None
     if o.distributed and o.hardware is None:
         space = Space.around(o.tiles, DEFAULT_TILES, o.nodes)
         key = tune_key(o, spec, tokens, torch.is_grad_enabled(), auto, session)
         first = None if auto.tuner.knows(key) else _model_first(o, spec, tokens, auto, session, space)
         trial = auto.tuner.start(key, space, session.collectives, first)
-        return _knob_options(o, trial.knobs, auto), trial
+        return knob_options(o, trial.knobs, auto.profile() or cpu_nominal()), trial
     chosen = decision(o, spec, tokens, torch.is_grad_enabled(), auto, session).chosen
     if chosen.path is not Path.TASKFLOW:
-        return None, None
+        return replace(o, backend=Backend.KERNEL_BY_KERNEL), None
     if o.distributed:
         return replace(o, schedule=chosen.policy), None
     return replace(o, schedule=None, hardware=None), None  # task-id order; AUTO's model has served
@@ -143,12 +143,12 @@ def _model_first(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, sessi
     return space.of(decision(o, spec, tokens, torch.is_grad_enabled(), auto, session).chosen)
 
 
-def _knob_options(o: RegionOptions, knobs: Knobs, auto: Auto) -> RegionOptions | None:
-    """The options that run ``knobs`` (None: the kernel-by-kernel path); the worker
-    threads are the rank model's (the saved profile's rates, else nominal ones)."""
+def knob_options(o: RegionOptions, knobs: Knobs, rates: HardwareModel) -> RegionOptions:
+    """The options that run the tuning candidate ``knobs``: the kernel-by-kernel backend,
+    or the taskflow with its policy, tiles and worker threads (the rates of ``rates``:
+    the saved profile, else nominal ones)."""
     if knobs.path is not Path.TASKFLOW:
-        return None
-    base = auto.profile() or cpu_nominal()
+        return replace(o, backend=Backend.KERNEL_BY_KERNEL)
     w = knobs.workers
-    hw = dataclasses.replace(base, matrix_workers=w.matrix, vector_workers=w.vector)
+    hw = dataclasses.replace(rates, matrix_workers=w.matrix, vector_workers=w.vector)
     return replace(o, schedule=knobs.policy, tiles=knobs.tiles, hardware=hw)

@@ -1,4 +1,4 @@
-"""Which executor runs a region in one process."""
+"""Which executor runs a region."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ class Backend(enum.Enum):
     EXACT = "exact"  # torch kernels, task by task, every virtual rank in this process
     TRITON = "triton"  # one persistent Triton kernel on the input's device (hpmoe.gpu)
     AUTO = "auto"  # measured on real calls: kernel by kernel or the persistent kernel
+    KERNEL_BY_KERNEL = "kernel_by_kernel"  # no tiles: grouped GEMMs per phase, all-to-all over an ep_group
 
 
 def as_backend(value: Backend | str) -> Backend:

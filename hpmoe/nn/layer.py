@@ -285,7 +285,7 @@ class MoE(nn.Module):
                 if self.options.distributed:
                     self._open_call(x.shape[0], w, err)
                 raise
-            return self._region(x, routing.ids, routing.weights).view(hidden_states.shape)
+            return self.region(x, routing.ids, routing.weights).view(hidden_states.shape)
         out, router_out = self._block_forward(x, hidden_states, args, kwargs)
         out = out.view(hidden_states.shape)
         return out if self.family.returns is None else (out, router_out[self.family.returns])
@@ -338,16 +338,19 @@ class MoE(nn.Module):
             ids, weights = torch.where(zero, ids % e, ids), weights.masked_fill(zero, 0.0)
         if self.family.score_side is ScoreSide.INPUT:
             ones = torch.ones_like(ids[:, :1], dtype=torch.float32)
-            out = sum(self._region(x * weights[:, j:j + 1].to(x.dtype), ids[:, j:j + 1], ones)
+            out = sum(self.region(x * weights[:, j:j + 1].to(x.dtype), ids[:, j:j + 1], ones)
                       for j in range(ids.shape[1]))
         else:
-            out = self._region(x, ids, weights)
+            out = self.region(x, ids, weights)
         return out if identity is None else out + identity
 
-    def _region(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Run the region on x [N, H] routed by ids [N, k] with weights [N, k] (any float
-        dtype; combined in fp32).  Computes in the experts' dtype, or the autocast dtype;
-        pads the batch to equal token counts per (virtual) rank with zero rows of weight 0."""
+    def region(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The region on a routing made elsewhere: x [N, H] routed by ids [N, k] (logical
+        expert ids) with weights [N, k] (any float dtype; combined in fp32) -> the routed
+        plus shared experts' output [N, H] in x's dtype; with an ep_group, this rank's
+        tokens.  The same front door as ``forward`` (agreement, AUTO, placement).
+        Computes in the experts' dtype, or the autocast dtype; pads the batch to equal
+        token counts per (virtual) rank with zero rows of weight 0."""
         w = self.expert_weights()
         dtype = _compute_dtype(x, w.spec.dtype)
         if dtype != w.spec.dtype:
@@ -478,6 +481,11 @@ class MoE(nn.Module):
         backward = torch.is_grad_enabled() if backward is None else backward
         return tuned(self.options, self._region_spec(dtype), tokens, backward, self._auto, self.session(),
                      next(self.parameters()).device)
+
+    @property
+    def tuning_notes(self) -> tuple[str, ...]:
+        """What AUTO's tuning noted: cache entries it ignored, and why."""
+        return tuple(self._auto.tuner.notes)
 
     def extra_repr(self) -> str:
         o = self.options
