@@ -123,9 +123,6 @@ class AutoDecision:
     gain: float = 1.0
     measured_s: Mapping[str, float] = field(default_factory=dict)
 
-    def forecast_of(self, candidate: Candidate) -> Forecast | None:
-        return next((f for f in self.forecasts if f.candidate == candidate), None)
-
     def describe(self) -> str:
         if not self.forecasts:  # no model, or nothing to run
             return f"{self.chosen.name} ({self.reason.value}: nothing forecast)"
