@@ -12,7 +12,7 @@ from hpmoe import refs
 from hpmoe.engine import ExactPath, RegionState
 from hpmoe.machine import machine
 from hpmoe.nn.layer import MoE
-from hpmoe.routing import route
+from hpmoe.routing import Routing, route
 from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
@@ -432,3 +432,18 @@ def test_expert_forms_on_two_ranks_equal_one_process(tmp_path):
         torch.testing.assert_close(torch.cat([g[1] for g in got], 1), want[1], **TOL[torch.float32])
         for name, grad in want[2].items():
             torch.testing.assert_close(got[0][2][name] + got[1][2][name], grad, **TOL[torch.float32])
+
+
+def test_region_on_a_routing_made_elsewhere_is_the_forward_on_that_routing() -> None:
+    """``MoE.region``: the experts on a caller's routing; on the layer's own routing it
+    is the layer's forward, and it equals the dense reference on any routing."""
+    spec = preset("tiny", torch.float32)
+    w = ExpertWeights.random(spec, 5)
+    layer = MoE(spec, w, virtual_ep=2, schedule=None)
+    x = torch.randn(24, spec.hidden, generator=torch.Generator().manual_seed(5))
+    r = route(x, w)
+    torch.testing.assert_close(layer.region(x, r.ids, r.weights), layer(x), atol=0, rtol=0)
+    ids = torch.arange(24 * spec.top_k).reshape(24, spec.top_k) % spec.experts  # not the router's
+    weights = torch.rand(24, spec.top_k, generator=torch.Generator().manual_seed(6))
+    want = refs.dense_moe(x, w, Routing(ids, weights))
+    torch.testing.assert_close(layer.region(x, ids, weights), want, atol=1e-5, rtol=1e-5)
