@@ -30,6 +30,7 @@ from hpmoe.schedule.serial import phase_order
 from hpmoe.sim.cost import task_costs
 from hpmoe.sim.hardware import LinkEntry
 from hpmoe.sim.presets import hardware_preset
+from hpmoe.sim.resources import MemorySystem
 from hpmoe.sim.simulate import replay, simulate
 from hpmoe.spec import MoESpec, TileSpec, preset
 
@@ -107,7 +108,7 @@ def test_hyperparallel_deals_round_robin_and_staggers_puts():
 def test_critical_path_keeps_the_fastest_candidate(monkeypatch):
     g = lower_forward(tiny_plan(RoutingKind.BALANCED, ep=2, tokens=16), TileSpec(4, 4, 8))
     hw = hardware_preset("ascend-a3")
-    def worse(graph, costs, workers, order):
+    def worse(graph, costs, workers, order, memory=None):
         return serial_schedule(graph, workers)
 
     monkeypatch.setattr(cp_module, "list_schedule", worse)
@@ -118,20 +119,42 @@ def test_critical_path_keeps_the_fastest_candidate(monkeypatch):
     assert simulate(s, hw).makespan == pytest.approx(cands["hyperparallel"])
 
 
+@pytest.mark.parametrize("hw_name", ["ascend-a3", "h100"])
 @pytest.mark.parametrize("order", list(cp_module.PutOrder))
-def test_replay_reproduces_the_list_schedule(order):
-    """The list scheduler is greedy, so replaying its queues gives back its own timeline."""
+def test_replay_reproduces_the_list_schedule(order, hw_name):
+    """The list scheduler is greedy and starts the tasks of an instant in the order the
+    replay of its queues does, so that replay gives back its own timeline, with memory
+    (L2 and shared HBM) or without."""
     g = lower_forward(tiny_plan(RoutingKind.ZIPF, ep=4, tokens=24), TileSpec(4, 4, 8))
-    hw = hardware_preset("ascend-a3")
+    hw = hardware_preset(hw_name)
     workers, costs = WorkerCounts.from_hardware(hw), task_costs(g, hw)
-    prio = cp_module.priority_rank(g, costs, workers, order)
+    puts = cp_module.put_order(g, costs, workers, order)
+    prio = cp_module.priority_rank(g, costs, workers, order, puts)
     by_prio = order in (cp_module.PutOrder.PRIORITY, cp_module.PutOrder.EXPERT)
-    port = prio if by_prio else cp_module.port_order(g, rounds=False)
-    state = cp_module._ListReplay(g, costs, workers, prio, port)
+    for memory in (None, MemorySystem.of(g, hw)):
+        state = cp_module._ListReplay(g, costs, workers, prio, prio if by_prio else puts, memory)
+        state.loop()
+        s = cp_module.list_schedule(g, costs, workers, order, memory)
+        verify_schedule(s)
+        assert np.array_equal(replay(s, costs, memory)[1], np.asarray(state.end))
+
+
+def test_the_list_starts_an_instant_s_tasks_as_the_queue_replay_does():
+    """Two GEMMs read the same operands (the second to start hits the L2): the urgent one
+    (X, a long chain after it) becomes ready at the same instant as the other (Y), whose
+    event fires first.  The replay of the queues starts Y first (its worker wakes first),
+    so the list must too, or its timeline is not the replay's."""
+    hw = dataclasses.replace(UNIT_HW, matrix_workers=2, mem_bw=1e12, l2_mb=64.0)
+    g = build(1, [vec(1, signals=[(0, 0)]), vec(1, signals=[(0, 1)]),
+                  gemm(2, wait=1, signals=[(0, 2)]), gemm(2, wait=0), vec(5, wait=2)], {0: [1, 1, 1]})
+    workers, costs, memory = WorkerCounts.from_hardware(hw), task_costs(g, hw), MemorySystem.of(g, hw)
+    s = cp_module.list_schedule(g, costs, workers, cp_module.PutOrder.STAGES, memory)
+    start, end = replay(s, costs, memory)[:2]
+    assert start[3] == start[2] == 1 * US and end[3] > end[2]  # Y started first and missed
+    state = cp_module._ListReplay(g, costs, workers, cp_module.priority_rank(g, costs, workers),
+                                  cp_module.port_order(g, rounds=False), memory)
     state.loop()
-    s = cp_module.list_schedule(g, costs, workers, order)
-    verify_schedule(s)
-    assert np.array_equal(replay(s, costs)[1], np.asarray(state.end))
+    assert np.array_equal(end, np.asarray(state.end))
 
 
 def test_queue_order_against_a_dependency_is_a_named_cycle():

@@ -7,13 +7,15 @@ Plan of ``critical_path_schedule``:
      ingress ports (ports are servers too), so that the GEMMs whose outputs must cross
      a busy link start early enough;
   2. a time-ordered list schedule of every rank at once, run by the simulator's replay
-     loop (``sim.simulate.Replay``: its events, counters and link model): whenever a
-     worker is idle it takes the highest-priority ready task of its rank and unit.
+     loop (``sim.simulate.Replay``: its events, counters, link model and, without shared
+     host cores, its memory system): whenever a worker is idle it takes the
+     highest-priority ready task of its rank and unit.
      Remote puts go to a few dedicated vector workers per rank (``link_workers``: just
      enough to keep the link busy), so no other vector worker is ever parked behind a
      busy link.  Puts reach their real peers, so skew shows.
-     The policy is greedy (no worker idles while a task it may run is ready), so the
-     replay of its queues reproduces its timeline;
+     The policy is greedy (no worker idles while a task it may run is ready), and the
+     tasks that start at one instant start in the order the replay of its queues starts
+     them (they look up the L2 in that order), so that replay reproduces its timeline;
   3. three such list schedules (``PutOrder``): puts in a fixed all-to-all order (what
      balanced routing wants: every stage pairs the ranks as a permutation), or by
      priority with each rank's remaining work counted (what skewed routing wants:
@@ -79,10 +81,11 @@ def critical_path_candidates(graph: TaskGraph, hardware: HardwareModel) -> tuple
     require_all_ranks(graph)
     workers = WorkerCounts.from_hardware(hardware)
     costs = task_costs(graph, hardware)
-    made = (*((f"list-{o.value}", list_schedule(graph, costs, workers, o)) for o in PutOrder),
+    memory, cores = MemorySystem.of(graph, hardware), HostCores.of(graph, hardware)
+    planned = memory if cores is None else None  # the list replays no host cores
+    made = (*((f"list-{o.value}", list_schedule(graph, costs, workers, o, planned)) for o in PutOrder),
             ("hyperparallel", hyperparallel_schedule(graph, workers)),
             ("serial", serial_schedule(graph, workers)))
-    memory, cores = MemorySystem.of(graph, hardware), HostCores.of(graph, hardware)
     return tuple(Candidate(name=name, schedule=s, makespan=makespan(s, costs, memory, cores))
                  for name, s in made)
 
@@ -169,13 +172,14 @@ def unit_backlog(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, b: n
 
 
 def priority_rank(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
-                  order: PutOrder = PutOrder.STAGES) -> np.ndarray:
+                  order: PutOrder = PutOrder.STAGES, puts: np.ndarray | None = None) -> np.ndarray:
     """[n] position of each task in priority order: bottom level descending (with port
-    backlog; with ``PutOrder.PRIORITY`` also with unit backlog), then put stage, then
-    task id.  Lower runs first."""
+    backlog, ports served in ``puts`` order, default ``put_order``; with
+    ``PutOrder.PRIORITY`` also with unit backlog), then put stage, then task id.  Lower
+    runs first."""
     if order is PutOrder.EXPERT:
         return reuse_rank(graph)
-    port = port_backlog(graph, costs, port_order(graph, rounds=order is PutOrder.PRIORITY))
+    port = port_backlog(graph, costs, put_order(graph, costs, workers, order) if puts is None else puts)
     b = bottom_levels(graph, costs.duration, port)
     if order is PutOrder.PRIORITY:
         extra = np.maximum(port, unit_backlog(graph, costs, workers, b))
@@ -184,6 +188,12 @@ def priority_rank(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     position = np.empty(graph.num_tasks, np.int64)
     position[ranked] = np.arange(graph.num_tasks)
     return position
+
+
+def put_order(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, order: PutOrder) -> np.ndarray:
+    """[n] the order in which ports serve remote puts: ``port_order`` (by rounds with
+    ``PutOrder.PRIORITY``)."""
+    return port_order(graph, rounds=order is PutOrder.PRIORITY)
 
 
 def reuse_rank(graph: TaskGraph) -> np.ndarray:
@@ -203,12 +213,14 @@ def reuse_rank(graph: TaskGraph) -> np.ndarray:
 # ---------------------------------------------------------------------------- list schedule
 
 def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
-                  order: PutOrder = PutOrder.STAGES) -> Schedule:
+                  order: PutOrder = PutOrder.STAGES, memory: MemorySystem | None = None) -> Schedule:
     """Time-ordered list schedule of every rank (see module plan, step 2), remote puts
-    taken in ``order``."""
-    prio = priority_rank(graph, costs, workers, order)
-    port = prio if order in (PutOrder.PRIORITY, PutOrder.EXPERT) else port_order(graph, rounds=False)
-    state = _ListReplay(graph, costs, workers, prio, port)
+    taken in ``order``, with the memory system ``memory`` (None: every task takes its
+    ``work``, as a replay without memory)."""
+    puts = put_order(graph, costs, workers, order)
+    prio = priority_rank(graph, costs, workers, order, puts)
+    port = prio if order in (PutOrder.PRIORITY, PutOrder.EXPERT) else puts
+    state = _ListReplay(graph, costs, workers, prio, port, memory)
     state.loop()
     if state.assigned != graph.num_tasks:
         raise GraphError(f"{graph.num_tasks - state.assigned} tasks never became ready; "
@@ -234,16 +246,17 @@ def link_workers(workers: WorkerCounts, costs: TaskCosts) -> int:
 
 
 class _ListReplay(Replay):
-    """The list schedule as a replay (``sim.simulate.Replay``: its event loop, links and
-    counters) that hands out tasks as workers free up, instead of running fixed queues.
-    Pools are (rank, unit): ``rank * 2 + unit``.  Every event of an instant is processed
-    before the pools it touched are filled (the fill is a ``WAKE`` entry of a task id past
-    the last, so it sorts after every task's entry of its time: no worker sleeps on an
-    event here), so ties resolve by priority, not by heap order."""
+    """The list schedule as a replay (``sim.simulate.Replay``: its event loop, links,
+    counters and ``memory``) that hands out tasks as workers free up, instead of running
+    fixed queues.  Pools are (rank, unit): ``rank * 2 + unit``.  Every event of an instant
+    is processed before the pools it touched are filled (the fill is a ``WAKE`` entry of a
+    task id past the last, so it sorts after every task's entry of its time: no worker
+    sleeps on an event here), so ties resolve by priority, not by heap order.  The tasks
+    a fill hands out start in the order the queue replay starts them (``start_key``)."""
 
     def __init__(self, graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, prio: np.ndarray,
-                 port: np.ndarray):
-        super().__init__(graph, costs, None)
+                 port: np.ndarray, memory: MemorySystem | None = None):
+        super().__init__(graph, costs, memory)
         n, pools = graph.num_tasks, 2 * graph.ep
         self.fill_code = CODES * 2 * n + WAKE  # above every task's code
         self.prio, self.task_of = prio.tolist(), np.argsort(prio).tolist()
@@ -262,9 +275,27 @@ class _ListReplay(Replay):
         self.assigned = 0
         self.touched: set[int] = set(range(pools))
         self.filling = False
+        self.starting: list[tuple[tuple[int, int], int]] = []
+        self._start_order(workers)
         for i in np.flatnonzero(initially_ready(graph)).tolist():
             self.make_ready(i)
         self.fill_at(0.0)
+
+    def _start_order(self, workers: WorkerCounts) -> None:
+        """What orders the starts of one instant in the queue replay: the count of
+        ``fired`` and ``freed`` calls so far when each event fired (``fired_at``) and
+        each worker last fell free (``free_at``); at the start every worker is free, in
+        queue order, and the events of threshold 0 have fired before."""
+        queues = self.graph.ep * workers.per_rank
+        self.calls = 0
+        self.fired_at = [-queues - 1 if t <= 0 else 0 for t in self.threshold]
+        self.free_at = [[self._queue(p, w, workers) - queues for w in range(workers.of(Unit(p % 2)))]
+                        for p in range(2 * self.graph.ep)]
+
+    @staticmethod
+    def _queue(p: int, w: int, workers: WorkerCounts) -> int:
+        """The global queue id of worker ``w`` of pool ``p`` (``Schedule.queue``)."""
+        return p // 2 * workers.per_rank + (w if p % 2 == Unit.MATRIX else workers.matrix + w)
 
     def make_ready(self, i: int) -> None:
         if self.remote[i]:
@@ -278,6 +309,8 @@ class _ListReplay(Replay):
             heapq.heappush(self.heap, (now, self.fill_code))
 
     def fired(self, e: int, now: float) -> None:
+        self.calls += 1
+        self.fired_at[e] = self.calls
         for j in self.waiters[e]:
             self.make_ready(j)
             self.touched.add(self.pool[j])
@@ -285,6 +318,8 @@ class _ListReplay(Replay):
 
     def freed(self, i: int, now: float) -> None:
         p, w = self.pool[i], self.worker[i]
+        self.calls += 1
+        self.free_at[p][w] = self.calls
         linker = p % 2 == Unit.VECTOR and w >= self.first_link
         heapq.heappush(self.link_idle[p] if linker else self.idle[p], w)
         self.touched.add(p)
@@ -295,6 +330,11 @@ class _ListReplay(Replay):
         touched, self.touched, self.filling = self.touched, set(), False
         for p in sorted(touched):
             self.fill(p, now)
+        starting, self.starting = sorted(self.starting), []
+        for _, i in starting:
+            self.seq[i] = self.assigned
+            self.assigned += 1
+            self.launch(i, now)
 
     def fill(self, p: int, now: float) -> None:
         """Give ready tasks of pool ``p`` to its idle workers: link workers take remote
@@ -314,9 +354,17 @@ class _ListReplay(Replay):
             self.assign(i, heapq.heappop(idle), now)
 
     def assign(self, i: int, w: int, now: float) -> None:
-        self.worker[i], self.seq[i] = w, self.assigned
-        self.assigned += 1
-        self.launch(i, now)
+        """Task ``i`` goes to worker ``w``; it starts at the end of the fill (``woken``)."""
+        self.worker[i] = w
+        self.starting.append((self.start_key(i, w), i))
+
+    def start_key(self, i: int, w: int) -> tuple[int, int]:
+        """When the queue replay starts task ``i`` on worker ``w`` within this instant: at
+        the worker's ``freed`` if the task's event had fired by then; else at the event's
+        ``fired``, where the workers asleep on it wake in the order they fell asleep."""
+        free, e = self.free_at[self.pool[i]][w], self.wait[i]
+        fired = self.fired_at[e] if e >= 0 else -(1 << 62)
+        return (free, -1) if fired < free else (fired, free)
 
 
 def _waiters(graph: TaskGraph) -> list[list[int]]:
