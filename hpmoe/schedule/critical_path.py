@@ -16,14 +16,16 @@ Plan of ``critical_path_schedule``:
      The policy is greedy (no worker idles while a task it may run is ready), and the
      tasks that start at one instant start in the order the replay of its queues starts
      them (they look up the L2 in that order), so that replay reproduces its timeline;
-  3. three such list schedules (``PutOrder``): puts in a fixed all-to-all order (what
+  3. four such list schedules (``PutOrder``): puts in a fixed all-to-all order (what
      balanced routing wants: every stage pairs the ranks as a permutation), or by
      priority with each rank's remaining work counted (what skewed routing wants:
      the overloaded rank's data first), or reuse-aware (``reuse_rank``: expert by
      expert, each weight column tile over all of its expert's row blocks back to back,
-     so that overlap does not cost L2 reuse); with the serial and hyperparallel orders of
-     the same graph they are replayed by the simulator and the fastest is kept, so the
-     result is never slower than the serial baseline (list scheduling has anomalies).
+     so that overlap does not cost L2 reuse), or in the order a plan of the link alone
+     takes them (``link_plan``: the busiest ingress ports first, what skewed pair traffic
+     wants); with the serial and hyperparallel orders of the same graph they are
+     replayed by the simulator and the fastest is kept, so the result is never slower
+     than the serial baseline (list scheduling has anomalies).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ..sim.hardware import HardwareModel, LinkDirection
 from ..sim.resources import CODES, WAKE, HostCores, MemorySystem
 from ..sim.simulate import Replay, makespan
 from .hyperparallel import hyperparallel_schedule
+from .link_plan import planned_put_order
 from .serial import serial_schedule
 
 _COMBINE_KINDS = np.array([PUT_DIRECTION.get(k) is LinkDirection.COMBINE for k in TaskKind])
@@ -54,6 +57,7 @@ class PutOrder(enum.Enum):
     STAGES = "stages"  # port_order: dispatch, then combine, peer by peer in stage order
     PRIORITY = "priority"  # bottom level with port and unit backlog: overloaded ranks first
     EXPERT = "expert"  # reuse-aware: expert by expert, a weight tile's row blocks back to back
+    PLANNED = "planned"  # as a plan of the link alone takes them: the busiest ingress ports first
 
 
 @dataclass(frozen=True)
@@ -191,9 +195,14 @@ def priority_rank(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
 
 
 def put_order(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, order: PutOrder) -> np.ndarray:
-    """[n] the order in which ports serve remote puts: ``port_order`` (by rounds with
+    """[n] the order in which ports serve remote puts: the link plan's with
+    ``PutOrder.PLANNED`` (``link_plan``, with the link workers of ``link_workers``, or
+    every vector worker where there are none), else ``port_order`` (by rounds with
     ``PutOrder.PRIORITY``)."""
-    return port_order(graph, rounds=order is PutOrder.PRIORITY)
+    if order is not PutOrder.PLANNED:
+        return port_order(graph, rounds=order is PutOrder.PRIORITY)
+    senders = link_workers(workers, costs) or workers.vector
+    return planned_put_order(graph, costs, put_stage(graph), senders)
 
 
 def reuse_rank(graph: TaskGraph) -> np.ndarray:
