@@ -31,7 +31,7 @@ from hpmoe.sim.cost import task_costs
 from hpmoe.sim.hardware import LinkEntry
 from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.resources import MemorySystem
-from hpmoe.sim.simulate import replay, simulate
+from hpmoe.sim.simulate import makespan, replay, simulate
 from hpmoe.spec import MoESpec, TileSpec, preset
 
 from .handmade import UNIT_HW, US, build, by_hand, gemm, put, vec
@@ -109,9 +109,10 @@ def test_critical_path_keeps_the_fastest_candidate(monkeypatch):
     g = lower_forward(tiny_plan(RoutingKind.BALANCED, ep=2, tokens=16), TileSpec(4, 4, 8))
     hw = hardware_preset("ascend-a3")
     def worse(graph, costs, workers, order, memory=None):
-        return serial_schedule(graph, workers)
+        s = serial_schedule(graph, workers)
+        return s, makespan(s, costs, memory)
 
-    monkeypatch.setattr(cp_module, "list_schedule", worse)
+    monkeypatch.setattr(cp_module, "list_plan", worse)
     cands = {c.name: c.makespan for c in critical_path_candidates(g, hw)}
     assert cands["list-stages"] == cands["list-priority"] == cands["serial"] > cands["hyperparallel"]
     s = schedule(g, SchedulePolicy.CRITICAL_PATH, hw)
@@ -134,9 +135,10 @@ def test_replay_reproduces_the_list_schedule(order, hw_name):
     for memory in (None, MemorySystem.of(g, hw)):
         state = cp_module._ListReplay(g, costs, workers, prio, prio if by_prio else puts, memory)
         state.loop()
-        s = cp_module.list_schedule(g, costs, workers, order, memory)
+        s, span = cp_module.list_plan(g, costs, workers, order, memory)
         verify_schedule(s)
-        assert np.array_equal(replay(s, costs, memory)[1], np.asarray(state.end))
+        end = replay(s, costs, memory)[1]
+        assert np.array_equal(end, np.asarray(state.end)) and span == end.max()
 
 
 def test_the_list_starts_an_instant_s_tasks_as_the_queue_replay_does():

@@ -86,12 +86,18 @@ def critical_path_candidates(graph: TaskGraph, hardware: HardwareModel) -> tuple
     workers = WorkerCounts.from_hardware(hardware)
     costs = task_costs(graph, hardware)
     memory, cores = MemorySystem.of(graph, hardware), HostCores.of(graph, hardware)
-    planned = memory if cores is None else None  # the list replays no host cores
-    made = (*((f"list-{o.value}", list_schedule(graph, costs, workers, o, planned)) for o in PutOrder),
-            ("hyperparallel", hyperparallel_schedule(graph, workers)),
-            ("serial", serial_schedule(graph, workers)))
-    return tuple(Candidate(name=name, schedule=s, makespan=makespan(s, costs, memory, cores))
-                 for name, s in made)
+    listed = []
+    for o in PutOrder:
+        if cores is None:  # the list's own timeline is the replay's (memory included): no second replay
+            s, span = list_plan(graph, costs, workers, o, memory)
+        else:  # the list replays no host cores
+            s = list_plan(graph, costs, workers, o)[0]
+            span = makespan(s, costs, memory, cores)
+        listed.append(Candidate(name=f"list-{o.value}", schedule=s, makespan=span))
+    orders = (("hyperparallel", hyperparallel_schedule(graph, workers)),
+              ("serial", serial_schedule(graph, workers)))
+    return (*listed, *(Candidate(name=name, schedule=s, makespan=makespan(s, costs, memory, cores))
+                       for name, s in orders))
 
 
 # ---------------------------------------------------------------------------- priorities
@@ -226,6 +232,13 @@ def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     """Time-ordered list schedule of every rank (see module plan, step 2), remote puts
     taken in ``order``, with the memory system ``memory`` (None: every task takes its
     ``work``, as a replay without memory)."""
+    return list_plan(graph, costs, workers, order, memory)[0]
+
+
+def list_plan(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts, order: PutOrder = PutOrder.STAGES,
+              memory: MemorySystem | None = None) -> tuple[Schedule, float]:
+    """``list_schedule`` and the makespan (seconds) of its own timeline: the makespan a
+    replay of it with ``memory`` and no host cores gives."""
     puts = put_order(graph, costs, workers, order)
     prio = priority_rank(graph, costs, workers, order, puts)
     port = prio if order in (PutOrder.PRIORITY, PutOrder.EXPERT) else puts
@@ -234,8 +247,9 @@ def list_schedule(graph: TaskGraph, costs: TaskCosts, workers: WorkerCounts,
     if state.assigned != graph.num_tasks:
         raise GraphError(f"{graph.num_tasks - state.assigned} tasks never became ready; "
                          "run hpmoe.ir.verify.verify_graph for the cause")
-    return schedule_from_assignment(graph, SchedulePolicy.CRITICAL_PATH, workers,
-                                    np.asarray(state.worker), np.asarray(state.seq))
+    s = schedule_from_assignment(graph, SchedulePolicy.CRITICAL_PATH, workers, np.asarray(state.worker),
+                                 np.asarray(state.seq))
+    return s, max(state.end, default=0.0)
 
 
 def link_workers(workers: WorkerCounts, costs: TaskCosts) -> int:
