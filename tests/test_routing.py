@@ -13,6 +13,7 @@ from hpmoe.nn.hf import randomize_moe_, spec_from_hf, tiny_deepseek_v3_config, t
 from hpmoe.routing import (
     Routing,
     RoutingKind,
+    all_finite,
     check_routing,
     plan_routing,
     ranks_per_token,
@@ -209,6 +210,22 @@ def test_route_rejects_nan() -> None:
     x[2, 5] = float("nan")
     with pytest.raises(ValueError, match="x has NaN at row 2"):
         route(x, _tiny_weights())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_is_isfinite_all(dtype: torch.dtype) -> None:
+    """The one-pass check against its definition: every position of NaN, +inf and -inf,
+    extreme finite values and the empty tensor."""
+    x = torch.randn(6, 5).to(dtype)
+    assert all_finite(x) and all_finite(x[:0])
+    big = torch.full((3, 3), torch.finfo(dtype).max, dtype=dtype)
+    big[1, 1] = torch.finfo(dtype).min
+    assert all_finite(big)
+    for value in (float("nan"), float("inf"), -float("inf")):
+        for pos in [(0, 0), (3, 2), (5, 4)]:
+            y = x.clone()
+            y[pos] = value
+            assert all_finite(y) == bool(torch.isfinite(y).all()) is False, (value, pos)
 
 
 @pytest.mark.parametrize("bad", [-1, 8])
