@@ -40,12 +40,21 @@ class Auto:
     decisions: DecisionCache = field(default_factory=DecisionCache)
     tuner: Tuner = field(default_factory=Tuner)
     _profile: Any = _UNREAD
+    _knobs: dict = field(default_factory=dict)  # (options, knobs) -> the options that run them
 
     def profile(self) -> HardwareModel | None:
         """The saved cpu profile (None when there is none)."""
         if self._profile is _UNREAD:
             self._profile = saved_profile()
         return self._profile
+
+    def knob_options(self, o: RegionOptions, knobs: Knobs) -> RegionOptions:
+        """``knob_options`` at the saved profile's rates (else nominal ones), made once
+        per (options, knobs): a settled layer's call only looks it up."""
+        made = self._knobs.get((o, knobs))
+        if made is None:
+            made = self._knobs[o, knobs] = knob_options(o, knobs, self.profile() or cpu_nominal())
+        return made
 
 
 PROCESS_AUTO = Auto(PROCESS_DECISIONS)  # callers that keep none: moe_forward, the compile path
@@ -86,7 +95,7 @@ def _choose(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto,
         key = tune_key(o, spec, tokens, torch.is_grad_enabled(), auto, session)
         first = None if auto.tuner.knows(key) else _model_first(o, spec, tokens, auto, session, space)
         trial = auto.tuner.start(key, space, session.collectives, first)
-        return knob_options(o, trial.knobs, auto.profile() or cpu_nominal()), trial
+        return auto.knob_options(o, trial.knobs), trial
     chosen = decision(o, spec, tokens, torch.is_grad_enabled(), auto, session).chosen
     if chosen.path is not Path.TASKFLOW:
         return replace(o, backend=Backend.KERNEL_BY_KERNEL), None
