@@ -491,7 +491,8 @@ class MoE(nn.Module):
         o = self.options
         where = f"ep_group, schedule={o.policy.value}" if o.distributed else f"virtual_ep={o.virtual_ep}"
         family = f"family={self.family.name}, " if self.family else ""
-        return f"{family}spec={self.spec}, {where}, recompute={o.recompute}"
+        backend = f", backend={o.backend.value}" if o.backend is not Backend.EXACT else ""
+        return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute}"
 
 
 def _compute_dtype(x: torch.Tensor, weights_dtype: torch.dtype) -> torch.dtype:
