@@ -20,7 +20,7 @@ from hpmoe.routing import route  # noqa: E402
 from hpmoe.schedule.auto import Path  # noqa: E402
 from hpmoe.schedule.tune import KERNEL_BY_KERNEL_KNOBS, Budget, DeviceSpace, Knobs, Tuning  # noqa: E402
 from hpmoe.schedule.tune_cache import CACHE_ENV  # noqa: E402
-from hpmoe.schedule.tuner import Tuner  # noqa: E402
+from hpmoe.schedule.tuner import Tuner, timed  # noqa: E402
 from hpmoe.spec import DispatchMode, TileSpec, preset  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
 
@@ -59,7 +59,11 @@ def test_auto_times_both_paths_on_real_steps_and_keeps_the_fastest(monkeypatch, 
     # the interpreter is far slower than torch's kernels: the kernel-by-kernel path wins
     assert result.winner == KERNEL_BY_KERNEL_KNOBS and result.runner_up.path is Path.PERSISTENT
     _step(layer, x)
-    assert layer._auto.tuner._open.knobs == KERNEL_BY_KERNEL_KNOBS  # settled
+    settled = layer._auto.tuner._open
+    assert settled.knobs == KERNEL_BY_KERNEL_KNOBS and not settled.tuning  # nothing timed or waited for
+    with timed(settled, torch.device("cpu")):
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    assert settled.seconds == 0.0
     saved = json.loads((tmp_path / "tune.json").read_text())
     assert "one process on cpu" in json.dumps(saved)
 

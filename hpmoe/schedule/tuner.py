@@ -35,19 +35,23 @@ LOG = logging.getLogger("hpmoe.tune")
 
 @dataclass
 class Trial:
-    """One call of a candidate: its number (the same on every rank), key, knobs and
-    the seconds timed into it so far (forward, then backward)."""
+    """One call of a candidate: its number (the same on every rank), key, knobs, the
+    seconds timed into it so far (forward, then backward) and whether it is timed at
+    all (a settled key's calls are not: nothing waits for a device on them)."""
 
     id: int
     key: TuneKey
     knobs: Knobs
     seconds: float = 0.0
+    tuning: bool = True
 
 
 @contextmanager
 def timed(trial: Trial | None, device: torch.device | None = None) -> Iterator[None]:
-    """Add the block's wall seconds to ``trial`` (None: nothing); on a CUDA ``device``
-    the block's kernels are waited for at both ends (they run asynchronously)."""
+    """Add the block's wall seconds to ``trial`` (None or settled: nothing); on a CUDA
+    ``device`` the block's kernels are waited for at both ends (they run asynchronously)."""
+    if trial is not None and not trial.tuning:
+        trial = None
     sync = trial is not None and device is not None and device.type == "cuda"
     if sync:
         torch.cuda.synchronize(device)
@@ -138,7 +142,8 @@ class Tuner:
             self._keys[key] = self._begin(key, space, coll, first)
             self._digest = None
         self._calls += 1
-        self._open = Trial(self._calls, key, self._keys[key].next())
+        tuning = self._keys[key]
+        self._open = Trial(self._calls, key, tuning.next(), tuning=tuning.result is None)
         return self._open
 
     def knows(self, key: TuneKey) -> bool:
