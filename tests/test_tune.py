@@ -105,8 +105,32 @@ def test_single_changes_that_win_are_combined():
     rows = SPACE.knobs(d.policy, d.workers, 256, d.tiles.dispatch)
     rank = SPACE.knobs(d.policy, d.workers, 128, DispatchMode.PER_RANK)
     both = SPACE.knobs(d.policy, d.workers, 256, DispatchMode.PER_RANK)
-    ran = _feed(Tuning(SPACE), _times(1.0, **{rows.name: 0.9, rank.name: 0.8, both.name: 0.6}))
-    assert both in ran and ran[-1] == both
+    tuning = Tuning(SPACE)
+    ran = _feed(tuning, _times(1.0, **{rows.name: 0.9, rank.name: 0.8, both.name: 0.6}))
+    assert both in ran and tuning.result.winner == both
+
+
+def test_the_descent_finds_changes_that_win_only_together():
+    """256-row tiles lose alone and win with per-rank dispatch: the second pass, from the
+    per-rank leader, measures the pair; the descent stops once the leader's neighbours
+    are all measured, within the candidate budget."""
+    d = SPACE.default()
+    rows = SPACE.knobs(d.policy, d.workers, 256, d.tiles.dispatch)
+    rank = SPACE.knobs(d.policy, d.workers, 128, DispatchMode.PER_RANK)
+    both = SPACE.knobs(d.policy, d.workers, 256, DispatchMode.PER_RANK)
+    tuning = Tuning(SPACE, Budget(final=0))
+    ran = _feed(tuning, _times(1.0, **{rows.name: 1.1, rank.name: 0.8, both.name: 0.6}))
+    assert tuning.result.winner == both
+    tried = list(dict.fromkeys(ran))
+    assert set(SPACE.neighbours(both)) <= set(tried) and len(tried) <= Budget().candidates
+    assert set(SPACE.neighbours(rank)) == {both, d, *(SPACE.knobs(p, w, 128, DispatchMode.PER_RANK)
+                                               for p, w in ((SchedulePolicy.CRITICAL_PATH, d.workers),
+                                                            (d.policy, WorkerCounts(1, 2))))}
+
+
+def test_a_leading_default_ends_the_search_after_one_pass():
+    ran = _feed(Tuning(SPACE, Budget(final=0)), _times(1.0, **{SPACE.default().name: 0.5}))
+    assert list(dict.fromkeys(ran)) == SPACE.order()
 
 
 def test_a_model_choice_is_measured_first_and_times_told_alike_give_one_result():

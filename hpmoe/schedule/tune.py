@@ -14,8 +14,9 @@ The tuner (``Tuning``, one per ``TuneKey``) is a pure function of the times it i
 every rank feeds it the same slowest-rank times (the layer's call agreement carries
 them; the bench all-gathers them), so every rank runs the same candidate at the same
 call and commits the same winner whatever its own clock said.  Order: the candidates
-in ``Space.order`` (the model's choice first where there is one), then the combination
-of every knob change that beat the default on its own.  Each candidate gets
+in ``Space.order`` (the model's choice first where there is one: the default, kernel by
+kernel, the default with one knob changed), then, pass by pass, the leading taskflow
+with one more knob changed (a descent that finds changes winning only together).  Each candidate gets
 ``Budget.warmup`` calls not scored, then ``Budget.trials`` scored ones (its score: the
 fastest), in rounds over the candidates, each round in another order (a slow spell of
 the host, or the call before — a neighbour moves a call's time by ~20% either way on
@@ -180,24 +181,23 @@ class Space:
         head = [first] if first is not None else []
         return list(dict.fromkeys([*head, d, KERNEL_BY_KERNEL_KNOBS, *singles]))
 
-    def combine(self, wins: list[Knobs]) -> Knobs | None:
-        """The default with every knob that ``wins`` (single changes) changed; None unless
-        two or more changes combine."""
-        flows = [k for k in wins if k.path is Path.TASKFLOW]
-        if len(flows) < 2:
-            return None
-        base = _parts(self.default())
-        pick = dict(base)
-        for k in flows:
-            pick |= {name: value for name, value in _parts(k).items() if value != base[name]}
-        return self.knobs(**pick)
+    def neighbours(self, k: Knobs) -> list[Knobs]:
+        """The taskflows ``k`` becomes with one knob changed to another value of the
+        space (none for another path)."""
+        if k.path is not Path.TASKFLOW:
+            return []
+        here = _parts(k)
+        values = {"policy": self.policies, "workers": self.workers, "rows": self.rows,
+                  "dispatch": self.dispatch}
+        return [self.knobs(**(here | {name: v}))
+                for name, vs in values.items() for v in vs if v != here[name]]
 
 
 @dataclass(frozen=True)
 class DeviceSpace:
     """One process on a device: the kernel-by-kernel path and the persistent kernel under
     each of ``policies`` (the first: the default).  The tuner's interface of ``Space``;
-    no knob combines with another."""
+    every candidate is in the first pass (no neighbours)."""
 
     policies: tuple[SchedulePolicy, ...] = (SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH)
 
@@ -211,8 +211,8 @@ class DeviceSpace:
         every = self.every()
         return list(dict.fromkeys([*([first] if first else []), self.default(), *every]))
 
-    def combine(self, wins: list[Knobs]) -> Knobs | None:
-        return None
+    def neighbours(self, k: Knobs) -> list[Knobs]:
+        return []
 
 
 def _parts(k: Knobs) -> dict:
@@ -231,7 +231,7 @@ class Budget:
     warmup: int = 1
     trials: int = 3
     slow_factor: float = 2.0
-    candidates: int = 8
+    candidates: int = 12
     final: int = 4
     close: float = 0.2
     race_seconds: float = 0.5
@@ -344,7 +344,7 @@ class Tuning:
     _issued: dict[Knobs, int] = field(default_factory=dict)
     _seen: dict[Knobs, list[float]] = field(default_factory=dict)
     _dropped: set[Knobs] = field(default_factory=set)
-    _combined: bool = False
+    _descended: bool = False
     _final: dict[Knobs, int] = field(default_factory=dict)  # extra scored calls of the two finalists
     _raced: bool = False
     _trace: list[tuple[Knobs, float]] = field(default_factory=list)  # every observation, in order
@@ -393,7 +393,7 @@ class Tuning:
         best = self._best_score()
         if scored and best is not None and scored[-1] > self.budget.slow_factor * best:
             self._dropped.add(knobs)
-        self._maybe_combine()
+        self._maybe_descend()
         self._maybe_race()
         self._extend_race()
         if self._pending() == 0 and self._all_issued():
@@ -429,7 +429,7 @@ class Tuning:
         """Once the search is done, the leader races a challenger (``_challenger``):
         ``Budget.final`` more scored calls each to begin with, alternating, extended by
         ``_extend_race`` (under a noisy host three calls cannot tell 10% apart)."""
-        if self._raced or not self._combined or not self._all_issued() or self._pending():
+        if self._raced or not self._descended or not self._all_issued() or self._pending():
             return
         self._raced = True
         ranked = self._ranked()
@@ -477,19 +477,22 @@ class Tuning:
                 i += 1
         return statistics.median(ratios) if ratios else None
 
-    def _maybe_combine(self) -> None:
-        """Once every single change has its score, queue their combination (the default
-        with every change that beat it), if there is room and it is new."""
-        if self._combined or not self._all_issued() or self._pending():
+    def _maybe_descend(self) -> None:
+        """Once every candidate so far has its time, queue the leading taskflow's
+        neighbours (``Space.neighbours``: one knob changed) not measured yet, while
+        ``Budget.candidates`` leaves room: a descent one knob at a time from the default,
+        which also finds changes that win only together (tiles of 256 rows may lose
+        alone and win with per-rank dispatch).  Done when the leader's neighbours have
+        all been measured."""
+        if self._descended or not self._all_issued() or self._pending():
             return
-        self._combined = True
-        d = self.space.default()
-        base = self._score(d)
-        wins = [k for k in self._order if k != d and base is not None
-                and (s := self._score(k)) is not None and s < base]
-        both = self.space.combine(wins)
-        if both is not None and both not in self._order and len(self._order) < self.budget.candidates:
-            self._order.append(both)
+        leader = next((k for k in self._ranked() if k.path is not Path.KERNEL_BY_KERNEL), None)
+        new = [k for k in self.space.neighbours(leader) if k not in self._order] if leader else []
+        room = self.budget.candidates - len(self._order)
+        if new and room > 0:
+            self._order.extend(new[:room])
+        else:
+            self._descended = True
 
     def _result(self) -> TuneResult:
         ranked = self._ranked()
