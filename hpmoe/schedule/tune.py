@@ -13,10 +13,10 @@ tile.  The bf16 partial sums are not a knob: they trade accuracy, not time alone
 The tuner (``Tuning``, one per ``TuneKey``) is a pure function of the times it is told:
 every rank feeds it the same slowest-rank times (the layer's call agreement carries
 them; the bench all-gathers them), so every rank runs the same candidate at the same
-call and commits the same winner whatever its own clock said.  Order: the candidates
-in ``Space.order`` (the model's choice first where there is one: the default, kernel by
-kernel, the default with one knob changed), then, pass by pass, the leading taskflow
-with one more knob changed (a descent that finds changes winning only together).  Each candidate gets
+call and commits the same winner whatever its own clock said.  Order: ``Space.order``
+(the model's choice where there is one, the default, kernel by kernel, the default with
+one knob changed), then, pass by pass, the leading taskflow with one more knob changed
+(a descent: it finds changes that win only together).  Each candidate gets
 ``Budget.warmup`` calls not scored, then ``Budget.trials`` scored ones (its score: the
 fastest), in rounds over the candidates, each round in another order (a slow spell of
 the host, or the call before — a neighbour moves a call's time by ~20% either way on
