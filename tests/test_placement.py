@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hpmoe.nn.layer import MoE
 from hpmoe.placement import Placement, plan_placement, rank_loads, replicate
-from hpmoe.spec import preset
+from hpmoe.spec import DispatchMode, MoESpec, TileSpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
@@ -154,8 +154,12 @@ def test_a_placement_for_another_layout_is_refused():
         MoE(SPEC, rebalance_every=-1)
 
 
-def _ranks_step(rank, world, rebalance):
-    layer = MoE(SPEC, _hot_weights(), ep_group=dist.group.WORLD, schedule=None)
+PATHS = {"taskflow": {"schedule": None}, "kernel by kernel": {"backend": "kernel_by_kernel"},
+         "per-rank taskflow": {"schedule": None, "tiles": TileSpec(dispatch=DispatchMode.PER_RANK)}}
+
+
+def _ranks_step(rank, world, rebalance, options):
+    layer = MoE(SPEC, _hot_weights(), ep_group=dist.group.WORLD, **options)
     x, dy = _hot_batch(64)
     mine = slice(rank * 32, (rank + 1) * 32)
     _step(layer, x[mine], dy[mine])  # measures the load
@@ -166,9 +170,11 @@ def _ranks_step(rank, world, rebalance):
     return result, placement
 
 
-@pytest.mark.parametrize("rebalance", [False, True])
-def test_ranks_under_a_shared_placement_equal_one_process(rebalance):
-    results = spawn_gloo(_ranks_step, 2, rebalance, timeout=120)
+@pytest.mark.parametrize("rebalance, path", [(False, "taskflow"), *((True, p) for p in PATHS)])
+def test_ranks_under_a_shared_placement_equal_one_process(rebalance, path):
+    """Each rank gathers its own slots only (the others are left unfilled): outputs and
+    gradients still equal one process's on every distributed path."""
+    results = spawn_gloo(_ranks_step, 2, rebalance, PATHS[path], timeout=120)
     x, dy = _hot_batch(64)
     want = _step(MoE(SPEC, _hot_weights()), x, dy)
     placements = [r[1] for r in results]
@@ -176,6 +182,20 @@ def test_ranks_under_a_shared_placement_equal_one_process(rebalance):
     got = (torch.cat([r[0][0] for r in results]), torch.cat([r[0][1] for r in results]),
            {n: sum(r[0][2][n] for r in results) for n in want[2]})  # gradients: all-reduced, as DDP does
     _close(got, want)
+
+
+def test_a_rank_gathers_its_own_slots_and_their_gradients_reach_the_logical_experts():
+    p = Placement((0, 1, 2, 0, 3, 1), experts=4, ranks=2)
+    spec = MoESpec(hidden=5, ffn=3, experts=4, top_k=2, dtype=torch.float32)
+    w13 = torch.randn(4, 6, 5, requires_grad=True)
+    logical = ExpertWeights.routed(spec, w13, torch.randn(4, 5, 3))
+    full, mine = p.physical_weights(logical), p.physical_weights(logical, rank=1)
+    assert mine.w13.shape == full.w13.shape and torch.equal(mine.w13[3:], full.w13[3:])
+    g = torch.zeros(6, 6, 5)
+    g[3:] = torch.randn(3, 6, 5)  # a distributed path's gradient: zero outside its rank's slots
+    (want,) = torch.autograd.grad(full.w13, w13, g)
+    (got,) = torch.autograd.grad(mine.w13, w13, g)
+    assert torch.equal(got, want) and got[0].abs().sum() > 0 and got[2].abs().sum() == 0
 
 
 # ---------------------------------------------------------------------------- commands

@@ -367,7 +367,7 @@ class MoE(nn.Module):
         self._measure_load(ids)
         if self._placement is not None:  # the physical layer: one expert per slot
             ids = self._placement.physical_ids(ids, token_rank, first + tokens)
-            w = self._placement.physical_weights(w)
+            w = self._placement.physical_weights(w, self._own_slots())
         xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
             out = self._run(xp, idp, wp, w)
@@ -420,6 +420,12 @@ class MoE(nn.Module):
             if placement.is_identity:
                 placement = None
         self._placement = placement
+
+    def _own_slots(self) -> int | None:
+        """This rank on an EP group, whose slots alone the region reads; None in one
+        process, or where every agreement checksums the weights (every slot filled)."""
+        s = self.session()
+        return s.rank if s is not None and not s.config.check_weights else None
 
     def expert_load(self) -> np.ndarray:
         """[E] this rank's measured routed rows per expert: an exponential moving average
