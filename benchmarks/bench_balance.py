@@ -1,0 +1,105 @@
+"""What a user's balanced layer gains: training steps (forward + backward) of
+``hpmoe.MoE`` on 2 gloo ranks under skewed routing, the plain layer against the same
+layer after ``layer.rebalance(redundant)`` (its own measured load, its own per-call
+gather of this rank's slots), alternating call by call after a barrier; the slowest
+rank's time per step.  Unlike ``hpmoe bench --balance`` (a physical layer prepared
+once), this is the path ``rebalance`` and ``rebalance_every`` give.
+
+    HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_balance.py \
+        [--preset small] [--tokens 1024] [--routing hot] [--redundant 2] [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from hpmoe.machine import record
+from hpmoe.testing import spawn_gloo
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+
+    from hpmoe import MoE
+    from hpmoe.routing import RoutingKind, synthetic_routing
+    from hpmoe.spec import ParallelSpec, preset
+    from hpmoe.weights import ExpertWeights
+
+    torch.set_num_threads(1)
+    spec = preset(args.preset, torch.float32)
+    par = ParallelSpec(ep=world, tokens_per_rank=args.tokens)
+    r = synthetic_routing(RoutingKind(args.routing), spec, par, seed=0)
+    mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
+    ids, topk = r.ids[mine].contiguous(), r.weights[mine].contiguous()
+    g = torch.Generator().manual_seed(rank)
+    x, dy = (torch.randn(args.tokens, spec.hidden, generator=g) for _ in range(2))
+    w = ExpertWeights.random(spec, seed=0)
+    layers = {"plain": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend),
+              "balanced": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend)}
+
+    def step(name: str) -> tuple[float, torch.Tensor]:
+        layer = layers[name]
+        dist.barrier()
+        t0 = time.perf_counter()
+        xg = x.clone().requires_grad_()
+        out = layer.region(xg, ids, topk.clone().requires_grad_())
+        out.backward(dy)
+        return time.perf_counter() - t0, out.detach()
+
+    for _ in range(3):
+        step("balanced")  # its measured load
+    placement = layers["balanced"].rebalance(args.redundant)
+    for name, layer in layers.items():  # warm-up, and AUTO's tuning to its end
+        for call in range(args.warmup + 200):
+            step(name)
+            settled = args.backend != "exact" or layer.tuned(args.tokens, backward=True) is not None
+            if settled and call + 1 >= args.warmup:
+                break
+    seconds: dict[str, list[float]] = {n: [] for n in layers}
+    outs = {}
+    for i in range(args.iters):
+        for name in (("plain", "balanced") if i % 2 else ("balanced", "plain")):
+            s, outs[name] = step(name)
+            seconds[name].append(s)
+    chosen = {n: (lambda t: t.winner.name if t else args.backend)(layers[n].tuned(args.tokens, backward=True))
+              for n in layers}
+    for layer in layers.values():
+        layer.close()
+    return {"seconds": seconds, "diff": (outs["plain"] - outs["balanced"]).abs().max().item(),
+            "placement": None if placement is None else list(placement.phy2log), "chosen": chosen}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--routing", default="hot")
+    p.add_argument("--redundant", type=int, default=2)
+    p.add_argument("--backend", default="exact", choices=["exact", "kernel_by_kernel"],
+                   help="exact: AUTO's choice, tuned before timing (the default layer)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    record()
+    with tempfile.TemporaryDirectory() as tmp:  # an empty tuning cache: each layer tunes
+        os.environ["HPMOE_TUNE_CACHE"] = f"{tmp}/tune.json"
+        ranks = spawn_gloo(_rank, 2, args, timeout=3600)
+    figures = {}
+    for name in ranks[0]["seconds"]:
+        slowest = [max(t) for t in zip(*(r["seconds"][name] for r in ranks), strict=True)]
+        figures[name] = {"median_ms": statistics.median(slowest) * 1e3, "min_ms": min(slowest) * 1e3}
+    gain = {"median": figures["plain"]["median_ms"] / figures["balanced"]["median_ms"],
+            "fastest": figures["plain"]["min_ms"] / figures["balanced"]["min_ms"]}
+    print(json.dumps({"args": vars(args), "placement": ranks[0]["placement"], "chosen": ranks[0]["chosen"],
+                      "max_abs_diff": max(r["diff"] for r in ranks), "steps": figures, "gain": gain}))
+
+
+if __name__ == "__main__":
+    main()
