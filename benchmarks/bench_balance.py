@@ -6,12 +6,17 @@ rank's time per step.  Unlike ``hpmoe bench --balance`` (a physical layer prepar
 once), this is the path ``rebalance`` and ``rebalance_every`` give.
 
     HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_balance.py \
-        [--preset small] [--tokens 1024] [--routing hot] [--redundant 2] [--iters 30]
+        [--preset small] [--hidden H --ffn F] [--tokens 1024] [--routing hot] \
+        [--redundant 2] [--iters 30] [--backend exact|kernel_by_kernel]
+
+``--hidden``/``--ffn`` scale a preset's width (its routing kept: experts, top-k,
+shared experts), e.g. Mixtral's top-2 of 8 at a quarter of its width on a CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -34,6 +39,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     spec = preset(args.preset, torch.float32)
+    spec = dataclasses.replace(spec, hidden=args.hidden or spec.hidden, ffn=args.ffn or spec.ffn)
     par = ParallelSpec(ep=world, tokens_per_rank=args.tokens)
     r = synthetic_routing(RoutingKind(args.routing), spec, par, seed=0)
     mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
@@ -79,6 +85,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small")
+    p.add_argument("--hidden", type=int, default=0, help="the preset's hidden size (0: as it is)")
+    p.add_argument("--ffn", type=int, default=0, help="the preset's expert FFN size (0: as it is)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--routing", default="hot")
     p.add_argument("--redundant", type=int, default=2)
