@@ -74,8 +74,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         for name in (("plain", "balanced") if i % 2 else ("balanced", "plain")):
             s, outs[name] = step(name)
             seconds[name].append(s)
-    chosen = {n: (lambda t: t.winner.name if t else args.backend)(layers[n].tuned(args.tokens, backward=True))
-              for n in layers}
+    tuned = {n: layer.tuned(args.tokens, backward=True) for n, layer in layers.items()}
+    chosen = {n: t.winner.name if t else args.backend for n, t in tuned.items()}
     for layer in layers.values():
         layer.close()
     return {"seconds": seconds, "diff": (outs["plain"] - outs["balanced"]).abs().max().item(),
