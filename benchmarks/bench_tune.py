@@ -53,6 +53,8 @@ def row(name: str, d: dict) -> dict:
             "sweep_best_ms": best["ms"],
             "sweep_fastest_ms": fastest,
             "vs_best": d["default_over_sweep_best"], "vs_best_fastest": d["default_over_sweep_best_fastest"],
+            "choice_vs_best": d.get("chosen_over_sweep_best"),
+            "choice_vs_best_fastest": d.get("chosen_over_sweep_best_fastest"),
             "vs_kbk": d["kernel_by_kernel_ms"] / d["taskflow_ms"],
             "vs_kbk_fastest": d["kernel_by_kernel_min_ms"] / d["taskflow_min_ms"],
             "vs_serial": d["speedup"], "vs_serial_fastest": d["serial_min_ms"] / d["taskflow_min_ms"],
@@ -62,11 +64,14 @@ def row(name: str, d: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| row | tuned winner | default / sweep best | over kernel by kernel | over serialized | "
-           "tuning steps (s) |", "|---|---|---:|---:|---:|---:|"]
+    out = ["| row | tuned winner | default / sweep best | its choice in the sweep / best "
+           "| over kernel by kernel | over serialized | tuning steps (s) |",
+           "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['row']} | {r['winner']} | {r['vs_best']:.2f} ({r['vs_best_fastest']:.2f}) | "
-                   f"{r['vs_kbk']:.2f}x ({r['vs_kbk_fastest']:.2f}x) | {r['vs_serial']:.2f}x "
+        choice = ("-" if r["choice_vs_best"] is None
+                  else f"{r['choice_vs_best']:.2f} ({r['choice_vs_best_fastest']:.2f})")
+        out.append(f"| {r['row']} | {r['winner']} | {r['vs_best']:.2f} ({r['vs_best_fastest']:.2f}) "
+                   f"| {choice} | {r['vs_kbk']:.2f}x ({r['vs_kbk_fastest']:.2f}x) | {r['vs_serial']:.2f}x "
                    f"({r['vs_serial_fastest']:.2f}x) | {r['tune_steps']} ({r['tune_seconds']:.1f}) |")
     return "\n".join(out)
 

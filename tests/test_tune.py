@@ -376,3 +376,16 @@ def test_a_taskflow_in_the_lead_races_kernel_by_kernel_not_another_taskflow():
         tuning.observe(k, times.get(k, 1.5))
     assert set(tuning._final) == {lead, kbk}
     assert tuning.result.winner == kbk and tuning.result.runner_up == lead
+
+
+def test_the_sweep_fields_set_the_default_and_its_choice_against_the_best():
+    from hpmoe.bench.report import Stats, sweep_fields
+
+    sweep = {"a": Stats(10.0, 9.0, 11.0, 8.0), "b": Stats(12.0, 11.0, 13.0, 7.0)}
+    f = sweep_fields(sweep, Stats(11.0, 10.0, 12.0, 9.0), "b")
+    assert f["sweep_best"] == "a" and f["sweep_best_ms"] == 10.0
+    assert f["default_over_sweep_best"] == round(10 / 11, 3)
+    assert f["default_over_sweep_best_fastest"] == round(7 / 9, 3)
+    assert f["chosen_over_sweep_best"] == round(10 / 12, 3) and f["chosen_over_sweep_best_fastest"] == 1.0
+    assert "chosen_over_sweep_best" not in sweep_fields(sweep, sweep["a"], None)
+    assert sweep_fields({}, sweep["a"], "a") == {}

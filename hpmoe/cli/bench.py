@@ -239,6 +239,9 @@ def summary(doc: dict) -> str:
         lines.append(f"  exhaustive sweep ({len(doc['sweep'])} candidates): best {doc['sweep_best']} "
                      f"{doc['sweep_best_ms']:.3f} ms; default / best {doc['default_over_sweep_best']:.2f} "
                      f"(fastest iterations {doc['default_over_sweep_best_fastest']:.2f})")
+        if "chosen_over_sweep_best" in doc:
+            lines.append(f"  the tuned winner in the sweep / best {doc['chosen_over_sweep_best']:.2f} "
+                         f"(fastest {doc['chosen_over_sweep_best_fastest']:.2f})")
     if doc.get("dtype_auto"):
         lines.append(f"  dtype auto: {doc['dtype_auto']}")
     if doc.get("machine"):
