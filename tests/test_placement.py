@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hpmoe.nn.layer import MoE
 from hpmoe.placement import Placement, plan_placement, rank_loads, replicate
+from hpmoe.runtime.session import RuntimeConfig
 from hpmoe.spec import DispatchMode, MoESpec, TileSpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
@@ -155,7 +156,8 @@ def test_a_placement_for_another_layout_is_refused():
 
 
 PATHS = {"taskflow": {"schedule": None}, "kernel by kernel": {"backend": "kernel_by_kernel"},
-         "per-rank taskflow": {"schedule": None, "tiles": TileSpec(dispatch=DispatchMode.PER_RANK)}}
+         "per-rank taskflow": {"schedule": None, "tiles": TileSpec(dispatch=DispatchMode.PER_RANK)},
+         "taskflow, weights checksummed": {"schedule": None, "runtime": RuntimeConfig(check_weights=True)}}
 
 
 def _ranks_step(rank, world, rebalance, options):
@@ -172,8 +174,9 @@ def _ranks_step(rank, world, rebalance, options):
 
 @pytest.mark.parametrize("rebalance, path", [(False, "taskflow"), *((True, p) for p in PATHS)])
 def test_ranks_under_a_shared_placement_equal_one_process(rebalance, path):
-    """Each rank gathers its own slots only (the others are left unfilled): outputs and
-    gradients still equal one process's on every distributed path."""
+    """Each rank gathers its own slots only (the others are left unfilled; every slot
+    where the agreement checksums the weights): outputs and gradients still equal one
+    process's on every distributed path."""
     results = spawn_gloo(_ranks_step, 2, rebalance, PATHS[path], timeout=120)
     x, dy = _hot_batch(64)
     want = _step(MoE(SPEC, _hot_weights()), x, dy)
