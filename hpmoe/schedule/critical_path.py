@@ -37,18 +37,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..ir.analysis import GraphError, bottom_levels, initially_ready
-from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
+from ..ir.graph import IS_PUT, TaskGraph, Unit
 from ..ir.schedule import Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from ..ir.schedule_verify import require_all_ranks
-from ..sim.cost import PUT_DIRECTION, TaskCosts, task_costs
-from ..sim.hardware import HardwareModel, LinkDirection
+from ..sim.cost import COMBINE_KINDS, TaskCosts, task_costs
+from ..sim.hardware import HardwareModel
 from ..sim.resources import CODES, WAKE, HostCores, MemorySystem
 from ..sim.simulate import Replay, makespan
 from .hyperparallel import hyperparallel_schedule
-from .link_plan import planned_put_order
+from .link_plan import index_in_group, planned_put_order
 from .serial import serial_schedule
-
-_COMBINE_KINDS = np.array([PUT_DIRECTION.get(k) is LinkDirection.COMBINE for k in TaskKind])
 
 
 class PutOrder(enum.Enum):
@@ -107,24 +105,17 @@ def put_stage(graph: TaskGraph) -> np.ndarray:
     mod EP, combine-like in order (rank - peer) mod EP, so that a rank returns results
     first to the peer whose data reached it first; 0 for other tasks."""
     ahead = (graph.peer - graph.rank) % graph.ep
-    stage = np.where(_COMBINE_KINDS[graph.kind], (-ahead) % graph.ep, ahead)
+    stage = np.where(COMBINE_KINDS[graph.kind], (-ahead) % graph.ep, ahead)
     return np.where(IS_PUT[graph.kind], stage, 0).astype(np.int64)
 
 
 def put_round(graph: TaskGraph) -> np.ndarray:
     """[n] index of each put among the puts of the same direction from its rank to its
     peer (in task-id order); 0 for other tasks."""
-    n = graph.num_tasks
-    key = (graph.rank.astype(np.int64) * graph.ep + graph.peer) * 2 + _COMBINE_KINDS[graph.kind]
-    key = np.where(IS_PUT[graph.kind], key, -1)
-    order = np.lexsort((np.arange(n), key))
-    k = key[order]
-    first = np.ones(n, bool)
-    first[1:] = k[1:] != k[:-1]
-    idx = np.arange(n)
-    rnd = np.empty(n, np.int64)
-    rnd[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
-    return np.where(IS_PUT[graph.kind], rnd, 0)
+    put = IS_PUT[graph.kind]
+    pair = (graph.rank.astype(np.int64) * graph.ep + graph.peer) * 2 + COMBINE_KINDS[graph.kind]
+    key = np.where(put, pair, -1)
+    return np.where(put, index_in_group(key), 0)
 
 
 def port_order(graph: TaskGraph, rounds: bool) -> np.ndarray:
@@ -136,7 +127,7 @@ def port_order(graph: TaskGraph, rounds: bool) -> np.ndarray:
     for one busy peer while others are free (skewed routing)."""
     n = graph.num_tasks
     rnd = put_round(graph) if rounds else np.zeros(n, np.int64)
-    order = np.lexsort((np.arange(n), put_stage(graph), rnd, _COMBINE_KINDS[graph.kind]))
+    order = np.lexsort((np.arange(n), put_stage(graph), rnd, COMBINE_KINDS[graph.kind]))
     position = np.empty(n, np.int64)
     position[order] = np.arange(n)
     return position

@@ -25,12 +25,21 @@ import heapq
 import numpy as np
 
 from ..ir.analysis import top_levels
-from ..ir.graph import TaskGraph, TaskKind
-from ..sim.cost import PUT_DIRECTION, TaskCosts
-from ..sim.hardware import LinkDirection
+from ..ir.graph import TaskGraph
+from ..sim.cost import COMBINE_KINDS, TaskCosts
 from ..sim.resources import CODES, END, ISSUE, LINK_DONE, WAKE, LinkPorts
 
-_COMBINE = np.array([PUT_DIRECTION.get(k) is LinkDirection.COMBINE for k in TaskKind])
+
+def index_in_group(key: np.ndarray) -> np.ndarray:
+    """[n] the index of each entry among the entries with its ``key``, in position order."""
+    n = len(key)
+    order = np.lexsort((np.arange(n), key))
+    k = key[order]
+    first = np.ones(n, bool)
+    first[1:] = k[1:] != k[:-1]
+    index = np.empty(n, np.int64)
+    index[order] = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    return index
 
 
 def mirror_puts(graph: TaskGraph, remote: np.ndarray) -> np.ndarray:
@@ -38,16 +47,11 @@ def mirror_puts(graph: TaskGraph, remote: np.ndarray) -> np.ndarray:
     put from s to d with the same index among its pair's puts (task-id order): the put
     whose rows it returns; -1 for every other task and where no such put exists."""
     n, ep = graph.num_tasks, graph.ep
-    combine = _COMBINE[graph.kind]
+    combine = COMBINE_KINDS[graph.kind]
     src = np.where(combine, graph.peer, graph.rank).astype(np.int64)
     dst = np.where(combine, graph.rank, graph.peer).astype(np.int64)
     key = np.where(remote, (src * ep + dst) * 2 + combine, -1)
-    order = np.lexsort((np.arange(n), key))
-    k = key[order]
-    first = np.ones(n, bool)
-    first[1:] = k[1:] != k[:-1]
-    index = np.empty(n, np.int64)
-    index[order] = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    index = index_in_group(key)
     sent = {(int(key[i]) // 2, int(index[i])): i for i in np.flatnonzero(remote & ~combine)}
     mirror = np.full(n, -1, np.int64)
     for i in np.flatnonzero(remote & combine):
@@ -82,7 +86,7 @@ class _LinkPlan:
         self.lanes = [costs.lanes[0]] * ep + [costs.lanes[1]] * ep
         self.rank, self.work = graph.rank.tolist(), costs.work.tolist()
         self.transfer = costs.transfer.tolist()
-        self.combine = _COMBINE[graph.kind].tolist()
+        self.combine = COMBINE_KINDS[graph.kind].tolist()
         self.key = list(zip(stage.tolist(), range(graph.num_tasks), strict=True))
         self.left = np.bincount(graph.peer[remote] + ep * tier[remote], weights=costs.transfer[remote],
                                 minlength=2 * ep).tolist()

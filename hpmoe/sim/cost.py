@@ -48,6 +48,7 @@ PUT_DIRECTION = {TaskKind.DISPATCH: LinkDirection.DISPATCH,
                  TaskKind.HOP_COMBINE: LinkDirection.COMBINE,
                  TaskKind.ROUTER_COMBINE: LinkDirection.COMBINE,
                  TaskKind.HOP_ROUTER_COMBINE: LinkDirection.COMBINE}
+COMBINE_KINDS = np.array([PUT_DIRECTION.get(k) is LinkDirection.COMBINE for k in TaskKind])  # [kinds] bool
 
 
 @dataclass(frozen=True)
