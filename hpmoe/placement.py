@@ -124,7 +124,7 @@ class Placement:
         distributed path reads its own rank's slots alone, and the copy is 1/ranks of
         the whole."""
         index = torch.tensor(self.phy2log, device=w.w13.device)
-        if rank is None:
+        if rank is None:  # every slot: autograd's own gather (torch.compile traces it)
             def gather(t: torch.Tensor) -> torch.Tensor:
                 return t.index_select(0, index)
         else:

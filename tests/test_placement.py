@@ -192,13 +192,17 @@ def test_a_rank_gathers_its_own_slots_and_their_gradients_reach_the_logical_expe
     spec = MoESpec(hidden=5, ffn=3, experts=4, top_k=2, dtype=torch.float32)
     w13 = torch.randn(4, 6, 5, requires_grad=True)
     logical = ExpertWeights.routed(spec, w13, torch.randn(4, 5, 3))
+    reference = w13.index_select(0, torch.tensor(p.phy2log))  # every slot, autograd's own gather
     full, mine = p.physical_weights(logical), p.physical_weights(logical, rank=1)
-    assert mine.w13.shape == full.w13.shape and torch.equal(mine.w13[3:], full.w13[3:])
+    assert torch.equal(full.w13, reference)
+    assert mine.w13.shape == reference.shape and torch.equal(mine.w13[3:], reference[3:])
     g = torch.zeros(6, 6, 5)
     g[3:] = torch.randn(3, 6, 5)  # a distributed path's gradient: zero outside its rank's slots
-    (want,) = torch.autograd.grad(full.w13, w13, g)
+    (want,) = torch.autograd.grad(reference, w13, g)
     (got,) = torch.autograd.grad(mine.w13, w13, g)
-    assert torch.equal(got, want) and got[0].abs().sum() > 0 and got[2].abs().sum() == 0
+    (every,) = torch.autograd.grad(full.w13, w13, g)
+    assert torch.equal(got, want) and torch.equal(every, want)
+    assert got[0].abs().sum() > 0 and got[2].abs().sum() == 0
 
 
 # ---------------------------------------------------------------------------- commands
