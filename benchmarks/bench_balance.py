@@ -2,12 +2,14 @@
 ``hpmoe.MoE`` on 2 gloo ranks under skewed routing, the plain layer against the same
 layer after ``layer.rebalance(redundant)`` (its own measured load, its own per-call
 gather of this rank's slots), alternating call by call after a barrier; the slowest
-rank's time per step.  Unlike ``hpmoe bench --balance`` (a physical layer prepared
-once), this is the path ``rebalance`` and ``rebalance_every`` give.
+rank's time per step.  This is the path ``rebalance`` and ``rebalance_every`` give; a
+third layer, ``prepared``, is the same placement as a physical layer built once (what
+``hpmoe bench --balance`` times), so the difference is the balanced layer's per-call
+gather.
 
     HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_balance.py \
         [--preset small] [--hidden H --ffn F] [--tokens 1024] [--routing hot] \
-        [--redundant 2] [--iters 30] [--backend exact|kernel_by_kernel]
+        [--redundant 2] [--iters 30] [--backend exact|kernel_by_kernel] [--forward-only]
 
 ``--hidden``/``--ffn`` scale a preset's width (its routing kept: experts, top-k,
 shared experts), e.g. Mixtral's top-2 of 8 at a quarter of its width on a CPU.
@@ -25,6 +27,7 @@ import time
 
 import torch
 
+from hpmoe.bench.order import iteration_order
 from hpmoe.machine import record
 from hpmoe.testing import spawn_gloo
 
@@ -49,36 +52,45 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     w = ExpertWeights.random(spec, seed=0)
     layers = {"plain": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend),
               "balanced": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend)}
+    routed = dict.fromkeys(layers, ids)
+    backward = not args.forward_only
 
     def step(name: str) -> tuple[float, torch.Tensor]:
         layer = layers[name]
         dist.barrier()
         t0 = time.perf_counter()
-        xg = x.clone().requires_grad_()
-        out = layer.region(xg, ids, topk.clone().requires_grad_())
-        out.backward(dy)
+        with torch.set_grad_enabled(backward):
+            xg = x.clone().requires_grad_(backward)
+            out = layer.region(xg, routed[name], topk.clone().requires_grad_(backward))
+            if backward:
+                out.backward(dy)
         return time.perf_counter() - t0, out.detach()
 
     for _ in range(3):
         step("balanced")  # its measured load
     placement = layers["balanced"].rebalance(args.redundant)
+    if placement is not None:  # the same placement as a physical layer built once (``bench --balance``)
+        tokens = torch.arange(args.tokens) + rank * args.tokens
+        routed["prepared"] = placement.physical_ids(ids, torch.full_like(tokens, rank), tokens)
+        pw = placement.physical_weights(w)
+        layers["prepared"] = MoE(pw.spec, pw, ep_group=dist.group.WORLD, backend=args.backend)
     for name, layer in layers.items():  # warm-up, and AUTO's tuning to its end
         for call in range(args.warmup + 200):
             step(name)
-            settled = args.backend != "exact" or layer.tuned(args.tokens, backward=True) is not None
+            settled = args.backend != "exact" or layer.tuned(args.tokens, backward=backward) is not None
             if settled and call + 1 >= args.warmup:
                 break
     seconds: dict[str, list[float]] = {n: [] for n in layers}
     outs = {}
     for i in range(args.iters):
-        for name in (("plain", "balanced") if i % 2 else ("balanced", "plain")):
+        for name in iteration_order(list(layers), i):
             s, outs[name] = step(name)
             seconds[name].append(s)
-    tuned = {n: layer.tuned(args.tokens, backward=True) for n, layer in layers.items()}
+    tuned = {n: layer.tuned(args.tokens, backward=backward) for n, layer in layers.items()}
     chosen = {n: t.winner.name if t else args.backend for n, t in tuned.items()}
     for layer in layers.values():
         layer.close()
-    return {"seconds": seconds, "diff": (outs["plain"] - outs["balanced"]).abs().max().item(),
+    return {"seconds": seconds, "diff": max((outs["plain"] - o).abs().max().item() for o in outs.values()),
             "placement": None if placement is None else list(placement.phy2log), "chosen": chosen}
 
 
@@ -92,6 +104,8 @@ def main() -> None:
     p.add_argument("--redundant", type=int, default=2)
     p.add_argument("--backend", default="exact", choices=["exact", "kernel_by_kernel"],
                    help="exact: AUTO's choice, tuned before timing (the default layer)")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time forward calls (no_grad), not training steps")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
