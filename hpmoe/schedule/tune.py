@@ -20,8 +20,9 @@ one knob changed), then, pass by pass, the leading taskflow with one more knob c
 ``Budget.warmup`` calls not scored, then ``Budget.trials`` scored ones (its score: the
 fastest), in rounds over the candidates, each round in another order (a slow spell of
 the host, or the call before — a neighbour moves a call's time by ~20% either way on
-the development machine — favours or burdens none); one scored call slower than
-``Budget.slow_factor`` times the best score so far drops it.  Then the fastest races a
+the development machine — favours or burdens none); a candidate whose score after two
+scored calls is over ``Budget.slow_factor`` times the best score so far is dropped (one
+call cannot drop it: a host spike once dropped the fastest path).  Then the fastest races a
 challenger within ``Budget.close`` of it — kernel by kernel when a taskflow leads (a
 taskflow replaces the floor only when paired calls say it is faster), else the
 runner-up — for at least ``Budget.final`` more scored calls each, alternating, until
@@ -219,10 +220,14 @@ def _parts(k: Knobs) -> dict:
     return {"policy": k.policy, "workers": k.workers, "rows": k.tiles.rows, "dispatch": k.tiles.dispatch}
 
 
+SLOW_CALLS = 2  # scored calls before a slow score drops a candidate
+
+
 @dataclass(frozen=True)
 class Budget:
-    """Calls per candidate: ``warmup`` unscored then ``trials`` scored; a scored call over
-    ``slow_factor`` x the best score so far drops the candidate; at most ``candidates``
+    """Calls per candidate: ``warmup`` unscored then ``trials`` scored; a score (the fastest
+    scored call) over ``slow_factor`` x the best score so far, after ``SLOW_CALLS`` scored
+    calls, drops the candidate; at most ``candidates``
     candidates per key; then, when the runner-up's score is within ``close`` (a fraction)
     of the winner's, at least ``final`` more scored calls of each, more while either has
     run less than ``race_seconds`` in the race, at most ``final_max``.  Worst case per
@@ -390,8 +395,8 @@ class Tuning:
         seen = self._seen.setdefault(knobs, [])
         seen.append(seconds)
         scored = seen[self.budget.warmup:]
-        best = self._best_score()
-        if scored and best is not None and scored[-1] > self.budget.slow_factor * best:
+        judged = len(scored) >= min(SLOW_CALLS, self.budget.trials)
+        if judged and min(scored) > self.budget.slow_factor * self._best_score():
             self._dropped.add(knobs)
         self._maybe_descend()
         self._maybe_race()
