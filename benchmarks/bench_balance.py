@@ -29,6 +29,7 @@ import torch
 
 from hpmoe.bench.order import iteration_order
 from hpmoe.machine import record
+from hpmoe.routing import RoutingKind
 from hpmoe.testing import spawn_gloo
 
 
@@ -36,7 +37,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from hpmoe import MoE
-    from hpmoe.routing import RoutingKind, synthetic_routing
+    from hpmoe.routing import synthetic_routing
     from hpmoe.spec import ParallelSpec, preset
     from hpmoe.weights import ExpertWeights
 
@@ -100,7 +101,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=0, help="the preset's hidden size (0: as it is)")
     p.add_argument("--ffn", type=int, default=0, help="the preset's expert FFN size (0: as it is)")
     p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--routing", default="hot")
+    p.add_argument("--routing", default="hot", choices=[k.value for k in RoutingKind])
     p.add_argument("--redundant", type=int, default=2)
     p.add_argument("--backend", default="exact", choices=["exact", "kernel_by_kernel"],
                    help="exact: AUTO's choice, tuned before timing (the default layer)")
