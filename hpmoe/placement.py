@@ -5,9 +5,11 @@ load per replica, then balanced packing; hierarchical over nodes).
 
 A ``Placement`` turns a logical layer into a physical one that every stage reads
 unchanged: ``physical_spec`` (``experts`` = slots), ``physical_ids`` (each (token,
-expert) pair mapped to one replica) and ``physical_weights`` (each slot's weights are
-its logical expert's, gathered differentiably, so autograd sums the replicas' gradients
-into the logical expert's; on an EP group a rank gathers its own slots only).  Rank
+expert) pair mapped to one replica) and ``slot_weights`` (each slot reads its logical
+expert's weights in place, and a path's gradients of a slot land on its logical
+expert's rows, replicas summed), or, for paths that read no slot rows,
+``physical_weights`` (the same gathered differentiably, so autograd sums the replicas'
+gradients into the logical expert's; on an EP group a rank gathers its own slots only).  Rank
 ``r`` holds slots ``[r * S, (r + 1) * S)``, as it holds experts without a placement.
 The identity placement is today's layout.
 
@@ -117,43 +119,21 @@ class Placement:
                 choices[e, r, :len(c)], counts[e, r] = c, len(c)
         return choices, counts
 
+    def slot_weights(self, w: ExpertWeights) -> ExpertWeights:
+        """The region's weights, each slot reading its logical expert's row in place
+        (``ExpertWeights.slot_rows``: nothing copied; a path's gradient of a row is its
+        logical expert's); the router is done with (``ExpertWeights.routed``)."""
+        return ExpertWeights.routed(self.physical_spec(w.spec), w.w13, w.w2, w.shared_w13, w.shared_w2,
+                                    *w.biases, slot_rows=self.phy2log)
+
     def physical_weights(self, w: ExpertWeights, rank: int | None = None) -> ExpertWeights:
-        """The region's weights: each slot's are its logical expert's (a differentiable
-        gather); the router is done with (``ExpertWeights.routed``).  With ``rank``,
-        only that rank's slots are gathered and the others are left unfilled: a
+        """The region's weights with each slot's copied from its logical expert's (a
+        differentiable gather, for paths that do not read slot rows in place).  With
+        ``rank``, only that rank's slots are gathered and the others are left unfilled: a
         distributed path reads its own rank's slots alone, and the copy is 1/ranks of
         the whole."""
-        index = torch.tensor(self.phy2log, device=w.w13.device)
-        if rank is None:  # every slot: autograd's own gather (torch.compile traces it)
-            def gather(t: torch.Tensor) -> torch.Tensor:
-                return t.index_select(0, index)
-        else:
-            first = rank * self.slots_per_rank
-            mine = index[first:first + self.slots_per_rank]
-
-            def gather(t: torch.Tensor) -> torch.Tensor:
-                return _SlotGather.apply(t, mine, first, self.slots)
-        return ExpertWeights.routed(self.physical_spec(w.spec), gather(w.w13), gather(w.w2), w.shared_w13,
-                                    w.shared_w2, *(gather(b) for b in w.biases))
-
-
-class _SlotGather(torch.autograd.Function):
-    """[slots, ...] whose rows ``first + i`` are ``t[index[i]]`` (the rest unfilled);
-    backward: the gradient of those rows summed into ``t``'s (the other rows' gradient
-    is zero: no path reads them)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, index: torch.Tensor, first: int, slots: int) -> torch.Tensor:
-        ctx.index, ctx.first, ctx.rows = index, first, t.shape[0]
-        out = t.new_empty((slots, *t.shape[1:]))
-        torch.index_select(t, 0, index, out=out[first:first + index.numel()])
-        return out
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        n = ctx.index.numel()
-        grad = g.new_zeros((ctx.rows, *g.shape[1:]))
-        return grad.index_add_(0, ctx.index, g[ctx.first:ctx.first + n]), None, None, None
+        mine = None if rank is None else slice(rank * self.slots_per_rank, (rank + 1) * self.slots_per_rank)
+        return self.slot_weights(w).gathered(mine)
 
 
 # ---------------------------------------------------------------------------- planner

@@ -113,10 +113,15 @@ def _close(a, b):
         torch.testing.assert_close(a[2][name], b[2][name], **TOL, msg=name)
 
 
-def test_a_replicated_layer_computes_what_the_plain_layer_does():
+ONE_PROCESS = {"taskflow": {"schedule": None},  # slots gathered
+               "kernel by kernel": {"backend": "kernel_by_kernel"}}  # read in place, replicas on one rank
+
+
+@pytest.mark.parametrize("path", ONE_PROCESS)
+def test_a_replicated_layer_computes_what_the_plain_layer_does(path):
     x, dy = _hot_batch(64)
-    plain = MoE(SPEC, _hot_weights(), virtual_ep=2)
-    placed = MoE(SPEC, _hot_weights(), virtual_ep=2)
+    plain = MoE(SPEC, _hot_weights(), virtual_ep=2, **ONE_PROCESS[path])
+    placed = MoE(SPEC, _hot_weights(), virtual_ep=2, **ONE_PROCESS[path])
     want = _step(plain, x, dy)
     _close(_step(placed, x, dy), want)  # its first call measures the load
     assert placed.expert_load()[0] == placed.expert_load().max() > 0
@@ -138,13 +143,31 @@ def _adam(layer, rebalance_at, steps=5):
     return {n: p.detach().clone() for n, p in layer.named_parameters()}
 
 
-def test_five_adam_steps_with_a_rebalance_in_the_middle_equal_five_without():
-    want = _adam(MoE(SPEC, _hot_weights(), virtual_ep=2), rebalance_at=None)
-    moved = MoE(SPEC, _hot_weights(), virtual_ep=2)
+@pytest.mark.parametrize("path", ONE_PROCESS)
+def test_five_adam_steps_with_a_rebalance_in_the_middle_equal_five_without(path):
+    want = _adam(MoE(SPEC, _hot_weights(), virtual_ep=2, **ONE_PROCESS[path]), rebalance_at=None)
+    moved = MoE(SPEC, _hot_weights(), virtual_ep=2, **ONE_PROCESS[path])
     got = _adam(moved, rebalance_at=2)
     assert moved.placement is not None
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("path, copies", [("taskflow", True), ("kernel by kernel", False)])
+def test_kernel_by_kernel_reads_the_slots_in_place(monkeypatch, path, copies):
+    """The kernel-by-kernel path reads each slot's logical expert where it is stored and
+    writes its gradient there: no copy of the weights, no slot-sized gradient."""
+    layer = MoE(SPEC, _hot_weights(), virtual_ep=2, **ONE_PROCESS[path])
+    x, dy = _hot_batch(64)
+    _step(layer, x, dy)
+    layer.rebalance(redundant=2)
+    slots = layer.placement.slot_weights(layer.expert_weights())
+    assert slots.w13 is layer.experts.gate_up_proj and slots.slot_rows == layer.placement.phy2log
+    gathers = []
+    real = ExpertWeights.gathered
+    monkeypatch.setattr(ExpertWeights, "gathered", lambda w, *a: gathers.append(w.slot_rows) or real(w, *a))
+    _step(layer, x, dy)
+    assert (layer.placement.phy2log in gathers) == copies
 
 
 def test_a_placement_for_another_layout_is_refused():

@@ -19,7 +19,7 @@ the kernel-by-kernel one here)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -47,7 +47,11 @@ class PathState(Protocol):
 
 
 class RegionPath(Protocol):
-    """One way to run the region."""
+    """One way to run the region.  ``reads_slots``: its forward takes weights whose
+    experts read rows in place (``ExpertWeights.slot_rows``); the others are given
+    gathered ones."""
+
+    reads_slots: ClassVar[bool]
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, PathState | None]: ...
@@ -98,6 +102,8 @@ class ExactPath:
     """``ep`` virtual ranks in one process; ``order``: None (task-id order), a seed of a
     random valid order, or task ids (every order gives the same bits)."""
 
+    reads_slots: ClassVar[bool] = False
+
     ep: int
     tiles: TileSpec
     order: Order = None
@@ -123,6 +129,8 @@ class RuntimePath:
     """This rank's part of the taskflow on the runtime of ``session``, scheduled by
     ``policy`` on ``hardware``'s workers.  Expert gradients are full-size [E, ...] with
     this rank's experts filled in and zeros elsewhere."""
+
+    reads_slots: ClassVar[bool] = False
 
     session: Session
     tiles: TileSpec
@@ -171,6 +179,8 @@ class TritonState:
 class TritonPath:
     """One persistent Triton kernel per region on the input's device (``hpmoe.gpu``)."""
 
+    reads_slots: ClassVar[bool] = False
+
     ep: int
     tiles: TileSpec
     policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
@@ -195,6 +205,8 @@ class TritonPath:
 class KernelByKernelPath:
     """The region without tiles (``exec.kernel_by_kernel``): in one process, or over the
     EP group of ``session`` (its deadline-bounded collectives); scratch from ``pool``."""
+
+    reads_slots: ClassVar[bool] = True
 
     session: Session | None = None
     tiles: TileSpec | None = None  # fingerprinted in the backward's agreement
@@ -230,6 +242,7 @@ class RegionCall:
     path: RegionPath
     grad: bool = True
     trial: Trial | None = None
+    slot_rows: tuple[int, ...] | None = None
 
 
 class RegionFunction(torch.autograd.Function):
@@ -243,7 +256,8 @@ class RegionFunction(torch.autograd.Function):
         *weight_tensors, call = tensors
         # detached: the runtime's worker threads run with grad mode on (it is per thread)
         x, topk_weights = x.detach(), topk_weights.detach()
-        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors))
+        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors),
+                                       slot_rows=call.slot_rows)
         save = call.grad and any(ctx.needs_input_grad[:-1])
         out, state = call.path.forward(x, Routing(call.ids, topk_weights), weights, save)
         if state is not None:
@@ -265,9 +279,10 @@ class RegionFunction(torch.autograd.Function):
 def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
         trial: Trial | None = None) -> torch.Tensor:
     """The region on ``path`` as one autograd node (gradients flow to x, the routing
-    weights and every expert tensor); a tuning ``trial`` is timed forward and backward."""
-    w = weights
-    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial)
+    weights and every expert tensor); a tuning ``trial`` is timed forward and backward.
+    Weights whose experts read slot rows are gathered first for a path that reads none."""
+    w = weights if path.reads_slots else weights.gathered()
+    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows)
     with timed(trial, x.device):
         return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
                                     call)

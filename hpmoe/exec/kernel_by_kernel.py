@@ -73,11 +73,13 @@ def segments(counts: list[int]) -> Segments:
 
 @dataclass(frozen=True)
 class Experts:
-    """The experts one GEMM loop runs: w13 [E, 2F, H], w2 [E, H, F], their gated
-    activation, and biases b13 [E, 2F] / b2 [E, H] or None."""
+    """The experts one GEMM loop runs: expert e reads row ``rows[e]`` of w13 [R, 2F, H],
+    w2 [R, H, F] (and of biases b13 [R, 2F] / b2 [R, H] or None) in place, and its
+    gradients go to the same rows (replicas of one row summed); their gated activation."""
 
     w13: torch.Tensor
     w2: torch.Tensor
+    rows: tuple[int, ...]
     activation: Activation
     glu: GluForm = PLAIN_GLU
     b13: torch.Tensor | None = None
@@ -86,12 +88,29 @@ class Experts:
     @staticmethod
     def routed(weights: ExpertWeights, mine: slice) -> Experts:
         spec = weights.spec
-        return Experts(weights.w13[mine], weights.w2[mine], spec.activation, spec.glu,
-                       *(b[mine] for b in weights.biases))
+        return Experts(weights.w13, weights.w2, weights.rows_of(mine), spec.activation, spec.glu,
+                       *weights.biases)
 
     @staticmethod
     def shared(weights: ExpertWeights) -> Experts:
-        return Experts(weights.shared_w13[None], weights.shared_w2[None], weights.spec.activation)
+        return Experts(weights.shared_w13[None], weights.shared_w2[None], (0,), weights.spec.activation)
+
+    def stacked(self, t: torch.Tensor) -> torch.Tensor:
+        """[len(rows), ...] the rows of ``t`` these experts read (a view where they are
+        consecutive, else a copy): a grouped GEMM's weights."""
+        lo = self.rows[0]
+        if self.rows == tuple(range(lo, lo + len(self.rows))):
+            return t[lo:lo + len(self.rows)]
+        return t.index_select(0, torch.tensor(self.rows, device=t.device))
+
+    def put(self, g: torch.Tensor, local: torch.Tensor) -> None:
+        """Write local [len(rows), ...] gradients into their rows of ``g`` (replicas summed)."""
+        lo = self.rows[0]
+        if self.rows == tuple(range(lo, lo + len(self.rows))):
+            g[lo:lo + len(self.rows)] = local
+        else:
+            index = torch.tensor(self.rows, device=g.device)
+            g.index_fill_(0, index, 0).index_add_(0, index, local)
 
 
 class GemmPath(enum.Enum):
@@ -143,27 +162,28 @@ def experts_forward(xs: torch.Tensor, segs: Segments, ex: Experts, keep: Arena, 
     m, f, dtype = xs.shape[0], ex.w2.shape[2], xs.dtype
     a = keep.take(tag + "a", (m, f), dtype)
     if _grouped(path, xs, ex):
-        offs = expert_offsets(segs, ex.w13.shape[0], xs.device)
-        h = _GROUPED_MM(xs, ex.w13.transpose(1, 2), offs=offs)
+        offs = expert_offsets(segs, len(ex.rows), xs.device)
+        h = _GROUPED_MM(xs, ex.stacked(ex.w13).transpose(1, 2), offs=offs)
         glu(h, a, ex.activation, ex.glu)
-        return h, a, _GROUPED_MM(a, ex.w2.transpose(1, 2), offs=offs)
+        return h, a, _GROUPED_MM(a, ex.stacked(ex.w2).transpose(1, 2), offs=offs)
     h = keep.take(tag + "h", (m, 2 * f), dtype)
     y = keep.take(tag + "y", (m, ex.w2.shape[1]), dtype)
     for e, s, t in segs:
-        gemm_bias(xs[s:t], ex.w13[e], None if ex.b13 is None else ex.b13[e], h[s:t])
+        r = ex.rows[e]
+        gemm_bias(xs[s:t], ex.w13[r], None if ex.b13 is None else ex.b13[r], h[s:t])
         glu(h[s:t], a[s:t], ex.activation, ex.glu)
-        gemm_bias(a[s:t], ex.w2[e], None if ex.b2 is None else ex.b2[e], y[s:t])
+        gemm_bias(a[s:t], ex.w2[r], None if ex.b2 is None else ex.b2[r], y[s:t])
     return h, a, y
 
 
 @dataclass
 class ExpertGrads:
-    """Where ``experts_backward`` writes weight gradients: dw13 [E, 2F, H], dw2 [E, H, F]
-    (and db13 [E, 2F], db2 [E, H] for biased experts), local expert e at index ``first + e``."""
+    """Where ``experts_backward`` writes weight gradients: dw13 [R, 2F, H], dw2 [R, H, F]
+    (and db13 [R, 2F], db2 [R, H] for biased experts), shaped like the experts' tensors:
+    expert e's at row ``Experts.rows[e]``."""
 
     dw13: torch.Tensor
     dw2: torch.Tensor
-    first: int = 0
     db13: torch.Tensor | None = None
     db2: torch.Tensor | None = None
 
@@ -185,22 +205,40 @@ def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: tor
     da = arena.take(tag + "da", (m, f), dy.dtype)
     dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
     written = [g for g in (grads.dw13, grads.dw2, grads.db13, grads.db2) if g is not None]
-    for e in set(range(ex.w13.shape[0])) - {e for e, _, _ in segs}:
+    busy = {ex.rows[e] for e, _, _ in segs}
+    for r in set(ex.rows) - busy:
         for g in written:
-            g[grads.first + e].zero_()
+            g[r].zero_()
+    done: set[int] = set()
     for e, s, t in segs:
-        i = grads.first + e
+        r = ex.rows[e]
+        add = r in done  # a second replica of the row on this rank: sum into it
+        done.add(r)
         if recompute:
             glu(h[s:t], a[s:t], ex.activation, ex.glu)
-        torch.mm(dy[s:t], ex.w2[e], out=da[s:t])
-        torch.mm(dy[s:t].t(), a[s:t], out=grads.dw2[i])
+        torch.mm(dy[s:t], ex.w2[r], out=da[s:t])
+        _mm_into(grads.dw2[r], dy[s:t].t(), a[s:t], add)
         glu_backward(h[s:t], da[s:t], dh[s:t], ex.activation, tmp[s:t], ex.glu)
-        torch.mm(dh[s:t].t(), xs[s:t], out=grads.dw13[i])
-        torch.mm(dh[s:t], ex.w13[e], out=dxs[s:t])
+        _mm_into(grads.dw13[r], dh[s:t].t(), xs[s:t], add)
+        torch.mm(dh[s:t], ex.w13[r], out=dxs[s:t])
         if grads.db13 is not None:
-            torch.sum(dy[s:t], 0, out=grads.db2[i])
-            torch.sum(dh[s:t], 0, out=grads.db13[i])
+            _sum_into(grads.db2[r], dy[s:t], add)
+            _sum_into(grads.db13[r], dh[s:t], add)
     return dxs
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+    if add:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _sum_into(out: torch.Tensor, rows: torch.Tensor, add: bool) -> None:
+    if add:
+        out.add_(rows.sum(0))
+    else:
+        torch.sum(rows, 0, out=out)
 
 
 def _grouped_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor, recompute: bool,
@@ -208,15 +246,14 @@ def _grouped_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: to
                       tmp: torch.Tensor) -> torch.Tensor:
     """``experts_backward`` in grouped GEMMs: the weight gradients of an expert without
     rows come out zero from the grouped GEMM itself."""
-    offs = expert_offsets(segs, ex.w13.shape[0], xs.device)
-    mine = slice(grads.first, grads.first + ex.w13.shape[0])
+    offs = expert_offsets(segs, len(ex.rows), xs.device)
     if recompute:
         glu(h, a, ex.activation, ex.glu)
-    da = _GROUPED_MM(dy, ex.w2, offs=offs)
-    grads.dw2[mine] = _GROUPED_MM(dy.t(), a, offs=offs)
+    da = _GROUPED_MM(dy, ex.stacked(ex.w2), offs=offs)
+    ex.put(grads.dw2, _GROUPED_MM(dy.t(), a, offs=offs))
     glu_backward(h, da, dh, ex.activation, tmp, ex.glu)
-    grads.dw13[mine] = _GROUPED_MM(dh.t(), xs, offs=offs)
-    return _GROUPED_MM(dh, ex.w13, offs=offs)
+    ex.put(grads.dw13, _GROUPED_MM(dh.t(), xs, offs=offs))
+    return _GROUPED_MM(dh, ex.stacked(ex.w13), offs=offs)
 
 
 # ---------------------------------------------------------------------------- routing
@@ -394,6 +431,7 @@ class KernelByKernelState:
     topk_weights: torch.Tensor | None
     weights: ExpertWeights | None
     spec: MoESpec | None = None  # the weights' spec while they are packed away
+    slot_rows: tuple[int, ...] | None = None  # and their slot rows
 
     TENSORS = ("xs", "h", "a", "y", "sh", "sa", "x", "topk_weights")
     WEIGHTS = ("w13", "w2", "shared_w13", "shared_w2", "b13", "b2")
@@ -402,12 +440,13 @@ class KernelByKernelState:
         """Every tensor of the state (for ``save_for_backward``) and the state without them."""
         w = self.weights
         tensors = [getattr(self, n) for n in self.TENSORS] + [getattr(w, n) for n in self.WEIGHTS]
-        return tensors, replace(self, **dict.fromkeys(self.TENSORS), weights=None, spec=w.spec)
+        return tensors, replace(self, **dict.fromkeys(self.TENSORS), weights=None, spec=w.spec,
+                                slot_rows=w.slot_rows)
 
     def unpack(self, tensors: Sequence[torch.Tensor | None]) -> KernelByKernelState:
         """The inverse of ``pack``: this state with its tensors put back."""
         n = len(self.TENSORS)
-        weights = ExpertWeights.routed(self.spec, *tensors[n:])
+        weights = ExpertWeights.routed(self.spec, *tensors[n:], slot_rows=self.slot_rows)
         return replace(self, **dict(zip(self.TENSORS, tensors[:n], strict=True)), weights=weights)
 
 
@@ -485,9 +524,9 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
     g = dout.to(torch.float32)
     dweights, drows = weighted_sum_backward(g, s.y, s.perm.pos, s.topk_weights, arena)
     dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
-    grads = ExpertGrads(_weight_buffer(w.w13, mine), _weight_buffer(w.w2, mine), mine.start,
-                        *(_weight_buffer(b, mine) for b in w.biases))
-    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, Experts.routed(w, mine), grads, arena, "e.")
+    ex = Experts.routed(w, mine)
+    grads = ExpertGrads(*(_weight_buffer(t, ex.rows) for t in (w.w13, w.w2, *w.biases)))
+    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, ex, grads, arena, "e.")
     dxs = s.exchange.combine(dxs, arena, arena, "gc.") if s.exchange is not None else dxs
     dsw13 = dsw2 = dx_shared = None
     if s.sh is not None:
@@ -501,10 +540,11 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
                      dshared_w2=dsw2, db13=grads.db13, db2=grads.db2)
 
 
-def _weight_buffer(w: torch.Tensor, mine: slice) -> torch.Tensor:
-    """A full-size gradient of ``w`` [E, ...] whose rows outside ``mine`` are zero
-    (the local rows are written by the GEMMs)."""
+def _weight_buffer(w: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """A full-size gradient of ``w`` [R, ...] whose rows other than ``rows`` are zero
+    (those are written by the GEMMs)."""
     out = torch.empty_like(w)
-    out[:mine.start].zero_()
-    out[mine.stop:].zero_()
+    idle = sorted(set(range(w.shape[0])) - set(rows))
+    if idle:
+        out.index_fill_(0, torch.tensor(idle, device=w.device), 0)
     return out

@@ -367,7 +367,7 @@ class MoE(nn.Module):
         self._measure_load(ids)
         if self._placement is not None:  # the physical layer: one expert per slot
             ids = self._placement.physical_ids(ids, token_rank, first + tokens)
-            w = self._placement.physical_weights(w, self._own_slots())
+            w = self._placement.slot_weights(w)
         xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
             out = self._run(xp, idp, wp, w)
@@ -393,8 +393,10 @@ class MoE(nn.Module):
         o = self.options
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
-            return run_region(x, ids, topk_weights, w, o.virtual_ep, o.tiles, auto, o.nodes)
+            return run_region(x, ids, topk_weights, w.gathered(), o.virtual_ep, o.tiles, auto, o.nodes)
         path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas, x.device)
+        if not path.reads_slots:  # a placement's slots copied out, this rank's alone where it may
+            w = w.gathered(self._own_slots())
         return run(path, x, Routing(ids, topk_weights), w, trial)
 
     # ------------------------------------------------------------------ placement
@@ -421,11 +423,13 @@ class MoE(nn.Module):
                 placement = None
         self._placement = placement
 
-    def _own_slots(self) -> int | None:
-        """This rank on an EP group, whose slots alone the region reads; None in one
+    def _own_slots(self) -> slice | None:
+        """This rank's slots on an EP group, the only ones a path reads; None in one
         process, or where every agreement checksums the weights (every slot filled)."""
-        s = self.session()
-        return s.rank if s is not None and not s.config.check_weights else None
+        s, p = self.session(), self._placement
+        if s is None or s.config.check_weights or p is None:
+            return None
+        return slice(s.rank * p.slots_per_rank, (s.rank + 1) * p.slots_per_rank)
 
     def expert_load(self) -> np.ndarray:
         """[E] this rank's measured routed rows per expert: an exponential moving average
