@@ -95,19 +95,22 @@ class Experts:
     def shared(weights: ExpertWeights) -> Experts:
         return Experts(weights.shared_w13[None], weights.shared_w2[None], (0,), weights.spec.activation)
 
+    def _span(self) -> slice | None:
+        """The rows as a slice where they are consecutive, else None."""
+        lo = self.rows[0]
+        return slice(lo, lo + len(self.rows)) if self.rows == tuple(range(lo, lo + len(self.rows))) else None
+
     def stacked(self, t: torch.Tensor) -> torch.Tensor:
         """[len(rows), ...] the rows of ``t`` these experts read (a view where they are
         consecutive, else a copy): a grouped GEMM's weights."""
-        lo = self.rows[0]
-        if self.rows == tuple(range(lo, lo + len(self.rows))):
-            return t[lo:lo + len(self.rows)]
-        return t.index_select(0, torch.tensor(self.rows, device=t.device))
+        span = self._span()
+        return t[span] if span is not None else t.index_select(0, torch.tensor(self.rows, device=t.device))
 
     def put(self, g: torch.Tensor, local: torch.Tensor) -> None:
         """Write local [len(rows), ...] gradients into their rows of ``g`` (replicas summed)."""
-        lo = self.rows[0]
-        if self.rows == tuple(range(lo, lo + len(self.rows))):
-            g[lo:lo + len(self.rows)] = local
+        span = self._span()
+        if span is not None:
+            g[span] = local
         else:
             index = torch.tensor(self.rows, device=g.device)
             g.index_fill_(0, index, 0).index_add_(0, index, local)
