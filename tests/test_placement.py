@@ -197,9 +197,10 @@ def _ranks_step(rank, world, rebalance, options):
 
 @pytest.mark.parametrize("rebalance, path", [(False, "taskflow"), *((True, p) for p in PATHS)])
 def test_ranks_under_a_shared_placement_equal_one_process(rebalance, path):
-    """Each rank gathers its own slots only (the others are left unfilled; every slot
-    where the agreement checksums the weights): outputs and gradients still equal one
-    process's on every distributed path."""
+    """Each rank gathers its own slots only on the taskflows (the others are left
+    unfilled; every slot where the agreement checksums the weights) and reads them in
+    place on kernel by kernel: outputs and gradients still equal one process's on every
+    distributed path."""
     results = spawn_gloo(_ranks_step, 2, rebalance, PATHS[path], timeout=120)
     x, dy = _hot_batch(64)
     want = _step(MoE(SPEC, _hot_weights()), x, dy)
