@@ -9,9 +9,9 @@ expert) pair mapped to one replica) and ``slot_weights`` (each slot reads its lo
 expert's weights in place, and a path's gradients of a slot land on its logical
 expert's rows, replicas summed), or, for paths that read no slot rows,
 ``physical_weights`` (the same gathered differentiably, so autograd sums the replicas'
-gradients into the logical expert's; on an EP group a rank gathers its own slots only).  Rank
-``r`` holds slots ``[r * S, (r + 1) * S)``, as it holds experts without a placement.
-The identity placement is today's layout.
+gradients into the logical expert's; ``ExpertWeights.gathered`` fills one rank's slots
+alone).  Rank ``r`` holds slots ``[r * S, (r + 1) * S)``, as it holds experts without a
+placement.  The identity placement is today's layout.
 
 A token's replica: one on the token's own rank if there is one; else one on its node
 (``nodes`` > 1); else replica ``(token + slot) mod count`` of its expert's replicas — a
@@ -126,14 +126,11 @@ class Placement:
         return ExpertWeights.routed(self.physical_spec(w.spec), w.w13, w.w2, w.shared_w13, w.shared_w2,
                                     *w.biases, slot_rows=self.phy2log)
 
-    def physical_weights(self, w: ExpertWeights, rank: int | None = None) -> ExpertWeights:
+    def physical_weights(self, w: ExpertWeights) -> ExpertWeights:
         """The region's weights with each slot's copied from its logical expert's (a
-        differentiable gather, for paths that do not read slot rows in place).  With
-        ``rank``, only that rank's slots are gathered and the others are left unfilled: a
-        distributed path reads its own rank's slots alone, and the copy is 1/ranks of
-        the whole."""
-        mine = None if rank is None else slice(rank * self.slots_per_rank, (rank + 1) * self.slots_per_rank)
-        return self.slot_weights(w).gathered(mine)
+        differentiable gather: a physical layer built once, or one for a path that reads
+        no slot rows; ``ExpertWeights.gathered`` fills one rank's slots alone)."""
+        return self.slot_weights(w).gathered()
 
 
 # ---------------------------------------------------------------------------- planner
