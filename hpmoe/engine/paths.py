@@ -277,11 +277,12 @@ class RegionFunction(torch.autograd.Function):
 
 
 def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
-        trial: Trial | None = None) -> torch.Tensor:
+        trial: Trial | None = None, own: slice | None = None) -> torch.Tensor:
     """The region on ``path`` as one autograd node (gradients flow to x, the routing
     weights and every expert tensor); a tuning ``trial`` is timed forward and backward.
-    Weights whose experts read slot rows are gathered first for a path that reads none."""
-    w = weights if path.reads_slots else weights.gathered()
+    Weights whose experts read slot rows are gathered first for a path that reads none
+    (``own``: the only experts it reads, the others left unfilled; None: every one)."""
+    w = weights if path.reads_slots else weights.gathered(own)
     call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows)
     with timed(trial, x.device):
         return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,

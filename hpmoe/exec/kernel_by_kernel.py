@@ -95,7 +95,7 @@ class Experts:
     def shared(weights: ExpertWeights) -> Experts:
         return Experts(weights.shared_w13[None], weights.shared_w2[None], (0,), weights.spec.activation)
 
-    def _span(self) -> slice | None:
+    def span(self) -> slice | None:
         """The rows as a slice where they are consecutive, else None."""
         lo = self.rows[0]
         return slice(lo, lo + len(self.rows)) if self.rows == tuple(range(lo, lo + len(self.rows))) else None
@@ -103,12 +103,12 @@ class Experts:
     def stacked(self, t: torch.Tensor) -> torch.Tensor:
         """[len(rows), ...] the rows of ``t`` these experts read (a view where they are
         consecutive, else a copy): a grouped GEMM's weights."""
-        span = self._span()
+        span = self.span()
         return t[span] if span is not None else t.index_select(0, torch.tensor(self.rows, device=t.device))
 
     def put(self, g: torch.Tensor, local: torch.Tensor) -> None:
         """Write local [len(rows), ...] gradients into their rows of ``g`` (replicas summed)."""
-        span = self._span()
+        span = self.span()
         if span is not None:
             g[span] = local
         else:
@@ -528,7 +528,7 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
     dweights, drows = weighted_sum_backward(g, s.y, s.perm.pos, s.topk_weights, arena)
     dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
     ex = Experts.routed(w, mine)
-    grads = ExpertGrads(*(_weight_buffer(t, ex.rows) for t in (w.w13, w.w2, *w.biases)))
+    grads = ExpertGrads(*(_weight_buffer(t, ex) for t in (w.w13, w.w2, *w.biases)))
     dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, ex, grads, arena, "e.")
     dxs = s.exchange.combine(dxs, arena, arena, "gc.") if s.exchange is not None else dxs
     dsw13 = dsw2 = dx_shared = None
@@ -543,11 +543,14 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
                      dshared_w2=dsw2, db13=grads.db13, db2=grads.db2)
 
 
-def _weight_buffer(w: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-    """A full-size gradient of ``w`` [R, ...] whose rows other than ``rows`` are zero
+def _weight_buffer(w: torch.Tensor, ex: Experts) -> torch.Tensor:
+    """A full-size gradient of ``w`` [R, ...] whose rows other than ``ex.rows`` are zero
     (those are written by the GEMMs)."""
     out = torch.empty_like(w)
-    idle = sorted(set(range(w.shape[0])) - set(rows))
-    if idle:
+    span = ex.span()
+    if span is not None:  # this rank's experts without a placement
+        out[:span.start].zero_()
+        out[span.stop:].zero_()
+    elif idle := sorted(set(range(w.shape[0])) - set(ex.rows)):
         out.index_fill_(0, torch.tensor(idle, device=w.device), 0)
     return out

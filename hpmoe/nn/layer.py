@@ -395,9 +395,7 @@ class MoE(nn.Module):
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w.gathered(), o.virtual_ep, o.tiles, auto, o.nodes)
         path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas, x.device)
-        if not path.reads_slots:  # a placement's slots copied out, this rank's alone where it may
-            w = w.gathered(self._own_slots())
-        return run(path, x, Routing(ids, topk_weights), w, trial)
+        return run(path, x, Routing(ids, topk_weights), w, trial, self._own_slots())
 
     # ------------------------------------------------------------------ placement
 
