@@ -211,6 +211,19 @@ def test_ranks_under_a_shared_placement_equal_one_process(rebalance, path):
     _close(got, want)
 
 
+def test_slot_rows_are_checked_against_the_experts_and_the_stored_rows():
+    spec = MoESpec(hidden=5, ffn=3, experts=4, top_k=2, dtype=torch.float32)
+    w13, w2 = torch.randn(3, 6, 5), torch.randn(3, 5, 3)
+    ok = ExpertWeights.routed(spec, w13, w2, slot_rows=(0, 1, 2, 0))  # 4 slots over 3 stored rows
+    assert ok.rows_of(slice(2, 4)) == (2, 0)
+    with pytest.raises(ValueError, match="slot_rows must give a row >= 0 for each of the 4 experts, got 3"):
+        ExpertWeights.routed(spec, w13, w2, slot_rows=(0, 1, 2))
+    with pytest.raises(ValueError, match="lowest -1"):
+        ExpertWeights.routed(spec, w13, w2, slot_rows=(0, 1, 2, -1))
+    with pytest.raises(ValueError, match=r"ExpertWeights.w13 has shape \(3, 6, 5\), expected \(4, 6, 5\)"):
+        ExpertWeights.routed(spec, w13, w2, slot_rows=(0, 1, 3, 0))  # row 3 is not stored
+
+
 def test_a_rank_gathers_its_own_slots_and_their_gradients_reach_the_logical_experts():
     p = Placement((0, 1, 2, 0, 3, 1), experts=4, ranks=2)
     spec = MoESpec(hidden=5, ffn=3, experts=4, top_k=2, dtype=torch.float32)
