@@ -28,7 +28,8 @@ class ExpertWeights:
     b2:          [E, H]  spec.dtype or None — down-projection biases (``spec.expert_bias``).
     slot_rows:   None, or the row of w13/w2/b13/b2 each expert reads in place (a physical
                  layer of replicas over its logical experts' rows: [R, ...] tensors, R =
-                 max(slot_rows) + 1); ``gathered`` copies them out.  Only paths that say
+                 max(slot_rows) + 1; -1: not stored here, a rank holding only its own
+                 slots); ``gathered`` copies them out.  Only paths that say
                  ``reads_slots`` take it.
     """
 
@@ -71,9 +72,9 @@ class ExpertWeights:
         if rows is None:
             return self.spec.experts
         lowest = min(rows, default=0)
-        if len(rows) != self.spec.experts or lowest < 0:
-            raise ValueError(f"ExpertWeights.slot_rows must give a row >= 0 for each of the "
-                             f"{self.spec.experts} experts, got {len(rows)} rows, lowest {lowest}")
+        if len(rows) != self.spec.experts or lowest < -1:
+            raise ValueError(f"ExpertWeights.slot_rows must give a row >= 0 (or -1: not stored) for each "
+                             f"of the {self.spec.experts} experts, got {len(rows)} rows, lowest {lowest}")
         return max(rows, default=-1) + 1
 
     def rows_of(self, experts: slice) -> tuple[int, ...]:
@@ -89,6 +90,9 @@ class ExpertWeights:
         if self.slot_rows is None:
             return self
         index = torch.tensor(self.slot_rows, device=self.w13.device)
+        if -1 in self.slot_rows[experts or slice(None)]:
+            raise ValueError(f"ExpertWeights.gathered: experts {experts} include slots not stored here "
+                             f"(slot_rows -1)")
         if experts is None:  # autograd's own gather (torch.compile traces it)
             def gather(t: torch.Tensor) -> torch.Tensor:
                 return t.index_select(0, index)
@@ -116,6 +120,17 @@ class ExpertWeights:
         zero = torch.zeros((), dtype=torch.float32, device=w13.device)
         return ExpertWeights(spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
                              shared_w13, shared_w2, b13, b2, slot_rows)
+
+    @staticmethod
+    def gate_only(spec: MoESpec, router: torch.Tensor, router_bias: torch.Tensor) -> ExpertWeights:
+        """The router of a layer whose expert tensors the caller does not read (routing):
+        every expert tensor a zero placeholder that allocates nothing."""
+        zero = torch.zeros((), dtype=spec.dtype, device=router.device)
+        fs, e, f, h = spec.shared_ffn, spec.experts, spec.ffn, spec.hidden
+        shared = (zero.expand(2 * fs, h), zero.expand(h, fs)) if fs else (None, None)
+        biases = (zero.expand(e, 2 * f), zero.expand(e, h)) if spec.expert_bias else (None, None)
+        return ExpertWeights(spec, router, router_bias, zero.expand(e, 2 * f, h), zero.expand(e, h, f),
+                             *shared, *biases)
 
     @staticmethod
     def random(spec: MoESpec, seed: int = 0) -> ExpertWeights:

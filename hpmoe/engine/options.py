@@ -63,6 +63,12 @@ class RegionOptions:
     hardware: the cost model of AUTO and of the CRITICAL_PATH scheduler.
     rebalance_every: every that many training calls (grad mode on), ``MoE.rebalance``
       with ``redundant`` extra replicas (0: never; a collective over the ep_group).
+    shard_experts: with an ep_group, each rank stores only its own slots' expert rows
+      (``MoE(spec)`` layers): 1/EP of the expert memory, and a new placement moves rows
+      between ranks with their optimizer state (``MoE.move_to``, ``hpmoe.migration``).
+      It stores ``redundant`` extra slots from the start (replicas planned on a uniform
+      load until ``rebalance`` measures one), so its parameters never change shape.
+      Default False: every rank keeps full-size tensors (state dicts as transformers').
     backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
       persistent Triton kernel on the input's device; ``schedule`` is then a
       ``SchedulePolicy``, AUTO and None meaning HYPERPARALLEL), or ``"auto"``: the first
@@ -86,6 +92,7 @@ class RegionOptions:
     nodes: int = 1
     rebalance_every: int = 0
     redundant: int = 0
+    shard_experts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", as_backend(self.backend))
@@ -101,6 +108,8 @@ class RegionOptions:
             raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes <= 0:
             raise ValueError(f"nodes must be a positive int, got {self.nodes!r}")
+        if not isinstance(self.shard_experts, bool):
+            raise TypeError(f"shard_experts must be a bool, got {self.shard_experts!r}")
         if self.runtime is not None:
             from ..runtime import RuntimeConfig
 
@@ -122,8 +131,17 @@ class RegionOptions:
             raise ValueError(f"schedule={self.schedule!r}: with an ep_group, schedule is a SchedulePolicy")
         if self.session is not None and self.runtime is not None:
             raise ValueError("runtime configures a session the layer opens; ep_group is already a Session")
+        if self.shard_experts and self.rebalance_every:
+            raise ValueError(f"rebalance_every={self.rebalance_every} with shard_experts: a move carries the "
+                             "optimizer state, so call layer.rebalance(optimizer=...) between steps")
+        config = self.session.config if self.session is not None else self.runtime
+        if self.shard_experts and config is not None and config.check_weights:
+            raise ValueError("shard_experts with RuntimeConfig.check_weights: the ranks store different "
+                             "experts, so their weights cannot be checksummed alike")
 
     def _check_single_process(self) -> None:
+        if self.shard_experts:
+            raise ValueError("shard_experts=True needs an ep_group (one process stores every expert)")
         if self.backend is Backend.KERNEL_BY_KERNEL:
             if self.runtime is not None:
                 raise ValueError("runtime configures the multi-rank runtime: it needs an ep_group")

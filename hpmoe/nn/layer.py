@@ -45,6 +45,7 @@ from ..exec.arena import ArenaPool
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy
+from ..migration import Migration, Moves, migrate, replica_sum
 from ..placement import Placement, plan_placement, rank_loads
 from ..regions.base import RegionKind
 from ..routing import Routing, input_error, route
@@ -136,7 +137,7 @@ class MoE(nn.Module):
                  schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO, recompute: bool = False,
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
                  hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact",
-                 nodes: int = 1, rebalance_every: int = 0, redundant: int = 0):
+                 nodes: int = 1, rebalance_every: int = 0, redundant: int = 0, shard_experts: bool = False):
         super().__init__()
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
@@ -146,12 +147,18 @@ class MoE(nn.Module):
         fs = spec.shared_ffn
         bias = w.router_bias.detach().clone() if spec.gate is GateKind.SIGMOID else None
         parts = (w.shared_w13[:fs], w.shared_w13[fs:], w.shared_w2) if fs else ()
-        self.experts = FusedExperts(*(t.detach().clone() for t in (w.w13, w.w2, *w.biases)))
+        options = RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware, backend,
+                                nodes, rebalance_every, redundant, shard_experts)
+        first, stored = None, slice(None)
+        if shard_experts:
+            first = _first_placement(spec, options)
+            stored = list(first.phy2log[_own_rows(spec, options, first)])
+        self.experts = FusedExperts(*(t.detach()[stored].clone() for t in (w.w13, w.w2, *w.biases)))
         self.gate = TopkRouter(w.router.detach().clone(), bias)
         self.shared_experts = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
-        self._setup(spec, None, "shared_experts" if fs else None,
-                    RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware,
-                                  backend, nodes, rebalance_every, redundant))
+        self._setup(spec, None, "shared_experts" if fs else None, options)
+        if shard_experts:
+            self._placement = self._checked(first)
 
     def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
                options: RegionOptions) -> None:
@@ -183,6 +190,9 @@ class MoE(nn.Module):
             raise TypeError(f"module must be a transformers MoE block of {names}, "
                             f"got {type(module).__name__}")
         checked = RegionOptions(**options)
+        if checked.shard_experts:
+            raise ValueError("shard_experts=True is for layers built from a spec (MoE(spec, ...)): a "
+                             "transformers block keeps its own full-size expert tensors")
         layout = read_block(module, family, checked.virtual_ep)
         register()
         select_experts(getattr(module, "experts", None))
@@ -255,10 +265,19 @@ class MoE(nn.Module):
             b = getattr(self.gate, "e_score_correction_bias", None)
             bias = bias if b is None else b.float()
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
-        return ExpertWeights(
-            spec=spec, router=router, router_bias=bias, w13=w13, w2=t.w2,
-            shared_w13=None if sh is None else torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
-            shared_w2=None if sh is None else sh.down_proj.weight, b13=t.b13, b2=t.b2)
+        shared = (None, None) if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
+                                                  sh.down_proj.weight)
+        if self.options.shard_experts:
+            return self._stored_slots(spec, t, *shared)
+        return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=w13, w2=t.w2,
+                             shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2)
+
+    def _gate_weights(self, dtype: torch.dtype) -> ExpertWeights:
+        """hpmoe's own router in ``dtype`` (expert tensors: placeholders)."""
+        b = getattr(self.gate, "e_score_correction_bias", None)
+        bias = b.float() if b is not None else torch.zeros(self.spec.experts, dtype=torch.float32,
+                                                            device=self.gate.weight.device)
+        return ExpertWeights.gate_only(replace(self.spec, dtype=dtype), self.gate.weight.float(), bias)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any,
                 **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
@@ -280,7 +299,7 @@ class MoE(nn.Module):
         if self.family is None:
             w = self.expert_weights()
             try:
-                routing = route(x.to(w.spec.dtype), w)
+                routing = route(x.to(w.spec.dtype), self._gate_weights(w.spec.dtype))
             except (ValueError, TypeError) as err:  # every rank must hear of it, in step
                 if self.options.distributed:
                     self._open_call(x.shape[0], w, err)
@@ -358,7 +377,8 @@ class MoE(nn.Module):
         o, xc, ids, topk_weights = self.options, x.to(dtype), ids.to(torch.int64), topk_weights.float()
         n, tokens = x.shape[0], torch.arange(x.shape[0], device=ids.device)
         if o.distributed:
-            counts = self._open_call(n, w, input_error(xc, Routing(ids, topk_weights), w.spec))
+            logical = replace(self.spec, dtype=dtype)
+            counts = self._open_call(n, w, input_error(xc, Routing(ids, topk_weights), logical))
             padded, rank = max(max(counts), 1), self.session().rank
             token_rank, first = torch.full_like(tokens, rank), sum(counts[:rank])
         else:
@@ -367,7 +387,7 @@ class MoE(nn.Module):
         self._measure_load(ids)
         if self._placement is not None:  # the physical layer: one expert per slot
             ids = self._placement.physical_ids(ids, token_rank, first + tokens)
-            w = self._placement.slot_weights(w)
+            w = w if o.shard_experts else self._placement.slot_weights(w)
         xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
             out = self._run(xp, idp, wp, w)
@@ -404,11 +424,19 @@ class MoE(nn.Module):
         """Which physical slot holds which expert (``hpmoe.placement``); None: expert ``e``
         on rank ``e // (E / ep)``.  Set it (the same on every rank) or let ``rebalance``
         plan it; every rank keeps full-size parameters and optimizer state, so a new
-        placement moves nothing."""
+        placement moves nothing.  A layer with ``shard_experts`` moves rows instead:
+        ``move_to``."""
         return self._placement
 
     @placement.setter
     def placement(self, placement: Placement | None) -> None:
+        if self.options.shard_experts:
+            raise ValueError("a layer with shard_experts stores its own slots only: a new placement moves "
+                             "rows between ranks, use layer.move_to(placement, optimizer)")
+        self._placement = self._checked(placement)
+
+    def _checked(self, placement: Placement | None) -> Placement | None:
+        """``placement`` for this layer (None for the identity), else raises naming it."""
         o, ranks = self.options, self.options.ranks
         if placement is not None:
             if not isinstance(placement, Placement):
@@ -419,35 +447,80 @@ class MoE(nn.Module):
                                  f"{ranks} ranks, {o.nodes} nodes")
             if placement.is_identity:
                 placement = None
-        self._placement = placement
+        return placement
 
     def _own_slots(self) -> slice | None:
         """This rank's slots on an EP group, the only ones a path reads; None in one
         process, or where every agreement checksums the weights (every slot filled)."""
         s, p = self.session(), self._placement
-        if s is None or s.config.check_weights or p is None:
+        if s is None or s.config.check_weights or (p is None and not self.options.shard_experts):
             return None
-        return slice(s.rank * p.slots_per_rank, (s.rank + 1) * p.slots_per_rank)
+        return _own_rows(self.spec, self.options, p)
+
+    def _physical(self) -> Placement:
+        """The placement in effect, the identity included."""
+        o = self.options
+        return self._placement or Placement.identity(self.spec.experts, o.ranks, o.nodes)
+
+    def _stored_slots(self, spec: MoESpec, t: ExpertTensors, shared_w13: torch.Tensor | None,
+                      shared_w2: torch.Tensor | None) -> ExpertWeights:
+        """A sharded layer's region weights: the physical layer whose slots on this rank
+        read its stored rows (the others -1); an expert replicated on several ranks sums
+        its rows' gradients over them (``migration.replica_sum``)."""
+        p, mine = self._physical(), _own_rows(self.spec, self.options, self._placement)
+        rows = tuple(s - mine.start if mine.start <= s < mine.stop else -1 for s in range(p.slots))
+        stored = [t.w13, t.w2, *((t.b13, t.b2) if t.b13 is not None else ())]
+        replicated = tuple(int(e) for e in np.flatnonzero(p.replicas() > 1))
+        if replicated:
+            stored = replica_sum(stored, p.phy2log[mine], replicated, self.session().collectives)
+        return ExpertWeights.routed(p.physical_spec(spec), stored[0], stored[1], shared_w13, shared_w2,
+                                    *stored[2:], slot_rows=rows)
+
+    def move_to(self, placement: Placement | None,
+                optimizer: torch.optim.Optimizer | None = None) -> Migration:
+        """Adopt ``placement`` (None: the identity; the same on every rank): a layer with
+        ``shard_experts`` moves its stored rows between ranks (collective), and with them
+        their gradients and every state tensor ``optimizer`` keeps for them (Adam's
+        moments); any other layer moves nothing.  Returns what moved, its measured time
+        and its modelled time on the layer's hardware model's link."""
+        new = self._checked(placement)
+        o = self.options
+        if not o.shard_experts:
+            self._placement = new
+            return Migration.nothing()
+        stored = self._physical().slots
+        slots = placement.slots if placement is not None else self.spec.experts
+        if slots != stored:
+            raise ValueError(f"a layer with shard_experts stores {stored} slots (experts plus "
+                             f"redundant={o.redundant}): the placement has {slots}")
+        old, self._placement = self._physical(), new
+        return migrate(list(self.experts.parameters()), Moves.between(old, self._physical()), optimizer,
+                       self.session().collectives, o.rank_hardware)
 
     def expert_load(self) -> np.ndarray:
         """[E] this rank's measured routed rows per expert: an exponential moving average
         over calls (``LOAD_DECAY`` per call)."""
         return self._load.cpu().numpy().copy()
 
-    def rebalance(self, redundant: int = 0, min_gain: float = MIN_REBALANCE_GAIN) -> Placement | None:
+    def rebalance(self, redundant: int = 0, min_gain: float = MIN_REBALANCE_GAIN,
+                  optimizer: torch.optim.Optimizer | None = None) -> Placement | None:
         """Plan a placement from the measured load of every rank (collective over the
         ep_group): ``redundant`` extra replicas of the most loaded experts, packed onto
         ranks (``plan_placement``).  Adopted only when it lowers the busiest rank's
-        predicted load (``rank_loads``) by ``min_gain`` or more; returns the placement in
-        effect."""
+        predicted load (``rank_loads``) by ``min_gain`` or more (``move_to``: with
+        ``shard_experts``, ``optimizer``'s state moves with the rows); returns the placement
+        in effect."""
+        o = self.options
+        if o.shard_experts and redundant != o.redundant:
+            raise ValueError(f"rebalance(redundant={redundant}) on a layer with shard_experts, which stores "
+                             f"redundant={o.redundant} extra slots: pass that")
         load = self._load.cpu()
         if self.options.distributed:
             load = self.session().collectives.all_gather(load, "rebalance: expert load").sum(0)
-        o = self.options
         plan = plan_placement(load.numpy(), o.ranks, redundant, o.nodes)
-        now = self._placement or Placement.identity(self.spec.experts, o.ranks, o.nodes)
-        if rank_loads(now, load.numpy()).max() >= min_gain * rank_loads(plan, load.numpy()).max():
-            self.placement = plan
+        busiest = rank_loads(self._physical(), load.numpy()).max()
+        if busiest >= min_gain * rank_loads(plan, load.numpy()).max():
+            self.move_to(plan, optimizer)
         return self._placement
 
     def _measure_load(self, ids: torch.Tensor) -> None:
@@ -466,7 +539,8 @@ class MoE(nn.Module):
         """The layer the region computes in ``dtype`` (default: the parameters'): one
         expert per physical slot under a placement."""
         spec = replace(self.spec, dtype=dtype or experts_dtype(self, self._layout))
-        return self._placement.physical_spec(spec) if self._placement is not None else spec
+        sharded = self._placement is not None or self.options.shard_experts
+        return self._physical().physical_spec(spec) if sharded else spec
 
     def decision(self, tokens: int, backward: bool | None = None,
                  dtype: torch.dtype | None = None) -> AutoDecision:
@@ -517,7 +591,24 @@ def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
         return None if t is None else t.to(dtype)
 
     return ExpertWeights(replace(w.spec, dtype=dtype), w.router, w.router_bias, cast(w.w13), cast(w.w2),
-                         cast(w.shared_w13), cast(w.shared_w2), cast(w.b13), cast(w.b2))
+                         cast(w.shared_w13), cast(w.shared_w2), cast(w.b13), cast(w.b2), w.slot_rows)
+
+
+def _first_placement(spec: MoESpec, options: RegionOptions) -> Placement:
+    """A sharded layer's placement before any load is measured: the identity, or with
+    ``redundant`` slots the planner's on a uniform load (its slots per rank never change,
+    so the parameters keep their shapes)."""
+    if not options.redundant:
+        return Placement.identity(spec.experts, options.ranks, options.nodes)
+    return plan_placement(np.ones(spec.experts), options.ranks, options.redundant, options.nodes)
+
+
+def _own_rows(spec: MoESpec, options: RegionOptions, placement: Placement | None = None) -> slice:
+    """The slots of this rank of ``options``' ep_group under ``placement`` (None: one
+    expert per slot)."""
+    per = (placement.slots if placement is not None else spec.experts) // options.ranks
+    rank = dist.get_rank(options.group)
+    return slice(rank * per, (rank + 1) * per)
 
 
 def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, spec: MoESpec,

@@ -1,0 +1,213 @@
+"""Sharded expert storage: the rows a move sends (against hand-made placements), its
+modelled cost (hand arithmetic), the exchange on two gloo ranks (``torch.equal`` on rows
+that say which expert they are), and sharded layers against the plain layer: outputs,
+every logical gradient, and five Adam steps with a migration (and replicas) in the
+middle, the optimizer's moments moved with the rows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpmoe.migration import Moves, move_rows
+from hpmoe.nn.layer import MoE
+from hpmoe.placement import Placement
+from hpmoe.runtime.session import RuntimeConfig, Session
+from hpmoe.sim.presets import cpu_nominal
+from hpmoe.spec import preset
+from hpmoe.testing import spawn_gloo
+from hpmoe.weights import ExpertWeights
+
+SPEC = preset("tiny", torch.float32)
+TOL = dict(rtol=1e-5, atol=1e-5)
+IDENTITY = Placement.identity(8, 2)
+SWAP = Placement((0, 1, 2, 6, 3, 4, 5, 7), 8, 2)  # expert 6 to rank 0, expert 3 to rank 1
+REPLICAS = Placement((0, 3, 4, 5, 7, 0, 1, 2, 6, 7), 8, 2)  # experts 0 and 7 on both ranks
+
+
+def test_a_move_copies_locally_what_a_rank_already_holds_and_fetches_the_rest():
+    moves = Moves.between(IDENTITY, SWAP)
+    assert moves.source[0] == ((0, 0), (0, 1), (0, 2), (1, 2))  # expert 6 is rank 1's row 2
+    assert moves.source[1] == ((0, 3), (1, 0), (1, 1), (1, 3))
+    assert moves.rows().tolist() == [[0, 1], [1, 0]]
+    back = Moves.between(REPLICAS, IDENTITY)  # expert 0 and 7: the rank's own replica
+    assert back.source[0] == ((0, 0), (1, 1), (1, 2), (0, 1)) and back.rows().tolist() == [[0, 2], [2, 0]]
+    assert Moves.between(SWAP, SWAP).rows().sum() == 0
+    with pytest.raises(ValueError, match="keeps the experts and ranks: 8 experts on 2 ranks -> 8 on 4"):
+        Moves.between(IDENTITY, Placement.identity(8, 4))
+
+
+def test_the_modelled_cost_of_a_move_is_the_busiest_direction_on_the_link():
+    hw = cpu_nominal()  # 0.6 GB/s per rank and direction, 20 us per message
+    one_way = Moves((((0, 0), (1, 0), (1, 1)), ((1, 0), (1, 1), (1, 2))))  # rank 1 sends 2 rows, gets none
+    assert one_way.rows().tolist() == [[0, 0], [2, 0]]
+    assert one_way.seconds(1000, hw) == pytest.approx(hw.link_latency + 2000 / 0.6e9)
+    assert Moves.between(SWAP, SWAP).seconds(1000, hw) == 0.0
+
+
+def _exchange(rank, world, old, new):
+    session = Session(RuntimeConfig(), dist.group.WORLD)
+    per = old.slots_per_rank
+    held = torch.tensor(old.phy2log[rank * per:(rank + 1) * per], dtype=torch.float32)
+    w = held[:, None, None] * 1000 + torch.arange(6.0).view(1, 2, 3)  # a row says its expert
+    m = held[:, None].to(torch.bfloat16).expand(per, 5)
+    try:
+        return move_rows([w, m], Moves.between(old, new), rank, session.collectives)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("old, new", [(IDENTITY, SWAP), (IDENTITY, REPLICAS), (REPLICAS, SWAP)])
+def test_every_rank_ends_with_the_rows_of_its_new_experts(old, new):
+    got = spawn_gloo(_exchange, 2, old, new)
+    per = new.slots_per_rank
+    for rank, (w, m) in enumerate(got):
+        experts = torch.tensor(new.phy2log[rank * per:(rank + 1) * per], dtype=torch.float32)
+        assert torch.equal(w, experts[:, None, None] * 1000 + torch.arange(6.0).view(1, 2, 3))
+        assert m.dtype == torch.bfloat16
+        assert torch.equal(m, experts[:, None].to(torch.bfloat16).expand(per, 5))
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+def _weights():
+    """Every token picks expert 0 first (its selection bias is large)."""
+    w = ExpertWeights.random(SPEC, 1)
+    bias = w.router_bias.clone()
+    bias[0] = 5.0
+    return ExpertWeights(SPEC, w.router, bias, w.w13, w.w2, w.shared_w13, w.shared_w2)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(64, SPEC.hidden, generator=g), torch.randn(64, SPEC.hidden, generator=g)
+
+
+def _train(layer, rank, world, move_at, redundant):
+    """Five Adam steps on this rank's half of each batch; gradients of the replicated
+    parameters (router, shared expert) all-reduced as DDP does, the stored expert rows'
+    left as they are; a rebalance before step ``move_at``."""
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    outs, mine = [], slice(rank * 32, (rank + 1) * 32)
+    for step in range(5):
+        x, dy = _batch(step)
+        if step == move_at:
+            layer.rebalance(redundant=redundant, min_gain=1.0, optimizer=opt)
+        opt.zero_grad()
+        out = layer(x[mine])
+        (out * dy[mine]).sum().backward()
+        for name, p in layer.named_parameters():
+            if not name.startswith("experts."):
+                dist.all_reduce(p.grad)
+        opt.step()
+        outs.append(out.detach())
+    state = opt.state[layer.experts.gate_up_proj]["exp_avg"]
+    return outs, {n: p.detach().clone() for n, p in layer.named_parameters()}, state, layer.placement
+
+
+def _sharded(rank, world, options, redundant):
+    layer = MoE(SPEC, _weights(), ep_group=dist.group.WORLD, shard_experts=True, redundant=redundant,
+                **options)
+    assert layer.experts.gate_up_proj.shape[0] == (SPEC.experts + redundant) // world
+    result = _train(layer, rank, world, move_at=2, redundant=redundant)
+    layer.close()
+    return result
+
+
+def _plain():
+    layer = MoE(SPEC, _weights())
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    outs = []
+    for step in range(5):
+        x, dy = _batch(step)
+        opt.zero_grad()
+        out = layer(x)
+        (out * dy).sum().backward()
+        opt.step()
+        outs.append(out.detach())
+    return outs, {n: p.detach() for n, p in layer.named_parameters()}, opt.state[layer.experts.gate_up_proj]
+
+
+PATHS = {"kernel by kernel": {"backend": "kernel_by_kernel"}, "taskflow": {"schedule": None}}
+
+
+@pytest.mark.parametrize("redundant", [0, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_sharded_layer_trains_as_the_plain_layer_through_a_migration(path, redundant):
+    """Each rank stores its own slots; a rebalance before step 2 moves rows (and their
+    Adam moments) between ranks, with ``redundant`` replicas whose gradients are summed
+    over their holders: outputs of every step, every stored row after five steps and
+    its moments equal the plain layer's logical expert's."""
+    results = spawn_gloo(_sharded, 2, PATHS[path], redundant, timeout=180)
+    outs, params, state = _plain()
+    for step in range(5):
+        torch.testing.assert_close(torch.cat([r[0][step] for r in results]), outs[step], **TOL)
+    placement = results[0][3]
+    assert placement == results[1][3] and placement is not None and placement.slots == 8 + redundant
+    assert placement.phy2log.count(0) == (2 if redundant else 1)
+    per = placement.slots_per_rank
+    for rank, (_, got, moments, _) in enumerate(results):
+        experts = list(placement.phy2log[rank * per:(rank + 1) * per])
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
+            torch.testing.assert_close(got[name], params[name][experts], **TOL, msg=name)
+        torch.testing.assert_close(moments, state["exp_avg"][experts], **TOL)
+        for name in ("gate.weight", "shared_experts.up_proj.weight"):
+            torch.testing.assert_close(got[name], params[name], **TOL, msg=name)
+    if redundant:  # a replica's rows stay bitwise equal on its holders
+        assert torch.equal(results[0][1]["experts.gate_up_proj"][0], results[1][1]["experts.gate_up_proj"][0])
+
+
+def _refusals(rank, world):
+    group = dist.group.WORLD
+    errors = []
+    for options in ({"rebalance_every": 4}, {"runtime": RuntimeConfig(check_weights=True)}):
+        try:
+            MoE(SPEC, ep_group=group, shard_experts=True, **options)
+        except ValueError as err:
+            errors.append(str(err))
+    layer = MoE(SPEC, ep_group=group, shard_experts=True)
+    for attempt in (lambda: setattr(layer, "placement", SWAP), lambda: layer.rebalance(redundant=2),
+                    lambda: layer.move_to(REPLICAS)):
+        try:
+            attempt()
+        except ValueError as err:
+            errors.append(str(err))
+    layer(torch.randn(8, SPEC.hidden)).sum().backward()
+    if rank == 0:
+        layer.zero_grad()  # rank 1 keeps its gradients: the ranks' rows differ in what they carry
+    try:
+        layer.move_to(SWAP)
+    except ValueError as err:
+        errors.append(str(err))
+    layer.close()
+    return errors
+
+
+def test_a_sharded_layer_refuses_what_it_cannot_do_naming_it():
+    for errors in spawn_gloo(_refusals, 2):
+        assert len(errors) == 6, errors
+        assert "rebalance_every=4 with shard_experts" in errors[0]
+        assert "shard_experts with RuntimeConfig.check_weights" in errors[1]
+        assert "use layer.move_to(placement, optimizer)" in errors[2]
+        assert "rebalance(redundant=2) on a layer with shard_experts, which stores redundant=0" in errors[3]
+        assert "stores 8 slots (experts plus redundant=0): the placement has 10" in errors[4]
+        assert "ranks carry different state per row" in errors[5]
+    with pytest.raises(ValueError, match="shard_experts=True needs an ep_group"):
+        MoE(SPEC, shard_experts=True)
+    with pytest.raises(TypeError, match="shard_experts must be a bool, got 1"):
+        MoE(SPEC, shard_experts=1)
+
+
+def test_a_gather_of_slots_not_stored_here_is_refused():
+    spec = dataclasses.replace(SPEC, shared_experts=0)
+    w13, w2 = torch.randn(4, 2 * spec.ffn, spec.hidden), torch.randn(4, spec.hidden, spec.ffn)
+    w = ExpertWeights.routed(spec, w13, w2, slot_rows=(0, 1, 2, 3, -1, -1, -1, -1))
+    assert torch.equal(w.gathered(slice(0, 4)).w13[:4], w.w13)
+    with pytest.raises(ValueError, match="include slots not stored here"):
+        w.gathered()
+    assert np.array_equal(Moves.between(IDENTITY, IDENTITY).rows(), np.zeros((2, 2)))
