@@ -8,8 +8,9 @@ of them holds that expert (no traffic), else from the lowest rank that holds it 
 rank's first such row).  Every tensor keyed by the rows moves together — the weights,
 their gradients, and any optimizer state shaped like them (Adam's moments) — packed
 row by row into one byte buffer, so the move is one all-to-all over the session's
-deadline-bounded collectives: ``latency + max(bytes a rank sends or receives) /
-bandwidth`` on a link model (``Moves.seconds``).
+deadline-bounded collectives.  Its model (``Moves.seconds``): the busiest rank's row
+copies at memory bandwidth, plus ``latency + max(bytes a rank sends or receives) /
+bandwidth`` on the link.
 
 An expert with replicas on several ranks has a row on each; ``replica_sum`` makes every
 holder's gradient of it the sum over the holders (one all-gather in the backward, summed
@@ -66,14 +67,15 @@ class Moves:
         return np.array([[len(self.sent(q, r)) for r in peers] for q in peers], np.int64)
 
     def seconds(self, row_bytes: int, hw: HardwareModel) -> float:
-        """Modelled seconds of the move on ``hw``'s link: one message per peer, each rank
-        sending and receiving at once, the busiest direction of the busiest rank bound
-        (0 when nothing crosses ranks)."""
+        """Modelled seconds of the move on ``hw``: the busiest rank's copies (each row it
+        keeps, packs or unpacks read and written once at ``mem_bw``) plus one message per
+        peer on the link, each rank sending and receiving at once, the busiest direction
+        bound (no link time when nothing crosses ranks)."""
         rows = self.rows()
-        busiest = int(max(rows.sum(0).max(), rows.sum(1).max())) * row_bytes
-        if not busiest:
-            return 0.0
-        return float(hw.put_time(busiest, self.ranks, LinkDirection.DISPATCH))
+        copied = (np.array([len(s) for s in self.source]) + rows.sum(1)) * row_bytes  # kept + fetched, sent
+        link = int(max(rows.sum(0).max(), rows.sum(1).max())) * row_bytes
+        on_link = float(hw.put_time(link, self.ranks, LinkDirection.DISPATCH)) if link else 0.0
+        return float(hw.memory_time(2 * copied.max())) + on_link
 
 
 def row_bytes(tensors: list[torch.Tensor]) -> int:
@@ -81,38 +83,36 @@ def row_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
-def move_rows(tensors: list[torch.Tensor], moves: Moves, rank: int, coll) -> list[torch.Tensor]:
-    """This rank's new rows of every tensor in ``tensors`` ([S_old, ...] each): local
-    copies and the rows received from peers, in one all-to-all of packed rows over
-    ``coll`` (``runtime.collective.Collectives``); [S_new, ...] each, fresh tensors.
-    Collective: every rank of the group calls it with the same ``moves``."""
-    old = tensors[0].shape[0]
-    packed = torch.cat([t.detach().contiguous().reshape(old, -1).view(torch.uint8) for t in tensors], 1)
-    peers = range(moves.ranks)
-    send_rows = [row for r in peers for row in moves.sent(rank, r)]
+def move_rows(tensors: list[torch.Tensor], moves: Moves, rank: int, coll: Any) -> list[torch.Tensor]:
+    """This rank's new rows of every tensor in ``tensors`` ([S_old, ...] each), fresh
+    [S_new, ...] tensors: rows it keeps copied in place, rows peers need packed (every
+    tensor's row side by side as bytes) into one all-to-all over ``coll``
+    (``runtime.collective.Collectives``), received rows unpacked; each row is copied
+    once.  Collective: every rank of the group calls it with the same ``moves``."""
+    peers, mine = range(moves.ranks), moves.source[rank]
+    send = torch.tensor([row for r in peers for row in moves.sent(rank, r)], dtype=torch.int64)
     recv_counts = [len(moves.sent(q, rank)) for q in peers]
+    send_counts = [len(moves.sent(rank, r)) for r in peers]
+    packed = torch.cat([_as_bytes(t.index_select(0, send)) for t in tensors], 1)
     got = packed.new_empty((sum(recv_counts), packed.shape[1]))
-    coll.all_to_all(got, packed[torch.tensor(send_rows, dtype=torch.int64)],
-                    recv_counts, [len(moves.sent(rank, r)) for r in peers], "migrate: expert rows")
-    start = np.concatenate([[0], np.cumsum(recv_counts)])
-    taken = np.zeros(moves.ranks, np.int64)
-    index = []
-    for q, row in moves.source[rank]:
-        index.append(row if q == rank else old + start[q] + taken[q])
-        taken[q] += q != rank
-    rows = torch.cat([packed, got]).index_select(0, torch.tensor(index, dtype=torch.int64))
-    return _unpack(rows, tensors)
-
-
-def _unpack(rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Split packed [S, bytes] rows back into tensors shaped and typed like ``like``."""
+    coll.all_to_all(got, packed, recv_counts, send_counts, "migrate: expert rows")
+    kept = [j for j, (q, _) in enumerate(mine) if q == rank]
+    fetched = sorted((j for j, (q, _) in enumerate(mine) if q != rank), key=lambda j: mine[j][0])  # received
     out, col = [], 0
-    for t in like:
+    for t in tensors:
+        new = t.new_empty((len(mine), *t.shape[1:]))
+        new[kept] = t[[mine[j][1] for j in kept]]
         width = t[0].numel() * t.element_size()
-        part = rows[:, col:col + width].contiguous().view(t.dtype)
-        out.append(part.reshape(rows.shape[0], *t.shape[1:]))
+        rows = got[:, col:col + width].flatten().clone()  # fresh storage: aligned for any dtype
+        new[fetched] = rows.view(t.dtype).view(len(fetched), *t.shape[1:])
+        out.append(new)
         col += width
     return out
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """[n, ...] rows as [n, bytes per row] uint8 (a view of a contiguous copy)."""
+    return rows.contiguous().view(rows.shape[0], -1).view(torch.uint8)
 
 
 @dataclass(frozen=True)

@@ -151,13 +151,16 @@ def replicate(load: np.ndarray, slots: int, most: int) -> np.ndarray:
     return counts
 
 
-def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int = 1) -> Placement:
+def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int = 1,
+                   current: Placement | None = None) -> Placement:
     """The placement of ``len(load)`` experts with ``redundant`` extra replicas on ``ranks``
     ranks (``nodes`` nodes): replicate the most loaded experts (``replicate``), then pack
     the replicas heaviest first onto the least loaded node, and within it onto the least
     loaded rank, with a free slot and, where possible, no replica of the same expert
-    (balanced packing, hierarchical over nodes).  Raises ``ValueError`` naming the field
-    when the slots do not divide over the ranks."""
+    (balanced packing, hierarchical over nodes).  With ``current``, the packed ranks of
+    each node are renumbered to keep as many experts where ``current`` holds them as a
+    greedy matching finds (the same loads, fewer rows to move).  Raises ``ValueError``
+    naming the field when the slots do not divide over the ranks."""
     load = np.asarray(load, np.float64)
     experts, slots = len(load), len(load) + redundant
     if redundant < 0 or ranks <= 0 or slots % ranks or nodes <= 0 or ranks % nodes:
@@ -178,7 +181,27 @@ def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int 
         r = min(fresh, key=lambda q: (rank_load[q], q))
         held[r].append(e)
         rank_load[r] += share
+    if current is not None:
+        held = _keep_in_place(held, current, rpn)
     return Placement(tuple(e for mine in held for e in sorted(mine)), experts, ranks, nodes)
+
+
+def _keep_in_place(held: list[list[int]], current: Placement, rpn: int) -> list[list[int]]:
+    """``held`` with the ranks of each node of ``rpn`` ranks renumbered, pairs of most
+    experts in common with ``current``'s ranks first."""
+    per = current.slots_per_rank
+    now = [set(current.phy2log[r * per:(r + 1) * per]) for r in range(current.ranks)]
+    out: list[list[int]] = [[] for _ in held]
+    for first in range(0, len(held), rpn):
+        ranks = range(first, first + rpn)
+        pairs = sorted((-len(now[r] & set(held[p])), r, p) for r in ranks for p in ranks)
+        free_r, free_p = set(ranks), set(ranks)
+        for _, r, p in pairs:
+            if r in free_r and p in free_p:
+                out[r] = held[p]
+                free_r.discard(r)
+                free_p.discard(p)
+    return out
 
 
 def _pack(items: list[tuple[float, int]], bins: int, capacity: int) -> list[int]:

@@ -41,12 +41,13 @@ def test_a_move_copies_locally_what_a_rank_already_holds_and_fetches_the_rest():
         Moves.between(IDENTITY, Placement.identity(8, 4))
 
 
-def test_the_modelled_cost_of_a_move_is_the_busiest_direction_on_the_link():
-    hw = cpu_nominal()  # 0.6 GB/s per rank and direction, 20 us per message
+def test_the_modelled_cost_of_a_move_is_the_busiest_ranks_copies_and_direction_on_the_link():
+    hw = cpu_nominal()  # 0.6 GB/s per rank and direction, 20 us per message, 10 GB/s copies
     one_way = Moves((((0, 0), (1, 0), (1, 1)), ((1, 0), (1, 1), (1, 2))))  # rank 1 sends 2 rows, gets none
     assert one_way.rows().tolist() == [[0, 0], [2, 0]]
-    assert one_way.seconds(1000, hw) == pytest.approx(hw.link_latency + 2000 / 0.6e9)
-    assert Moves.between(SWAP, SWAP).seconds(1000, hw) == 0.0
+    copies = 2 * (3 + 2) * 1000 / 10e9  # rank 1 writes its 3 rows and packs the 2 it sends
+    assert one_way.seconds(1000, hw) == pytest.approx(copies + hw.link_latency + 2000 / 0.6e9)
+    assert Moves.between(SWAP, SWAP).seconds(1000, hw) == pytest.approx(2 * 4 * 1000 / 10e9)  # local copies
 
 
 def _exchange(rank, world, old, new):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpmoe.migration import Moves
 from hpmoe.nn.layer import MoE
 from hpmoe.placement import Placement, plan_placement, rank_loads, replicate
 from hpmoe.runtime.session import RuntimeConfig
@@ -55,6 +56,19 @@ def test_migration_alone_repacks_without_replicas():
     load = np.array([9.0, 8, 1, 1, 7, 6, 1, 1])  # the two heaviest pairs share a rank
     p = plan_placement(load, 2, 0)
     assert p.slots == 8 and rank_loads(p, load).max() < rank_loads(Placement.identity(8, 2), load).max()
+
+
+def test_given_the_current_placement_the_planner_keeps_experts_where_they_are():
+    """Renumbering the packed ranks changes no rank's load but what a move carries: a
+    hot expert among 16 moves 2 rows, not 14."""
+    load = np.ones(16)
+    load[0] = 100.0
+    now = Placement.identity(16, 2)
+    blind, kept = plan_placement(load, 2), plan_placement(load, 2, current=now)
+    assert sorted(rank_loads(blind, load)) == sorted(rank_loads(kept, load))
+    assert Moves.between(now, blind).rows().sum() == 14 and Moves.between(now, kept).rows().sum() == 2
+    spread = plan_placement(np.arange(16.0) ** 2, 4, 4, nodes=2, current=Placement.identity(16, 4, nodes=2))
+    assert sorted(spread.phy2log) == sorted(plan_placement(np.arange(16.0) ** 2, 4, 4, nodes=2).phy2log)
 
 
 def test_hierarchical_packing_keeps_a_node_replica_within_reach():

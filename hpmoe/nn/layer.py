@@ -517,7 +517,7 @@ class MoE(nn.Module):
         load = self._load.cpu()
         if self.options.distributed:
             load = self.session().collectives.all_gather(load, "rebalance: expert load").sum(0)
-        plan = plan_placement(load.numpy(), o.ranks, redundant, o.nodes)
+        plan = plan_placement(load.numpy(), o.ranks, redundant, o.nodes, self._physical())
         busiest = rank_loads(self._physical(), load.numpy()).max()
         if busiest >= min_gain * rank_loads(plan, load.numpy()).max():
             self.move_to(plan, optimizer)

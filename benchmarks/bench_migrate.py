@@ -1,0 +1,115 @@
+"""The planner's cost of moving, checked against measured migrations: 2 ranks, each a
+``hpmoe.MoE`` with ``shard_experts`` (kernel by kernel, Adam state after one step),
+alternate between the identity placement and the planner's placement for a hot expert
+(``layer.move_to``); each move's slowest rank's measured seconds against the seconds
+``Moves.seconds`` models on the layer's hardware model, whose link is the shaped rate
+(``--link``, ranks in network namespaces) or, without one, ``cpu_nominal``'s.
+
+    HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_migrate.py \
+        [--preset mixtral-8x7b --hidden 1024 --ffn 3584] [--link 1gbit] [--redundant 0] [--moves 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from hpmoe.launch.launcher import LaunchSpec, launch
+from hpmoe.launch.netns import LinkSpec
+from hpmoe.machine import record
+
+
+def _hardware(link: str | None):
+    from hpmoe.sim.hardware import LinkEntry
+    from hpmoe.sim.presets import cpu_nominal
+
+    hw = cpu_nominal()
+    if link is None:
+        return hw
+    rate = LinkSpec(link).bytes_per_s
+    return dataclasses.replace(hw, link=(LinkEntry(2, rate, rate),), notes=f"link shaped to {link}")
+
+
+def _rank(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from hpmoe import MoE
+    from hpmoe.placement import Placement, plan_placement
+    from hpmoe.runtime.session import RuntimeConfig
+    from hpmoe.runtime.transport.base import TransportKind
+    from hpmoe.spec import preset
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = preset(args.preset, torch.float32)
+    spec = dataclasses.replace(spec, hidden=args.hidden or spec.hidden, ffn=args.ffn or spec.ffn)
+    transport = TransportKind.DIST if args.link else TransportKind.SHM
+    runtime = RuntimeConfig(transport=transport, deadline_s=600.0)
+    layer = MoE(spec, ep_group=dist.group.WORLD, backend="kernel_by_kernel", shard_experts=True,
+                redundant=args.redundant, runtime=runtime, hardware=_hardware(args.link))
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    layer(torch.randn(64, spec.hidden)).sum().backward()
+    opt.step()
+    opt.zero_grad()  # between steps: weights and Adam's two moments move
+    load = np.ones(spec.experts)
+    load[0] = 100.0
+    first = layer.placement or Placement.identity(spec.experts, world)
+    places = [first, plan_placement(load, world, args.redundant, current=first)]
+    for i in range(args.moves):
+        dist.barrier()
+        m = layer.move_to(places[(i + 1) % 2], opt)
+        slowest = max(t.item() for t in _gather(torch.tensor([m.seconds]), world))
+        if rank == 0:
+            print(json.dumps({"move": i, "to": list(places[(i + 1) % 2].phy2log), "rows": m.rows.tolist(),
+                              "row_bytes": m.row_bytes, "measured_s": slowest, "predicted_s": m.predicted_s}),
+                  flush=True)
+    layer.close()
+    dist.destroy_process_group()
+
+
+def _gather(t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t)
+    return parts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="mixtral-8x7b")
+    p.add_argument("--hidden", type=int, default=1024, help="the preset's hidden size (0: as it is)")
+    p.add_argument("--ffn", type=int, default=3584, help="the preset's expert FFN size (0: as it is)")
+    p.add_argument("--link", default=None, help="shape the ranks' links to this rate (e.g. 1gbit)")
+    p.add_argument("--redundant", type=int, default=0)
+    p.add_argument("--moves", type=int, default=6)
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank:
+        return _rank(args)
+    record()
+    argv = [sys.executable, os.path.abspath(__file__), "--rank", *sys.argv[1:]]
+    result = launch(LaunchSpec(tuple(argv), 2, LinkSpec(args.link) if args.link else None, timeout_s=1800,
+                               capture=True))
+    if not result.ok:
+        for r in result.ranks:
+            print(f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-3000:]}", file=sys.stderr)
+        sys.exit(1)
+    moves = [json.loads(line) for line in result.ranks[0].stdout.splitlines() if line.startswith("{")]
+    ratio = [m["measured_s"] / m["predicted_s"] for m in moves if m["predicted_s"]]
+    print(json.dumps({"args": vars(args), "moves": moves,
+                      "measured_over_predicted": {"median": statistics.median(ratio), "min": min(ratio),
+                                                  "max": max(ratio)}}))
+
+
+if __name__ == "__main__":
+    main()
