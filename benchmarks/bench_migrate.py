@@ -2,11 +2,16 @@
 ``hpmoe.MoE`` with ``shard_experts`` (kernel by kernel, Adam state after one step),
 alternate between the identity placement and the planner's placement for a hot expert
 (``layer.move_to``); each move's slowest rank's measured seconds against the seconds
-``Moves.seconds`` models on the layer's hardware model, whose link is the shaped rate
-(``--link``, ranks in network namespaces) or, without one, ``cpu_nominal``'s.
+``Moves.seconds`` models on three hardware models: ``measured`` (the link measured as
+the baseline's models measure it, ``hpmoe.bench.forecast.measure_all_to_all``: the
+median of 5 all-to-alls of ``--probe-mb`` per peer, a move's kind of traffic, before
+any move; the latency of 64-byte exchanges; copies at
+this rank's share of the measured host memory rate), ``configured`` (the shaped
+``--link`` rate, measured copies) and ``nominal`` (``cpu_nominal``, the layer's default).
 
     HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_migrate.py \
-        [--preset mixtral-8x7b --hidden 1024 --ffn 3584] [--link 1gbit] [--redundant 0] [--moves 6]
+        [--preset mixtral-8x7b --hidden 1024 --ffn 3584] [--link 1gbit] [--redundant 0] [--moves 6] \
+        [--probe-mb 16]
 """
 
 from __future__ import annotations
@@ -27,15 +32,22 @@ from hpmoe.launch.netns import LinkSpec
 from hpmoe.machine import record
 
 
-def _hardware(link: str | None):
+def _models(link: str | None, probe_bytes: int) -> dict:
+    """The three hardware models (see the module doc).  Collective."""
+    import torch.distributed as dist
+
+    from hpmoe.bench.forecast import measure_all_to_all, measure_host_memory, measure_link
     from hpmoe.sim.hardware import LinkEntry
     from hpmoe.sim.presets import cpu_nominal
 
-    hw = cpu_nominal()
-    if link is None:
-        return hw
-    rate = LinkSpec(link).bytes_per_s
-    return dataclasses.replace(hw, link=(LinkEntry(2, rate, rate),), notes=f"link shaped to {link}")
+    nominal = cpu_nominal()
+    latency = measure_link(None, 1 << 20)[1]  # 64-byte exchanges
+    bw = measure_all_to_all(None, probe_bytes, repeats=5)
+    copies = measure_host_memory(None) / dist.get_world_size()
+    measured = dataclasses.replace(nominal, link=(LinkEntry(2, bw, bw),), link_latency=latency, mem_bw=copies)
+    rate = LinkSpec(link).bytes_per_s if link else bw
+    configured = dataclasses.replace(measured, link=(LinkEntry(2, rate, rate),))
+    return {"measured": measured, "configured": configured, "nominal": nominal}
 
 
 def _rank(args: argparse.Namespace) -> None:
@@ -54,8 +66,9 @@ def _rank(args: argparse.Namespace) -> None:
     spec = dataclasses.replace(spec, hidden=args.hidden or spec.hidden, ffn=args.ffn or spec.ffn)
     transport = TransportKind.DIST if args.link else TransportKind.SHM
     runtime = RuntimeConfig(transport=transport, deadline_s=600.0)
+    models = _models(args.link, int(args.probe_mb * (1 << 20)))
     layer = MoE(spec, ep_group=dist.group.WORLD, backend="kernel_by_kernel", shard_experts=True,
-                redundant=args.redundant, runtime=runtime, hardware=_hardware(args.link))
+                redundant=args.redundant, runtime=runtime, hardware=models["measured"])
     opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
     layer(torch.randn(64, spec.hidden)).sum().backward()
     opt.step()
@@ -64,13 +77,18 @@ def _rank(args: argparse.Namespace) -> None:
     load[0] = 100.0
     first = layer.placement or Placement.identity(spec.experts, world)
     places = [first, plan_placement(load, world, args.redundant, current=first)]
+    if rank == 0:
+        figures = {n: {"link_gbytes_per_s": hw.link[0].dispatch / 1e9, "latency_ms": hw.link_latency * 1e3,
+                       "copy_gbytes_per_s": hw.mem_bw / 1e9} for n, hw in models.items()}
+        print(json.dumps({"models": figures}), flush=True)
     for i in range(args.moves):
         dist.barrier()
         m = layer.move_to(places[(i + 1) % 2], opt)
         slowest = max(t.item() for t in _gather(torch.tensor([m.seconds]), world))
+        predicted = {n: m.moves.seconds(m.row_bytes, m.tensors, hw) for n, hw in models.items()}
         if rank == 0:
-            print(json.dumps({"move": i, "to": list(places[(i + 1) % 2].phy2log), "rows": m.rows.tolist(),
-                              "row_bytes": m.row_bytes, "measured_s": slowest, "predicted_s": m.predicted_s}),
+            print(json.dumps({"move": i, "rows": m.moves.rows().tolist(), "row_bytes": m.row_bytes,
+                              "tensors": m.tensors, "measured_s": slowest, "predicted_s": predicted}),
                   flush=True)
     layer.close()
     dist.destroy_process_group()
@@ -92,6 +110,8 @@ def main() -> None:
     p.add_argument("--link", default=None, help="shape the ranks' links to this rate (e.g. 1gbit)")
     p.add_argument("--redundant", type=int, default=0)
     p.add_argument("--moves", type=int, default=6)
+    p.add_argument("--probe-mb", type=float, default=16.0,
+                   help="MiB each rank sends each peer to measure the link (measure_all_to_all)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank:
@@ -104,12 +124,11 @@ def main() -> None:
         for r in result.ranks:
             print(f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-3000:]}", file=sys.stderr)
         sys.exit(1)
-    moves = [json.loads(line) for line in result.ranks[0].stdout.splitlines() if line.startswith("{")]
-    ratio = [m["measured_s"] / m["predicted_s"] for m in moves if m["predicted_s"]]
-    print(json.dumps({"args": vars(args), "moves": moves,
-                      "measured_over_predicted": {"median": statistics.median(ratio), "min": min(ratio),
-                                                  "max": max(ratio)}}))
-
+    lines = [json.loads(line) for line in result.ranks[0].stdout.splitlines() if line.startswith("{")]
+    moves = [m for m in lines if "move" in m]
+    ratios = {n: [m["measured_s"] / m["predicted_s"][n] for m in moves] for n in moves[0]["predicted_s"]}
+    summary = {n: {"median": statistics.median(r), "min": min(r), "max": max(r)} for n, r in ratios.items()}
+    print(json.dumps({"args": vars(args), **lines[0], "moves": moves, "measured_over_predicted": summary}))
 
 if __name__ == "__main__":
     main()

@@ -5,12 +5,12 @@ from, the exchange itself, and its modelled cost (the planner's cost of moving).
 Rank ``r`` stores the rows of its slots ``[r * S, (r + 1) * S)`` in slot order.  New
 slot ``s`` reads logical expert ``new.phy2log[s]``: from its own rank's old rows when one
 of them holds that expert (no traffic), else from the lowest rank that holds it (that
-rank's first such row).  Every tensor keyed by the rows moves together — the weights,
-their gradients, and any optimizer state shaped like them (Adam's moments) — packed
-row by row into one byte buffer, so the move is one all-to-all over the session's
-deadline-bounded collectives.  Its model (``Moves.seconds``): the busiest rank's row
-copies at memory bandwidth, plus ``latency + max(bytes a rank sends or receives) /
-bandwidth`` on the link.
+rank's first such row).  Every tensor keyed by the rows moves with them, in place —
+the weights, their gradients, and any optimizer state shaped like them (Adam's
+moments) — one all-to-all per tensor over the session's deadline-bounded collectives.
+Its model (``Moves.seconds``): the busiest rank's row copies at memory bandwidth, plus
+``latency`` per message and ``max(bytes a rank sends or receives) / bandwidth`` on the
+link.  The planner keeps experts where they are (``plan_placement(current=...)``).
 
 An expert with replicas on several ranks has a row on each; ``replica_sum`` makes every
 holder's gradient of it the sum over the holders (one all-gather in the backward, summed
@@ -39,10 +39,12 @@ class Moves:
 
     @staticmethod
     def between(old: Placement, new: Placement) -> Moves:
-        """The rows each rank copies to go from ``old`` to ``new`` (same experts and ranks)."""
-        if (old.experts, old.ranks) != (new.experts, new.ranks):
-            raise ValueError(f"a move keeps the experts and ranks: {old.experts} experts on {old.ranks} "
-                             f"ranks -> {new.experts} on {new.ranks}")
+        """The rows each rank copies to go from ``old`` to ``new`` (same experts, ranks and
+        slots)."""
+        if (old.experts, old.ranks, old.slots) != (new.experts, new.ranks, new.slots):
+            raise ValueError(f"a move keeps the experts, ranks and slots: {old.experts} experts on "
+                             f"{old.ranks} ranks in {old.slots} slots -> {new.experts} on {new.ranks} in "
+                             f"{new.slots}")
         held = [old.phy2log[r * old.slots_per_rank:(r + 1) * old.slots_per_rank] for r in range(old.ranks)]
 
         def source(rank: int, expert: int) -> tuple[int, int]:
@@ -66,16 +68,18 @@ class Moves:
         peers = range(self.ranks)
         return np.array([[len(self.sent(q, r)) for r in peers] for q in peers], np.int64)
 
-    def seconds(self, row_bytes: int, hw: HardwareModel) -> float:
-        """Modelled seconds of the move on ``hw``: the busiest rank's copies (each row it
-        keeps, packs or unpacks read and written once at ``mem_bw``) plus one message per
-        peer on the link, each rank sending and receiving at once, the busiest direction
-        bound (no link time when nothing crosses ranks)."""
+    def seconds(self, row_bytes: int, tensors: int, hw: HardwareModel) -> float:
+        """Modelled seconds of the move (``move_rows``) on ``hw``: the busiest rank's
+        copies at ``mem_bw`` (each row it sends, receives or shifts, read and written
+        twice) plus one message per tensor on the link, each rank sending and receiving
+        at once, the busiest direction bound (no link time when nothing crosses ranks)."""
         rows = self.rows()
-        copied = (np.array([len(s) for s in self.source]) + rows.sum(1)) * row_bytes  # kept + fetched, sent
+        shifted = np.array([sum(q == r and row != j for j, (q, row) in enumerate(s))
+                            for r, s in enumerate(self.source)])
+        copied = (rows.sum(0) + rows.sum(1) + shifted) * row_bytes
         link = int(max(rows.sum(0).max(), rows.sum(1).max())) * row_bytes
-        on_link = float(hw.put_time(link, self.ranks, LinkDirection.DISPATCH)) if link else 0.0
-        return float(hw.memory_time(2 * copied.max())) + on_link
+        on_link = tensors * hw.link_latency + link / hw.link_bandwidth(self.ranks, LinkDirection.DISPATCH)
+        return float(hw.memory_time(4 * copied.max())) + (float(on_link) if link else 0.0)
 
 
 def row_bytes(tensors: list[torch.Tensor]) -> int:
@@ -83,93 +87,77 @@ def row_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
-def move_rows(tensors: list[torch.Tensor], moves: Moves, rank: int, coll: Any) -> list[torch.Tensor]:
-    """This rank's new rows of every tensor in ``tensors`` ([S_old, ...] each), fresh
-    [S_new, ...] tensors: rows it keeps copied in place, rows peers need packed (every
-    tensor's row side by side as bytes) into one all-to-all over ``coll``
-    (``runtime.collective.Collectives``), received rows unpacked; each row is copied
-    once.  Collective: every rank of the group calls it with the same ``moves``."""
+def move_rows(tensors: list[torch.Tensor], moves: Moves, rank: int, coll: Any) -> None:
+    """Give every tensor in ``tensors`` ([S, ...] this rank's stored rows each) its new
+    rows in place: rows kept at their index are not touched, rows kept at another index
+    are copied there, rows peers need leave in one all-to-all per tensor over ``coll``
+    (``runtime.collective.Collectives``) and arrive into their rows.  Collective: every
+    rank calls it with the same ``moves`` and as many tensors."""
     peers, mine = range(moves.ranks), moves.source[rank]
     send = torch.tensor([row for r in peers for row in moves.sent(rank, r)], dtype=torch.int64)
     recv_counts = [len(moves.sent(q, rank)) for q in peers]
     send_counts = [len(moves.sent(rank, r)) for r in peers]
-    packed = torch.cat([_as_bytes(t.index_select(0, send)) for t in tensors], 1)
-    got = packed.new_empty((sum(recv_counts), packed.shape[1]))
-    coll.all_to_all(got, packed, recv_counts, send_counts, "migrate: expert rows")
-    kept = [j for j, (q, _) in enumerate(mine) if q == rank]
     fetched = sorted((j for j, (q, _) in enumerate(mine) if q != rank), key=lambda j: mine[j][0])  # received
-    out, col = [], 0
+    shifted = [j for j, (q, row) in enumerate(mine) if q == rank and row != j]
     for t in tensors:
-        new = t.new_empty((len(mine), *t.shape[1:]))
-        new[kept] = t[[mine[j][1] for j in kept]]
-        width = t[0].numel() * t.element_size()
-        rows = got[:, col:col + width].flatten().clone()  # fresh storage: aligned for any dtype
-        new[fetched] = rows.view(t.dtype).view(len(fetched), *t.shape[1:])
-        out.append(new)
-        col += width
-    return out
-
-
-def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    """[n, ...] rows as [n, bytes per row] uint8 (a view of a contiguous copy)."""
-    return rows.contiguous().view(rows.shape[0], -1).view(torch.uint8)
+        got = t.new_empty((len(fetched), *t.shape[1:]))
+        local = t[[mine[j][1] for j in shifted]]  # copied before any row is overwritten
+        coll.all_to_all(got, t.index_select(0, send), recv_counts, send_counts, "migrate: expert rows")
+        t[shifted] = local
+        t[fetched] = got
 
 
 @dataclass(frozen=True)
 class Migration:
-    """One move: ``rows`` [ranks, ranks] rows rank q sent rank r, ``row_bytes`` per row
-    (weights, gradients and optimizer state together), ``seconds`` this rank measured
-    (packing and the exchange), ``predicted_s`` the link model's (``Moves.seconds``)."""
+    """One move: ``moves``; ``row_bytes`` per row over its ``tensors`` (weights,
+    gradients and optimizer state together); ``seconds`` this rank measured (its copies
+    and the exchanges); ``predicted_s`` the model's (``Moves.seconds``)."""
 
-    rows: np.ndarray
+    moves: Moves
     row_bytes: int
+    tensors: int
     seconds: float
     predicted_s: float
 
     @staticmethod
     def nothing() -> Migration:
-        return Migration(np.zeros((0, 0), np.int64), 0, 0.0, 0.0)
+        return Migration(Moves(()), 0, 0, 0.0, 0.0)
 
     @property
     def bytes(self) -> int:
         """Bytes that crossed ranks, all ranks together."""
-        return int(self.rows.sum()) * self.row_bytes
+        return int(self.moves.rows().sum()) * self.row_bytes
 
 
 def migrate(params: list[torch.nn.Parameter], moves: Moves, optimizer: torch.optim.Optimizer | None,
             coll: Any, hw: HardwareModel) -> Migration:
     """Move ``params`` ([S, ...] stored rows each), their gradients and every tensor of
-    ``optimizer``'s state shaped like them to their new rows (``move_rows``), in place of
-    the old ones (the parameter objects stay, so optimizers and hooks keep them).
+    ``optimizer``'s state shaped like them to their new rows, in place (``move_rows``:
+    parameter objects and state tensors stay, so optimizers and hooks keep them).
     Collective; every rank must hold the same kinds of state (checked, naming them)."""
     start = time.perf_counter()
-    tensors, put = _keyed_by_rows(params, optimizer)
+    tensors = _keyed_by_rows(params, optimizer)
     width = row_bytes(tensors)
-    widths = coll.all_gather(torch.tensor([width], dtype=torch.int64), "migrate: row bytes").flatten()
-    if len(set(widths.tolist())) != 1:
-        raise ValueError(f"migrate: ranks carry different state per row (bytes per rank {widths.tolist()}): "
+    mine = torch.tensor([width, len(tensors)], dtype=torch.int64)
+    every = coll.all_gather(mine, "migrate: what moves").tolist()
+    if any(other != every[0] for other in every):
+        raise ValueError(f"migrate: ranks carry different state per row ((bytes, tensors) per rank {every}): "
                          "every rank needs the same gradients and optimizer state")
-    for set_to, t in zip(put, move_rows(tensors, moves, coll.rank, coll), strict=True):
-        set_to(t)
-    return Migration(moves.rows(), width, time.perf_counter() - start, moves.seconds(width, hw))
+    move_rows(tensors, moves, coll.rank, coll)
+    seconds = time.perf_counter() - start
+    return Migration(moves, width, len(tensors), seconds, moves.seconds(width, len(tensors), hw))
 
 
 def _keyed_by_rows(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None
-                   ) -> tuple[list[torch.Tensor], list[Any]]:
-    """Every tensor that moves with the rows, and how to put its moved form back."""
-    tensors, put = [], []
+                   ) -> list[torch.Tensor]:
+    """Every tensor that moves with the rows: each parameter, its gradient and its
+    optimizer state shaped like it."""
+    tensors = []
     for p in params:
-        tensors.append(p.data)
-        put.append(lambda t, p=p: setattr(p, "data", t))
-        if p.grad is not None:
-            tensors.append(p.grad)
-            put.append(lambda t, p=p: setattr(p, "grad", t))
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                tensors.append(value)
-                put.append(lambda t, state=state, key=key: state.__setitem__(key, t))
-    return tensors, put
+        tensors += [p.data, *([] if p.grad is None else [p.grad]),
+                    *(v for v in state.values() if isinstance(v, torch.Tensor) and v.shape == p.shape)]
+    return tensors
 
 
 def replica_sum(stored: list[torch.Tensor], held: tuple[int, ...], replicated: tuple[int, ...],

@@ -181,27 +181,38 @@ def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int 
         r = min(fresh, key=lambda q: (rank_load[q], q))
         held[r].append(e)
         rank_load[r] += share
-    if current is not None:
-        held = _keep_in_place(held, current, rpn)
-    return Placement(tuple(e for mine in held for e in sorted(mine)), experts, ranks, nodes)
+    held = [sorted(mine) for mine in held] if current is None else _keep_in_place(held, current, rpn)
+    return Placement(tuple(e for mine in held for e in mine), experts, ranks, nodes)
 
 
 def _keep_in_place(held: list[list[int]], current: Placement, rpn: int) -> list[list[int]]:
     """``held`` with the ranks of each node of ``rpn`` ranks renumbered, pairs of most
-    experts in common with ``current``'s ranks first."""
+    experts in common with ``current``'s ranks first, and each rank's experts ordered to
+    keep ``current``'s slot of those it already holds (a kept row is not copied)."""
     per = current.slots_per_rank
-    now = [set(current.phy2log[r * per:(r + 1) * per]) for r in range(current.ranks)]
+    now = [list(current.phy2log[r * per:(r + 1) * per]) for r in range(current.ranks)]
     out: list[list[int]] = [[] for _ in held]
     for first in range(0, len(held), rpn):
         ranks = range(first, first + rpn)
-        pairs = sorted((-len(now[r] & set(held[p])), r, p) for r in ranks for p in ranks)
+        pairs = sorted((-len(set(now[r]) & set(held[p])), r, p) for r in ranks for p in ranks)
         free_r, free_p = set(ranks), set(ranks)
         for _, r, p in pairs:
             if r in free_r and p in free_p:
-                out[r] = held[p]
+                out[r] = _in_slots(held[p], now[r])
                 free_r.discard(r)
                 free_p.discard(p)
     return out
+
+
+def _in_slots(experts: list[int], now: list[int]) -> list[int]:
+    """``experts`` ordered so that each one ``now`` holds keeps its index there."""
+    rest = sorted(experts)
+    slots: list[int | None] = [None] * len(experts)
+    for j, e in enumerate(now[:len(slots)]):
+        if e in rest:
+            slots[j] = e
+            rest.remove(e)
+    return [e if e is not None else rest.pop(0) for e in slots]
 
 
 def _pack(items: list[tuple[float, int]], bins: int, capacity: int) -> list[int]:

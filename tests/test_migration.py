@@ -27,6 +27,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 IDENTITY = Placement.identity(8, 2)
 SWAP = Placement((0, 1, 2, 6, 3, 4, 5, 7), 8, 2)  # expert 6 to rank 0, expert 3 to rank 1
 REPLICAS = Placement((0, 3, 4, 5, 7, 0, 1, 2, 6, 7), 8, 2)  # experts 0 and 7 on both ranks
+REPACKED = Placement((0, 1, 2, 3, 7, 0, 4, 5, 6, 7), 8, 2)  # the same replicas, other experts moved
 
 
 def test_a_move_copies_locally_what_a_rank_already_holds_and_fetches_the_rest():
@@ -34,20 +35,24 @@ def test_a_move_copies_locally_what_a_rank_already_holds_and_fetches_the_rest():
     assert moves.source[0] == ((0, 0), (0, 1), (0, 2), (1, 2))  # expert 6 is rank 1's row 2
     assert moves.source[1] == ((0, 3), (1, 0), (1, 1), (1, 3))
     assert moves.rows().tolist() == [[0, 1], [1, 0]]
-    back = Moves.between(REPLICAS, IDENTITY)  # expert 0 and 7: the rank's own replica
-    assert back.source[0] == ((0, 0), (1, 1), (1, 2), (0, 1)) and back.rows().tolist() == [[0, 2], [2, 0]]
+    back = Moves.between(REPLICAS, REPACKED)  # 0, 3 and 7 stay (3 at another index), 1 and 2 come
+    assert back.source[0] == ((0, 0), (1, 1), (1, 2), (0, 1), (0, 4))
+    assert back.source[1] == ((1, 0), (0, 2), (0, 3), (1, 3), (1, 4))
+    assert back.rows().tolist() == [[0, 2], [2, 0]]
     assert Moves.between(SWAP, SWAP).rows().sum() == 0
-    with pytest.raises(ValueError, match="keeps the experts and ranks: 8 experts on 2 ranks -> 8 on 4"):
-        Moves.between(IDENTITY, Placement.identity(8, 4))
+    with pytest.raises(ValueError, match="8 experts on 2 ranks in 8 slots -> 8 on 2 in 10"):
+        Moves.between(IDENTITY, REPLICAS)
 
 
 def test_the_modelled_cost_of_a_move_is_the_busiest_ranks_copies_and_direction_on_the_link():
     hw = cpu_nominal()  # 0.6 GB/s per rank and direction, 20 us per message, 10 GB/s copies
     one_way = Moves((((0, 0), (1, 0), (1, 1)), ((1, 0), (1, 1), (1, 2))))  # rank 1 sends 2 rows, gets none
     assert one_way.rows().tolist() == [[0, 0], [2, 0]]
-    copies = 2 * (3 + 2) * 1000 / 10e9  # rank 1 writes its 3 rows and packs the 2 it sends
-    assert one_way.seconds(1000, hw) == pytest.approx(copies + hw.link_latency + 2000 / 0.6e9)
-    assert Moves.between(SWAP, SWAP).seconds(1000, hw) == pytest.approx(2 * 4 * 1000 / 10e9)  # local copies
+    copies = 4 * 2 * 1000 / 10e9  # rank 0 receives 2 rows, rank 1 sends 2: each copied twice
+    assert one_way.seconds(1000, 3, hw) == pytest.approx(copies + 3 * hw.link_latency + 2000 / 0.6e9)
+    shifted = Moves((((0, 1), (0, 0)), ((1, 0), (1, 1))))  # rank 0 swaps its two rows: no link
+    assert shifted.seconds(1000, 3, hw) == pytest.approx(4 * 2 * 1000 / 10e9)
+    assert Moves.between(SWAP, SWAP).seconds(1000, 3, hw) == 0.0
 
 
 def _exchange(rank, world, old, new):
@@ -55,14 +60,15 @@ def _exchange(rank, world, old, new):
     per = old.slots_per_rank
     held = torch.tensor(old.phy2log[rank * per:(rank + 1) * per], dtype=torch.float32)
     w = held[:, None, None] * 1000 + torch.arange(6.0).view(1, 2, 3)  # a row says its expert
-    m = held[:, None].to(torch.bfloat16).expand(per, 5)
+    m = held[:, None].to(torch.bfloat16).repeat(1, 5)
     try:
-        return move_rows([w, m], Moves.between(old, new), rank, session.collectives)
+        move_rows([w, m], Moves.between(old, new), rank, session.collectives)
+        return w, m
     finally:
         session.close()
 
 
-@pytest.mark.parametrize("old, new", [(IDENTITY, SWAP), (IDENTITY, REPLICAS), (REPLICAS, SWAP)])
+@pytest.mark.parametrize("old, new", [(IDENTITY, SWAP), (SWAP, IDENTITY), (REPLICAS, REPACKED)])
 def test_every_rank_ends_with_the_rows_of_its_new_experts(old, new):
     got = spawn_gloo(_exchange, 2, old, new)
     per = new.slots_per_rank

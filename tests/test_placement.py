@@ -67,6 +67,9 @@ def test_given_the_current_placement_the_planner_keeps_experts_where_they_are():
     blind, kept = plan_placement(load, 2), plan_placement(load, 2, current=now)
     assert sorted(rank_loads(blind, load)) == sorted(rank_loads(kept, load))
     assert Moves.between(now, blind).rows().sum() == 14 and Moves.between(now, kept).rows().sum() == 2
+    moves = Moves.between(now, kept)
+    stay = [(q, row, j) for r, rows in enumerate(moves.source) for j, (q, row) in enumerate(rows) if q == r]
+    assert len(stay) == 14 and all(row == j for _, row, j in stay)  # and each keeps its slot: no copy
     spread = plan_placement(np.arange(16.0) ** 2, 4, 4, nodes=2, current=Placement.identity(16, 4, nodes=2))
     assert sorted(spread.phy2log) == sorted(plan_placement(np.arange(16.0) ** 2, 4, 4, nodes=2).phy2log)
 
