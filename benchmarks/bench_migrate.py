@@ -1,6 +1,6 @@
 """The planner's cost of moving, checked against measured migrations: 2 ranks, each a
 ``hpmoe.MoE`` with ``shard_experts`` (kernel by kernel, Adam state after one step),
-alternate between the identity placement and the planner's placement for a hot expert
+alternate between the first placement and the planner's for two hot experts
 (``layer.move_to``); each move's slowest rank's measured seconds against the seconds
 ``Moves.seconds`` models on three hardware models: ``measured`` (the link measured as
 the baseline's models measure it, ``hpmoe.bench.forecast.measure_all_to_all``: the
@@ -74,7 +74,7 @@ def _rank(args: argparse.Namespace) -> None:
     opt.step()
     opt.zero_grad()  # between steps: weights and Adam's two moments move
     load = np.ones(spec.experts)
-    load[0] = 100.0
+    load[-2:] = 100.0  # the last two hot, on one rank (the first two have replicas from the start)
     first = layer.placement or Placement.identity(spec.experts, world)
     places = [first, plan_placement(load, world, args.redundant, current=first)]
     if rank == 0:
@@ -126,7 +126,8 @@ def main() -> None:
         sys.exit(1)
     lines = [json.loads(line) for line in result.ranks[0].stdout.splitlines() if line.startswith("{")]
     moves = [m for m in lines if "move" in m]
-    ratios = {n: [m["measured_s"] / m["predicted_s"][n] for m in moves] for n in moves[0]["predicted_s"]}
+    ratios = {n: [m["measured_s"] / m["predicted_s"][n] for m in moves if m["predicted_s"][n]]
+              for n in moves[0]["predicted_s"]}
     summary = {n: {"median": statistics.median(r), "min": min(r), "max": max(r)} for n, r in ratios.items()}
     print(json.dumps({"args": vars(args), **lines[0], "moves": moves, "measured_over_predicted": summary}))
 

@@ -28,6 +28,7 @@ import torch
 
 from .placement import Placement
 from .sim.hardware import HardwareModel, LinkDirection
+from .spec import MoESpec
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,16 @@ class Moves:
         link = int(max(rows.sum(0).max(), rows.sum(1).max())) * row_bytes
         on_link = tensors * hw.link_latency + link / hw.link_bandwidth(self.ranks, LinkDirection.DISPATCH)
         return float(hw.memory_time(4 * copied.max())) + (float(on_link) if link else 0.0)
+
+
+def adam_row(spec: MoESpec) -> tuple[int, int]:
+    """(bytes, tensors) of one stored expert row while training with Adam — what a move
+    carries: the weights (and biases) in ``spec.dtype``, an fp32 master copy where that
+    dtype is narrower (mixed precision), and Adam's two fp32 moments."""
+    params = 3 * spec.hidden * spec.ffn + (2 * spec.ffn + spec.hidden if spec.expert_bias else 0)
+    narrow = spec.dtype.itemsize < 4
+    per_param = spec.dtype.itemsize + 4 * narrow + 8
+    return params * per_param, (4 if spec.expert_bias else 2) * (3 + narrow)
 
 
 def row_bytes(tensors: list[torch.Tensor]) -> int:

@@ -236,13 +236,24 @@ def rank_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     return np.bincount(placement.slot_rank(), weights=share, minlength=placement.ranks)
 
 
+def starting_placement(experts: int, ranks: int, redundant: int = 0, nodes: int = 1) -> Placement:
+    """Where a layer's experts are before any load is measured: the identity, or with
+    ``redundant`` slots the planner's on a uniform load (a layer storing only its own
+    slots holds that many from the start, so its parameters keep their shapes)."""
+    if not redundant:
+        return Placement.identity(experts, ranks, nodes)
+    return plan_placement(np.ones(experts), ranks, redundant, nodes)
+
+
 def place_on_load(routing: Routing, moe: MoESpec, par: ParallelSpec,
                   redundant: int) -> tuple[Routing, MoESpec, Placement]:
     """A placement planned on ``routing``'s own per-expert load (every rank's tokens, in
-    rank order) and the physical routing and layer under it: what a benchmark or a
-    simulation balances with the load it measures."""
+    rank order) from the ``starting_placement`` (experts kept where they are), and the
+    physical routing and layer under it: what a benchmark or a simulation balances with
+    the load it measures."""
     load = torch.bincount(routing.ids.flatten(), minlength=moe.experts).double().numpy()
-    placement = plan_placement(load, par.ep, redundant, par.nodes)
+    start = starting_placement(moe.experts, par.ep, redundant, par.nodes)
+    placement = plan_placement(load, par.ep, redundant, par.nodes, current=start)
     tokens = torch.arange(routing.ids.shape[0], device=routing.ids.device)
     ids = placement.physical_ids(routing.ids, tokens // par.tokens_per_rank, tokens)
     return Routing(ids, routing.weights), placement.physical_spec(moe), placement

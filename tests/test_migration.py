@@ -7,13 +7,14 @@ middle, the optimizer's moments moved with the rows."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from hpmoe.migration import Moves, move_rows
+from hpmoe.migration import Moves, adam_row, move_rows
 from hpmoe.nn.layer import MoE
 from hpmoe.placement import Placement
 from hpmoe.runtime.session import RuntimeConfig, Session
@@ -218,3 +219,28 @@ def test_a_gather_of_slots_not_stored_here_is_refused():
     with pytest.raises(ValueError, match="include slots not stored here"):
         w.gathered()
     assert np.array_equal(Moves.between(IDENTITY, IDENTITY).rows(), np.zeros((2, 2)))
+
+
+def test_a_training_row_carries_weights_master_copy_and_adam_moments():
+    params = 3 * SPEC.hidden * SPEC.ffn
+    assert adam_row(SPEC) == (params * 12, 6)  # fp32 weights, two fp32 moments
+    bf16 = dataclasses.replace(SPEC, dtype=torch.bfloat16)
+    assert adam_row(bf16) == (params * 14, 8)  # + an fp32 master copy
+    biased = dataclasses.replace(SPEC, expert_bias=True)
+    assert adam_row(biased) == ((params + 2 * SPEC.ffn + SPEC.hidden) * 12, 12)
+
+
+def test_simulate_says_what_a_sharded_layer_would_move_to_balance(capsys):
+    from hpmoe.cli import main
+    from hpmoe.sim.hardware import LinkDirection
+    from hpmoe.sim.presets import hardware_preset
+
+    argv = ["simulate", "--preset", "small", "--ep", "4", "--tokens", "256", "--dtype", "fp32", "--hardware",
+            "h100", "--routing", "hot", "--json"]
+    assert main(argv) == 0 and "move" not in json.loads(capsys.readouterr().out)
+    assert main([*argv, "--balance", "migrate"]) == 0
+    move = json.loads(capsys.readouterr().out)["move"]
+    small = preset("small", torch.float32)
+    assert move["row_bytes"] == 3 * small.hidden * small.ffn * 12 and move["rows_per_rank"] >= 1
+    link = hardware_preset("h100").link_bandwidth(4, LinkDirection.DISPATCH)
+    assert move["predicted_us"] >= move["rows_per_rank"] * move["row_bytes"] / link * 1e6

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..ir.graph import TaskGraph
+from ..migration import Moves, adam_row
+from ..placement import starting_placement
 from ..regions.dedup_layout import dedup_factor
 from ..regions.family import region_family
 from ..schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, paper_tiles, schedule
@@ -143,7 +145,20 @@ def summary(args: argparse.Namespace, sim: SimRun) -> dict:
         "makespan_over_bound": round(sim.result.makespan / b.lower_bound, 4) if b.lower_bound else None,
         "lower_s": round(sim.lower_s, 3), "schedule_s": round(sim.schedule_s, 3),
         "simulate_s": round(sim.simulate_s, 3),
+        **({"move": move_json(sim.layer, sim.hardware)} if sim.layer.placement is not None else {}),
     }
+
+
+def move_json(layer: Layer, hw: HardwareModel) -> dict:
+    """What a layer storing only its own slots moves to reach ``layer.placement`` from
+    where it starts (``starting_placement``), training with Adam (``adam_row``): the
+    busiest rank's rows and the modelled time (``Moves.seconds``, one link tier)."""
+    p = layer.placement
+    moves = Moves.between(starting_placement(p.experts, p.ranks, p.slots - p.experts, p.nodes), p)
+    nbytes, tensors = adam_row(layer.moe)
+    rows = moves.rows()
+    return {"rows_per_rank": int(max(rows.sum(0).max(), rows.sum(1).max())), "row_bytes": nbytes,
+            "predicted_us": round(moves.seconds(nbytes, tensors, hw) * _US, 3)}
 
 
 def link_bytes_per_rank(graph: TaskGraph) -> list[int]:

@@ -46,7 +46,7 @@ from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy
 from ..migration import Migration, Moves, migrate, replica_sum
-from ..placement import Placement, plan_placement, rank_loads
+from ..placement import Placement, plan_placement, rank_loads, starting_placement
 from ..regions.base import RegionKind
 from ..routing import Routing, input_error, route
 from ..schedule.auto import AutoDecision
@@ -151,7 +151,7 @@ class MoE(nn.Module):
                                 nodes, rebalance_every, redundant, shard_experts)
         first, stored = None, slice(None)
         if shard_experts:
-            first = _first_placement(spec, options)
+            first = starting_placement(spec.experts, options.ranks, options.redundant, options.nodes)
             stored = list(first.phy2log[_own_rows(spec, options, first)])
         self.experts = FusedExperts(*(t.detach()[stored].clone() for t in (w.w13, w.w2, *w.biases)))
         self.gate = TopkRouter(w.router.detach().clone(), bias)
@@ -592,15 +592,6 @@ def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
 
     return ExpertWeights(replace(w.spec, dtype=dtype), w.router, w.router_bias, cast(w.w13), cast(w.w2),
                          cast(w.shared_w13), cast(w.shared_w2), cast(w.b13), cast(w.b2), w.slot_rows)
-
-
-def _first_placement(spec: MoESpec, options: RegionOptions) -> Placement:
-    """A sharded layer's placement before any load is measured: the identity, or with
-    ``redundant`` slots the planner's on a uniform load (its slots per rank never change,
-    so the parameters keep their shapes)."""
-    if not options.redundant:
-        return Placement.identity(spec.experts, options.ranks, options.nodes)
-    return plan_placement(np.ones(spec.experts), options.ranks, options.redundant, options.nodes)
 
 
 def _own_rows(spec: MoESpec, options: RegionOptions, placement: Placement | None = None) -> slice:
