@@ -105,17 +105,20 @@ def move_rows(tensors: list[torch.Tensor], moves: Moves, rank: int, coll: Any) -
     (``runtime.collective.Collectives``) and arrive into their rows.  Collective: every
     rank calls it with the same ``moves`` and as many tensors."""
     peers, mine = range(moves.ranks), moves.source[rank]
-    send = torch.tensor([row for r in peers for row in moves.sent(rank, r)], dtype=torch.int64)
+    send = torch.tensor([row for r in peers for row in moves.sent(rank, r)], dtype=torch.int64,
+                        device=tensors[0].device)
     recv_counts = [len(moves.sent(q, rank)) for q in peers]
     send_counts = [len(moves.sent(rank, r)) for r in peers]
     fetched = sorted((j for j, (q, _) in enumerate(mine) if q != rank), key=lambda j: mine[j][0])  # received
     shifted = [j for j, (q, row) in enumerate(mine) if q == rank and row != j]
+    crossing = bool(moves.rows().any())  # the same on every rank: all exchange, or none
     for t in tensors:
-        got = t.new_empty((len(fetched), *t.shape[1:]))
         local = t[[mine[j][1] for j in shifted]]  # copied before any row is overwritten
-        coll.all_to_all(got, t.index_select(0, send), recv_counts, send_counts, "migrate: expert rows")
+        if crossing:
+            got = t.new_empty((len(fetched), *t.shape[1:]))
+            coll.all_to_all(got, t.index_select(0, send), recv_counts, send_counts, "migrate: expert rows")
+            t[fetched] = got
         t[shifted] = local
-        t[fetched] = got
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def migrate(params: list[torch.nn.Parameter], moves: Moves, optimizer: torch.opt
     start = time.perf_counter()
     tensors = _keyed_by_rows(params, optimizer)
     width = row_bytes(tensors)
-    mine = torch.tensor([width, len(tensors)], dtype=torch.int64)
+    mine = torch.tensor([width, len(tensors)], dtype=torch.int64, device="cpu")  # the session's gloo
     every = coll.all_gather(mine, "migrate: what moves").tolist()
     if any(other != every[0] for other in every):
         raise ValueError(f"migrate: ranks carry different state per row ((bytes, tensors) per rank {every}): "

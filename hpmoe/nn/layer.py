@@ -254,16 +254,13 @@ class MoE(nn.Module):
         """The current parameters as ``ExpertWeights`` in their current dtype, connected to
         autograd: router [E, H] float32 (hpmoe's own router; zeros for a transformers block,
         whose router module routes), w13 [E, 2F, H], w2 [E, H, F] (views of the block's
-        expert parameters, or a copy where its layout needs one), shared_w13 = cat(gate, up)."""
+        expert parameters, or a copy where its layout needs one), shared_w13 = cat(gate, up).
+        With ``shard_experts``: the physical layer of this rank's stored slots (router
+        placeholders; ``_stored_slots``)."""
         t = self._expert_tensors()
         w13 = t.w13
         spec = replace(self.spec, dtype=w13.dtype)
-        router = torch.zeros((), dtype=torch.float32, device=w13.device).expand(spec.experts, spec.hidden)
-        bias = torch.zeros(spec.experts, dtype=torch.float32, device=w13.device)
-        if self.family is None:
-            router = self.gate.weight.float()
-            b = getattr(self.gate, "e_score_correction_bias", None)
-            bias = bias if b is None else b.float()
+        router, bias = self._router(w13.device)
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
         shared = (None, None) if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
                                                   sh.down_proj.weight)
@@ -272,12 +269,20 @@ class MoE(nn.Module):
         return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=w13, w2=t.w2,
                              shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2)
 
-    def _gate_weights(self, dtype: torch.dtype) -> ExpertWeights:
-        """hpmoe's own router in ``dtype`` (expert tensors: placeholders)."""
+    def _router(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router [E, H], score-correction bias [E]) float32: hpmoe's own, or zeros for a
+        transformers block (its router module routes)."""
+        e, h = self.spec.experts, self.spec.hidden
+        bias = torch.zeros(e, dtype=torch.float32, device=device)
+        if self.family is not None:
+            return torch.zeros((), dtype=torch.float32, device=device).expand(e, h), bias
         b = getattr(self.gate, "e_score_correction_bias", None)
-        bias = b.float() if b is not None else torch.zeros(self.spec.experts, dtype=torch.float32,
-                                                            device=self.gate.weight.device)
-        return ExpertWeights.gate_only(replace(self.spec, dtype=dtype), self.gate.weight.float(), bias)
+        return self.gate.weight.float(), bias if b is None else b.float()
+
+    def _gate_weights(self, dtype: torch.dtype) -> ExpertWeights:
+        """hpmoe's own router for routing in ``dtype`` (expert tensors: placeholders)."""
+        spec = replace(self.spec, dtype=dtype)
+        return ExpertWeights.gate_only(spec, *self._router(self.gate.weight.device))
 
     def forward(self, hidden_states: torch.Tensor, *args: Any,
                 **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
