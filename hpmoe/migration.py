@@ -150,7 +150,7 @@ def migrate(params: list[torch.nn.Parameter], moves: Moves, optimizer: torch.opt
     parameter objects and state tensors stay, so optimizers and hooks keep them).
     Collective; every rank must hold the same kinds of state (checked, naming them)."""
     start = time.perf_counter()
-    tensors = _keyed_by_rows(params, optimizer)
+    tensors = keyed_by_rows(params, optimizer)
     width = row_bytes(tensors)
     mine = torch.tensor([width, len(tensors)], dtype=torch.int64, device="cpu")  # the session's gloo
     every = coll.all_gather(mine, "migrate: what moves").tolist()
@@ -162,7 +162,7 @@ def migrate(params: list[torch.nn.Parameter], moves: Moves, optimizer: torch.opt
     return Migration(moves, width, len(tensors), seconds, moves.seconds(width, len(tensors), hw))
 
 
-def _keyed_by_rows(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None
+def keyed_by_rows(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None
                    ) -> list[torch.Tensor]:
     """Every tensor that moves with the rows: each parameter, its gradient and its
     optimizer state shaped like it."""

@@ -18,6 +18,7 @@ from hpmoe.migration import Moves, adam_row, move_rows
 from hpmoe.nn.layer import MoE
 from hpmoe.placement import Placement
 from hpmoe.runtime.session import RuntimeConfig, Session
+from hpmoe.sim.hardware import LinkEntry
 from hpmoe.sim.presets import cpu_nominal
 from hpmoe.spec import preset
 from hpmoe.testing import spawn_gloo
@@ -83,11 +84,11 @@ def test_every_rank_ends_with_the_rows_of_its_new_experts(old, new):
 # ---------------------------------------------------------------------------- layers
 
 
-def _weights():
-    """Every token picks expert 0 first (its selection bias is large)."""
+def _weights(hot=0):
+    """Every token picks expert ``hot`` first (its selection bias is large)."""
     w = ExpertWeights.random(SPEC, 1)
     bias = w.router_bias.clone()
-    bias[0] = 5.0
+    bias[hot] = 5.0
     return ExpertWeights(SPEC, w.router, bias, w.w13, w.w2, w.shared_w13, w.shared_w2)
 
 
@@ -244,3 +245,30 @@ def test_simulate_says_what_a_sharded_layer_would_move_to_balance(capsys):
     assert move["row_bytes"] == 3 * small.hidden * small.ffn * 12 and move["rows_per_rank"] >= 1
     link = hardware_preset("h100").link_bandwidth(4, LinkDirection.DISPATCH)
     assert move["predicted_us"] >= move["rows_per_rank"] * move["row_bytes"] / link * 1e6
+
+
+def _gated(rank, world, link_bytes_per_s, steps):
+    hw = dataclasses.replace(cpu_nominal(), link=(LinkEntry(2, link_bytes_per_s, link_bytes_per_s),))
+    layer = MoE(SPEC, _weights(hot=7), ep_group=dist.group.WORLD, shard_experts=True, redundant=2,
+                backend="kernel_by_kernel", hardware=hw)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    mine = slice(rank * 32, (rank + 1) * 32)
+    for step in range(2):
+        x, dy = _batch(step)
+        opt.zero_grad()
+        (layer(x[mine]) * dy[mine]).sum().backward()
+        opt.step()
+    before = layer.placement
+    after = layer.rebalance(redundant=2, min_gain=1.0, optimizer=opt, steps=steps)
+    layer.close()
+    return before, after, layer._clock.call_s
+
+
+@pytest.mark.parametrize("link, steps, moves", [(1.0, 10**6, False), (0.6e9, 10**6, True), (1.0, 0, True)])
+def test_a_rebalance_moves_only_when_the_calls_it_serves_repay_the_move(link, steps, moves):
+    """Two replicas for the hot expert 7 cut the busiest rank's load; over ``steps``
+    calls of the measured time that repays a move on a 0.6 GB/s link, never one at
+    1 byte/s (rows of 18 KB: hours each); without ``steps`` the load decides alone."""
+    (before, after, call_s), other = spawn_gloo(_gated, 2, link, steps)
+    assert call_s > 0 and other[1] == after and after.phy2log.count(7) == (2 if moves else 1)
+    assert (after != before) == moves

@@ -22,6 +22,7 @@ from .paths import (
     ExactPath,
     KernelByKernelPath,
     RegionCall,
+    RegionClock,
     RegionFunction,
     RegionPath,
     RegionState,
@@ -31,9 +32,9 @@ from .paths import (
 )
 from .selection import PROCESS_AUTO, Auto, decision, select, tune_key, tuned
 
-__all__ = ["PROCESS_AUTO", "Auto", "ExactPath", "KernelByKernelPath", "RegionCall", "RegionFunction",
-           "RegionOptions", "RegionPath", "RegionState", "RuntimePath", "TritonPath", "decision",
-           "moe_forward", "run", "select", "tune_key", "tuned"]
+__all__ = ["PROCESS_AUTO", "Auto", "ExactPath", "KernelByKernelPath", "RegionCall", "RegionClock",
+           "RegionFunction", "RegionOptions", "RegionPath", "RegionState", "RuntimePath", "TritonPath",
+           "decision", "moe_forward", "run", "select", "tune_key", "tuned"]
 
 _TRITON = "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, PARTIAL_SUM)"
 

@@ -18,6 +18,9 @@ the kernel-by-kernel one here)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -228,14 +231,46 @@ class KernelByKernelPath:
 
 # ---------------------------------------------------------------------------- autograd
 
+CLOCK_DECAY = 0.9  # of a layer's measured seconds per region call, per call
+
+
+@dataclass
+class RegionClock:
+    """A layer's measured wall seconds per region call: moving averages of its forwards
+    and of its backwards (``CLOCK_DECAY`` per call; the first call sets each)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+    def add(self, backward: bool, seconds: float) -> None:
+        name = "backward_s" if backward else "forward_s"
+        last = getattr(self, name)
+        setattr(self, name, seconds if last == 0.0 else CLOCK_DECAY * last + (1.0 - CLOCK_DECAY) * seconds)
+
+    @property
+    def call_s(self) -> float:
+        """Seconds of one training call (forward and backward)."""
+        return self.forward_s + self.backward_s
+
+
+@contextmanager
+def clocked(clock: RegionClock | None, backward: bool) -> Iterator[None]:
+    """Add the block's wall seconds to ``clock`` (None: nothing)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if clock is not None:
+            clock.add(backward, time.perf_counter() - t0)
+
 
 @dataclass(frozen=True)
 class RegionCall:
     """Non-tensor inputs of one region call: the spec (dtype: the compute dtype), ids
     [N, k] int64 expert ids of the local tokens, the path, whether grad mode was on at the
     call (inside ``forward`` it is always off, and ``ctx.needs_input_grad`` ignores it:
-    without this an inference call would save activations) and the tuner's trial (the
-    backward's seconds go into it)."""
+    without this an inference call would save activations), the tuner's trial and the
+    layer's clock (the backward's seconds go into both)."""
 
     spec: MoESpec
     ids: torch.Tensor
@@ -243,6 +278,7 @@ class RegionCall:
     grad: bool = True
     trial: Trial | None = None
     slot_rows: tuple[int, ...] | None = None
+    clock: RegionClock | None = None
 
 
 class RegionFunction(torch.autograd.Function):
@@ -271,19 +307,21 @@ class RegionFunction(torch.autograd.Function):
         call: RegionCall = ctx.call
         state, ctx.state = ctx.state.unpack(ctx.saved_tensors), None
         dy = dout.to(call.spec.dtype).contiguous()
-        with timed(call.trial, dy.device):
+        with timed(call.trial, dy.device), clocked(call.clock, backward=True):
             g = call.path.backward(state, dy)
         return g.dx, g.dweights, *g.expert_tensors, None
 
 
 def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
-        trial: Trial | None = None, own: slice | None = None) -> torch.Tensor:
+        trial: Trial | None = None, own: slice | None = None,
+        clock: RegionClock | None = None) -> torch.Tensor:
     """The region on ``path`` as one autograd node (gradients flow to x, the routing
-    weights and every expert tensor); a tuning ``trial`` is timed forward and backward.
-    Weights whose experts read slot rows are gathered first for a path that reads none
-    (``own``: the only experts it reads, the others left unfilled; None: every one)."""
+    weights and every expert tensor); a tuning ``trial`` and a ``clock`` are timed
+    forward and backward.  Weights whose experts read slot rows are gathered first for a
+    path that reads none (``own``: the only experts it reads, the others left unfilled;
+    None: every one)."""
     w = weights if path.reads_slots else weights.gathered(own)
-    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows)
-    with timed(trial, x.device):
+    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows, clock)
+    with timed(trial, x.device), clocked(clock, backward=False):
         return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
                                     call)

@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine import Auto, RegionOptions, decision, run, select, tuned
+from ..engine import Auto, RegionClock, RegionOptions, decision, run, select, tuned
 from ..exec.arena import ArenaPool
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy
-from ..migration import Migration, Moves, migrate, replica_sum
+from ..migration import Migration, Moves, keyed_by_rows, migrate, replica_sum, row_bytes
 from ..placement import Placement, plan_placement, rank_loads, starting_placement
 from ..regions.base import RegionKind
 from ..routing import Routing, input_error, route
@@ -176,6 +176,7 @@ class MoE(nn.Module):
         self._calls = 0
         self._arenas = ArenaPool()
         self._computing: int | None = None  # computing experts when some are identity ones
+        self._clock = RegionClock() if options.shard_experts else None  # what a move would save
 
     @classmethod
     def from_hf(cls, module: nn.Module, **options: Any) -> MoE:
@@ -420,7 +421,7 @@ class MoE(nn.Module):
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w.gathered(), o.virtual_ep, o.tiles, auto, o.nodes)
         path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas, x.device)
-        return run(path, x, Routing(ids, topk_weights), w, trial, self._own_slots())
+        return run(path, x, Routing(ids, topk_weights), w, trial, self._own_slots(), self._clock)
 
     # ------------------------------------------------------------------ placement
 
@@ -508,25 +509,45 @@ class MoE(nn.Module):
         return self._load.cpu().numpy().copy()
 
     def rebalance(self, redundant: int = 0, min_gain: float = MIN_REBALANCE_GAIN,
-                  optimizer: torch.optim.Optimizer | None = None) -> Placement | None:
+                  optimizer: torch.optim.Optimizer | None = None, steps: int = 0) -> Placement | None:
         """Plan a placement from the measured load of every rank (collective over the
         ep_group): ``redundant`` extra replicas of the most loaded experts, packed onto
-        ranks (``plan_placement``).  Adopted only when it lowers the busiest rank's
-        predicted load (``rank_loads``) by ``min_gain`` or more (``move_to``: with
-        ``shard_experts``, ``optimizer``'s state moves with the rows); returns the placement
-        in effect."""
+        ranks (``plan_placement``, keeping experts where they are).  Adopted only when it
+        lowers the busiest rank's predicted load (``rank_loads``) by ``min_gain`` or more,
+        and, with ``steps`` (the calls it would serve until the next rebalance), on a
+        layer with ``shard_experts`` only when the move's modelled time is below what it
+        is predicted to save over them (``_worth_moving``); ``move_to`` moves
+        ``optimizer``'s state with the rows.  Returns the placement in effect."""
         o = self.options
         if o.shard_experts and redundant != o.redundant:
             raise ValueError(f"rebalance(redundant={redundant}) on a layer with shard_experts, which stores "
                              f"redundant={o.redundant} extra slots: pass that")
-        load = self._load.cpu()
-        if self.options.distributed:
-            load = self.session().collectives.all_gather(load, "rebalance: expert load").sum(0)
-        plan = plan_placement(load.numpy(), o.ranks, redundant, o.nodes, self._physical())
-        busiest = rank_loads(self._physical(), load.numpy()).max()
-        if busiest >= min_gain * rank_loads(plan, load.numpy()).max():
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"rebalance(steps={steps!r}) must be an int >= 0")
+        clock = self._clock.call_s if self._clock is not None else 0.0
+        mine = torch.cat([self._load.cpu(), torch.tensor([clock], dtype=torch.float64, device="cpu")])
+        if self.options.distributed:  # every rank's load summed, the slowest rank's call
+            every = self.session().collectives.all_gather(mine, "rebalance: expert load")
+            mine = torch.cat([every[:, :-1].sum(0), every[:, -1].max().view(1)])
+        load, call_s = mine[:-1].numpy(), float(mine[-1])
+        plan = plan_placement(load, o.ranks, redundant, o.nodes, self._physical())
+        busiest, planned = rank_loads(self._physical(), load).max(), rank_loads(plan, load).max()
+        saving = steps * call_s * (1.0 - planned / busiest) if busiest > 0 else 0.0
+        if busiest >= min_gain * planned and (not steps or self._worth_moving(plan, optimizer, saving)):
             self.move_to(plan, optimizer)
         return self._placement
+
+    def _worth_moving(self, plan: Placement, optimizer: torch.optim.Optimizer | None,
+                      saving_s: float) -> bool:
+        """Whether moving to ``plan`` takes less than ``saving_s``: the seconds the
+        measured calls are predicted to save (each call's time cut as the busiest rank's
+        load) against the move's modelled time (``Moves.seconds`` on the layer's hardware
+        model); a layer that does not shard its experts moves nothing."""
+        if not self.options.shard_experts:
+            return True
+        tensors = keyed_by_rows(list(self.experts.parameters()), optimizer)
+        moves = Moves.between(self._physical(), plan)
+        return moves.seconds(row_bytes(tensors), len(tensors), self.options.rank_hardware) < saving_s
 
     def _measure_load(self, ids: torch.Tensor) -> None:
         """The per-expert load's EMA and the periodic rebalance; not under torch.compile
