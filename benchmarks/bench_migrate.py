@@ -4,14 +4,15 @@ alternate between the first placement and the planner's for two hot experts
 (``layer.move_to``); each move's slowest rank's measured seconds against the seconds
 ``Moves.seconds`` models on three hardware models: ``measured`` (the link measured as
 the baseline's models measure it, ``hpmoe.bench.forecast.measure_all_to_all``: the
-median of 5 all-to-alls of ``--probe-mb`` per peer, a move's kind of traffic, before
-any move; the latency of 64-byte exchanges; copies at
+median of 5 all-to-alls of ``--probe-mb`` per peer (default: the move's largest
+message), a move's kind of traffic, before any move; the latency of 64-byte
+exchanges; copies at
 this rank's share of the measured host memory rate), ``configured`` (the shaped
 ``--link`` rate, measured copies) and ``nominal`` (``cpu_nominal``, the layer's default).
 
     HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_migrate.py \
         [--preset mixtral-8x7b --hidden 1024 --ffn 3584] [--link 1gbit] [--redundant 0] [--moves 6] \
-        [--probe-mb 16]
+        [--probe-mb MIB]
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from hpmoe import MoE
-    from hpmoe.placement import Placement, plan_placement
+    from hpmoe.migration import Moves
+    from hpmoe.placement import plan_placement, starting_placement
     from hpmoe.runtime.session import RuntimeConfig
     from hpmoe.runtime.transport.base import TransportKind
     from hpmoe.spec import preset
@@ -66,21 +68,23 @@ def _rank(args: argparse.Namespace) -> None:
     spec = dataclasses.replace(spec, hidden=args.hidden or spec.hidden, ffn=args.ffn or spec.ffn)
     transport = TransportKind.DIST if args.link else TransportKind.SHM
     runtime = RuntimeConfig(transport=transport, deadline_s=600.0)
-    models = _models(args.link, int(args.probe_mb * (1 << 20)))
+    load = np.ones(spec.experts)
+    load[-2:] = 100.0  # the last two hot, on one rank (the first two have replicas from the start)
+    first = starting_placement(spec.experts, world, args.redundant)
+    places = [first, plan_placement(load, world, args.redundant, current=first)]
+    largest = int(Moves.between(*places).rows().max()) * 2 * spec.ffn * spec.hidden * 4  # w13's rows, fp32
+    models = _models(args.link, int(args.probe_mb * (1 << 20)) or largest)
     layer = MoE(spec, ep_group=dist.group.WORLD, backend="kernel_by_kernel", shard_experts=True,
                 redundant=args.redundant, runtime=runtime, hardware=models["measured"])
     opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
     layer(torch.randn(64, spec.hidden)).sum().backward()
     opt.step()
     opt.zero_grad()  # between steps: weights and Adam's two moments move
-    load = np.ones(spec.experts)
-    load[-2:] = 100.0  # the last two hot, on one rank (the first two have replicas from the start)
-    first = layer.placement or Placement.identity(spec.experts, world)
-    places = [first, plan_placement(load, world, args.redundant, current=first)]
     if rank == 0:
         figures = {n: {"link_gbytes_per_s": hw.link[0].dispatch / 1e9, "latency_ms": hw.link_latency * 1e3,
                        "copy_gbytes_per_s": hw.mem_bw / 1e9} for n, hw in models.items()}
-        print(json.dumps({"models": figures}), flush=True)
+        print(json.dumps({"models": figures, "probe_bytes": int(args.probe_mb * (1 << 20)) or largest}),
+              flush=True)
     for i in range(args.moves):
         dist.barrier()
         m = layer.move_to(places[(i + 1) % 2], opt)
@@ -110,8 +114,9 @@ def main() -> None:
     p.add_argument("--link", default=None, help="shape the ranks' links to this rate (e.g. 1gbit)")
     p.add_argument("--redundant", type=int, default=0)
     p.add_argument("--moves", type=int, default=6)
-    p.add_argument("--probe-mb", type=float, default=16.0,
-                   help="MiB each rank sends each peer to measure the link (measure_all_to_all)")
+    p.add_argument("--probe-mb", type=float, default=0.0,
+                   help="MiB each rank sends each peer to measure the link (measure_all_to_all); 0: the "
+                        "move's largest message (its rows of gate_up_proj)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank:
