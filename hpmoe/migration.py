@@ -162,8 +162,8 @@ def migrate(params: list[torch.nn.Parameter], moves: Moves, optimizer: torch.opt
     return Migration(moves, width, len(tensors), seconds, moves.seconds(width, len(tensors), hw))
 
 
-def keyed_by_rows(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None
-                   ) -> list[torch.Tensor]:
+def keyed_by_rows(params: list[torch.nn.Parameter],
+                  optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Every tensor that moves with the rows: each parameter, its gradient and its
     optimizer state shaped like it."""
     tensors = []
@@ -182,6 +182,10 @@ def replica_sum(stored: list[torch.Tensor], held: tuple[int, ...], replicated: t
 
 
 class _ReplicaSum(torch.autograd.Function):
+    """Forward: the stored tensors as they are (views).  Backward: each replicated
+    expert's gradient rows summed on this rank, all-gathered in fp32, summed in rank
+    order and written back into every row of it."""
+
     @staticmethod
     def forward(ctx, coll: Any, held: tuple[int, ...], replicated: tuple[int, ...],
                 *stored: torch.Tensor) -> tuple[torch.Tensor, ...]:
