@@ -5,11 +5,14 @@ gather of this rank's slots), alternating call by call after a barrier; the slow
 rank's time per step.  This is the path ``rebalance`` and ``rebalance_every`` give; a
 third layer, ``prepared``, is the same placement as a physical layer built once (what
 ``hpmoe bench --balance`` times), so the difference is the balanced layer's per-call
-gather.
+gather.  ``--shard``: both layers store only their own slots (``shard_experts``; the
+balanced one holds ``redundant`` extra slots and its rebalance moves rows), and there
+is no prepared layer.
 
     HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_balance.py \
         [--preset small] [--hidden H --ffn F] [--tokens 1024] [--routing hot] \
-        [--redundant 2] [--iters 30] [--backend exact|kernel_by_kernel] [--forward-only]
+        [--redundant 2] [--iters 30] [--backend exact|kernel_by_kernel] [--forward-only] [--shard] \
+        [--sync]
 
 ``--hidden``/``--ffn`` scale a preset's width (its routing kept: experts, top-k,
 shared experts), e.g. Mixtral's top-2 of 8 at a quarter of its width on a CPU.
@@ -51,8 +54,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(rank)
     x, dy = (torch.randn(args.tokens, spec.hidden, generator=g) for _ in range(2))
     w = ExpertWeights.random(spec, seed=0)
-    layers = {"plain": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend),
-              "balanced": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend)}
+    shard = {"shard_experts": True} if args.shard else {}
+    layers = {"plain": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend, **shard),
+              "balanced": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend,
+                              redundant=args.redundant if args.shard else 0, **shard)}
     routed = dict.fromkeys(layers, ids)
     backward = not args.forward_only
 
@@ -65,12 +70,16 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
             out = layer.region(xg, routed[name], topk.clone().requires_grad_(backward))
             if backward:
                 out.backward(dy)
+        if args.sync and not args.shard:  # expert gradients all-reduced, as DDP would
+            for p in layer.experts.parameters():
+                dist.all_reduce(p.grad)
+                p.grad = None
         return time.perf_counter() - t0, out.detach()
 
     for _ in range(3):
         step("balanced")  # its measured load
     placement = layers["balanced"].rebalance(args.redundant)
-    if placement is not None:  # the same placement as a physical layer built once (``bench --balance``)
+    if placement is not None and not args.shard:  # the placement as a physical layer built once
         tokens = torch.arange(args.tokens) + rank * args.tokens
         routed["prepared"] = placement.physical_ids(ids, torch.full_like(tokens, rank), tokens)
         pw = placement.physical_weights(w)
@@ -105,6 +114,11 @@ def main() -> None:
     p.add_argument("--redundant", type=int, default=2)
     p.add_argument("--backend", default="exact", choices=["exact", "kernel_by_kernel"],
                    help="exact: AUTO's choice, tuned before timing (the default layer)")
+    p.add_argument("--shard", action="store_true",
+                   help="layers that store only their own slots (shard_experts): the balanced one moves rows")
+    p.add_argument("--sync", action="store_true",
+                   help="each step also all-reduces the expert gradients where every rank keeps every "
+                        "expert (as DDP would); a --shard layer summed its replicas' in its backward")
     p.add_argument("--forward-only", action="store_true",
                    help="time forward calls (no_grad), not training steps")
     p.add_argument("--iters", type=int, default=30)

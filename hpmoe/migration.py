@@ -13,8 +13,8 @@ Its model (``Moves.seconds``): the busiest rank's row copies at memory bandwidth
 link.  The planner keeps experts where they are (``plan_placement(current=...)``).
 
 An expert with replicas on several ranks has a row on each; ``replica_sum`` makes every
-holder's gradient of it the sum over the holders (one all-gather in the backward, summed
-in rank order, so the holders' rows and optimizer states stay bitwise equal).
+holder's gradient of it the sum over the holders (one all-reduce in the backward, the
+same bits on every rank, so the holders' rows and optimizer states stay bitwise equal).
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ def replica_sum(stored: list[torch.Tensor], held: tuple[int, ...], replicated: t
 
 class _ReplicaSum(torch.autograd.Function):
     """Forward: the stored tensors as they are (views).  Backward: each replicated
-    expert's gradient rows summed on this rank, all-gathered in fp32, summed in rank
-    order and written back into every row of it."""
+    expert's gradient rows summed on this rank in fp32, all-reduced, and written back
+    into every row of it."""
 
     @staticmethod
     def forward(ctx, coll: Any, held: tuple[int, ...], replicated: tuple[int, ...],
@@ -201,7 +201,7 @@ class _ReplicaSum(torch.autograd.Function):
             for j, i in pick:
                 part[i] += g[j].float()
             parts.append(part.flatten())
-        total = ctx.coll.all_gather(torch.cat(parts), "backward: replica gradients").sum(0)
+        total = ctx.coll.all_reduce(torch.cat(parts), "backward: replica gradients")
         out, col = [], 0
         for g, part in zip(grads, parts, strict=True):
             summed = total[col:col + part.numel()].view(len(ctx.replicated), *g.shape[1:]).to(g.dtype)

@@ -85,6 +85,13 @@ class Collectives:
         self._wait(dist.all_gather(parts, tensor.contiguous(), group=self.group, async_op=True), mine, what)
         return torch.stack(parts)
 
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """``tensor`` summed over every rank, in place (the same bits on every rank: each
+        element is reduced in one place and the sum sent to the others); returns it."""
+        mine = self.board.enter(what, publish=False)
+        self._wait(dist.all_reduce(tensor, group=self.group, async_op=True), mine, what)
+        return tensor
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                    in_splits: list[int] | None, what: str) -> None:
         """``all_to_all_single`` of ``inp`` into ``out`` (rows per peer: the splits;
