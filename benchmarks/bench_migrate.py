@@ -55,6 +55,7 @@ def _rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from hpmoe import MoE
+    from hpmoe.bench.forecast import slowest_rank
     from hpmoe.migration import Moves
     from hpmoe.placement import plan_placement, starting_placement
     from hpmoe.runtime.session import RuntimeConfig
@@ -88,7 +89,7 @@ def _rank(args: argparse.Namespace) -> None:
     for i in range(args.moves):
         dist.barrier()
         m = layer.move_to(places[(i + 1) % 2], opt)
-        slowest = max(t.item() for t in _gather(torch.tensor([m.seconds]), world))
+        slowest = float(slowest_rank(np.array([m.seconds]), None)[0])
         predicted = {n: m.moves.seconds(m.row_bytes, m.tensors, hw) for n, hw in models.items()}
         if rank == 0:
             print(json.dumps({"move": i, "rows": m.moves.rows().tolist(), "row_bytes": m.row_bytes,
@@ -96,14 +97,6 @@ def _rank(args: argparse.Namespace) -> None:
                   flush=True)
     layer.close()
     dist.destroy_process_group()
-
-
-def _gather(t: torch.Tensor, world: int) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t)
-    return parts
 
 
 def main() -> None:

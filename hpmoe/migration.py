@@ -162,6 +162,14 @@ def migrate(params: list[torch.nn.Parameter], moves: Moves, optimizer: torch.opt
     return Migration(moves, width, len(tensors), seconds, moves.seconds(width, len(tensors), hw))
 
 
+def move_seconds(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None, moves: Moves,
+                 hw: HardwareModel) -> float:
+    """The modelled seconds ``migrate`` would take for ``moves`` of ``params`` and what
+    moves with them (``keyed_by_rows``) on ``hw``."""
+    tensors = keyed_by_rows(params, optimizer)
+    return moves.seconds(row_bytes(tensors), len(tensors), hw)
+
+
 def keyed_by_rows(params: list[torch.nn.Parameter],
                   optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Every tensor that moves with the rows: each parameter, its gradient and its

@@ -45,7 +45,7 @@ from ..exec.arena import ArenaPool
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy
-from ..migration import Migration, Moves, keyed_by_rows, migrate, replica_sum, row_bytes
+from ..migration import Migration, Moves, migrate, move_seconds, replica_sum
 from ..placement import Placement, plan_placement, rank_loads, starting_placement
 from ..regions.base import RegionKind
 from ..routing import Routing, input_error, route
@@ -259,15 +259,14 @@ class MoE(nn.Module):
         With ``shard_experts``: the physical layer of this rank's stored slots (router
         placeholders; ``_stored_slots``)."""
         t = self._expert_tensors()
-        w13 = t.w13
-        spec = replace(self.spec, dtype=w13.dtype)
-        router, bias = self._router(w13.device)
+        spec = replace(self.spec, dtype=t.w13.dtype)
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
         shared = (None, None) if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
                                                   sh.down_proj.weight)
         if self.options.shard_experts:
             return self._stored_slots(spec, t, *shared)
-        return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=w13, w2=t.w2,
+        router, bias = self._router(t.w13.device)
+        return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=t.w13, w2=t.w2,
                              shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2)
 
     def _router(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,12 +302,12 @@ class MoE(nn.Module):
                             f"{len(args)} more positional and {sorted(kwargs)} keyword arguments")
         x = hidden_states.reshape(-1, h)
         if self.family is None:
-            w = self.expert_weights()
+            dtype = experts_dtype(self, self._layout)
             try:
-                routing = route(x.to(w.spec.dtype), self._gate_weights(w.spec.dtype))
+                routing = route(x.to(dtype), self._gate_weights(dtype))
             except (ValueError, TypeError) as err:  # every rank must hear of it, in step
                 if self.options.distributed:
-                    self._open_call(x.shape[0], w, err)
+                    self._open_call(x.shape[0], self.expert_weights(), err)
                 raise
             return self.region(x, routing.ids, routing.weights).view(hidden_states.shape)
         out, router_out = self._block_forward(x, hidden_states, args, kwargs)
@@ -545,9 +544,8 @@ class MoE(nn.Module):
         model); a layer that does not shard its experts moves nothing."""
         if not self.options.shard_experts:
             return True
-        tensors = keyed_by_rows(list(self.experts.parameters()), optimizer)
-        moves = Moves.between(self._physical(), plan)
-        return moves.seconds(row_bytes(tensors), len(tensors), self.options.rank_hardware) < saving_s
+        moves, hw = Moves.between(self._physical(), plan), self.options.rank_hardware
+        return move_seconds(list(self.experts.parameters()), optimizer, moves, hw) < saving_s
 
     def _measure_load(self, ids: torch.Tensor) -> None:
         """The per-expert load's EMA and the periodic rebalance; not under torch.compile
