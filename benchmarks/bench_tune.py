@@ -2,14 +2,17 @@
 by kernel and the serialized baseline: one `hpmoe bench --sweep` per row, with no cpu
 profile on disk and an empty tuning cache (each row tunes from nothing).
 
-    .venv/bin/python benchmarks/bench_tune.py [--iters 30] [--warmup 3] [--only ROW ...]
-        [--order balanced|blocks] [--out results.jsonl]
+    .venv/bin/python benchmarks/bench_tune.py [--iters 30] [--warmup 3] [--paired 100]
+        [--only ROW ...] [--order balanced|blocks] [--out results.jsonl]
 
 Rows: presets tiny and small x transports shm and dist x 256, 1024 and 4096 tokens per
 rank, and small with 1024 tokens over shaped links of 1gbit and 500mbit (root).  Prints
 a markdown table; per row, by median and by fastest iteration (in brackets):
 default / sweep best (1.00: as fast as the best; the acceptance asks >= 0.95), default
 over kernel by kernel, default over the serialized baseline, and the tuning's cost.
+``--paired N`` (0: none) then runs the default and the sweep's fastest candidate N calls
+each, alternating call by call: the paired ratio, which the host's drift over the
+sweep's minutes does not bias.
 ``--order blocks`` times each candidate in blocks of 10 back-to-back calls (as training
 runs its one path) instead of one call of each per iteration (``hpmoe bench --order``).
 """
@@ -32,12 +35,13 @@ ROWS |= {f"small-link-{rate}-1024": ["--preset", "small", "--tokens", "1024", "-
          for rate in ("1gbit", "500mbit")}
 
 
-def bench(argv: list[str], iters: int, warmup: int, order: str) -> dict:
+def bench(argv: list[str], iters: int, warmup: int, order: str, paired: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpmoe-bench-tune-") as tmp:
         env = {**os.environ, "HPMOE_PROFILE": str(Path(tmp) / "no-profile.json"),
                "HPMOE_TUNE_CACHE": str(Path(tmp) / "tune.json")}
         cmd = [sys.executable, "-m", "hpmoe", "bench", "--ep", "2", "--dtype", "fp32", "--sweep", "--json",
-               "--iters", str(iters), "--warmup", str(warmup), "--order", order, *argv]
+               "--iters", str(iters), "--warmup", str(warmup), "--order", order, "--paired", str(paired),
+               *argv]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
@@ -55,6 +59,8 @@ def row(name: str, d: dict) -> dict:
             "vs_best": d["default_over_sweep_best"], "vs_best_fastest": d["default_over_sweep_best_fastest"],
             "choice_vs_best": d.get("chosen_over_sweep_best"),
             "choice_vs_best_fastest": d.get("chosen_over_sweep_best_fastest"),
+            "paired_with": d.get("paired_candidate"), "paired": d.get("default_over_paired"),
+            "paired_fastest": d.get("default_over_paired_fastest"),
             "vs_kbk": d["kernel_by_kernel_ms"] / d["taskflow_ms"],
             "vs_kbk_fastest": d["kernel_by_kernel_min_ms"] / d["taskflow_min_ms"],
             "vs_serial": d["speedup"], "vs_serial_fastest": d["serial_min_ms"] / d["taskflow_min_ms"],
@@ -65,14 +71,16 @@ def row(name: str, d: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = ["| row | tuned winner | default / sweep best | its choice in the sweep / best "
-           "| over kernel by kernel | over serialized | tuning steps (s) |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+           "| default / sweep's fastest, paired | over kernel by kernel | over serialized "
+           "| tuning steps (s) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         choice = ("-" if r["choice_vs_best"] is None
                   else f"{r['choice_vs_best']:.2f} ({r['choice_vs_best_fastest']:.2f})")
+        paired = "-" if r["paired"] is None else f"{r['paired']:.2f} ({r['paired_fastest']:.2f})"
         out.append(f"| {r['row']} | {r['winner']} | {r['vs_best']:.2f} ({r['vs_best_fastest']:.2f}) "
-                   f"| {choice} | {r['vs_kbk']:.2f}x ({r['vs_kbk_fastest']:.2f}x) | {r['vs_serial']:.2f}x "
-                   f"({r['vs_serial_fastest']:.2f}x) | {r['tune_steps']} ({r['tune_seconds']:.1f}) |")
+                   f"| {choice} | {paired} | {r['vs_kbk']:.2f}x ({r['vs_kbk_fastest']:.2f}x) "
+                   f"| {r['vs_serial']:.2f}x ({r['vs_serial_fastest']:.2f}x) | {r['tune_steps']} ({r['tune_seconds']:.1f}) |")
     return "\n".join(out)
 
 
@@ -80,6 +88,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--paired", type=int, default=100,
+                   help="calls each of the paired comparison (0: none)")
     p.add_argument("--only", nargs="*", choices=sorted(ROWS), default=None)
     p.add_argument("--order", choices=("balanced", "blocks"), default="balanced")
     p.add_argument("--out", default=None, help="append each row's JSON (figures and the bench's report)")
@@ -87,7 +97,7 @@ def main() -> None:
     record()
     rows = []
     for name in args.only or ROWS:
-        report = bench(ROWS[name], args.iters, args.warmup, args.order)
+        report = bench(ROWS[name], args.iters, args.warmup, args.order, args.paired)
         rows.append(row(name, report))
         print(json.dumps(rows[-1]), flush=True)
         if args.out:

@@ -310,6 +310,22 @@ def test_bench_tunes_its_default_path_through_the_layer_and_saves_the_choice(tmp
     assert second["tune_winner"] == first["tune_winner"]
 
 
+def test_bench_pairs_the_default_with_the_sweeps_fastest_candidate(tmp_path, monkeypatch):
+    """``--paired N``: the candidate of the sweep's fastest iteration, then N calls each of
+    it and the default alternating; its ratios are its own samples'. Without ``--sweep``
+    the option is refused by name."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "tune.json"))
+    args = ["bench", "--ep", "2", "--preset", "tiny", "--tokens", "64", "--dtype", "fp32", "--deadline", "30",
+            "--json", "--iters", "2", "--warmup", "1", "--paired", "3"]
+    r = json.loads(_hpmoe(*args, "--sweep").stdout.splitlines()[-1])
+    assert r["paired_candidate"] == min(r["sweep"], key=lambda n: r["sweep"][n]["min_ms"])
+    assert r["default_over_paired_fastest"] == pytest.approx(
+        r["paired_candidate_min_ms"] / r["paired_default_min_ms"], rel=2e-3)
+    refused = subprocess.run([sys.executable, "-m", "hpmoe", *args], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode != 0 and "BenchConfig.paired=3" in refused.stderr
+
+
 def _first_tried(rank, world, profile):
     os.environ["HPMOE_PROFILE"] = profile
     spec = preset("tiny")
@@ -401,3 +417,14 @@ def test_the_sweep_fields_set_the_default_and_its_choice_against_the_best():
     assert f["chosen_over_sweep_best"] == round(10 / 12, 3) and f["chosen_over_sweep_best_fastest"] == 1.0
     assert "chosen_over_sweep_best" not in sweep_fields(sweep, sweep["a"], None)
     assert sweep_fields({}, sweep["a"], "a") == {}
+
+
+def test_the_paired_fields_set_the_default_against_its_partner():
+    from hpmoe.bench.report import Stats, paired_fields
+
+    default, b = Stats(11.0, 10.0, 12.0, 9.0), Stats(10.0, 9.0, 11.0, 8.0)
+    f = paired_fields({"taskflow": default, "sweep:b": b})
+    assert f["paired_candidate"] == "b" and f["paired_default_min_ms"] == 9.0
+    assert f["default_over_paired"] == round(10 / 11, 3)
+    assert f["default_over_paired_fastest"] == round(8 / 9, 3)
+    assert paired_fields({}) == {}

@@ -170,6 +170,7 @@ class BenchReport:
     steal: float | None = None  # share of the host's CPU time its hypervisor took over the timed iterations
     tuning: dict = field(default_factory=dict)  # AUTO's tuning (``bench.runner.Tuned.to_json``)
     sweep: dict[str, Stats] = field(default_factory=dict)  # every candidate of the tuning space, by name
+    paired: dict[str, Stats] = field(default_factory=dict)  # ``bench.runner.head_to_head``'s two variants
 
     def to_json(self) -> dict:
         """Flat JSON-ready dict (milliseconds, ratios)."""
@@ -211,7 +212,23 @@ class BenchReport:
         if self.steal is not None:
             out["host_steal_fraction"] = round(self.steal, 4)
         sweep = sweep_fields(self.sweep, self.stats["taskflow"], self.tuning.get("tune_winner"))
-        return out | self.tuning | sweep | ({"note": self.note} if self.note else {})
+        note = {"note": self.note} if self.note else {}
+        return out | self.tuning | sweep | paired_fields(self.paired) | note
+
+
+def paired_fields(paired: dict[str, Stats]) -> dict:
+    """The head-to-head's fields: the candidate, both variants' median and fastest, and
+    the default's ratios to it (candidate / default: above 1, the default is faster)."""
+    if not paired:
+        return {}
+    default, (name, best) = paired["taskflow"], next((n, s) for n, s in paired.items() if n != "taskflow")
+    return {"paired_candidate": name.removeprefix("sweep:"),
+            "paired_default_ms": round(default.median_ms, 3),
+            "paired_default_min_ms": round(default.min_ms, 3),
+            "paired_candidate_ms": round(best.median_ms, 3),
+            "paired_candidate_min_ms": round(best.min_ms, 3),
+            "default_over_paired": round(best.median_ms / default.median_ms, 3),
+            "default_over_paired_fastest": round(best.min_ms / default.min_ms, 3)}
 
 
 def sweep_fields(sweep: dict[str, Stats], default: Stats, winner: str | None) -> dict:

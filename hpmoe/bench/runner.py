@@ -105,6 +105,7 @@ class BenchConfig:
     order: IterationOrder = IterationOrder.BALANCED  # how the timed calls of the variants interleave
     block: int = 10  # back-to-back calls of a variant under IterationOrder.BLOCKS
     balance: int | None = None  # redundant slots of a placement planned on the batch's load (0: re-pack only)
+    paired: int = 0  # with ``sweep``: then calls each of the default and the sweep's fastest candidate
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.iters <= 0:
@@ -113,6 +114,9 @@ class BenchConfig:
         if not isinstance(self.order, IterationOrder) or self.block < 1:
             raise ValueError(f"BenchConfig.order={self.order!r} must be an IterationOrder and "
                              f"BenchConfig.block={self.block!r} >= 1")
+        if self.paired < 0 or (self.paired and not self.sweep):
+            raise ValueError(f"BenchConfig.paired={self.paired!r} must be >= 0, and needs sweep (it pairs "
+                             f"the default with the sweep's fastest candidate)")
 
 
 @dataclass(frozen=True)
@@ -347,9 +351,26 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     steal = steal_fraction(ticks, host_ticks())
     for name, to in aliases.items():
         samples.alias(name, to)
+    paired = head_to_head(config.paired, calls, aliases, samples, session) if config.paired and tuned else {}
     session.board.enter("bench: report")
     return build_report(config, chosen, samples, models, decision, group, note, probe,
-                        _max_or_none(steal, group), tuned)
+                        _max_or_none(steal, group), tuned, paired)
+
+
+def head_to_head(calls_each: int, calls: Calls, aliases: dict[str, str], samples: Samples,
+                 session: Session) -> dict[str, Stats]:
+    """The default against the sweep's fastest candidate (its fastest iteration, the
+    slowest rank's), ``calls_each`` calls of each alternating call by call: a paired
+    comparison, which the host's drift over the sweep's minutes does not bias.  Keyed by
+    ``taskflow`` and the candidate's sweep name.  Collective."""
+    group = session.group
+    fastest = {n: float(slowest_rank(np.array(samples.seconds[n]), group).min())
+               for n in sorted(samples.seconds) if n.startswith("sweep:")}
+    best = min(fastest, key=fastest.__getitem__)
+    default = Variant.TASKFLOW.value
+    pair = {default: calls[default], best: calls[aliases.get(best, best)]}
+    s = timed_loop(calls_each, pair, session, "paired")
+    return {n: Stats.of(slowest_rank(np.array(s.seconds[n]), group)) for n in pair}
 
 
 # ---------------------------------------------------------------------------- tuning
@@ -484,7 +505,7 @@ def _decide(warm: Samples, models: Models | None, policies: list[SchedulePolicy]
 def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models: Models | None,
                  decision: AutoDecision | None, group: dist.ProcessGroup | None, note: str,
                  probe: ShareProbe | None = None, steal: float | None = None,
-                 tuned: Tuned | None = None) -> BenchReport:
+                 tuned: Tuned | None = None, paired: dict[str, Stats] | None = None) -> BenchReport:
     """Reduce every rank's samples into the report (collective).  The prediction is made
     twice: with the share ``probe`` measured between the timed iterations, and with the
     share measured before them (the models AUTO decided with).  ``steal``: the host's
@@ -512,4 +533,4 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         a2a=models.a2a if models else None, host=models.host if models else None,
         decision=decision, prediction=prediction, timeline=measured_timeline(s.last[rt], group),
         predicted_timeline=predicted, note=note, steal=steal,
-        tuning=tuned.to_json() if tuned is not None else {}, sweep=sweep)
+        tuning=tuned.to_json() if tuned is not None else {}, sweep=sweep, paired=paired or {})

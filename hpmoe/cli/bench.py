@@ -37,7 +37,7 @@ from .common import DTYPES, add_layer_args, balance_redundant, dtype_choice, emi
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
             "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
-            "trace", "link", "balance", "order", "block")
+            "trace", "link", "balance", "order", "block", "paired")
 _FLAGS = ("json", "predict", "cache_schedules", "sweep")
 
 
@@ -70,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="also time every candidate AUTO's tuning chooses among (the exhaustive sweep; "
                         "the JSON's sweep fields)")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="with --sweep: then N calls each of the default and the sweep's fastest candidate, "
+                        "alternating call by call (the JSON's paired fields)")
     p.add_argument("--cache-schedules", action="store_true",
                    help="reuse schedules when token counts repeat (they do here: same inputs)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -113,7 +116,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         link=LinkSpec(args.link) if args.link else None, predict=args.predict,
         cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None,
         sweep=args.sweep, balance=balance_redundant(args.balance), order=IterationOrder(args.order),
-        block=args.block)
+        block=args.block, paired=args.paired)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,6 +242,10 @@ def summary(doc: dict) -> str:
         lines.append(f"  exhaustive sweep ({len(doc['sweep'])} candidates): best {doc['sweep_best']} "
                      f"{doc['sweep_best_ms']:.3f} ms; default / best {doc['default_over_sweep_best']:.2f} "
                      f"(fastest iterations {doc['default_over_sweep_best_fastest']:.2f})")
+        if "paired_candidate" in doc:
+            lines.append(f"  paired with {doc['paired_candidate']}, call by call: default / it "
+                         f"{doc['default_over_paired']:.2f} "
+                         f"(fastest {doc['default_over_paired_fastest']:.2f})")
         if "chosen_over_sweep_best" in doc:
             lines.append(f"  the tuned winner in the sweep / best {doc['chosen_over_sweep_best']:.2f} "
                          f"(fastest {doc['chosen_over_sweep_best_fastest']:.2f})")
