@@ -80,7 +80,8 @@ def table(rows: list[dict]) -> str:
         paired = "-" if r["paired"] is None else f"{r['paired']:.2f} ({r['paired_fastest']:.2f})"
         out.append(f"| {r['row']} | {r['winner']} | {r['vs_best']:.2f} ({r['vs_best_fastest']:.2f}) "
                    f"| {choice} | {paired} | {r['vs_kbk']:.2f}x ({r['vs_kbk_fastest']:.2f}x) "
-                   f"| {r['vs_serial']:.2f}x ({r['vs_serial_fastest']:.2f}x) | {r['tune_steps']} ({r['tune_seconds']:.1f}) |")
+                   f"| {r['vs_serial']:.2f}x ({r['vs_serial_fastest']:.2f}x) "
+                   f"| {r['tune_steps']} ({r['tune_seconds']:.1f}) |")
     return "\n".join(out)
 
 
