@@ -17,6 +17,7 @@ Writes DIR/gpu_sweep.json; prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import traceback
@@ -43,7 +44,7 @@ def sweep_shape(name: str, br_values: list[int], shares: list[float], reps: int,
     x, w, routing, _ = shape_inputs(spec, 1)
     rows = []
     for br in br_values:
-        config = KernelConfig(br=br)
+        config = dataclasses.replace(KernelConfig.for_dtype(spec.dtype), br=br)
         resident = resident_programs(compiled_resources(torch.device("cuda"), spec.dtype, config, True),
                                      SMLimits.of(torch.device("cuda")))
         for share in shares:

@@ -33,6 +33,7 @@ def test_the_gemm_is_pipelined_in_big_blocks_and_every_guard_holds(build):
     assert r.aligned and r.async_copy > 0 and r.stages >= 3 and min(r.bm, r.bn) >= 128 and r.bk >= 64
     assert r.smem_bytes >= (r.stages - 1) * (r.bm + r.bn) * r.bk * 2
     assert r.wgmma and r.cooperative and r.warps == 8
+    assert (r.bm, r.bn, r.bk) == (128, 256, 64)  # KernelConfig.for_dtype: bf16's measured-faster block
 
 
 def test_an_unaligned_program_gets_the_unpipelined_build_with_the_same_ordering():
@@ -65,3 +66,6 @@ def test_the_command_reports_json_and_writes_the_ptx(tmp_path, capsys):
     fields = {"async_copy", "stages", "smem_bytes", "bm", "bn", "bk", "warps", "cooperative", "wgmma"}
     assert fields <= set(report)
     assert "wgmma.mma_async" in (tmp_path / "taskflow_kernel-bf16.ptx").read_text()
+    assert main(["--json", "--bn", "128"]) == 0  # a flag overrides one field of the dtype's block
+    narrow = json.loads(capsys.readouterr().out)
+    assert (narrow["bn"], narrow["bm"], narrow["stages"]) == (128, 128, 3) and narrow["violations"] == []

@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -83,7 +83,7 @@ def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | N
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    config = config or KernelConfig()
+    config = config or KernelConfig.for_dtype(dtype)
     meta = kernel_meta(dtype, config, False, True, 2 if stamps else 0, False, aligned)
     fn = device_module(False).taskflow_kernel
     signature = {**_POINTERS, "epoch": "i32", "deadline_ns": "i64", **{k: "constexpr" for k in meta}}
@@ -165,16 +165,17 @@ def cubin_usage(cubin: bytes) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    for name, default in asdict(KernelConfig()).items():
-        p.add_argument(f"--{name.replace('num_', '')}", type=int, default=default, dest=name)
-    p.add_argument("--no-maxnreg", action="store_const", const=None, dest="maxnreg")
+    for name in asdict(KernelConfig()):
+        p.add_argument(f"--{name.replace('num_', '')}", type=int, default=None, dest=name,
+                       help="default: KernelConfig.for_dtype's")
     p.add_argument("--unaligned", action="store_true", help="the build for a program that is not aligned")
     p.add_argument("--stamps", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--ptx", type=Path, default=None, help="write the PTX into this folder")
     a = p.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    config = KernelConfig(**{k: getattr(a, k) for k in asdict(KernelConfig())})
+    given = {k: getattr(a, k) for k in asdict(KernelConfig()) if getattr(a, k) is not None}
+    config = replace(KernelConfig.for_dtype(dtype), **given)
     build = compile_hopper(dtype, config, a.stamps, not a.unaligned)
     if a.ptx is not None:
         a.ptx.mkdir(parents=True, exist_ok=True)

@@ -79,12 +79,12 @@ class KernelConfig:
     bm, bn, bk: GEMM block (tl.dot needs >= 16 each); br, bc: rows and columns of a
     vector-operation chunk; num_warps / num_stages: Triton launch options (an aligned
     program's K loop keeps ``num_stages`` A and B blocks in flight through asynchronous
-    copies); maxnreg: cap on registers per thread (None: ptxas's choice).  The default,
-    128 x 128 x 64 blocks of 8 warps 3 stages deep, is the block of Triton's Hopper matmul
-    tutorial: in bf16 the sm_90 build takes 96 KiB of shared memory and ~242 registers,
-    one program per SM (``python -m hpmoe.gpu.hopper``).  Vector operations take 64 x 128
+    copies); maxnreg: cap on registers per thread (None: ptxas's choice).  The fields'
+    defaults, 128 x 128 x 64 blocks of 8 warps 3 stages deep, are the block of Triton's
+    Hopper matmul tutorial (``python -m hpmoe.gpu.hopper`` reports a build).  Vector operations take 64 x 128
     chunks: on an H200 DeepSeek-V3's permute ran at 3.1 TB/s against 1.7 with 16-row ones
-    (``benchmarks/gpu_sweep.py``, docs/lab)."""
+    (``benchmarks/gpu_sweep.py``, docs/lab).  ``for_dtype`` gives 16-bit types 128 x 256
+    blocks."""
 
     bm: int = 128
     bn: int = 128
@@ -109,6 +109,15 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={v} must be a power of two")
         if min(self.bm, self.bn, self.bk) < 16:
             raise ValueError(f"KernelConfig GEMM block {self.bm}x{self.bn}x{self.bk}: tl.dot needs >= 16")
+
+
+    @staticmethod
+    def for_dtype(dtype: torch.dtype) -> KernelConfig:
+        """The default block of ``dtype``: 128 x 256 x 64 for 16-bit types (an H200 ran
+        DeepSeek-V3's GEMM phases at 546 / 450 TFLOP/s against 435 / 381 with 128 x 128;
+        the sm_90 build takes 144 KiB of shared memory, one program per SM), 128 x 128 x 64
+        for fp32 (a 128 x 256 fp32 block would need more shared memory than an SM has)."""
+        return KernelConfig(bn=256) if dtype.itemsize == 2 else KernelConfig()
 
 
 INTERPRETER_CONFIG = KernelConfig(bm=16, bn=16, bk=16, br=16, bc=16)
@@ -147,7 +156,7 @@ class DeviceProgram:
         if dtype not in _TL_DTYPES:
             raise TypeError(f"dtype {dtype} is not supported by the triton backend ({list(_TL_DTYPES)})")
         self.dtype = dtype
-        self.config = config or (INTERPRETER_CONFIG if self.interpret else KernelConfig())
+        self.config = config or (INTERPRETER_CONFIG if self.interpret else KernelConfig.for_dtype(dtype))
         self.arrays = {n: torch.from_numpy(a.copy()).to(self.device) for n, a in packed.arrays().items()}
         ld = packed.space.ld.reshape(-1).astype(np.int64)
         self.lds = torch.from_numpy(ld).to(self.device)
@@ -357,7 +366,7 @@ def kernel_resources(compiled: object) -> KernelResources:
 def compiled_resources(device: torch.device, dtype: torch.dtype, config: KernelConfig | None,
                        aligned: bool) -> KernelResources:
     """Resources of the persistent kernel (blocking, no stamps) compiled for ``device``."""
-    config = config or KernelConfig()
+    config = config or KernelConfig.for_dtype(dtype)
     i32 = torch.zeros(64, dtype=torch.int32, device=device)
     i64 = torch.zeros(64, dtype=torch.int64, device=device)
     args = (i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, i32, i32, i32, i64, i64, i64, 0, 1)
