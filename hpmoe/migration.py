@@ -14,7 +14,9 @@ link.  The planner keeps experts where they are (``plan_placement(current=...)``
 
 An expert with replicas on several ranks has a row on each; ``replica_sum`` makes every
 holder's gradient of it the sum over the holders (one all-reduce in the backward, the
-same bits on every rank, so the holders' rows and optimizer states stay bitwise equal).
+same bits on every rank, so the holders' rows and optimizer states stay bitwise equal);
+``replica_seconds`` models what that costs a call.  A spare (a second slot of an expert
+on its own rank) takes no tokens, sums nothing and is never a move's source.
 """
 
 from __future__ import annotations
@@ -168,6 +170,20 @@ def move_seconds(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
     moves with them (``keyed_by_rows``) on ``hw``."""
     tensors = keyed_by_rows(params, optimizer)
     return moves.seconds(row_bytes(tensors), len(tensors), hw)
+
+
+def replica_seconds(params: list[torch.nn.Parameter], placement: Placement, hw: HardwareModel) -> float:
+    """The modelled seconds one backward spends summing the gradient rows of the experts
+    ``placement`` holds on several ranks (``replica_sum`` over ``params``, this rank's
+    stored rows): a copy of every stored gradient at ``mem_bw``, and one all-reduce of the
+    summed rows in fp32 (a ring: each rank sends and receives 2 (P - 1) / P of them)."""
+    if not placement.spread:
+        return 0.0
+    summed = len(placement.spread) * sum(p[0].numel() for p in params) * 4
+    ring = 2 * (placement.ranks - 1) / placement.ranks * summed
+    copied = sum(p.numel() * p.element_size() for p in params) + 2 * summed
+    link = hw.link_bandwidth(placement.ranks, LinkDirection.DISPATCH)
+    return float(hw.memory_time(copied)) + hw.link_latency + ring / link
 
 
 def keyed_by_rows(params: list[torch.nn.Parameter],

@@ -81,6 +81,13 @@ class Placement:
         """[experts] replicas of each logical expert."""
         return np.bincount(np.array(self.phy2log), minlength=self.experts)
 
+    @functools.cached_property
+    def spread(self) -> tuple[int, ...]:
+        """The logical experts held on more than one rank (their gradient rows are summed
+        across ranks when each rank stores its own slots)."""
+        held = np.unique(np.stack([np.array(self.phy2log), self.slot_rank()]), axis=1)
+        return tuple(int(e) for e in np.flatnonzero(np.bincount(held[0], minlength=self.experts) > 1))
+
     def slot_rank(self) -> np.ndarray:
         """[slots] the rank holding each slot."""
         return np.arange(self.slots) // self.slots_per_rank
@@ -106,9 +113,14 @@ class Placement:
     @functools.cached_property
     def _choices(self) -> tuple[np.ndarray, np.ndarray]:
         """[E, ranks, R] the replicas a token on each rank may use (padded) and [E, ranks]
-        how many: the one on its rank, else those on its node, else all."""
+        how many: the one on its rank, else those on its node, else all; of two slots of
+        an expert on one rank only the first is used (the other is a spare)."""
         where, rpn = self.slot_rank(), self.ranks // self.nodes
-        slots = [[s for s, x in enumerate(self.phy2log) if x == e] for e in range(self.experts)]
+        first: dict[tuple[int, int], int] = {}
+        for s, x in enumerate(self.phy2log):
+            first.setdefault((x, int(where[s])), s)
+        slots = [[s for s, x in enumerate(self.phy2log) if x == e and first[x, int(where[s])] == s]
+                 for e in range(self.experts)]
         lists = [[[s for s in mine if where[s] == r][:1] or [s for s in mine if where[s] // rpn == r // rpn]
                   or mine for r in range(self.ranks)] for mine in slots]
         width = max(len(c) for row in lists for c in row)
@@ -152,15 +164,18 @@ def replicate(load: np.ndarray, slots: int, most: int) -> np.ndarray:
 
 
 def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int = 1,
-                   current: Placement | None = None) -> Placement:
-    """The placement of ``len(load)`` experts with ``redundant`` extra replicas on ``ranks``
-    ranks (``nodes`` nodes): replicate the most loaded experts (``replicate``), then pack
-    the replicas heaviest first onto the least loaded node, and within it onto the least
-    loaded rank, with a free slot and, where possible, no replica of the same expert
-    (balanced packing, hierarchical over nodes).  With ``current``, the packed ranks of
-    each node are renumbered to keep as many experts where ``current`` holds them as a
-    greedy matching finds (the same loads, fewer rows to move).  Raises ``ValueError``
-    naming the field when the slots do not divide over the ranks."""
+                   current: Placement | None = None, spread: int | None = None) -> Placement:
+    """The placement of ``len(load)`` experts with ``redundant`` extra slots on ``ranks``
+    ranks (``nodes`` nodes), ``spread`` of them (default: all) replicas of the most loaded
+    experts (``replicate``): pack the replicas heaviest first onto the least loaded node,
+    and within it onto the least loaded rank, with a free slot and, where possible, no
+    replica of the same expert (balanced packing, hierarchical over nodes); then fill each
+    rank's free slots with spares, second copies of its heaviest expert (they take no
+    tokens, and a rank storing its own slots sums their gradients locally).  With
+    ``current``, the packed ranks of each node are renumbered to keep as many experts
+    where ``current`` holds them as a greedy matching finds (the same loads, fewer rows to
+    move).  Raises ``ValueError`` naming the field when the slots do not divide over the
+    ranks."""
     load = np.asarray(load, np.float64)
     experts, slots = len(load), len(load) + redundant
     if redundant < 0 or ranks <= 0 or slots % ranks or nodes <= 0 or ranks % nodes:
@@ -168,7 +183,10 @@ def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int 
                          f"over ranks={ranks} (nodes={nodes} dividing the ranks)")
     if not np.isfinite(load).all() or (load < 0).any():
         raise ValueError("load must be finite and >= 0 for every expert")
-    counts = replicate(load, slots, ranks)
+    spread = redundant if spread is None else spread
+    if not 0 <= spread <= redundant:
+        raise ValueError(f"spread={spread} must be between 0 and redundant={redundant}")
+    counts = replicate(load, experts + spread, ranks)
     items = sorted(((load[e] / counts[e], e) for e in range(experts) for _ in range(counts[e])),
                    key=lambda item: (-item[0], item[1]))
     per_rank, rpn = slots // ranks, ranks // nodes
@@ -181,6 +199,10 @@ def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int 
         r = min(fresh, key=lambda q: (rank_load[q], q))
         held[r].append(e)
         rank_load[r] += share
+    if any(not mine for mine in held):
+        raise ValueError(f"spread={spread}: {experts + spread} experts and replicas leave a rank of "
+                         f"ranks={ranks} without an expert to hold spares of")
+    held = [mine + mine[:1] * (per_rank - len(mine)) for mine in held]  # heaviest first: spares of it
     held = [sorted(mine) for mine in held] if current is None else _keep_in_place(held, current, rpn)
     return Placement(tuple(e for mine in held for e in mine), experts, ranks, nodes)
 
@@ -238,11 +260,12 @@ def rank_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
 
 def starting_placement(experts: int, ranks: int, redundant: int = 0, nodes: int = 1) -> Placement:
     """Where a layer's experts are before any load is measured: the identity, or with
-    ``redundant`` slots the planner's on a uniform load (a layer storing only its own
-    slots holds that many from the start, so its parameters keep their shapes)."""
+    ``redundant`` slots the planner's on a uniform load with every extra slot a spare (a
+    layer storing only its own slots holds that many from the start, so its parameters
+    keep their shapes; no expert is on two ranks until a load asks for it)."""
     if not redundant:
         return Placement.identity(experts, ranks, nodes)
-    return plan_placement(np.ones(experts), ranks, redundant, nodes)
+    return plan_placement(np.ones(experts), ranks, redundant, nodes, spread=0)
 
 
 def place_on_load(routing: Routing, moe: MoESpec, par: ParallelSpec,

@@ -171,6 +171,33 @@ def test_a_sharded_layer_trains_as_the_plain_layer_through_a_migration(path, red
         assert torch.equal(*(results[r][1]["experts.gate_up_proj"][rows[r]] for r in range(2)))
 
 
+def _spares(rank, world, options):
+    layer = MoE(SPEC, _weights(), ep_group=dist.group.WORLD, shard_experts=True, redundant=2, **options)
+    x, dy = _batch(0)
+    (layer(x[rank * 32:(rank + 1) * 32]) * dy[rank * 32:(rank + 1) * 32]).sum().backward()
+    placement, per = layer.placement, layer.placement.slots_per_rank
+    mine = placement.phy2log[rank * per:(rank + 1) * per]
+    spares = [j for j, e in enumerate(mine) if e in mine[:j]]
+    grads = {n: p.grad for n, p in layer.named_parameters() if n.startswith("experts.")}
+    layer.close()
+    return placement, spares, grads
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_sharded_layer_starts_with_spares_that_take_no_tokens_and_no_all_reduce(path):
+    """``redundant`` slots start as spares (a second slot of an expert on its own rank):
+    no expert is on two ranks, so the backward sums nothing across ranks, and a spare's
+    gradient rows are zero on every path."""
+    results = spawn_gloo(_spares, 2, PATHS[path], timeout=120)
+    placement = results[0][0]
+    assert placement.spread == () and sorted(set(placement.phy2log)) == list(range(8))
+    for _, spares, grads in results:
+        assert len(spares) == 1
+        for name, g in grads.items():
+            assert torch.equal(g[spares], torch.zeros_like(g[spares])), name
+            assert g.abs().sum() > 0, name
+
+
 def _refusals(rank, world):
     group = dist.group.WORLD
     errors = []
@@ -265,11 +292,14 @@ def _gated(rank, world, link_bytes_per_s, steps):
     return before, after, layer._clock.call_s
 
 
-@pytest.mark.parametrize("link, steps, moves", [(1.0, 10**6, False), (0.6e9, 10**6, True), (1.0, 0, True)])
-def test_a_rebalance_moves_only_when_the_calls_it_serves_repay_the_move(link, steps, moves):
+@pytest.mark.parametrize("link, steps, moves, replicas",
+                         [(1.0, 10**6, False, False), (0.6e9, 10**6, True, True), (1.0, 0, True, False)])
+def test_a_rebalance_moves_only_when_the_calls_it_serves_repay_the_move(link, steps, moves, replicas):
     """Two replicas for the hot expert 7 cut the busiest rank's load; over ``steps``
     calls of the measured time that repays a move on a 0.6 GB/s link, never one at
-    1 byte/s (rows of 18 KB: hours each); without ``steps`` the load decides alone."""
+    1 byte/s (rows of 18 KB: hours each).  Without ``steps`` the predicted call decides
+    alone: at 1 byte/s the replicas' gradient all-reduce would cost more than they save,
+    so the plan only re-packs the experts (the extra slots spares)."""
     (before, after, call_s), other = spawn_gloo(_gated, 2, link, steps)
-    assert call_s > 0 and other[1] == after and after.phy2log.count(7) == (2 if moves else 1)
-    assert (after != before) == moves
+    assert call_s > 0 and other[1] == after and before.spread == ()
+    assert (after != before) == moves and (7 in after.spread) == replicas

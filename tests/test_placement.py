@@ -90,10 +90,19 @@ def test_a_token_uses_its_own_rank_replica_else_spreads_by_its_index():
     phys = p.physical_ids(ids, ranks, torch.arange(4))
     assert phys[:, 0].tolist() == [0, 0, 3, 3]  # the replica on the token's rank
     assert phys[:, 1].tolist() == [4, 4, 4, 4]  # the only replica of expert 3
-    far = Placement((1, 2, 3, 0, 0, 4), 5, 2)  # expert 0 only on rank 1, twice
+    far = Placement((0, 1, 2, 0, 3, 4), 5, 2)  # expert 0 on both ranks: tokens elsewhere spread
     spread = far.physical_ids(torch.zeros(6, 1, dtype=torch.long), torch.zeros(6, dtype=torch.long),
                               torch.arange(6))
-    assert spread.flatten().tolist() == [3, 4, 3, 4, 3, 4]
+    assert spread.flatten().tolist() == [0] * 6  # rank 0's tokens stay on rank 0
+    three = Placement((0, 1, 2, 3, 0, 4, 5, 0), 6, 4)  # expert 0 on ranks 0, 2 and 3
+    spread = three.physical_ids(torch.zeros(6, 1, dtype=torch.long), torch.ones(6, dtype=torch.long),
+                                torch.arange(6))
+    assert spread.flatten().tolist() == [0, 4, 7, 0, 4, 7]  # rank 1 holds none: by token index
+    spare = Placement((1, 2, 3, 0, 0, 4), 5, 2)  # expert 0 only on rank 1, twice: slot 4 a spare
+    spread = spare.physical_ids(torch.zeros(6, 1, dtype=torch.long), torch.zeros(6, dtype=torch.long),
+                                torch.arange(6))
+    assert spread.flatten().tolist() == [3] * 6
+    assert spare.spread == () and three.spread == (0,)
 
 
 # ---------------------------------------------------------------------------- layers

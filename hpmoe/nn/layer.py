@@ -45,7 +45,7 @@ from ..exec.arena import ArenaPool
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy
-from ..migration import Migration, Moves, migrate, move_seconds, replica_sum
+from ..migration import Migration, Moves, migrate, move_seconds, replica_seconds, replica_sum
 from ..placement import Placement, plan_placement, rank_loads, starting_placement
 from ..regions.base import RegionKind
 from ..routing import Routing, input_error, route
@@ -475,9 +475,8 @@ class MoE(nn.Module):
         p, mine = self._physical(), _own_rows(self.spec, self.options, self._placement)
         rows = tuple(s - mine.start if mine.start <= s < mine.stop else -1 for s in range(p.slots))
         stored = [t.w13, t.w2, *((t.b13, t.b2) if t.b13 is not None else ())]
-        replicated = tuple(int(e) for e in np.flatnonzero(p.replicas() > 1))
-        if replicated:
-            stored = replica_sum(stored, p.phy2log[mine], replicated, self.session().collectives)
+        if p.spread:  # spares (a second slot on one rank) take no tokens and are never read
+            stored = replica_sum(stored, p.phy2log[mine], p.spread, self.session().collectives)
         return ExpertWeights.routed(p.physical_spec(spec), stored[0], stored[1], shared_w13, shared_w2,
                                     *stored[2:], slot_rows=rows)
 
@@ -512,11 +511,12 @@ class MoE(nn.Module):
         """Plan a placement from the measured load of every rank (collective over the
         ep_group): ``redundant`` extra replicas of the most loaded experts, packed onto
         ranks (``plan_placement``, keeping experts where they are).  Adopted only when it
-        lowers the busiest rank's predicted load (``rank_loads``) by ``min_gain`` or more,
-        and, with ``steps`` (the calls it would serve until the next rebalance), on a
-        layer with ``shard_experts`` only when the move's modelled time is below what it
-        is predicted to save over them (``_worth_moving``); ``move_to`` moves
-        ``optimizer``'s state with the rows.  Returns the placement in effect."""
+        lowers the busiest rank's predicted load (``rank_loads``) by ``min_gain`` or more —
+        on a layer with ``shard_experts``, its predicted seconds a call, replicas' gradient
+        all-reduce included (``_plan``) — and, with ``steps`` (the calls it would serve
+        until the next rebalance), on such a layer only when the move's modelled time is
+        below what it is predicted to save over them (``_worth_moving``); ``move_to``
+        moves ``optimizer``'s state with the rows.  Returns the placement in effect."""
         o = self.options
         if o.shard_experts and redundant != o.redundant:
             raise ValueError(f"rebalance(redundant={redundant}) on a layer with shard_experts, which stores "
@@ -529,12 +529,34 @@ class MoE(nn.Module):
             every = self.session().collectives.all_gather(mine, "rebalance: expert load")
             mine = torch.cat([every[:, :-1].sum(0), every[:, -1].max().view(1)])
         load, call_s = mine[:-1].numpy(), float(mine[-1])
-        plan = plan_placement(load, o.ranks, redundant, o.nodes, self._physical())
-        busiest, planned = rank_loads(self._physical(), load).max(), rank_loads(plan, load).max()
-        saving = steps * call_s * (1.0 - planned / busiest) if busiest > 0 else 0.0
-        if busiest >= min_gain * planned and (not steps or self._worth_moving(plan, optimizer, saving)):
+        plan, now, then, timed = self._plan(load, redundant, call_s)
+        saving = steps * (now - then) if timed else 0.0
+        if now >= min_gain * then > 0 and (not steps or self._worth_moving(plan, optimizer, saving)):
             self.move_to(plan, optimizer)
         return self._placement
+
+    def _plan(self, load: np.ndarray, redundant: int, call_s: float) -> tuple[Placement, float, float, bool]:
+        """(the plan, the cost of a call now, its predicted cost under the plan, whether
+        the costs are seconds).  The busiest rank's load under each placement; for a layer
+        with ``shard_experts`` whose calls were measured, seconds of a call instead (the
+        measured ``call_s`` scaled by the busiest rank's load, plus ``replica_seconds``),
+        the plan the best over every number of the ``redundant`` slots spread as replicas
+        (the rest spares): a replica's gradient all-reduce can cost more than the
+        imbalance it removes."""
+        o, current = self.options, self._physical()
+        busiest = rank_loads(current, load).max()
+        if not (o.shard_experts and call_s > 0 and busiest > 0):
+            plan = plan_placement(load, o.ranks, redundant, o.nodes, current)
+            return plan, float(busiest), float(rank_loads(plan, load).max()), False
+        stored, hw = list(self.experts.parameters()), o.rank_hardware
+
+        def seconds(p: Placement) -> float:
+            return call_s * rank_loads(p, load).max() / busiest + replica_seconds(stored, p, hw)
+
+        plans = [plan_placement(load, o.ranks, redundant, o.nodes, current, spread=r)
+                 for r in range(redundant + 1)]
+        plan = min(plans, key=seconds)
+        return plan, seconds(current), seconds(plan), True
 
     def _worth_moving(self, plan: Placement, optimizer: torch.optim.Optimizer | None,
                       saving_s: float) -> bool:
