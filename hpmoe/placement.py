@@ -78,8 +78,17 @@ class Placement:
         return zlib.crc32(np.array(self.phy2log, np.int64).tobytes()) >> 1
 
     def replicas(self) -> np.ndarray:
-        """[experts] replicas of each logical expert."""
-        return np.bincount(np.array(self.phy2log), minlength=self.experts)
+        """[experts] replicas of each logical expert that take tokens (spares do not)."""
+        return np.bincount(np.array(self.phy2log)[self.used], minlength=self.experts)
+
+    @functools.cached_property
+    def used(self) -> np.ndarray:
+        """[slots] bool: the slot takes tokens, being its expert's first on its rank (a
+        later one is a spare)."""
+        pairs = np.array(self.phy2log) * self.ranks + self.slot_rank()
+        first = np.zeros(self.slots, bool)
+        first[np.unique(pairs, return_index=True)[1]] = True
+        return first
 
     @functools.cached_property
     def spread(self) -> tuple[int, ...]:
@@ -116,10 +125,7 @@ class Placement:
         how many: the one on its rank, else those on its node, else all; of two slots of
         an expert on one rank only the first is used (the other is a spare)."""
         where, rpn = self.slot_rank(), self.ranks // self.nodes
-        first: dict[tuple[int, int], int] = {}
-        for s, x in enumerate(self.phy2log):
-            first.setdefault((x, int(where[s])), s)
-        slots = [[s for s, x in enumerate(self.phy2log) if x == e and first[x, int(where[s])] == s]
+        slots = [[s for s, x in enumerate(self.phy2log) if x == e and self.used[s]]
                  for e in range(self.experts)]
         lists = [[[s for s in mine if where[s] == r][:1] or [s for s in mine if where[s] // rpn == r // rpn]
                   or mine for r in range(self.ranks)] for mine in slots]
@@ -254,7 +260,8 @@ def _pack(items: list[tuple[float, int]], bins: int, capacity: int) -> list[int]
 def rank_loads(placement: Placement, load: np.ndarray) -> np.ndarray:
     """[ranks] each rank's load when an expert's load splits evenly over its replicas."""
     load = np.asarray(load, np.float64)
-    share = load[list(placement.phy2log)] / placement.replicas()[list(placement.phy2log)]
+    phy = list(placement.phy2log)
+    share = np.where(placement.used, load[phy] / placement.replicas()[phy], 0.0)
     return np.bincount(placement.slot_rank(), weights=share, minlength=placement.ranks)
 
 

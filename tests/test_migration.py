@@ -56,6 +56,19 @@ def test_the_modelled_cost_of_a_move_is_the_busiest_ranks_copies_and_direction_o
     assert Moves.between(SWAP, SWAP).seconds(1000, 3, hw) == 0.0
 
 
+def test_the_modelled_cost_of_replicas_is_a_gradient_copy_and_an_all_reduce_of_their_rows():
+    from hpmoe.migration import replica_seconds
+
+    hw = cpu_nominal()
+    params = [torch.zeros(5, 6, 4), torch.zeros(5, 4, 3, dtype=torch.bfloat16)]  # 5 stored rows
+    assert REPLICAS.spread == (0, 7)
+    summed = 2 * (24 + 12) * 4  # experts 0 and 7, each row's 36 elements in fp32
+    copied = 5 * 24 * 4 + 5 * 12 * 2 + 2 * summed
+    expected = copied / hw.mem_bw + hw.link_latency + summed / 0.6e9  # a ring of 2: 2 (P - 1) / P = 1
+    assert replica_seconds(params, REPLICAS, hw) == pytest.approx(expected)
+    assert replica_seconds(params, SWAP, hw) == 0.0  # no expert on two ranks
+
+
 def _exchange(rank, world, old, new):
     session = Session(RuntimeConfig(), dist.group.WORLD)
     per = old.slots_per_rank
@@ -157,7 +170,7 @@ def test_a_sharded_layer_trains_as_the_plain_layer_through_a_migration(path, red
         torch.testing.assert_close(torch.cat([r[0][step] for r in results]), outs[step], **TOL)
     placement = results[0][3]
     assert placement == results[1][3] and placement is not None and placement.slots == 8 + redundant
-    assert placement.phy2log.count(0) == (2 if redundant else 1)
+    assert placement.spread == ((0,) if redundant else ())  # the hot expert on both ranks
     per = placement.slots_per_rank
     for rank, (_, got, moments, _) in enumerate(results):
         experts = list(placement.phy2log[rank * per:(rank + 1) * per])

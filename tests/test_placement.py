@@ -52,6 +52,23 @@ def test_the_planner_replicates_the_hot_expert_on_every_rank_and_balances_the_ra
     assert before.max() == 103 and after.max() == pytest.approx(53.5) and after.sum() == pytest.approx(107)
 
 
+def test_slots_not_spread_as_replicas_are_spares_of_their_ranks_heaviest_expert():
+    load = np.array([100.0, 50, 1, 1, 1, 1, 1, 1])
+    full, one, none = (plan_placement(load, 2, 2, spread=r) for r in (2, 1, 0))
+    assert full.spread == (0, 1) and one.spread == (0,) and none.spread == ()
+    for p in (one, none):
+        per = p.slots_per_rank
+        for r in range(2):
+            mine = list(p.phy2log[r * per:(r + 1) * per])
+            spares = [e for j, e in enumerate(mine) if e in mine[:j]]
+            assert all(load[e] == max(load[x] for x in mine) for e in spares)  # copies of the heaviest
+    assert rank_loads(none, load).max() == 102  # the hot expert's rank: 100 and two others
+    assert rank_loads(full, load).max() == 78 and rank_loads(one, load).max() == 102  # three halves of 50
+    assert (one.used == [True, False, True, True, True, True, True, True, True, True]).all()  # slot 1 spare
+    with pytest.raises(ValueError, match="spread=3 must be between 0 and redundant=2"):
+        plan_placement(load, 2, 2, spread=3)
+
+
 def test_migration_alone_repacks_without_replicas():
     load = np.array([9.0, 8, 1, 1, 7, 6, 1, 1])  # the two heaviest pairs share a rank
     p = plan_placement(load, 2, 0)
