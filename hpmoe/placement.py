@@ -15,7 +15,8 @@ placement.  The identity placement is today's layout.
 
 A token's replica: one on the token's own rank if there is one; else one on its node
 (``nodes`` > 1); else replica ``(token + slot) mod count`` of its expert's replicas — a
-fixed function of the token's global index, so the result never depends on timing.
+fixed function of the token's global index, so the result never depends on timing.  A
+second slot of an expert on one rank is a spare: it takes no tokens (``used``).
 Every replica computes the same bits as its logical expert's row would (a row's GEMM
 does not depend on which rows share its tile; tests/test_placement.py checks the output
 and every gradient against the identity placement).
@@ -177,7 +178,8 @@ def plan_placement(load: np.ndarray, ranks: int, redundant: int = 0, nodes: int 
     and within it onto the least loaded rank, with a free slot and, where possible, no
     replica of the same expert (balanced packing, hierarchical over nodes); then fill each
     rank's free slots with spares, second copies of its heaviest expert (they take no
-    tokens, and a rank storing its own slots sums their gradients locally).  With
+    tokens and are never read: a layer keeps its parameters' shapes with fewer
+    replicas than slots).  With
     ``current``, the packed ranks of each node are renumbered to keep as many experts
     where ``current`` holds them as a greedy matching finds (the same loads, fewer rows to
     move).  Raises ``ValueError`` naming the field when the slots do not divide over the
