@@ -81,10 +81,10 @@ class KernelConfig:
     program's K loop keeps ``num_stages`` A and B blocks in flight through asynchronous
     copies); maxnreg: cap on registers per thread (None: ptxas's choice).  The fields'
     defaults, 128 x 128 x 64 blocks of 8 warps 3 stages deep, are the block of Triton's
-    Hopper matmul tutorial (``python -m hpmoe.gpu.hopper`` reports a build).  Vector operations take 64 x 128
+    Hopper matmul tutorial; ``for_dtype`` widens 16-bit types' to 128 x 256
+    (``python -m hpmoe.gpu.hopper`` reports a build).  Vector operations take 64 x 128
     chunks: on an H200 DeepSeek-V3's permute ran at 3.1 TB/s against 1.7 with 16-row ones
-    (``benchmarks/gpu_sweep.py``, docs/lab).  ``for_dtype`` gives 16-bit types 128 x 256
-    blocks."""
+    (``benchmarks/gpu_sweep.py``, docs/lab)."""
 
     bm: int = 128
     bn: int = 128
@@ -109,7 +109,6 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={v} must be a power of two")
         if min(self.bm, self.bn, self.bk) < 16:
             raise ValueError(f"KernelConfig GEMM block {self.bm}x{self.bn}x{self.bk}: tl.dot needs >= 16")
-
 
     @staticmethod
     def for_dtype(dtype: torch.dtype) -> KernelConfig:
