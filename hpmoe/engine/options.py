@@ -66,8 +66,9 @@ class RegionOptions:
     shard_experts: with an ep_group, each rank stores only its own slots' expert rows
       (``MoE(spec)`` layers): 1/EP of the expert memory, and a new placement moves rows
       between ranks with their optimizer state (``MoE.move_to``, ``hpmoe.migration``).
-      It stores ``redundant`` extra slots from the start (replicas planned on a uniform
-      load until ``rebalance`` measures one), so its parameters never change shape.
+      It stores ``redundant`` extra slots from the start (spares: second copies of an
+      expert on its own rank, until ``rebalance`` spreads as many as pay as replicas), so
+      its parameters never change shape.
       Default False: every rank keeps full-size tensors (state dicts as transformers').
     backend: in one process, ``"exact"`` (torch kernels) or ``"triton"`` (each region one
       persistent Triton kernel on the input's device; ``schedule`` is then a
