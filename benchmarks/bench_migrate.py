@@ -70,7 +70,7 @@ def _rank(args: argparse.Namespace) -> None:
     transport = TransportKind.DIST if args.link else TransportKind.SHM
     runtime = RuntimeConfig(transport=transport, deadline_s=600.0)
     load = np.ones(spec.experts)
-    load[-2:] = 100.0  # the last two hot, on one rank (the first two have replicas from the start)
+    load[-2:] = 100.0  # the last two hot, on one rank (extra slots start as spares)
     first = starting_placement(spec.experts, world, args.redundant)
     places = [first, plan_placement(load, world, args.redundant, current=first)]
     largest = int(Moves.between(*places).rows().max()) * 2 * spec.ffn * spec.hidden * 4  # w13's rows, fp32
