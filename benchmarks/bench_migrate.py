@@ -9,6 +9,9 @@ message), a move's kind of traffic, before any move; the latency of 64-byte
 exchanges; copies at
 this rank's share of the measured host memory rate), ``configured`` (the shaped
 ``--link`` rate, measured copies) and ``nominal`` (``cpu_nominal``, the layer's default).
+With ``--redundant``, the backward's sum of the replicas' gradient rows
+(``replica_sum``) is timed as often as the moves, against ``replica_seconds``: what a
+sharded layer's rebalance charges a plan per call.
 
     HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_migrate.py \
         [--preset mixtral-8x7b --hidden 1024 --ffn 3584] [--link 1gbit] [--redundant 0] [--moves 6] \
@@ -95,8 +98,37 @@ def _rank(args: argparse.Namespace) -> None:
             print(json.dumps({"move": i, "rows": m.moves.rows().tolist(), "row_bytes": m.row_bytes,
                               "tensors": m.tensors, "measured_s": slowest, "predicted_s": predicted}),
                   flush=True)
+    _replica_sums(layer, places[1], models, args.moves, rank)
     layer.close()
     dist.destroy_process_group()
+
+
+def _replica_sums(layer, plan, models: dict, calls: int, rank: int) -> None:
+    """With replicas in ``plan``: ``calls`` backwards of ``replica_sum`` over tensors
+    shaped like the layer's stored rows, the slowest rank's seconds of each against
+    ``replica_seconds`` on every model (what the rebalance charges a plan per call)."""
+    import time
+
+    import torch.distributed as dist
+
+    from hpmoe.bench.forecast import slowest_rank
+    from hpmoe.migration import replica_seconds, replica_sum
+
+    if not plan.spread:
+        return
+    per = plan.slots_per_rank
+    stored = [p.detach().clone().requires_grad_() for p in layer.experts.parameters()]
+    predicted = {n: replica_seconds(stored, plan, hw) for n, hw in models.items()}
+    for i in range(calls):
+        out = replica_sum(stored, plan.phy2log[rank * per:(rank + 1) * per], plan.spread,
+                          layer.session().collectives)
+        dist.barrier()
+        t0 = time.perf_counter()
+        torch.autograd.backward(out, [torch.ones_like(t) for t in out])
+        slowest = float(slowest_rank(np.array([time.perf_counter() - t0]), None)[0])
+        if rank == 0:
+            print(json.dumps({"replica_sum": i, "experts": list(plan.spread), "measured_s": slowest,
+                              "predicted_s": predicted}), flush=True)
 
 
 def main() -> None:
@@ -124,10 +156,20 @@ def main() -> None:
         sys.exit(1)
     lines = [json.loads(line) for line in result.ranks[0].stdout.splitlines() if line.startswith("{")]
     moves = [m for m in lines if "move" in m]
-    ratios = {n: [m["measured_s"] / m["predicted_s"][n] for m in moves if m["predicted_s"][n]]
-              for n in moves[0]["predicted_s"]}
-    summary = {n: {"median": statistics.median(r), "min": min(r), "max": max(r)} for n, r in ratios.items()}
-    print(json.dumps({"args": vars(args), **lines[0], "moves": moves, "measured_over_predicted": summary}))
+    sums = [m for m in lines if "replica_sum" in m]
+    print(json.dumps({"args": vars(args), **lines[0], "moves": moves,
+                      "measured_over_predicted": _ratios(moves), "replica_sums": sums,
+                      "replica_sum_measured_over_predicted": _ratios(sums)}))
+
+
+def _ratios(rows: list[dict]) -> dict:
+    """Per model: median, min and max of measured / predicted seconds over ``rows``."""
+    if not rows:
+        return {}
+    ratios = {n: [m["measured_s"] / m["predicted_s"][n] for m in rows if m["predicted_s"][n]]
+              for n in rows[0]["predicted_s"]}
+    return {n: {"median": statistics.median(r), "min": min(r), "max": max(r)} for n, r in ratios.items()}
+
 
 if __name__ == "__main__":
     main()
