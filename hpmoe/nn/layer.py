@@ -560,10 +560,10 @@ class MoE(nn.Module):
 
     def _worth_moving(self, plan: Placement, optimizer: torch.optim.Optimizer | None,
                       saving_s: float) -> bool:
-        """Whether moving to ``plan`` takes less than ``saving_s``: the seconds the
-        measured calls are predicted to save (each call's time cut as the busiest rank's
-        load) against the move's modelled time (``Moves.seconds`` on the layer's hardware
-        model); a layer that does not shard its experts moves nothing."""
+        """Whether moving to ``plan`` takes less than ``saving_s``, the seconds the calls
+        it serves are predicted to save (``_plan``), against the move's modelled time
+        (``Moves.seconds`` on the layer's hardware model); a layer that does not shard its
+        experts moves nothing."""
         if not self.options.shard_experts:
             return True
         moves, hw = Moves.between(self._physical(), plan), self.options.rank_hardware
