@@ -104,9 +104,9 @@ def region() -> dict:
                for n in ("dx", "dweights", "dw13", "dw2")}}
 
 
-def layer() -> dict:
-    """The layer's default path on CUDA against the CPU, fp32 and bf16 (on a Hopper GPU
-    bf16 takes the grouped-GEMM path)."""
+def layer(device: str = "cuda") -> dict:
+    """The layer's default path on ``device`` against the CPU, fp32 and bf16 (on a Hopper
+    GPU bf16 takes the grouped-GEMM path)."""
     from hpmoe.exec.kernel_by_kernel import Experts, gemm_path
     from hpmoe.nn.layer import MoE
 
@@ -116,17 +116,18 @@ def layer() -> dict:
         g = torch.Generator().manual_seed(2)
         x = torch.randn(2, 32, spec.hidden, generator=g).to(dtype)
         got = {}
-        runs = (("cpu", MoE(spec, seed=0), x.clone()), ("cuda", MoE(spec, seed=0).cuda(), x.cuda()))
+        runs = (("cpu", MoE(spec, seed=0), x.clone()), (device, MoE(spec, seed=0).to(device), x.to(device)))
         for name, m, xin in runs:
             xin.requires_grad_(True)
             y = m(xin)
             y.float().square().sum().backward()
             got[name] = (y, xin.grad, m.experts.gate_up_proj.grad)
-            ex = Experts(m.experts.gate_up_proj, m.experts.down_proj, spec.activation)
+            w13 = m.experts.gate_up_proj
+            ex = Experts(w13, m.experts.down_proj, tuple(range(w13.shape[0])), spec.activation)
         name = str(dtype)[6:]
         out[f"{name}_gemm_path"] = gemm_path(xin.detach().view(-1, spec.hidden), ex).value
         for i, what in enumerate(("y", "dx", "dw13")):
-            out[f"{name}_{what}_rel"] = rel(got["cuda"][i], got["cpu"][i])
+            out[f"{name}_{what}_rel"] = rel(got[device][i], got["cpu"][i])
     return out
 
 

@@ -37,3 +37,16 @@ def test_the_python_gpu_scripts_exit_2_without_cuda(script, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), where, str(tmp_path / "x")],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "needs a CUDA device" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_smokes_layer_step_runs_on_the_cpu():
+    """The smoke's layer step, which only a GPU runs, with the CPU as its device: the code
+    keeps pace with the package's API (a GPU lease once found it broken)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    got = gpu_smoke.layer(device="cpu")
+    assert got["float32_gemm_path"] == got["bfloat16_gemm_path"] == "per-expert"
+    assert all(got[f"{d}_{w}_rel"] == 0.0 for d in ("float32", "bfloat16") for w in ("y", "dx", "dw13"))
