@@ -4,6 +4,8 @@ dtype's tolerance.  The device writes straight into the exact executor's buffers
 into the arena), so both sides see the same inputs; the output field starts as NaN on
 both sides, so a row written on one side only shows."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from hpmoe.gpu.backend import fill_indices  # noqa: E402
 from hpmoe.gpu.buffers import FIELDS, Arena, buffer_space  # noqa: E402
 from hpmoe.gpu.ops import COL, DESCRIBE, Op, describe  # noqa: E402
 from hpmoe.gpu.pack import pack_tasks  # noqa: E402
-from hpmoe.gpu.runner import DeviceProgram  # noqa: E402
+from hpmoe.gpu.runner import DeviceProgram, device_module  # noqa: E402
 from hpmoe.ir.graph import (
     TaskKind,  # noqa: E402
     tiles_of,  # noqa: E402
@@ -46,8 +48,8 @@ def _moves_data(row: np.ndarray) -> bool:
 class Setup:
     """Exact forward and backward runs of one small layer, and arenas bound to their buffers."""
 
-    def __init__(self, dtype: torch.dtype):
-        spec = preset("tiny").with_dtype(dtype)
+    def __init__(self, dtype: torch.dtype, top_k: int = 2):
+        spec = dataclasses.replace(preset("tiny").with_dtype(dtype), top_k=top_k, groups=1, top_groups=1)
         self.w = ExpertWeights.random(spec, 0)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(EP * TOKENS, spec.hidden, generator=g).to(dtype)
@@ -144,13 +146,21 @@ def test_backward_tile_matches_its_torch_kernel(setup, kind):
     assert _check_one(setup, kind, forward=False) > 0
 
 
+@pytest.mark.parametrize("kind", [TaskKind.UNPERMUTE, TaskKind.GRAD_UNPERMUTE, TaskKind.ROUTER_GRAD],
+                         ids=lambda k: k.name)
+def test_slot_sums_over_more_slots_than_one_unrolled_step(kind):
+    """Six slots: a full step of the SUM's unrolled loop and a part of one."""
+    s = Setup(torch.float32, top_k=6)
+    assert s.w.spec.top_k > int(device_module(True).SLOTS_IN_FLIGHT)
+    assert _check_one(s, kind, forward=kind is TaskKind.UNPERMUTE) > 0
+
+
 def test_every_task_kind_has_a_device_operation():
     # per-rank dispatch has no device operations: the backend refuses it (spec.require_per_expert)
     assert set(DESCRIBE) == set(TaskKind) - PER_RANK_KINDS
 
 
 def test_device_columns_and_op_codes_match_the_packing():
-    from hpmoe.gpu.runner import device_module
     d = device_module(True)
     cols = {"C_OP": "op", "C_VARIANT": "variant", "C_M": "m", "C_N": "n", "C_K": "k", "C_A": "a_buf",
             "C_B": "b_buf", "C_C": "c_buf", "C_I": "i_buf", "C_W": "w_buf", "C_S": "s_buf", "C_KK": "kk"}

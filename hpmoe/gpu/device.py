@@ -44,6 +44,11 @@ OP_SWIGLU_BWD = tl.constexpr(4)
 OP_SUM = tl.constexpr(5)
 OP_ROWDOT = tl.constexpr(6)
 
+# Slots a SUM or ROWDOT takes per unrolled step: their gathered rows are loaded together,
+# so one chunk waits for memory slots / SLOTS_IN_FLIGHT times instead of once per slot
+# (each slot's additions keep their order: the bits do not change).
+SLOTS_IN_FLIGHT = tl.constexpr(4)
+
 
 # ---------------------------------------------------------------------------- operands
 
@@ -257,14 +262,18 @@ def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexp
             jc = c0 + tl.arange(0, BC)
             mask = (ir[:, None] < m) & (jc[None, :] < n)
             acc = tl.full((BR, BC), 0.0, tl.float32)
-            for j in range(0, slots):
-                src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=ir < m, other=0).to(tl.int64)
-                v = tl.load(a + src[:, None] * lda + jc[None, :], mask=mask, other=0.0).to(tl.float32)
-                if weighted:
-                    w = tl.load(wp + ir.to(tl.int64) * ldw + j, mask=ir < m, other=0.0)
-                    acc = acc + w[:, None] * v
-                else:
-                    acc = acc + v
+            for j0 in range(0, slots, SLOTS_IN_FLIGHT):
+                for u in tl.static_range(SLOTS_IN_FLIGHT):
+                    j = j0 + u
+                    live = (ir < m) & (j < slots)
+                    src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=live, other=0).to(tl.int64)
+                    v = tl.load(a + src[:, None] * lda + jc[None, :], mask=mask & live[:, None],
+                                other=0.0).to(tl.float32)
+                    if weighted:
+                        w = tl.load(wp + ir.to(tl.int64) * ldw + j, mask=live, other=0.0)
+                        acc = acc + w[:, None] * v
+                    else:
+                        acc = acc + v
             if shared:
                 s = tl.load(sp + ir[:, None].to(tl.int64) * lds_ + jc[None, :], mask=mask, other=0.0)
                 acc = acc + s.to(tl.float32)
@@ -281,18 +290,24 @@ def rowdot_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
     b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, tl.float32)
     ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
+    ju = tl.arange(0, SLOTS_IN_FLIGHT)
     for r0 in range(0, m, BR):
         ir = r0 + tl.arange(0, BR)
-        for j in range(0, slots):
-            src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=ir < m, other=0).to(tl.int64)
-            acc = tl.full((BR,), 0.0, tl.float32)
+        for j0 in range(0, slots, SLOTS_IN_FLIGHT):
+            acc = tl.full((BR, SLOTS_IN_FLIGHT), 0.0, tl.float32)  # column u: slot j0 + u
             for c0 in range(0, n, BC):
                 jc = c0 + tl.arange(0, BC)
                 mask = (ir[:, None] < m) & (jc[None, :] < n)
                 x = tl.load(a + ir[:, None].to(tl.int64) * lda + jc[None, :], mask=mask, other=0.0)
-                o = tl.load(b + src[:, None] * ldb + jc[None, :], mask=mask, other=0.0)
-                acc += tl.reduce(x.to(tl.float32) * o.to(tl.float32), 1, _add)
-            tl.store(c + ir.to(tl.int64) * ldc + j, acc, mask=ir < m)
+                x = x.to(tl.float32)
+                for u in tl.static_range(SLOTS_IN_FLIGHT):
+                    live = (ir < m) & (j0 + u < slots)
+                    src = tl.load(ip + ir.to(tl.int64) * ldi + j0 + u, mask=live, other=0).to(tl.int64)
+                    o = tl.load(b + src[:, None] * ldb + jc[None, :], mask=mask & live[:, None], other=0.0)
+                    part = tl.reduce(x * o.to(tl.float32), 1, _add)
+                    acc = tl.where(ju[None, :] == u, acc + part[:, None], acc)
+            out = (ir[:, None] < m) & (j0 + ju[None, :] < slots)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + j0 + ju[None, :], acc, mask=out)
 
 
 @triton.jit
