@@ -70,10 +70,11 @@ class HopperReport:
 
 @dataclass(frozen=True)
 class HopperBuild:
-    """The report and the PTX it was read from."""
+    """The report, the PTX it was read from and the machine code (cubin)."""
 
     report: HopperReport
     ptx: str
+    cubin: bytes
 
 
 def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | None = None,
@@ -105,7 +106,7 @@ def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | N
         cooperative=bool(getattr(k.metadata, "launch_cooperative_grid", False)), registers=regs,
         spill_bytes=local, smem_bytes=res.shared_bytes, programs_per_sm=per_sm, resident=per_sm * H100.sms,
         violations=tuple(ptx_guards(ptx, res.shared_bytes if aligned else None, stage_bytes)))
-    return HopperBuild(report=report, ptx=ptx)
+    return HopperBuild(report=report, ptx=ptx, cubin=k.asm["cubin"])
 
 
 _ORDERING = re.compile(r"\b(bar\.sync|barrier\.sync|st\.global|red\.global|atom\.global)")
