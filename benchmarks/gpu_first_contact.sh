@@ -4,12 +4,14 @@
 #   benchmarks/gpu_first_contact.sh check        env probe, kernel resources, smoke run, GPU tests
 #   benchmarks/gpu_first_contact.sh bench-small  benchmarks/bench_gpu.py on the small shape
 #   benchmarks/gpu_first_contact.sh bench-ds     benchmarks/bench_gpu.py on DeepSeek-V3 (experts cut to fit)
+#   benchmarks/gpu_first_contact.sh profile-ds   benchmarks/gpu_profile.py there: the default path's kernels
+#                                                and idle time against torch's grouped-GEMM layer
 #
 # Writes under $OUT (default benchmarks/results/first-contact), each file as soon as its step
 # ends: env.txt, check.log, smoke.json (resources compiled on the device, a smoke run with a
 # 2 s deadline against moe_forward, the layer on CUDA), gpu-tests.xml (JUnit); bench.log,
-# bench-SHAPE.json, one timeline PNG: at most 8 files for check and two benches in one
-# folder.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
+# bench-SHAPE.json, one timeline PNG; gpu_profile.json (its log goes to bench.log): at
+# most 8 files for check, bench-ds and profile-ds, or check and two benches, in one folder.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
 # Without a CUDA device it exits 2 at once.
 set -u
 mode=${1:-check}
@@ -18,7 +20,8 @@ out=${OUT:-$here/benchmarks/results/first-contact}
 py=${PYTHON:-python3}
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-case $mode in check|bench-small|bench-ds) ;; *) echo "usage: $0 {check|bench-small|bench-ds}" >&2; exit 64;; esac
+case $mode in check|bench-small|bench-ds|profile-ds) ;;
+    *) echo "usage: $0 {check|bench-small|bench-ds|profile-ds}" >&2; exit 64;; esac
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_first_contact.sh: no CUDA device here (nvidia-smi finds none)" >&2
     exit 2
@@ -60,5 +63,6 @@ torch.version.cuda, "triton", triton.__version__, "python", platform.python_vers
     ;;
 bench-small) bench small ;;
 bench-ds) bench deepseek-v3-fit ;;
+profile-ds) step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/gpu_profile.py --out "$out" ;;
 esac
 exit $status

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine 
 
 
 def test_the_first_contact_script_exits_2_in_under_ten_seconds(tmp_path):
-    for mode in ("check", "bench-small", "bench-ds"):
+    for mode in ("check", "bench-small", "bench-ds", "profile-ds"):
         start = time.monotonic()
         env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
         done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_first_contact.sh"), mode], env=env,
@@ -31,7 +31,7 @@ def test_the_first_contact_script_refuses_an_unknown_mode():
     assert done.returncode == 64 and "usage" in done.stderr
 
 
-@pytest.mark.parametrize("script", ["gpu_smoke.py", "bench_gpu.py", "gpu_sweep.py"])
+@pytest.mark.parametrize("script", ["gpu_smoke.py", "bench_gpu.py", "gpu_sweep.py", "gpu_profile.py"])
 def test_the_python_gpu_scripts_exit_2_without_cuda(script, tmp_path):
     where = "--json" if script == "gpu_smoke.py" else "--out"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), where, str(tmp_path / "x")],
