@@ -18,6 +18,14 @@ from pathlib import Path
 import torch
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512-BF16, AMX), arm64 (FEAT_BF16)
+_X86_BELOW_AVX512 = ("DEFAULT", "AVX2")  # torch's x86 kernels below AVX-512 compute no bf16 natively
+
+
+def native_bf16(flags: set[str], capability: str, x86: bool) -> bool:
+    """Whether torch computes bf16 natively here: the CPU has the instructions and, on
+    x86, torch dispatches to AVX-512 kernels (``ATEN_CPU_CAPABILITY=avx2`` caps it, as
+    an AVX2 machine would: the flags alone would then claim bf16 that torch emulates)."""
+    return any(f in flags for f in _BF16_FLAGS) and not (x86 and capability in _X86_BELOW_AVX512)
 
 
 @dataclass(frozen=True)
@@ -78,9 +86,11 @@ def machine() -> Machine:
     """This machine, as ``Machine``."""
     model, flags = _cpuinfo()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return Machine(cpu=model or platform.processor() or platform.machine(),
-                   capability=torch.backends.cpu.get_cpu_capability(), cores=cores,
-                   native_bf16=any(f in flags for f in _BF16_FLAGS), python=platform.python_version(),
+    capability = torch.backends.cpu.get_cpu_capability()
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return Machine(cpu=model or platform.processor() or platform.machine(), capability=capability,
+                   cores=cores, native_bf16=native_bf16(flags, capability, x86),
+                   python=platform.python_version(),
                    torch=torch.__version__, numpy=_version("numpy") or "?", triton=_version("triton"),
                    hpmoe=_version("hpmoe") or "checkout")
 

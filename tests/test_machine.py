@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import torch
 
 from hpmoe.cli.common import dtype_choice
-from hpmoe.machine import default_cpu_dtype, machine
+from hpmoe.machine import default_cpu_dtype, machine, native_bf16
 
 
 def test_the_machine_names_its_cpu_capability_cores_and_versions() -> None:
@@ -32,3 +35,17 @@ def test_dtype_choice_keeps_an_explicit_dtype_and_says_why_only_for_auto_on_this
     assert dtype_choice("auto", on_this_cpu=False) == ("bf16", None)  # a modelled accelerator
     name, why = dtype_choice("auto", on_this_cpu=True)
     assert name == ("bf16" if machine().native_bf16 else "fp32") and why == default_cpu_dtype()[1]
+
+
+def test_native_bf16_needs_the_instructions_and_on_x86_torchs_avx512_kernels() -> None:
+    assert native_bf16({"avx512_bf16"}, "AVX512", x86=True)
+    assert not native_bf16({"avx512_bf16"}, "AVX2", x86=True)  # ATEN_CPU_CAPABILITY=avx2
+    assert not native_bf16({"avx2"}, "AVX2", x86=True)
+    assert native_bf16({"bf16"}, "DEFAULT", x86=False)  # arm64 FEAT_BF16
+
+
+def test_a_capped_capability_reads_as_no_native_bf16() -> None:
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    code = "from hpmoe.machine import machine; m = machine(); print(m.capability, m.native_bf16)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["AVX2", "False"]
