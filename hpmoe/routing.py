@@ -53,7 +53,7 @@ def check_ids(ids: object, spec: MoESpec, tokens: int) -> None:
     if tuple(ids.shape) != shape:
         raise ValueError(f"routing.ids has shape {tuple(ids.shape)}, expected {shape}")
     if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one pass, one device sync
         if lo < 0 or hi >= spec.experts:
             bad = lo if lo < 0 else hi
             raise ValueError(f"routing.ids contains expert id {bad}, outside [0, {spec.experts})")
