@@ -11,7 +11,8 @@
 # ends: env.txt, check.log, smoke.json (resources compiled on the device, a smoke run with a
 # 2 s deadline against moe_forward, the layer on CUDA), gpu-tests.xml (JUnit); bench.log,
 # bench-SHAPE.json, one timeline PNG; gpu_profile.json (its log goes to bench.log): at
-# most 8 files for check, bench-ds and profile-ds, or check and two benches, in one folder.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
+# most 8 files for check, bench-ds and profile-ds, or check and two benches, in one
+# folder.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
 # Without a CUDA device it exits 2 at once.
 set -u
 mode=${1:-check}
