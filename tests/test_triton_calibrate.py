@@ -18,7 +18,8 @@ from .helpers import chain_graph, tiny_plan
 
 KNOWN = dataclasses.replace(hardware_preset("h100"), matrix_workers=2, vector_workers=3,
                             matrix_flops_fp32=1e11, mem_bw=6e12, vector_flops=1e16, task_overhead=2e-6,
-                            shared_hbm=False, matrix_efficiency=1.0, matrix_full_edge=1, stream_bw=0.0)
+                            shared_hbm=False, matrix_memory=False, unpermute_traffic=2.5,
+                            matrix_efficiency=1.0, matrix_full_edge=1, stream_bw=0.0)
 
 
 @pytest.mark.parametrize("policy", [SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH])
@@ -31,6 +32,7 @@ def test_the_fit_recovers_the_model_that_made_the_timeline(policy):
     assert cal.task_overhead == pytest.approx(2e-6, rel=1e-6)
     assert cal.matrix_flops == pytest.approx(1e11, rel=1e-6)
     assert cal.copy_bandwidth == pytest.approx(6e12 / 3, rel=1e-6)
+    assert cal.unpermute_traffic == pytest.approx(2.5, rel=1e-6)
     assert cal.signal_latency == pytest.approx(0.0, abs=1e-12) and cal.residual < 1e-9
     model = calibrated_hardware(hardware_preset("h100"), cal, s, torch.float32)
     assert simulate(s, model).makespan == pytest.approx(measured.makespan, rel=1e-9)
@@ -57,3 +59,17 @@ def test_a_timeline_of_another_graph_is_refused():
     with pytest.raises(ValueError, match="tasks"):
         calibrate(s, short)
     assert np.isfinite(tl.makespan)
+
+
+def test_matrix_tasks_are_charged_no_bytes_in_a_model_fitted_to_their_durations():
+    from hpmoe.ir.graph import Unit
+    from hpmoe.sim.cost import memory_time
+    g = lower_forward(tiny_plan(ep=1, tokens=64), TileSpec(rows=16, gemm_rows=32, gemm_cols=16))
+    matrix = g.unit == Unit.MATRIX
+    slow = dataclasses.replace(KNOWN, mem_bw=1e6)
+    bound = memory_time(g, dataclasses.replace(slow, matrix_memory=True))
+    free = memory_time(g, slow)
+    assert (bound[matrix] > 0).all() and (free[matrix] == 0).all()
+    assert np.array_equal(bound[~matrix], free[~matrix])
+    with pytest.raises(ValueError, match="matrix_memory=False needs shared_hbm=False"):
+        dataclasses.replace(slow, shared_hbm=True)

@@ -158,9 +158,12 @@ def compute_time(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype) 
 
 def memory_time(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:
     """[n] seconds to move each task's ``bytes`` (``kernel_bytes``) at its worker's share of
-    ``mem_bw``; with ``host_cores`` each worker streams at one core's ``mem_bw``."""
-    sharers = np.where(graph.unit == Unit.MATRIX, hardware.matrix_workers, hardware.vector_workers)
-    return hardware.memory_time(kernel_bytes(graph, hardware), 1 if hardware.host_cores else sharers)
+    ``mem_bw``; with ``host_cores`` each worker streams at one core's ``mem_bw``; matrix
+    tasks none without ``hardware.matrix_memory``."""
+    matrix = graph.unit == Unit.MATRIX
+    sharers = np.where(matrix, hardware.matrix_workers, hardware.vector_workers)
+    t = hardware.memory_time(kernel_bytes(graph, hardware), 1 if hardware.host_cores else sharers)
+    return t if hardware.matrix_memory else np.where(matrix, 0.0, t)
 
 
 def kernel_bytes(graph: TaskGraph, hardware: HardwareModel) -> np.ndarray:

@@ -155,6 +155,11 @@ class HardwareModel:
     shared_hbm: the simulator's memory model: True, an L2 per rank and HBM shared by every
       running task; False, the per-worker roofline (each worker its unit's share of
       ``mem_bw``, no cache), for models fitted per worker.
+    matrix_memory: whether the per-worker roofline (``shared_hbm`` False) bounds a matrix
+      task by its bytes.  False: the matrix rate was fitted to measured matrix-task
+      durations (``hpmoe.gpu.calibrate``), which already hold their memory stalls; the
+      vector workers' share of ``mem_bw`` (a fitted per-program bandwidth) says nothing
+      of what a GEMM tile streams.
     host_cores: cores the ranks of one node share (a CPU host: every rank's worker threads
       time-share them); the replay shares them among running tasks (processor sharing, a
       task at most one core) and a task's work on its core is ``task_overhead`` + max(compute,
@@ -198,6 +203,7 @@ class HardwareModel:
     inter_link_bw: float = 0.0
     inter_latency: float = 0.0
     shared_hbm: bool = True
+    matrix_memory: bool = True
     host_cores: float = 0.0
     host_mem_bw: float = 0.0
     unpermute_traffic: float = 1.0
@@ -220,6 +226,9 @@ class HardwareModel:
             _check_rate("HardwareModel", name, getattr(self, name), allow_zero=True)
         _check_int("HardwareModel", "matrix_full_edge", self.matrix_full_edge)
         _check_rate("HardwareModel", "unpermute_traffic", self.unpermute_traffic)
+        if not self.matrix_memory and self.shared_hbm:
+            raise ValueError("HardwareModel.matrix_memory=False needs shared_hbm=False: it is a rule of the "
+                             "per-worker roofline (the shared HBM charges every task's traffic)")
         if not (isinstance(self.matrix_efficiency, int | float) and 0 < self.matrix_efficiency <= 1):
             raise ValueError("HardwareModel.matrix_efficiency must be in (0, 1], "
                              f"got {self.matrix_efficiency!r}")
