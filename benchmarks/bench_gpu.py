@@ -72,12 +72,18 @@ TOKENS = 4096
 TILES = TileSpec(rows=128, gemm_rows=128, gemm_cols=512)
 
 
-def shapes(device: torch.device) -> dict[str, MoESpec]:
-    """The benchmarked layers; DeepSeek-V3's expert count is cut to what fits this GPU."""
+def base_shapes() -> dict[str, MoESpec]:
+    """The benchmarked layers, DeepSeek-V3 with all its experts."""
     small = MoESpec(hidden=1024, ffn=512, experts=16, top_k=4, dtype=torch.bfloat16)
-    return {"deepseek-v3-fit": fit_experts(preset("deepseek-v3", torch.bfloat16), device),
+    return {"deepseek-v3-fit": preset("deepseek-v3", torch.bfloat16),
             "qwen3-30b-a3b": preset("qwen3-30b-a3b", torch.bfloat16),
             "mixtral-8x7b": preset("mixtral-8x7b", torch.bfloat16), "small": small}
+
+
+def shapes(device: torch.device) -> dict[str, MoESpec]:
+    """The benchmarked layers; DeepSeek-V3's expert count is cut to what fits this GPU."""
+    return {name: fit_experts(spec, device) if name == "deepseek-v3-fit" else spec
+            for name, spec in base_shapes().items()}
 
 
 def fit_experts(spec: MoESpec, device: torch.device) -> MoESpec:
@@ -220,13 +226,18 @@ def phase_programs(region, queues: int) -> list[Phase]:
     return out
 
 
+def shape_routing(spec: MoESpec, ep: int) -> Routing:
+    """The balanced routing of ``TOKENS`` tokens every variant runs (on the CPU)."""
+    return synthetic_routing(RoutingKind.BALANCED, spec, ParallelSpec(ep, TOKENS // ep), 0)
+
+
 def shape_inputs(spec: MoESpec, ep: int) -> tuple[torch.Tensor, ExpertWeights, Routing, torch.Tensor]:
     """(x, weights, balanced routing, dy) of ``TOKENS`` tokens on the GPU."""
     dev = torch.device("cuda")
     w = ExpertWeights.random(spec, 0)
     w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
                                   if isinstance(getattr(w, f.name), torch.Tensor)})
-    routing = synthetic_routing(RoutingKind.BALANCED, spec, ParallelSpec(ep, TOKENS // ep), 0)
+    routing = shape_routing(spec, ep)
     routing = Routing(ids=routing.ids.to(dev), weights=routing.weights.to(dev))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
@@ -314,7 +325,8 @@ def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: 
     """Fit a GPU model to the stamped HYPERPARALLEL forward run and predict every policy's
     forward makespan with the simulator (rows get ``predicted_ms``).  Returns the fit, the
     model and the stamped timeline (per task: kind, unit, worker, start and end in us), so
-    the fit can be examined without the GPU; also saved as calibration-<shape>.json."""
+    the fit can be examined without the GPU (``benchmarks/gpu_model_check.py``), and each
+    policy's worker split; also saved as calibration-<shape>.json."""
     fwd = regions[SchedulePolicy.HYPERPARALLEL][0]
     sched = fwd.region.schedule
     tl = fwd.region.program.timeline(fwd.info.stamps)
@@ -323,7 +335,9 @@ def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: 
     stamped = {"kind": tl.kind.tolist(), "unit": tl.unit.tolist(), "worker": tl.worker.tolist(),
                "start_us": (tl.start * 1e6).round(3).tolist(), "end_us": (tl.end * 1e6).round(3).tolist(),
                "workers": [tl.workers.matrix, tl.workers.vector]}
-    detail = {"fit": dataclasses.asdict(cal), "model": model.to_dict(), "timeline": stamped}
+    splits = {p.value: [f.region.schedule.workers.matrix, f.region.schedule.workers.vector]
+              for p, (f, _) in regions.items()}
+    detail = {"fit": dataclasses.asdict(cal), "model": model.to_dict(), "timeline": stamped, "splits": splits}
     (out_dir / f"calibration-{name}.json").write_text(json.dumps(detail, indent=1))
     for policy, (f, _) in regions.items():
         ms = simulate(f.region.schedule, model).makespan * 1e3

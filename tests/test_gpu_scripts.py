@@ -50,3 +50,20 @@ def test_the_smokes_layer_step_runs_on_the_cpu():
     got = gpu_smoke.layer(device="cpu")
     assert got["float32_gemm_path"] == got["bfloat16_gemm_path"] == "per-expert"
     assert all(got[f"{d}_{w}_rel"] == 0.0 for d in ("float32", "bfloat16") for w in ("y", "dx", "dw13"))
+
+
+def test_the_model_check_refits_a_saved_run_and_predicts_it(capsys):
+    """``gpu_model_check.py`` on a committed H200 run: the graph rebuilt on the CPU matches
+    the stamped timeline task for task, and the refitted model predicts the run (the
+    accuracy is the script's figure, not this test's)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_model_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    run = ROOT / "benchmarks" / "results" / "h200-2026-11-27" / "bench-deepseek-v3-fit-3.json"
+    assert gpu_model_check.main([str(run)]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if "| hyperparallel |" in r]
+    assert len(rows) == 1
+    predicted, measured = (float(c) for c in rows[0].split("|")[4:6])
+    assert measured == pytest.approx(9.174, abs=1e-3) and predicted > 0
