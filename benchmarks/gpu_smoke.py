@@ -12,6 +12,8 @@ Steps (each reported, none fatal to the next):
              against the same layer on the CPU
   auto       the same layer with ``backend="auto"`` trained until its tuning settles:
              each candidate's steps, the winner, and every step against the default path
+  deadline   a wait that can never be met, under a 0.2 s deadline: seconds until the
+             ``RegionError`` that names it
 
     python benchmarks/gpu_smoke.py --json smoke.json
 
@@ -149,8 +151,37 @@ def auto() -> dict:
     return {"steps": steps, "worst_y_rel": worst, "result": result.to_json() if result else None}
 
 
+def deadline() -> dict:
+    """A region whose last wait can never be met, run with a 0.2 s deadline: the seconds
+    until ``RegionError`` names that wait (the goal: the deadline plus at most 0.2 s)."""
+    import numpy as np
+
+    from hpmoe.gpu.backend import triton_forward
+    from hpmoe.gpu.runner import DeviceProgram
+    from hpmoe.runtime.forensics import RegionError, WorkerStatus
+
+    ep, w = 2, ExpertWeights.random(SPEC, 0)
+    x = torch.randn(ep * TOKENS, SPEC.hidden, generator=torch.Generator().manual_seed(4)).to(SPEC.dtype)
+    routing = synthetic_routing(RoutingKind.ZIPF, SPEC, ParallelSpec(ep, TOKENS), 0)
+    croute = dataclasses.replace(routing, weights=routing.weights.cuda())
+    fwd = triton_forward(x.cuda(), to_cuda(w), croute, ep, TILES)
+    packed = fwd.region.program.packed
+    task = int(np.flatnonzero(packed.wait_event >= 0)[-1])
+    threshold = packed.wait_threshold.copy()
+    threshold[task] += 1_000_000
+    stuck = DeviceProgram(dataclasses.replace(packed, wait_threshold=threshold), "cuda", SPEC.dtype)
+    t0 = time.perf_counter()
+    try:
+        stuck.run(fwd.region.arena.addresses(), deadline_s=0.2)
+    except RegionError as err:
+        waits = [r.task for r in err.report.workers if r.status is WorkerStatus.WAITS]
+        return {"deadline_s": 0.2, "raised_after_s": time.perf_counter() - t0,
+                "names_the_wait": waits == [packed.graph.task(task)]}
+    raise AssertionError("a wait that can never be met ran to the end")
+
+
 STEPS: dict[str, Callable[[], dict]] = {"env": env, "resources": resources, "region": region, "layer": layer,
-                                        "auto": auto}
+                                        "auto": auto, "deadline": deadline}
 
 
 def main(argv: list[str] | None = None) -> int:
