@@ -4,6 +4,9 @@ Runs only on a CUDA device.  Per shape (4096 tokens, ``--ep`` virtual ranks, def
 the single-GPU training case), forward and forward+backward:
 
   persistent/<policy>     each region ONE persistent Triton kernel (hpmoe.gpu), every policy
+  persistent/critical-path-calibrated
+                          CRITICAL_PATH planned with the model fitted to this run (below)
+                          instead of the H100 preset
   triton-phases           the same tile functions one phase (task kind) at a time, one
                           launch per phase: separates the gain from overlap from kernel quality
   phase/<kind>            each of those phases alone, with its own FLOPs and bytes
@@ -62,6 +65,7 @@ from hpmoe.ir.graph import TaskKind
 from hpmoe.machine import machine
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
+from hpmoe.sim.hardware import HardwareModel
 from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import simulate
 from hpmoe.sim.trace import write_gantt, write_trace
@@ -284,6 +288,18 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
                launchers=(f_go, b_go))
         fwd_regions[policy] = (fwd, bwd)
     details[name] = predict(rows, name, fwd_regions, spec, out_dir)
+    model = HardwareModel.from_dict(details[name]["model"])
+    try:
+        f_go, b_go, predicted = calibrated_critical_path(x, w, routing, dy, ep, model)
+    except Exception as e:  # reported as the variant's error, not fatal to the other variants
+        f_go = b_go = None
+        error, predicted = f"{type(e).__name__}: {e}", float("nan")
+    else:
+        error = ""
+    record("fwd", "persistent/critical-path-calibrated", f_go, error, launchers=(f_go,) if f_go else ())
+    rows[-1]["predicted_ms"] = predicted
+    record("fwd+bwd", "persistent/critical-path-calibrated", b_go and (lambda: (f_go(), b_go())), error,
+           launchers=(f_go, b_go) if f_go else ())
     fwd, bwd = fwd_regions[SchedulePolicy.HYPERPARALLEL]
     queues = fwd.region.program.packed.num_queues
     f_phases, b_phases = phase_programs(fwd.region, queues), phase_programs(bwd.region, queues)
@@ -311,6 +327,19 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
             except Exception as e:
                 record(region, f"{label}+cudagraph", None, f"{type(e).__name__}: {e}")
     return rows
+
+
+def calibrated_critical_path(x, w: ExpertWeights, routing: Routing, dy, ep: int,
+                             model: HardwareModel) -> tuple[Callable, Callable, float]:
+    """CRITICAL_PATH planned with ``model``, the model fitted to this device's stamped run
+    (the backend plans with the H100 preset unless given one): the forward and backward
+    launchers and the model's forward makespan, ms."""
+    fwd = triton_forward(x, w, routing, ep, TILES,
+                         TritonOptions(policy=SchedulePolicy.CRITICAL_PATH, hardware=model))
+    bwd = triton_backward(fwd, dy)
+    predicted = simulate(fwd.region.schedule, model).makespan * 1e3
+    return (fwd.region.program.launcher(fwd.region.arena.addresses()),
+            bwd.region.program.launcher(bwd.region.arena.addresses()), predicted)
 
 
 def late_waits(launchers: tuple) -> str:

@@ -7,6 +7,12 @@ model also predicts the other files' runs of the same shape (another machine of 
 another build of the kernel).
 
     .venv/bin/python benchmarks/gpu_model_check.py FILE.json [FILE.json ...]
+        [--matrix 92 106 ...] [--traffic 1.0 ...]
+
+``--matrix`` (programs running matrix tasks, the rest vector) and ``--traffic``
+(unpermute traffic in place of the fitted one) print what-if forecasts instead: every
+policy as the backend plans it (with the H100 preset), and CRITICAL_PATH planned with
+the fitted model; predictions for the next run, to be checked against it.
 
 Prints, per prediction: the file fitted, the file predicted, the policy, predicted and
 measured ms and their ratio; exits 1 when a file's graph does not match its timeline.
@@ -31,9 +37,12 @@ from hpmoe.gpu.core import SchedulePolicy, WorkerCounts  # noqa: E402
 from hpmoe.gpu.split import scheduled  # noqa: E402
 from hpmoe.regions.forward import lower_forward  # noqa: E402
 from hpmoe.routing import plan_routing  # noqa: E402
+from hpmoe.schedule import QUEUE_POLICIES  # noqa: E402
 from hpmoe.sim.presets import hardware_preset  # noqa: E402
 from hpmoe.sim.simulate import Timeline, simulate  # noqa: E402
 from hpmoe.spec import ParallelSpec  # noqa: E402
+
+PLANNER = hardware_preset("h100")  # the model the GPU backend plans with (TritonOptions.hardware None)
 
 
 @dataclasses.dataclass
@@ -60,7 +69,7 @@ def load(path: Path) -> list[Run]:
         if not np.array_equal(np.asarray(tl["kind"]), graph.kind):
             raise SystemExit(f"{path}: {shape}'s graph does not match its timeline (another lowering)")
         workers = WorkerCounts(*tl["workers"])
-        sched = scheduled(graph, SchedulePolicy.HYPERPARALLEL, hardware_preset("h100"), workers)
+        sched = scheduled(graph, SchedulePolicy.HYPERPARALLEL, PLANNER, workers)
         timeline = Timeline(ep=ep, workers=workers, kind=graph.kind, rank=graph.rank, peer=graph.peer,
                             unit=graph.unit, worker=np.asarray(tl["worker"]),
                             start=np.asarray(tl["start_us"]) * 1e-6, end=np.asarray(tl["end_us"]) * 1e-6,
@@ -77,16 +86,38 @@ def load(path: Path) -> list[Run]:
 def predict(model, run: Run) -> list[tuple[str, float, float]]:
     out = []
     for policy, (m, v) in run.splits.items():
-        sched = scheduled(run.graph, SchedulePolicy(policy), model, WorkerCounts(m, v))
+        sched = scheduled(run.graph, SchedulePolicy(policy), PLANNER, WorkerCounts(m, v))
         out.append((policy, simulate(sched, model).makespan * 1e3, run.measured[policy]))
     return out
+
+
+def what_if(runs: list[Run], matrix: list[int], traffic: list[float]) -> None:
+    """Each run's model with other splits and unpermute traffic, every policy."""
+    print("| fitted on | unpermute traffic | policy | matrix / vector programs | predicted ms |")
+    print("|---|---:|---|---|---:|")
+    for run in runs:
+        programs = sum(run.splits[SchedulePolicy.HYPERPARALLEL.value])
+        for t in traffic or [run.model.unpermute_traffic]:
+            model = dataclasses.replace(run.model, unpermute_traffic=t)
+            plans = [(p.value, p, PLANNER) for p in QUEUE_POLICIES]
+            plans.append(("critical-path, planned with the fit", SchedulePolicy.CRITICAL_PATH, model))
+            for label, policy, planner in plans:
+                for m in matrix or [run.splits[SchedulePolicy.HYPERPARALLEL.value][0]]:
+                    sched = scheduled(run.graph, policy, planner, WorkerCounts(m, programs - m))
+                    print(f"| {run.name} | {t:.2f} | {label} | {m} / {programs - m} | "
+                          f"{simulate(sched, model).makespan * 1e3:.3f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--matrix", nargs="*", type=int, default=[])
+    p.add_argument("--traffic", nargs="*", type=float, default=[])
     a = p.parse_args(argv)
     runs = [r for f in a.files for r in load(f)]
+    if a.matrix or a.traffic:
+        what_if(runs, a.matrix, a.traffic)
+        return 0
     print("| fitted on | predicts | policy | predicted ms | measured ms | predicted / measured |")
     print("|---|---|---|---:|---:|---:|")
     for fitted in runs:
