@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import TILES, base_shapes, shape_routing  # noqa: E402
 
 from hpmoe.gpu.calibrate import calibrate, calibrated_hardware  # noqa: E402
-from hpmoe.gpu.core import SchedulePolicy, WorkerCounts  # noqa: E402
+from hpmoe.gpu.core import HardwareModel, SchedulePolicy, TaskGraph, WorkerCounts  # noqa: E402
 from hpmoe.gpu.split import scheduled  # noqa: E402
 from hpmoe.regions.forward import lower_forward  # noqa: E402
 from hpmoe.routing import plan_routing  # noqa: E402
@@ -52,11 +52,12 @@ class Run:
     name: str
     measured: dict[str, float]
     splits: dict[str, list[int]]
-    model: object
-    graph: object
+    model: HardwareModel
+    graph: TaskGraph
 
 
 def load(path: Path) -> list[Run]:
+    """Every shape of a bench_gpu JSON that holds a stamped run, rebuilt and refitted."""
     doc = json.loads(path.read_text())
     runs = []
     for shape, detail in doc.get("calibration", {}).items():
@@ -83,7 +84,8 @@ def load(path: Path) -> list[Run]:
     return runs
 
 
-def predict(model, run: Run) -> list[tuple[str, float, float]]:
+def predict(model: HardwareModel, run: Run) -> list[tuple[str, float, float]]:
+    """(policy, predicted ms, measured ms) of every policy whose split ``run`` holds."""
     out = []
     for policy, (m, v) in run.splits.items():
         sched = scheduled(run.graph, SchedulePolicy(policy), PLANNER, WorkerCounts(m, v))
