@@ -94,9 +94,9 @@ class Placement:
     @functools.cached_property
     def spread(self) -> tuple[int, ...]:
         """The logical experts held on more than one rank (their gradient rows are summed
-        across ranks when each rank stores its own slots)."""
-        held = np.unique(np.stack([np.array(self.phy2log), self.slot_rank()]), axis=1)
-        return tuple(int(e) for e in np.flatnonzero(np.bincount(held[0], minlength=self.experts) > 1))
+        across ranks when each rank stores its own slots): those with more than one used
+        slot, a used slot being the first of its expert on its rank."""
+        return tuple(int(e) for e in np.flatnonzero(self.replicas() > 1))
 
     def slot_rank(self) -> np.ndarray:
         """[slots] the rank holding each slot."""
