@@ -287,19 +287,18 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         record("fwd+bwd", f"persistent/{policy.value}", lambda f=f_go, b=b_go: (f(), b()),
                launchers=(f_go, b_go))
         fwd_regions[policy] = (fwd, bwd)
-    details[name] = predict(rows, name, fwd_regions, spec, out_dir)
-    model = HardwareModel.from_dict(details[name]["model"])
+    details[name], model = predict(rows, name, fwd_regions, spec, out_dir)
     try:
         f_go, b_go, predicted = calibrated_critical_path(x, w, routing, dy, ep, model)
+        error = ""
     except Exception as e:  # reported as the variant's error, not fatal to the other variants
         f_go = b_go = None
-        error, predicted = f"{type(e).__name__}: {e}", float("nan")
-    else:
-        error = ""
-    record("fwd", "persistent/critical-path-calibrated", f_go, error, launchers=(f_go,) if f_go else ())
+        predicted, error = float("nan"), f"{type(e).__name__}: {e}"
+    launchers = (f_go, b_go) if f_go else ()
+    record("fwd", "persistent/critical-path-calibrated", f_go, error, launchers=launchers[:1])
     rows[-1]["predicted_ms"] = predicted
-    record("fwd+bwd", "persistent/critical-path-calibrated", b_go and (lambda: (f_go(), b_go())), error,
-           launchers=(f_go, b_go) if f_go else ())
+    record("fwd+bwd", "persistent/critical-path-calibrated", f_go and (lambda: (f_go(), b_go())), error,
+           launchers=launchers)
     fwd, bwd = fwd_regions[SchedulePolicy.HYPERPARALLEL]
     queues = fwd.region.program.packed.num_queues
     f_phases, b_phases = phase_programs(fwd.region, queues), phase_programs(bwd.region, queues)
@@ -350,12 +349,14 @@ def late_waits(launchers: tuple) -> str:
     return f"{late} wait(s) passed the deadline: not timed" if late else ""
 
 
-def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: Path) -> dict:
+def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec,
+            out_dir: Path) -> tuple[dict, HardwareModel]:
     """Fit a GPU model to the stamped HYPERPARALLEL forward run and predict every policy's
-    forward makespan with the simulator (rows get ``predicted_ms``).  Returns the fit, the
-    model and the stamped timeline (per task: kind, unit, worker, start and end in us), so
-    the fit can be examined without the GPU (``benchmarks/gpu_model_check.py``), and each
-    policy's worker split; also saved as calibration-<shape>.json."""
+    forward makespan with the simulator (rows get ``predicted_ms``).  Returns a record
+    of the fit, the model, the stamped timeline (per task: kind, unit, worker, start and
+    end in us) and each policy's worker split, so the fit can be examined without the GPU
+    (``benchmarks/gpu_model_check.py``; also saved as calibration-<shape>.json), and the
+    model."""
     fwd = regions[SchedulePolicy.HYPERPARALLEL][0]
     sched = fwd.region.schedule
     tl = fwd.region.program.timeline(fwd.info.stamps)
@@ -374,7 +375,7 @@ def predict(rows: list[dict], name: str, regions: dict, spec: MoESpec, out_dir: 
             if r["shape"] == name and r["region"] == "fwd" and r["variant"] == f"persistent/{policy.value}":
                 r["predicted_ms"] = ms
                 print(f"{name:>16} fwd {policy.value:>24} predicted {ms:9.3f} ms, measured {r['ms']:9.3f} ms")
-    return detail
+    return detail, model
 
 
 def save_timeline(fwd, path: Path) -> None:
