@@ -118,7 +118,7 @@ def layer(device: str = "cuda") -> dict:
         g = torch.Generator().manual_seed(2)
         x = torch.randn(2, 32, spec.hidden, generator=g).to(dtype)
         got = {}
-        runs = (("cpu", MoE(spec, seed=0), x.clone()), (device, MoE(spec, seed=0).to(device), x.to(device)))
+        runs = (("cpu", MoE(spec, seed=0), x.clone()), ("device", MoE(spec, seed=0).to(device), x.to(device)))
         for name, m, xin in runs:
             xin.requires_grad_(True)
             y = m(xin)
@@ -129,7 +129,7 @@ def layer(device: str = "cuda") -> dict:
         name = str(dtype)[6:]
         out[f"{name}_gemm_path"] = gemm_path(xin.detach().view(-1, spec.hidden), ex).value
         for i, what in enumerate(("y", "dx", "dw13")):
-            out[f"{name}_{what}_rel"] = rel(got[device][i], got["cpu"][i])
+            out[f"{name}_{what}_rel"] = rel(got["device"][i], got["cpu"][i])
     return out
 
 

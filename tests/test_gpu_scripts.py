@@ -41,7 +41,8 @@ def test_the_python_gpu_scripts_exit_2_without_cuda(script, tmp_path):
 
 def test_the_smokes_layer_step_runs_on_the_cpu():
     """The smoke's layer step, which only a GPU runs, with the CPU as its device: the code
-    keeps pace with the package's API (a GPU run once found it broken)."""
+    keeps pace with the package's API (a GPU run once found it broken), and two layers
+    built alike on one device give the same bits (what the step measures is the device)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_smoke
