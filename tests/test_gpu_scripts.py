@@ -55,8 +55,10 @@ def test_the_smokes_layer_step_runs_on_the_cpu():
 
 def test_the_model_check_refits_a_saved_run_and_predicts_it(capsys):
     """``gpu_model_check.py`` on a committed H200 run: the graph rebuilt on the CPU matches
-    the stamped timeline task for task, and the refitted model predicts the run (the
-    accuracy is the script's figure, not this test's)."""
+    the stamped timeline task for task, and the model refitted to its stamps replays the
+    measured forward within 5% (0.987 now; 2.04 with the fit and model before this
+    check existed, 1.09 with GEMM tiles charged their bytes again): a change to the fit or
+    the simulator that breaks the model against real measurements fails here."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_model_check
@@ -67,4 +69,4 @@ def test_the_model_check_refits_a_saved_run_and_predicts_it(capsys):
     rows = [r for r in capsys.readouterr().out.splitlines() if "| hyperparallel |" in r]
     assert len(rows) == 1
     predicted, measured = (float(c) for c in rows[0].split("|")[4:6])
-    assert measured == pytest.approx(9.174, abs=1e-3) and predicted > 0
+    assert measured == pytest.approx(9.174, abs=1e-3) and 0.95 <= predicted / measured <= 1.05
