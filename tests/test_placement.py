@@ -67,6 +67,8 @@ def test_slots_not_spread_as_replicas_are_spares_of_their_ranks_heaviest_expert(
     assert (one.used == [True, False, True, True, True, True, True, True, True, True]).all()  # slot 1 spare
     with pytest.raises(ValueError, match="spread=3 must be between 0 and redundant=2"):
         plan_placement(load, 2, 2, spread=3)
+    with pytest.raises(ValueError, match="spread=0: 2 experts and replicas leave a rank of ranks=4"):
+        plan_placement(np.ones(2), 4, 2, spread=0)  # four slots, one a rank: two ranks get nothing
 
 
 def test_migration_alone_repacks_without_replicas():
