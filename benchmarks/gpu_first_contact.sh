@@ -4,6 +4,7 @@
 #   benchmarks/gpu_first_contact.sh check        env probe, kernel resources, smoke run, GPU tests
 #   benchmarks/gpu_first_contact.sh bench-small  benchmarks/bench_gpu.py on the small shape
 #   benchmarks/gpu_first_contact.sh bench-ds     benchmarks/bench_gpu.py on DeepSeek-V3 (experts cut to fit)
+#   benchmarks/gpu_first_contact.sh bench-qwen3  ... on Qwen3-30B-A3B; bench-mixtral on Mixtral-8x7B
 #   benchmarks/gpu_first_contact.sh profile-ds   benchmarks/gpu_profile.py there: the default path's kernels
 #                                                and idle time against torch's grouped-GEMM layer
 #
@@ -21,8 +22,8 @@ out=${OUT:-$here/benchmarks/results/first-contact}
 py=${PYTHON:-python3}
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-case $mode in check|bench-small|bench-ds|profile-ds) ;;
-    *) echo "usage: $0 {check|bench-small|bench-ds|profile-ds}" >&2; exit 64;; esac
+case $mode in check|bench-small|bench-ds|bench-qwen3|bench-mixtral|profile-ds) ;;
+    *) echo "usage: $0 {check|bench-small|bench-ds|bench-qwen3|bench-mixtral|profile-ds}" >&2; exit 64;; esac
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_first_contact.sh: no CUDA device here (nvidia-smi finds none)" >&2
     exit 2
@@ -64,6 +65,8 @@ torch.version.cuda, "triton", triton.__version__, "python", platform.python_vers
     ;;
 bench-small) bench small ;;
 bench-ds) bench deepseek-v3-fit ;;
+bench-qwen3) bench qwen3-30b-a3b ;;
+bench-mixtral) bench mixtral-8x7b ;;
 profile-ds) step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/gpu_profile.py --out "$out" ;;
 esac
 exit $status
