@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .routing import Routing, check_hidden, check_routing
+from .routing import Routing, check_input
 from .spec import PLAIN_GLU, Activation, GluForm, MoESpec
 from .weights import ExpertWeights
 
@@ -185,8 +185,7 @@ def expert_outputs(x: torch.Tensor, weights: ExpertWeights, routing: Routing) ->
     of :func:`dense_moe`, before the combine)."""
     _check_order(weights, routing)
     spec = weights.spec
-    check_hidden(x, spec)
-    check_routing(routing, spec, x.shape[0])
+    check_input(x, routing, spec)
     n, k = routing.ids.shape
     flat = routing.ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -247,8 +246,7 @@ def serialized_ep_forward(x_local: torch.Tensor, weights: ExpertWeights, routing
     spec = weights.spec
     rank, ep = dist.get_rank(group), dist.get_world_size(group)
     local = _local_experts(spec, ep)
-    check_hidden(x_local, spec, "x_local")
-    check_routing(routing_local, spec, x_local.shape[0])
+    check_input(x_local, routing_local, spec, "x_local")
     t, k = routing_local.ids.shape
     with torch.no_grad():
         flat = routing_local.ids.reshape(-1)

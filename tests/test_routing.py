@@ -13,8 +13,9 @@ from hpmoe.nn.hf import randomize_moe_, spec_from_hf, tiny_deepseek_v3_config, t
 from hpmoe.routing import (
     Routing,
     RoutingKind,
-    all_finite,
+    check_input,
     check_routing,
+    expert_counts,
     plan_routing,
     ranks_per_token,
     route,
@@ -213,19 +214,34 @@ def test_route_rejects_nan() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_finite_is_isfinite_all(dtype: torch.dtype) -> None:
-    """The one-pass check against its definition: every position of NaN, +inf and -inf,
-    extreme finite values and the empty tensor."""
+def test_the_one_pass_value_check_is_isfinite_all(dtype: torch.dtype) -> None:
+    """``check_input``'s min/max check against its definition: every position of NaN,
+    +inf and -inf in x and in the weights, extreme finite values and the empty batch."""
+    spec = dataclasses.replace(preset("tiny"), hidden=5, dtype=dtype)
     x = torch.randn(6, 5).to(dtype)
-    assert all_finite(x) and all_finite(x[:0])
-    big = torch.full((3, 3), torch.finfo(dtype).max, dtype=dtype)
+    ok = Routing(torch.zeros(6, spec.top_k, dtype=torch.int64), torch.ones(6, spec.top_k))
+    check_input(x, ok, spec)
+    check_input(x[:0], Routing(ok.ids[:0], ok.weights[:0]), spec)
+    big = torch.full((3, 5), torch.finfo(dtype).max, dtype=dtype)
     big[1, 1] = torch.finfo(dtype).min
-    assert all_finite(big)
+    check_input(big, Routing(ok.ids[:3], ok.weights[:3]), spec)
     for value in (float("nan"), float("inf"), -float("inf")):
-        for pos in [(0, 0), (3, 2), (5, 4)]:
+        kind = "NaN" if value != value else "inf"
+        for pos in [(0, 0), (3, 2), (5, 1)]:
             y = x.clone()
             y[pos] = value
-            assert all_finite(y) == bool(torch.isfinite(y).all()) is False, (value, pos)
+            with pytest.raises(ValueError, match=f"x has {kind} at row {pos[0]}"):
+                check_input(y, ok, spec)
+            w = ok.weights.clone()
+            w[pos[0], pos[1] % spec.top_k] = value
+            with pytest.raises(ValueError, match="routing.weights contains NaN or inf"):
+                check_input(x, Routing(ok.ids, w), spec)
+
+
+def test_expert_counts_is_bincount() -> None:
+    ids = torch.tensor([[0, 3], [3, 3], [5, 0]])
+    assert expert_counts(ids, 7).tolist() == torch.bincount(ids.reshape(-1), minlength=7).tolist()
+    assert expert_counts(ids[:0], 7).tolist() == [0] * 7
 
 
 @pytest.mark.parametrize("bad", [-1, 8])

@@ -25,7 +25,7 @@ from ..regions.base import Region
 from ..regions.dedup_kernels import DedupBuffers
 from ..regions.family import region_family
 from ..regions.kernels import ForwardBuffers
-from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
+from ..routing import Routing, RoutingPlan, check_input, plan_routing
 from ..spec import ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .program import PeerView, rank_program, task_calls
@@ -114,8 +114,7 @@ def prepare_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
                     tiles: TileSpec = DEFAULT_TILES, nodes: int = 1) -> PreparedForward:
     """The forward region of ``execute_forward``, lowered and allocated, not run."""
     spec = weights.spec
-    check_hidden(x, spec)
-    check_routing(routing, spec, x.shape[0])
+    check_input(x, routing, spec)
     if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep, nodes=nodes)

@@ -32,8 +32,7 @@ from .core import (
     TaskGraph,
     TileSpec,
     WorkerCounts,
-    check_hidden,
-    check_routing,
+    check_input,
     hardware_preset,
     lower_backward,
     lower_forward,
@@ -169,8 +168,7 @@ def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep
     [N, H] spec.dtype and what the backward region needs."""
     options = options or TritonOptions()
     spec = weights.spec
-    check_hidden(x, spec)
-    check_routing(routing, spec, x.shape[0])
+    check_input(x, routing, spec)
     if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     require_per_expert(tiles, "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, "

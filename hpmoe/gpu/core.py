@@ -13,7 +13,7 @@ from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..ir.schedule import Schedule, WorkerCounts
 from ..regions.backward import lower_backward
 from ..regions.forward import lower_forward
-from ..routing import Routing, RoutingPlan, check_hidden, check_routing, plan_routing
+from ..routing import Routing, RoutingPlan, check_input, plan_routing
 from ..runtime.forensics import HangReport, RegionError, WorkerReport, WorkerStatus
 from ..schedule import SchedulePolicy, schedule, verify_schedule
 from ..sim.cost import gemm_dims, task_costs
@@ -27,5 +27,5 @@ __all__ = ["DEFAULT_TILES", "IS_PUT", "ExpertWeights", "Gradients", "GraphError"
            "HardwareModel",
            "LinkEntry", "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan", "Schedule",
            "SchedulePolicy", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts",
-           "WorkerReport", "WorkerStatus", "check_hidden", "check_routing", "gemm_dims", "hardware_preset",
+           "WorkerReport", "WorkerStatus", "check_input", "gemm_dims", "hardware_preset",
            "lower_backward", "lower_forward", "plan_routing", "schedule", "task_costs", "verify_schedule"]
