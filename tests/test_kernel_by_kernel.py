@@ -15,6 +15,7 @@ from hpmoe.exec.kernel_by_kernel import (
     ExpertGrads,
     Experts,
     GemmPath,
+    Groups,
     experts_backward,
     experts_forward,
     gemm_path,
@@ -73,12 +74,20 @@ def test_expert_biases_and_the_clamped_glu_match_autograd(dtype: torch.dtype) ->
         torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
 
 
+def test_groups_give_the_per_expert_segments_and_grouped_offsets() -> None:
+    counts = [3, 0, 0, 5, 1]
+    groups = Groups(torch.tensor(counts))
+    assert groups.segments == segments(counts) == [(0, 0, 3), (3, 3, 8), (4, 8, 9)]
+    assert groups.offsets().tolist() == [3, 3, 3, 8, 9] and groups.offsets().dtype == torch.int32
+    assert Groups.one(7, torch.device("cpu")).segments == [(0, 0, 7)]
+
+
 def test_expert_gemms_give_grouped_mm_bits() -> None:
     a, w13, w2 = (torch.randn(shape).bfloat16() for shape in ((11, 16), (3, 48, 16), (3, 16, 24)))
     counts = [4, 0, 7]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     ex = Experts(w13, w2, (0, 1, 2), Activation.SILU)
-    h, act, y = experts_forward(a, segments(counts), ex, Arena("cpu"), "")
+    h, act, y = experts_forward(a, Groups(torch.tensor(counts)), ex, Arena("cpu"), "")
     assert torch.equal(h, F.grouped_mm(a, w13.transpose(1, 2), offs=offs))
     assert torch.equal(y, F.grouped_mm(act, w2.transpose(1, 2), offs=offs))
 
@@ -227,7 +236,7 @@ def test_grouped_gemms_match_the_per_expert_loop(dtype: torch.dtype, recompute: 
     same experts with their rows copied out, gradients summed by autograd's index_add."""
     g = torch.Generator().manual_seed(3)
     m, h_, f, r = 40, 32, 24, max(rows) + 1
-    segs = segments([12, 0, 20, 8])
+    segs = Groups(torch.tensor([12, 0, 20, 8]))
     stored = [torch.randn(*s, generator=g).to(dtype) for s in ((r, 2 * f, h_), (r, h_, f))]
     ex = Experts(*stored, rows, Activation.SILU)
     xs, dy = (torch.randn(m, h_, generator=g).to(dtype) for _ in range(2))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from ..refs import inverse_permutation
 from ..regions.backward_kernels import glu_backward
 from ..regions.kernels import gemm_bias, glu
-from ..routing import Routing, check_hidden, check_routing
+from ..routing import Routing, check_input, expert_counts
 from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
@@ -66,6 +67,30 @@ def segments(counts: list[int]) -> Segments:
             out.append((e, start, start + n))
         start += n
     return out
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The rows of each local expert, contiguous in expert order: counts int64 [L] on the
+    rows' device.  A grouped GEMM reads their offsets on the device; a per-expert loop
+    reads ``segments`` on the host (one device sync, on first use), so the grouped path
+    makes none."""
+
+    counts: torch.Tensor
+
+    @staticmethod
+    def one(rows: int, device: torch.device) -> Groups:
+        """A single expert of ``rows`` rows (the shared expert)."""
+        return Groups(torch.full((1,), rows, dtype=torch.int64, device=device))
+
+    def offsets(self) -> torch.Tensor:
+        """int32 [L] end row of each expert's rows (empty experts included), as
+        ``grouped_mm``'s ``offs``."""
+        return self.counts.cumsum(0).to(torch.int32)
+
+    @cached_property
+    def segments(self) -> Segments:
+        return segments(self.counts.tolist())
 
 
 # ---------------------------------------------------------------------------- experts
@@ -106,14 +131,18 @@ class Experts:
         span = self.span()
         return t[span] if span is not None else t.index_select(0, torch.tensor(self.rows, device=t.device))
 
-    def put(self, g: torch.Tensor, local: torch.Tensor) -> None:
-        """Write local [len(rows), ...] gradients into their rows of ``g`` (replicas summed)."""
+    def put(self, g: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``g`` [R, ...] with local [len(rows), ...] gradients in their rows (replicas
+        summed); ``local`` itself where these experts are all of g's rows (no copy)."""
         span = self.span()
+        if span == slice(0, g.shape[0]):
+            return local
         if span is not None:
             g[span] = local
         else:
             index = torch.tensor(self.rows, device=g.device)
             g.index_fill_(0, index, 0).index_add_(0, index, local)
+        return g
 
 
 class GemmPath(enum.Enum):
@@ -138,15 +167,6 @@ def gemm_path(xs: torch.Tensor, ex: Experts) -> GemmPath:
     return GemmPath.GROUPED
 
 
-def expert_offsets(segs: Segments, experts: int, device: torch.device) -> torch.Tensor:
-    """int32 [E] end row of each local expert's rows (empty experts included), as
-    ``grouped_mm``'s ``offs``."""
-    counts = [0] * experts
-    for e, s, t in segs:
-        counts[e] = t - s
-    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-
-
 def _grouped(path: GemmPath | None, xs: torch.Tensor, ex: Experts) -> bool:
     path = path or gemm_path(xs, ex)
     if path is GemmPath.GROUPED and ex.b13 is not None:
@@ -155,7 +175,7 @@ def _grouped(path: GemmPath | None, xs: torch.Tensor, ex: Experts) -> bool:
     return path is GemmPath.GROUPED
 
 
-def experts_forward(xs: torch.Tensor, segs: Segments, ex: Experts, keep: Arena, tag: str,
+def experts_forward(xs: torch.Tensor, groups: Groups, ex: Experts, keep: Arena, tag: str,
                     path: GemmPath | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H]:
     h = xs @ w13[e]^T + b13[e], a = the gated activation, y = a @ w2[e]^T + b2[e]
@@ -165,13 +185,13 @@ def experts_forward(xs: torch.Tensor, segs: Segments, ex: Experts, keep: Arena, 
     m, f, dtype = xs.shape[0], ex.w2.shape[2], xs.dtype
     a = keep.take(tag + "a", (m, f), dtype)
     if _grouped(path, xs, ex):
-        offs = expert_offsets(segs, len(ex.rows), xs.device)
+        offs = groups.offsets()
         h = _GROUPED_MM(xs, ex.stacked(ex.w13).transpose(1, 2), offs=offs)
         glu(h, a, ex.activation, ex.glu)
         return h, a, _GROUPED_MM(a, ex.stacked(ex.w2).transpose(1, 2), offs=offs)
     h = keep.take(tag + "h", (m, 2 * f), dtype)
     y = keep.take(tag + "y", (m, ex.w2.shape[1]), dtype)
-    for e, s, t in segs:
+    for e, s, t in groups.segments:
         r = ex.rows[e]
         gemm_bias(xs[s:t], ex.w13[r], None if ex.b13 is None else ex.b13[r], h[s:t])
         glu(h[s:t], a[s:t], ex.activation, ex.glu)
@@ -192,11 +212,12 @@ class ExpertGrads:
 
 
 def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor | None,
-                     segs: Segments, ex: Experts, grads: ExpertGrads, arena: Arena, tag: str,
+                     groups: Groups, ex: Experts, grads: ExpertGrads, arena: Arena, tag: str,
                      path: GemmPath | None = None) -> torch.Tensor:
     """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the weight
     gradients of every local expert into ``grads`` (zeros for experts without rows), one
-    expert after another (PER_EXPERT) or in grouped GEMMs (GROUPED; None: ``gemm_path``).
+    expert after another (PER_EXPERT) or in grouped GEMMs (GROUPED; None: ``gemm_path``;
+    its GEMMs' outputs replace grads' tensors where they cover every row).
     a: the gated activation's output, or None to recompute it."""
     m, f = h.shape[0], h.shape[1] // 2
     dh = arena.take(tag + "dh", (m, 2 * f), dy.dtype)
@@ -204,10 +225,11 @@ def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: tor
     recompute = a is None
     a = arena.take(tag + "a", (m, f), h.dtype) if recompute else a
     if _grouped(path, xs, ex):
-        return _grouped_backward(dy, xs, h, a, recompute, segs, ex, grads, dh, tmp)
+        return _grouped_backward(dy, xs, h, a, recompute, groups, ex, grads, dh, tmp)
     da = arena.take(tag + "da", (m, f), dy.dtype)
     dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
     written = [g for g in (grads.dw13, grads.dw2, grads.db13, grads.db2) if g is not None]
+    segs = groups.segments
     busy = {ex.rows[e] for e, _, _ in segs}
     for r in set(ex.rows) - busy:
         for g in written:
@@ -245,17 +267,18 @@ def _sum_into(out: torch.Tensor, rows: torch.Tensor, add: bool) -> None:
 
 
 def _grouped_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor, recompute: bool,
-                      segs: Segments, ex: Experts, grads: ExpertGrads, dh: torch.Tensor,
+                      groups: Groups, ex: Experts, grads: ExpertGrads, dh: torch.Tensor,
                       tmp: torch.Tensor) -> torch.Tensor:
     """``experts_backward`` in grouped GEMMs: the weight gradients of an expert without
-    rows come out zero from the grouped GEMM itself."""
-    offs = expert_offsets(segs, len(ex.rows), xs.device)
+    rows come out zero from the grouped GEMM itself; where the experts are every row of
+    ``grads``, the GEMMs' outputs become its tensors."""
+    offs = groups.offsets()
     if recompute:
         glu(h, a, ex.activation, ex.glu)
     da = _GROUPED_MM(dy, ex.stacked(ex.w2), offs=offs)
-    ex.put(grads.dw2, _GROUPED_MM(dy.t(), a, offs=offs))
+    grads.dw2 = ex.put(grads.dw2, _GROUPED_MM(dy.t(), a, offs=offs))
     glu_backward(h, da, dh, ex.activation, tmp, ex.glu)
-    ex.put(grads.dw13, _GROUPED_MM(dh.t(), xs, offs=offs))
+    grads.dw13 = ex.put(grads.dw13, _GROUPED_MM(dh.t(), xs, offs=offs))
     return _GROUPED_MM(dh, ex.stacked(ex.w13), offs=offs)
 
 
@@ -278,7 +301,7 @@ class Permutation:
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         pos = inverse_permutation(order).view(ids.shape)
-        return Permutation(order, pos, torch.bincount(flat, minlength=experts).view(ep, experts // ep))
+        return Permutation(order, pos, expert_counts(flat, experts).view(ep, experts // ep))
 
 
 @dataclass(frozen=True)
@@ -321,8 +344,8 @@ class Exchange:
                              f"kernel by kernel: {tag}combine")
         return back
 
-    def local_rows(self) -> list[int]:
-        return self.recv.sum(0).tolist()
+    def local_rows(self) -> torch.Tensor:
+        return self.recv.sum(0)
 
 
 def _group_size(coll: Collectives | None) -> int:
@@ -415,7 +438,7 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None, 
 @dataclass
 class KernelByKernelState:
     """What the backward needs from the forward: the permutation, the exchange (None in
-    one process) and the segments (routing metadata, kept as they are), and the tensors
+    one process) and the groups (routing metadata, kept as they are), and the tensors
     ``tensors()`` lists for ``save_for_backward``: the local experts' rows xs [M, H],
     h [M, 2F], a [M, F] (None when recomputed), this rank's expert outputs in sorted
     order y [T*k, H], the shared expert's sh [T, 2Fs] and sa [T, Fs] (None without
@@ -423,7 +446,7 @@ class KernelByKernelState:
 
     perm: Permutation
     exchange: Exchange | None
-    segs: Segments
+    groups: Groups
     xs: torch.Tensor | None
     h: torch.Tensor | None
     a: torch.Tensor | None
@@ -473,8 +496,7 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
     buffers come from (None: fresh ones), given back however the call ends; saved
     tensors are always fresh ones.  recompute: save no gated-activation outputs."""
     spec = weights.spec
-    check_hidden(x, spec)
-    check_routing(routing, spec, x.shape[0])
+    check_input(x, routing, spec)
     arena = pool.acquire(x.device) if pool is not None else Arena(x.device)
     try:
         return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute)
@@ -494,17 +516,17 @@ def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Co
     rows = torch.index_select(x, 0, perm.order // k,
                               out=rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype))
     xs = exchange.dispatch(rows, arena, keep, "d.") if exchange is not None else rows
-    segs = segments(exchange.local_rows() if exchange is not None else perm.send.reshape(-1).tolist())
-    h, a, y = experts_forward(xs, segs, Experts.routed(weights, mine), keep, "e.")
+    groups = Groups(exchange.local_rows() if exchange is not None else perm.send.reshape(-1))
+    h, a, y = experts_forward(xs, groups, Experts.routed(weights, mine), keep, "e.")
     y = exchange.combine(y, arena, keep, "c.") if exchange is not None else y
     sh = sa = sy = None
     if weights.has_shared:
-        sh, sa, sy = experts_forward(x, segments([x.shape[0]]), Experts.shared(weights), keep, "s.")
+        sh, sa, sy = experts_forward(x, Groups.one(x.shape[0], x.device), Experts.shared(weights), keep, "s.")
     out = weighted_sum(y, perm.pos, routing.weights, sy, arena)
     if not save:
         return out, None
     drop = recompute
-    return out, KernelByKernelState(perm, exchange, segs, xs, h, None if drop else a, y, sh,
+    return out, KernelByKernelState(perm, exchange, groups, xs, h, None if drop else a, y, sh,
                                     None if drop else sa, x, routing.weights, weights)
 
 
@@ -529,14 +551,14 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
     dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
     ex = Experts.routed(w, mine)
     grads = ExpertGrads(*(_weight_buffer(t, ex) for t in (w.w13, w.w2, *w.biases)))
-    dxs = experts_backward(dys, s.xs, s.h, s.a, s.segs, ex, grads, arena, "e.")
+    dxs = experts_backward(dys, s.xs, s.h, s.a, s.groups, ex, grads, arena, "e.")
     dxs = s.exchange.combine(dxs, arena, arena, "gc.") if s.exchange is not None else dxs
     dsw13 = dsw2 = dx_shared = None
     if s.sh is not None:
         sg = ExpertGrads(torch.empty_like(w.shared_w13)[None], torch.empty_like(w.shared_w2)[None])
         ds = dout.to(dtype).contiguous()
-        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, segments([s.x.shape[0]]), Experts.shared(w), sg,
-                                     arena, "s.")
+        one = Groups.one(s.x.shape[0], s.x.device)
+        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, one, Experts.shared(w), sg, arena, "s.")
         dsw13, dsw2 = sg.dw13[0], sg.dw2[0]
     dx = slot_sum(dxs, s.perm.pos, dx_shared, arena)
     return Gradients(dx=dx, dweights=dweights, dw13=grads.dw13, dw2=grads.dw2, dshared_w13=dsw13,

@@ -48,7 +48,7 @@ from ..ir.schedule import SchedulePolicy
 from ..migration import Migration, Moves, migrate, move_seconds, replica_seconds, replica_sum
 from ..placement import Placement, plan_placement, rank_loads, starting_placement
 from ..regions.base import RegionKind
-from ..routing import Routing, input_error, route
+from ..routing import Routing, expert_counts, input_error, route
 from ..schedule.auto import AutoDecision
 from ..schedule.tune import TuneResult
 from ..sim.hardware import HardwareModel
@@ -574,7 +574,7 @@ class MoE(nn.Module):
         (a counter on the module would make every call recompile: measure in eager steps)."""
         if torch.compiler.is_compiling():
             return
-        rows = torch.bincount(ids.detach().flatten(), minlength=self.spec.experts).double()
+        rows = expert_counts(ids.detach(), self.spec.experts).double()
         self._load = LOAD_DECAY * self._load.to(rows.device) + (1.0 - LOAD_DECAY) * rows  # no host sync
         self._calls += 1
         every = self.options.rebalance_every
