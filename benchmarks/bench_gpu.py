@@ -14,6 +14,8 @@ the single-GPU training case), forward and forward+backward:
                           (the rate each GEMM phase is held to)
   hpmoe-kernel-by-kernel  the layer's default path (hpmoe.exec.kernel_by_kernel; on a Hopper
                           GPU in bf16 its GEMMs are grouped GEMMs), backward without autograd
+  hpmoe-default           the same path through the front door a user calls: ``hpmoe.MoE``
+                          on these weights, ``layer.region(x, ids, weights)``, autograd
   torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
                           fixed-order top-k sum; backward by autograd
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
@@ -63,7 +65,10 @@ from hpmoe.gpu.runner import DeviceProgram
 from hpmoe.gpu.split import cuda_ms
 from hpmoe.ir.graph import TaskKind
 from hpmoe.machine import machine
-from hpmoe.routing import Routing, RoutingKind, synthetic_routing
+from hpmoe.nn.layer import MoE
+from hpmoe.regions.backward import lower_backward
+from hpmoe.regions.forward import lower_forward
+from hpmoe.routing import Routing, RoutingKind, plan_routing, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy
 from hpmoe.sim.hardware import HardwareModel
 from hpmoe.sim.presets import hardware_preset
@@ -185,6 +190,20 @@ def torch_step(forward, x, w: ExpertWeights, routing: Routing, dy, peer: Peer, b
     return step
 
 
+def layer_step(layer: MoE, x, routing: Routing, dy, backward: bool):
+    """A callable running ``layer.region`` (and autograd's backward to x, the top-k
+    weights and the layer's expert weights) on leaves made once."""
+    xl, wl = (t.detach().requires_grad_(backward) for t in (x, routing.weights))
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step() -> object:
+        out = layer.region(xl, routing.ids, wl)
+        if backward:
+            return torch.autograd.grad(out, [xl, wl, *params], dy, allow_unused=True)
+        return out
+    return step
+
+
 def grouped_gemms(x, w: ExpertWeights, peer: Peer, spec: MoESpec) -> dict:
     """The forward's two expert GEMMs alone through ``torch._grouped_mm`` on rows already
     permuted (the floor each GEMM phase of the persistent kernel is held to), each a
@@ -249,37 +268,23 @@ def shape_inputs(spec: MoESpec, ep: int) -> tuple[torch.Tensor, ExpertWeights, R
     return x, w, routing, dy
 
 
-def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
-              out_dir: Path, details: dict) -> list[dict]:
-    x, w, routing, dy = shape_inputs(spec, ep)
-    rows: list[dict] = []
-    work = {}
+def region_work(spec: MoESpec, ep: int, routing: Routing) -> dict[str, tuple[float, float]]:
+    """FLOPs and bytes of the forward and forward+backward task graphs (host only)."""
+    plan = plan_routing(routing.ids.cpu(), spec, ParallelSpec(ep=ep, tokens_per_rank=TOKENS // ep))
+    gf, gb = lower_forward(plan, TILES), lower_backward(plan, TILES)
+    fwd = (float(gf.flops.sum()), float(gf.bytes.sum()))
+    return {"fwd": fwd, "fwd+bwd": (fwd[0] + float(gb.flops.sum()), fwd[1] + float(gb.bytes.sum()))}
 
-    def record(region: str, variant: str, fn: Callable[[], object] | None, error: str = "",
-               launchers: tuple = (), phase_work: tuple[float, float] | None = None) -> None:
-        ms = float("nan")
-        if fn is not None:
-            try:
-                ms = cuda_ms(fn, reps, warmup)
-                error = late_waits(launchers)
-            except Exception as e:  # a peer a torch build does not support is reported, not fatal
-                error = f"{type(e).__name__}: {e}"
-            if error:
-                ms = float("nan")  # a run that hit its deadline is no timing
-        flops, nbytes = phase_work or work.get(region, (float("nan"), float("nan")))
-        roof = max(flops / peaks[0], nbytes / peaks[1]) * 1e3
-        rows.append({"shape": name, "experts": spec.experts, "ep": ep, "region": region, "variant": variant,
-                     "ms": ms, "tflops": flops / (ms / 1e3) / 1e12, "roofline_fraction": roof / ms,
-                     "error": error})
-        print(f"{name:>16} {region:>8} {variant:>32} {ms:9.3f} ms  {error}", flush=True)
 
+def persistent_rows(name: str, spec: MoESpec, ep: int, inputs: tuple, record: Callable, rows: list[dict],
+                    out_dir: Path, details: dict) -> None:
+    """The persistent kernel's rows of one shape: every policy, the calibrated plan, the
+    phases; the model fitted into ``details``."""
+    x, w, routing, dy = inputs
     fwd_regions = {}
     for policy in QUEUE_POLICIES:
         fwd = triton_forward(x, w, routing, ep, TILES, TritonOptions(policy=policy, stamps=True))
         bwd = triton_backward(fwd, dy)
-        gf, gb = fwd.region.schedule.graph, bwd.region.schedule.graph
-        work["fwd"] = (float(gf.flops.sum()), float(gf.bytes.sum()))
-        work["fwd+bwd"] = (work["fwd"][0] + float(gb.flops.sum()), work["fwd"][1] + float(gb.bytes.sum()))
         save_timeline(fwd, out_dir / f"timeline-{name}-{policy.value}.json")
         f_go = fwd.region.program.launcher(fwd.region.arena.addresses())
         b_go = bwd.region.program.launcher(bwd.region.arena.addresses())
@@ -310,10 +315,42 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         for p in phases:
             record(region, f"phase/{p.kind.name.lower()}", p.launch, launchers=(p.launch,),
                    phase_work=(p.flops, p.bytes))
+
+
+def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
+              out_dir: Path, details: dict, persistent: bool = True) -> list[dict]:
+    x, w, routing, dy = shape_inputs(spec, ep)
+    rows: list[dict] = []
+    work = region_work(spec, ep, routing)
+
+    def record(region: str, variant: str, fn: Callable[[], object] | None, error: str = "",
+               launchers: tuple = (), phase_work: tuple[float, float] | None = None) -> None:
+        ms = float("nan")
+        if fn is not None:
+            try:
+                ms = cuda_ms(fn, reps, warmup)
+                error = late_waits(launchers)
+            except Exception as e:  # a peer a torch build does not support is reported, not fatal
+                error = f"{type(e).__name__}: {e}"
+            if error:
+                ms = float("nan")  # a run that hit its deadline is no timing
+        flops, nbytes = phase_work or work.get(region, (float("nan"), float("nan")))
+        roof = max(flops / peaks[0], nbytes / peaks[1]) * 1e3
+        rows.append({"shape": name, "experts": spec.experts, "ep": ep, "region": region, "variant": variant,
+                     "ms": ms, "tflops": flops / (ms / 1e3) / 1e12, "roofline_fraction": roof / ms,
+                     "error": error})
+        print(f"{name:>16} {region:>8} {variant:>32} {ms:9.3f} ms  {error}", flush=True)
+
+    if persistent:
+        persistent_rows(name, spec, ep, (x, w, routing, dy), record, rows, out_dir, details)
     pool = ArenaPool()
     record("fwd", "hpmoe-kernel-by-kernel", lambda: kbk_forward(x, routing, w, pool=pool))
     record("fwd+bwd", "hpmoe-kernel-by-kernel",
            lambda: kbk_backward(kbk_forward(x, routing, w, pool=pool, save=True)[1], dy, pool))
+    layer = MoE(spec, w)  # a copy of the same weights
+    for region, backward in (("fwd", False), ("fwd+bwd", True)):
+        record(region, "hpmoe-default", layer_step(layer, x, routing, dy, backward))
+    del layer
     peer = Peer.of(routing, spec)
     for kind, gemm in grouped_gemms(x, w, peer, spec).items():
         record("fwd", f"grouped-mm/{kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))
@@ -407,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--peers-only", action="store_true",
+                   help="no persistent-kernel rows: the default path against the torch variants")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA device; none is available", file=sys.stderr)
@@ -426,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.shapes and name not in a.shapes:
             continue
         try:
-            rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details)
+            rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details,
+                              persistent=not a.peers_only)
         except Exception:
             traceback.print_exc()
             rows.append({"shape": name, "experts": spec.experts, "ep": a.ep, "region": "-", "variant": "-",
