@@ -1,7 +1,8 @@
 """Where the default path's time goes on one GPU, against torch's grouped-GEMM layer.
 
 Runs only on a CUDA device.  For one shape of ``bench_gpu.py`` (4096 tokens, balanced
-routing, bf16): the layer's default path (kernel by kernel, grouped GEMMs) and the
+routing, bf16): the layer's default path (kernel by kernel, grouped GEMMs) called
+directly and through ``hpmoe.MoE.region`` (what a user calls), and the
 ``torch-grouped-mm`` variant, forward and forward+backward, each ``--calls`` times under
 ``torch.profiler`` after warm-ups.  Per variant: the wall time per call (CUDA events
 around all calls), the kernels' busy time per call, the GPU's idle share (what the host
@@ -25,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import TOKENS, Peer, grouped_forward, shape_inputs, shapes, torch_step  # noqa: E402
+from bench_gpu import TOKENS, Peer, grouped_forward, layer_step, shape_inputs, shapes, torch_step  # noqa: E402
 
 from hpmoe.exec.arena import ArenaPool  # noqa: E402
 from hpmoe.exec.kernel_by_kernel import kbk_backward, kbk_forward  # noqa: E402
+from hpmoe.nn.layer import MoE  # noqa: E402
 
 
 def profile(fn: Callable[[], object], calls: int, warmup: int) -> dict:
@@ -73,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     def default_step() -> object:
         return kbk_backward(kbk_forward(x, routing, w, pool=pool, save=True)[1], dy, pool)
 
+    layer = MoE(spec, w)
     variants = {
-        "default/fwd": lambda: kbk_forward(x, routing, w, pool=pool),
-        "default/fwd+bwd": default_step,
+        "kernel-by-kernel/fwd": lambda: kbk_forward(x, routing, w, pool=pool),
+        "kernel-by-kernel/fwd+bwd": default_step,
+        "default/fwd": layer_step(layer, x, routing, dy, False),
+        "default/fwd+bwd": layer_step(layer, x, routing, dy, True),
         "torch-grouped-mm/fwd": torch_step(grouped_forward, x, w, routing, dy, peer, False),
         "torch-grouped-mm/fwd+bwd": torch_step(grouped_forward, x, w, routing, dy, peer, True),
     }
