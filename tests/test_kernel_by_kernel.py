@@ -22,6 +22,8 @@ from hpmoe.exec.kernel_by_kernel import (
     kbk_backward,
     kbk_forward,
     segments,
+    slot_sum,
+    weighted_sum,
 )
 from hpmoe.refs import dense_moe, serialized_ep_forward
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
@@ -308,3 +310,24 @@ def test_the_pinned_backend_runs_kernel_by_kernel_in_one_process_and_on_an_ep_gr
     for a, b in zip((torch.cat([r[0] for r in ranks]), torch.cat([r[1] for r in ranks]), ranks[0][2]),
                     want, strict=True):
         torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tk_h", [(37, 3, 300), (5, 1, 16), (64, 8, 512)])
+def test_the_gpus_one_launch_combine_gives_the_torch_combines_bits(dtype: torch.dtype, tk_h) -> None:
+    """``hpmoe.gpu.combine.slot_combine`` (what ``weighted_sum`` and ``slot_sum`` run on a
+    GPU), in the Triton interpreter, against the torch versions: blocks cut by the token
+    and hidden sizes, one slot and eight, with and without the shared expert's rows."""
+    pytest.importorskip("triton")
+    from hpmoe.gpu.combine import slot_combine
+
+    t, k, h = tk_h
+    g = torch.Generator().manual_seed(t)
+    rows = torch.randn(t * k + 3, h, generator=g).to(dtype)
+    pos = torch.randperm(t * k, generator=g).view(t, k)
+    w = torch.rand(t, k, generator=g)
+    for extra in (None, torch.randn(t, h, generator=g).to(dtype)):
+        assert torch.equal(slot_combine(rows, pos, w, extra, interpret=True),
+                           weighted_sum(rows, pos, w, extra, Arena("cpu")))
+        assert torch.equal(slot_combine(rows, pos, None, extra, interpret=True),
+                           slot_sum(rows, pos, extra, Arena("cpu")))

@@ -124,3 +124,24 @@ def test_global_timer_stamps_become_a_timeline_that_respects_every_wait():
     waits = g.wait_global()
     for s, ev in zip(g.signaller(), g.signals_global(), strict=True):
         assert (tl.start[waits == ev] >= tl.end[s]).all(), g.task(int(s))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_by_kernels_one_launch_combine_gives_the_cpus_bits(dtype):
+    """The GPU's combine (``hpmoe.gpu.combine``, what kernel by kernel runs on CUDA)
+    against the torch combine on the CPU: the same fp32 products and sums in the same
+    order give the same bits (an FMA would not)."""
+    from hpmoe.exec.arena import Arena
+    from hpmoe.exec.kernel_by_kernel import slot_sum, weighted_sum
+    from hpmoe.gpu.combine import slot_combine
+
+    g = torch.Generator().manual_seed(5)
+    t, k, h = 300, 8, 1000
+    rows = torch.randn(t * k, h, generator=g).to(dtype)
+    pos = torch.randperm(t * k, generator=g).view(t, k)
+    w = torch.rand(t, k, generator=g)
+    extra = torch.randn(t, h, generator=g).to(dtype)
+    dev = [a.cuda() for a in (rows, pos, w, extra)]
+    assert torch.equal(slot_combine(*dev).cpu(), weighted_sum(rows, pos, w, extra, Arena("cpu")))
+    unweighted = slot_combine(dev[0], dev[1], None, dev[3]).cpu()
+    assert torch.equal(unweighted, slot_sum(rows, pos, extra, Arena("cpu")))

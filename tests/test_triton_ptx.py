@@ -95,3 +95,15 @@ def test_the_slot_sums_load_a_whole_unrolled_step_before_adding(build, tmp_path)
     step = int(device_module(False).SLOTS_IN_FLIGHT) * c.br * c.bc * 2 // 16 // (32 * c.num_warps)
     assert step == 16
     assert sum(n >= step for n in per_block) >= 2, sorted(per_block)[-6:]
+
+
+def test_kernel_by_kernels_combine_has_no_fma_and_gathers_whole_vectors():
+    """The combine must keep ``weighted_sum``'s bits: a product rounded before its add
+    (no ``fma.rn.f32``; built with FMA contraction it has them), each slot's gathered
+    row read in 16-byte vectors."""
+    from hpmoe.gpu.hopper import compile_combine
+
+    ptx = compile_combine(torch.bfloat16, slots=8)
+    assert not re.search(r"\bfma\.rn\.f32", ptx)
+    assert len(re.findall(r"\bld\.global[.\w]*\.v4", ptx)) >= 8  # at least one vector per slot
+    assert re.search(r"\bfma\.rn\.f32", compile_combine(torch.bfloat16, slots=8, fp_fusion=True))

@@ -1,4 +1,5 @@
-"""The device side: seven tile operations and the persistent worker loop, in Triton.
+"""The device side: seven tile operations and the persistent worker loop, in Triton
+(and kernel by kernel's combine, ``combine_kernel``, a plain launch).
 
 Program q of ``taskflow_kernel`` walks worker queue q of a ``PackedProgram``:
 
@@ -431,3 +432,36 @@ def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_
             i += 1
         go = ok & (i < hi)
     tl.store(cursor + q, i - lo)
+
+
+# ---------------------------------------------------------------------------- kernel by kernel
+
+@triton.jit
+def combine_kernel(rows, pos, w, extra, out, t, n, ld_rows, ld_extra, ld_out,
+                   K: tl.constexpr, WEIGHTED: tl.constexpr, EXTRA: tl.constexpr, DT: tl.constexpr,
+                   BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
+    """Kernel by kernel's combine on a GPU, one launch: out[i, :] = sum over slots j in
+    order of w[i, j] * rows[pos[i, j], :] (WEIGHTED; else the rows alone, summed from 0)
+    + extra[i, :], in fp32, rounded to DT once; each program a (BR, BC) block.  The
+    operations and their order are those of ``weighted_sum`` / ``slot_sum`` (launched
+    without FMA contraction), so the bits are theirs."""
+    ir = tl.program_id(0) * BR + tl.arange(0, BR)
+    jc = tl.program_id(1) * BC + tl.arange(0, BC)
+    live = ir < t
+    mask = live[:, None] & (jc[None, :] < n)
+    acc = tl.full((BR, BC), 0.0, tl.float32)
+    for j in tl.static_range(K):  # unrolled: every slot's gathered rows are loaded together
+        src = tl.load(pos + ir.to(tl.int64) * K + j, mask=live, other=0)
+        v = tl.load(rows + src[:, None] * ld_rows + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(w + ir.to(tl.int64) * K + j, mask=live, other=0.0)[:, None]
+            if j == 0:  # noqa: SIM108 (a compile-time branch: j is a constexpr)
+                acc = v
+            else:
+                acc = acc + v
+        else:
+            acc = acc + v
+    if EXTRA:
+        acc = acc + tl.load(extra + ir[:, None].to(tl.int64) * ld_extra + jc[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+    tl.store(out + ir[:, None].to(tl.int64) * ld_out + jc[None, :], _to(acc, DT, EMULATE), mask=mask)

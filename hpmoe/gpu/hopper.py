@@ -109,6 +109,31 @@ def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | N
     return HopperBuild(report=report, ptx=ptx, cubin=k.asm["cubin"])
 
 
+def compile_combine(dtype: torch.dtype = torch.bfloat16, slots: int = 8, fp_fusion: bool = False) -> str:
+    """The sm_90 PTX of ``combine_kernel`` (kernel by kernel's weighted combine) as
+    ``hpmoe.gpu.combine`` launches it (``fp_fusion`` False: no FMA contraction)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .combine import BLOCK_COLS, BLOCK_ROWS, WARPS
+    from .runner import _TL_DTYPES
+
+    dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    meta = {"K": slots, "WEIGHTED": True, "EXTRA": True, "DT": getattr(tl, _TL_DTYPES[dtype]),
+            "BR": BLOCK_ROWS, "BC": BLOCK_COLS, "EMULATE": False}
+    signature = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "extra": f"*{dt}", "out": f"*{dt}",
+                 "t": "i32", "n": "i32", "ld_rows": "i32", "ld_extra": "i32", "ld_out": "i32",
+                 **{k: "constexpr" for k in meta}}
+    aligned = ("rows", "pos", "w", "extra", "out", "n", "ld_rows", "ld_extra", "ld_out")  # as a launch sees
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
+    src = ASTSource(fn=device_module(False).combine_kernel, signature=signature, constexprs=meta, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": WARPS, "enable_fp_fusion": fp_fusion})
+    return k.asm["ptx"]
+
+
 _ORDERING = re.compile(r"\b(bar\.sync|barrier\.sync|st\.global|red\.global|atom\.global)")
 
 

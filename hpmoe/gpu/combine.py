@@ -1,0 +1,56 @@
+"""Kernel by kernel's combines on a GPU: ``weighted_sum`` (the forward's unpermute) and
+``slot_sum`` (the backward's) as one Triton launch each, where torch needs three
+kernels per slot (gather, scale, add), each a trip through memory.
+
+Each row of the result reads its k gathered rows once and writes once, in the same fp32
+operations in the same order as the torch version: the same bits
+(``tests/test_kernel_by_kernel.py`` holds them equal in the Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from .runner import _TL_DTYPES, device_module
+
+BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 256, 4
+
+
+def available(rows: torch.Tensor) -> bool:
+    """Whether ``slot_combine`` runs for ``rows``: a CUDA tensor, triton installed, not
+    inside ``torch.compile``."""
+    return rows.is_cuda and not torch.compiler.is_compiling() and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def slot_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None,
+                 extra: torch.Tensor | None, interpret: bool = False) -> torch.Tensor:
+    """out [T, H] rows.dtype: out[t] = sum_j weights[t, j] * rows[pos[t, j]] (fp32, slot 0
+    first; without weights the rows alone, from 0) + extra[t].  rows [R, H]; pos [T, k]
+    int64; weights [T, k] fp32 or None; extra [T, H] or None.  interpret: run in the
+    Triton interpreter (a CPU's tensors)."""
+    t, k = pos.shape
+    n = rows.shape[1]
+    out = torch.empty(t, n, dtype=rows.dtype, device=rows.device)
+    if t == 0 or n == 0:
+        return out
+    rows, pos = rows.contiguous(), pos.contiguous()
+    w = weights.contiguous() if weights is not None else pos
+    x = extra.contiguous() if extra is not None else out
+    kernel = device_module(interpret).combine_kernel
+    import triton.language as tl
+
+    grid = (-(-t // BLOCK_ROWS), -(-n // BLOCK_COLS))
+    launch = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
+    kernel[grid](rows, pos, w, x, out, t, n, rows.stride(0), x.stride(0), out.stride(0),
+                 K=k, WEIGHTED=weights is not None, EXTRA=extra is not None,
+                 DT=getattr(tl, _TL_DTYPES[rows.dtype]), BR=BLOCK_ROWS, BC=BLOCK_COLS, EMULATE=interpret,
+                 **launch)
+    return out
