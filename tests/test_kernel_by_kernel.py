@@ -24,6 +24,7 @@ from hpmoe.exec.kernel_by_kernel import (
     segments,
     slot_sum,
     weighted_sum,
+    weighted_sum_backward,
 )
 from hpmoe.refs import dense_moe, serialized_ep_forward
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
@@ -331,3 +332,23 @@ def test_the_gpus_one_launch_combine_gives_the_torch_combines_bits(dtype: torch.
                            weighted_sum(rows, pos, w, extra, Arena("cpu")))
         assert torch.equal(slot_combine(rows, pos, None, extra, interpret=True),
                            slot_sum(rows, pos, extra, Arena("cpu")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tk_h", [(37, 3, 300), (5, 1, 16), (20, 6, 40), (64, 8, 512)])
+def test_the_gpus_one_launch_combine_gradient_against_the_torch_one(dtype: torch.dtype, tk_h) -> None:
+    """``slot_combine_backward`` in the interpreter against ``weighted_sum_backward``:
+    the rows' gradients bit for bit, the weights' within fp32 rounding (another order of
+    the same sum); six slots pad to eight."""
+    pytest.importorskip("triton")
+    from hpmoe.gpu.combine import slot_combine_backward
+
+    t, k, h = tk_h
+    g = torch.Generator().manual_seed(t)
+    rows = torch.randn(t * k, h, generator=g).to(dtype)
+    pos = torch.randperm(t * k, generator=g).view(t, k)
+    w, dout = torch.rand(t, k, generator=g), torch.randn(t, h, generator=g)
+    dw, drows = slot_combine_backward(dout, rows, pos, w, interpret=True)
+    want_dw, want_drows = weighted_sum_backward(dout, rows, pos, w, Arena("cpu"))
+    assert torch.equal(drows, want_drows)
+    torch.testing.assert_close(dw, want_dw, rtol=1e-5, atol=1e-5 * h ** 0.5)

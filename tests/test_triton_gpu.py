@@ -128,12 +128,12 @@ def test_global_timer_stamps_become_a_timeline_that_respects_every_wait():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_by_kernels_one_launch_combine_gives_the_cpus_bits(dtype):
-    """The GPU's combine (``hpmoe.gpu.combine``, what kernel by kernel runs on CUDA)
-    against the torch combine on the CPU: the same fp32 products and sums in the same
-    order give the same bits (an FMA would not)."""
+    """The GPU's combines (``hpmoe.gpu.combine``, what kernel by kernel runs on CUDA)
+    against the torch ones on the CPU: the same fp32 products and sums in the same order
+    give the same bits (an FMA would not); the weights' gradient sums in another order."""
     from hpmoe.exec.arena import Arena
-    from hpmoe.exec.kernel_by_kernel import slot_sum, weighted_sum
-    from hpmoe.gpu.combine import slot_combine
+    from hpmoe.exec.kernel_by_kernel import slot_sum, weighted_sum, weighted_sum_backward
+    from hpmoe.gpu.combine import slot_combine, slot_combine_backward
 
     g = torch.Generator().manual_seed(5)
     t, k, h = 300, 8, 1000
@@ -145,3 +145,8 @@ def test_kernel_by_kernels_one_launch_combine_gives_the_cpus_bits(dtype):
     assert torch.equal(slot_combine(*dev).cpu(), weighted_sum(rows, pos, w, extra, Arena("cpu")))
     unweighted = slot_combine(dev[0], dev[1], None, dev[3]).cpu()
     assert torch.equal(unweighted, slot_sum(rows, pos, extra, Arena("cpu")))
+    dout = torch.randn(t, h, generator=g)
+    dw, drows = slot_combine_backward(dout.cuda(), *dev[:3])
+    want_dw, want_drows = weighted_sum_backward(dout, rows, pos, w, Arena("cpu"))
+    assert torch.equal(drows.cpu(), want_drows)
+    torch.testing.assert_close(dw.cpu(), want_dw, rtol=1e-5, atol=1e-5 * h ** 0.5)

@@ -98,12 +98,14 @@ def test_the_slot_sums_load_a_whole_unrolled_step_before_adding(build, tmp_path)
 
 
 def test_kernel_by_kernels_combine_has_no_fma_and_gathers_whole_vectors():
-    """The combine must keep ``weighted_sum``'s bits: a product rounded before its add
-    (no ``fma.rn.f32``; built with FMA contraction it has them), each slot's gathered
-    row read in 16-byte vectors."""
+    """The combine and its gradient must keep ``weighted_sum``'s (and its gradient's
+    rows') bits: a product rounded before its add (no ``fma.rn.f32``; built with FMA
+    contraction they have them), each slot's gathered row read in 16-byte vectors."""
     from hpmoe.gpu.hopper import compile_combine
 
-    ptx = compile_combine(torch.bfloat16, slots=8)
-    assert not re.search(r"\bfma\.rn\.f32", ptx)
-    assert len(re.findall(r"\bld\.global[.\w]*\.v4", ptx)) >= 8  # at least one vector per slot
-    assert re.search(r"\bfma\.rn\.f32", compile_combine(torch.bfloat16, slots=8, fp_fusion=True))
+    for backward in (False, True):
+        ptx = compile_combine(torch.bfloat16, slots=8, backward=backward)
+        assert not re.search(r"\bfma\.rn\.f32", ptx), backward
+        assert len(re.findall(r"\bld\.global[.\w]*\.v4", ptx)) >= 8, backward  # a vector per slot at least
+        fused = compile_combine(torch.bfloat16, slots=8, fp_fusion=True, backward=backward)
+        assert re.search(r"\bfma\.rn\.f32", fused), backward

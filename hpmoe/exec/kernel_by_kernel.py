@@ -412,7 +412,10 @@ def _gpu_combine(rows: torch.Tensor):
 def weighted_sum_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
                           arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``weighted_sum`` given g [T, H] fp32: (dw [T, k] fp32, drows
-    [T*k, H] rows.dtype in sorted order, arena)."""
+    [T*k, H] rows.dtype in sorted order, arena; on a GPU one Triton launch, fresh)."""
+    if rows.is_cuda and _gpu_combine(rows) is not None:
+        from ..gpu.combine import slot_combine_backward
+        return slot_combine_backward(g, rows, pos, w)
     t, k = pos.shape
     dw = torch.empty(t, k, dtype=torch.float32, device=g.device)
     tmp = arena.take("tmp", tuple(g.shape), torch.float32)

@@ -1,6 +1,7 @@
-"""Kernel by kernel's combines on a GPU: ``weighted_sum`` (the forward's unpermute) and
-``slot_sum`` (the backward's) as one Triton launch each, where torch needs three
-kernels per slot (gather, scale, add), each a trip through memory.
+"""Kernel by kernel's combines on a GPU: ``weighted_sum`` (the forward's unpermute), its
+gradient and ``slot_sum`` (the backward's unpermute) as one Triton launch each, where
+torch needs three to six kernels per slot (gather, scale, add, ...), each a trip
+through memory.
 
 Each row of the result reads its k gathered rows once and writes once, in the same fp32
 operations in the same order as the torch version: the same bits
@@ -17,6 +18,7 @@ import torch
 from .runner import _TL_DTYPES, device_module
 
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 256, 4
+BACKWARD_ROWS = 16  # a backward program keeps k dot products a row
 
 
 def available(rows: torch.Tensor) -> bool:
@@ -54,3 +56,26 @@ def slot_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | 
                  DT=getattr(tl, _TL_DTYPES[rows.dtype]), BR=BLOCK_ROWS, BC=BLOCK_COLS, EMULATE=interpret,
                  **launch)
     return out
+
+
+def slot_combine_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
+                          interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the weighted ``slot_combine`` given g [T, H] fp32: (dw [T, k] fp32,
+    drows [R, H] rows.dtype, each row pos[t, j] holding g[t] * weights[t, j]); every row
+    of ``rows`` must be some pos[t, j] (kernel by kernel's sorted rows are)."""
+    t, k = pos.shape
+    n = rows.shape[1]
+    dw = torch.zeros(t, k, dtype=torch.float32, device=rows.device)
+    drows = torch.empty_like(rows)
+    if t == 0 or n == 0:
+        return dw, drows.zero_()
+    g, rows, pos, weights = g.contiguous(), rows.contiguous(), pos.contiguous(), weights.contiguous()
+    kernel = device_module(interpret).combine_backward_kernel
+    import triton.language as tl
+
+    launch = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
+    kernel[(-(-t // BACKWARD_ROWS),)](rows, pos, weights, g, dw, drows, t, n, rows.stride(0), g.stride(0),
+                                      drows.stride(0), K=k, KP=1 << max(k - 1, 0).bit_length(),
+                                      DT=getattr(tl, _TL_DTYPES[rows.dtype]), BR=BACKWARD_ROWS, BC=BLOCK_COLS,
+                                      EMULATE=interpret, **launch)
+    return dw, drows

@@ -465,3 +465,32 @@ def combine_kernel(rows, pos, w, extra, out, t, n, ld_rows, ld_extra, ld_out,
         acc = acc + tl.load(extra + ir[:, None].to(tl.int64) * ld_extra + jc[None, :], mask=mask,
                             other=0.0).to(tl.float32)
     tl.store(out + ir[:, None].to(tl.int64) * ld_out + jc[None, :], _to(acc, DT, EMULATE), mask=mask)
+
+
+@triton.jit
+def combine_backward_kernel(rows, pos, w, g, dw, drows, t, n, ld_rows, ld_g, ld_drows,
+                            K: tl.constexpr, KP: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr,
+                            BC: tl.constexpr, EMULATE: tl.constexpr):
+    """The gradients of ``combine_kernel`` (weighted, g [T, H] fp32 the output's), one
+    launch: dw[i, j] = sum_c rows[pos[i, j], c] * g[i, c] in fp32 (the products rounded,
+    summed block of columns by block) and drows[pos[i, j], :] = g[i, :] * w[i, j]
+    rounded to DT once, as ``weighted_sum_backward``: drows with its bits, dw in another
+    order of the same sum (deterministic).  Each program a block of BR rows, every column;
+    KP: K rounded up to a power of two."""
+    ir = tl.program_id(0) * BR + tl.arange(0, BR)
+    live = ir < t
+    ju = tl.arange(0, KP)
+    acc = tl.full((BR, KP), 0.0, tl.float32)  # column j: slot j's dot product
+    for c0 in range(0, n, BC):
+        jc = c0 + tl.arange(0, BC)
+        mask = live[:, None] & (jc[None, :] < n)
+        gb = tl.load(g + ir[:, None].to(tl.int64) * ld_g + jc[None, :], mask=mask, other=0.0)
+        for j in tl.static_range(K):
+            dst = tl.load(pos + ir.to(tl.int64) * K + j, mask=live, other=0)
+            v = tl.load(rows + dst[:, None] * ld_rows + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+            part = tl.reduce(v * gb, 1, _add)
+            acc = tl.where(ju[None, :] == j, acc + part[:, None], acc)
+            wj = tl.load(w + ir.to(tl.int64) * K + j, mask=live, other=0.0)
+            scaled = _to(gb * wj[:, None], DT, EMULATE)
+            tl.store(drows + dst[:, None] * ld_drows + jc[None, :], scaled, mask=mask)
+    tl.store(dw + ir[:, None].to(tl.int64) * K + ju[None, :], acc, mask=live[:, None] & (ju[None, :] < K))

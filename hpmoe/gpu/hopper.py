@@ -109,26 +109,34 @@ def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | N
     return HopperBuild(report=report, ptx=ptx, cubin=k.asm["cubin"])
 
 
-def compile_combine(dtype: torch.dtype = torch.bfloat16, slots: int = 8, fp_fusion: bool = False) -> str:
-    """The sm_90 PTX of ``combine_kernel`` (kernel by kernel's weighted combine) as
-    ``hpmoe.gpu.combine`` launches it (``fp_fusion`` False: no FMA contraction)."""
+def compile_combine(dtype: torch.dtype = torch.bfloat16, slots: int = 8, fp_fusion: bool = False,
+                    backward: bool = False) -> str:
+    """The sm_90 PTX of ``combine_kernel`` (kernel by kernel's weighted combine; with
+    ``backward``, ``combine_backward_kernel``) as ``hpmoe.gpu.combine`` launches it
+    (``fp_fusion`` False: no FMA contraction)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .combine import BLOCK_COLS, BLOCK_ROWS, WARPS
+    from .combine import BACKWARD_ROWS, BLOCK_COLS, BLOCK_ROWS, WARPS
     from .runner import _TL_DTYPES
 
     dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    meta = {"K": slots, "WEIGHTED": True, "EXTRA": True, "DT": getattr(tl, _TL_DTYPES[dtype]),
-            "BR": BLOCK_ROWS, "BC": BLOCK_COLS, "EMULATE": False}
-    signature = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "extra": f"*{dt}", "out": f"*{dt}",
-                 "t": "i32", "n": "i32", "ld_rows": "i32", "ld_extra": "i32", "ld_out": "i32",
-                 **{k: "constexpr" for k in meta}}
-    aligned = ("rows", "pos", "w", "extra", "out", "n", "ld_rows", "ld_extra", "ld_out")  # as a launch sees
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
-    src = ASTSource(fn=device_module(False).combine_kernel, signature=signature, constexprs=meta, attrs=attrs)
+    common = {"K": slots, "DT": getattr(tl, _TL_DTYPES[dtype]), "BC": BLOCK_COLS, "EMULATE": False}
+    if backward:
+        fn, meta = "combine_backward_kernel", {**common, "KP": 1 << max(slots - 1, 0).bit_length(),
+                                               "BR": BACKWARD_ROWS}
+        args = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "g": "*fp32", "dw": "*fp32", "drows": f"*{dt}",
+                "t": "i32", "n": "i32", "ld_rows": "i32", "ld_g": "i32", "ld_drows": "i32"}
+    else:
+        fn, meta = "combine_kernel", {**common, "WEIGHTED": True, "EXTRA": True, "BR": BLOCK_ROWS}
+        args = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "extra": f"*{dt}", "out": f"*{dt}",
+                "t": "i32", "n": "i32", "ld_rows": "i32", "ld_extra": "i32", "ld_out": "i32"}
+    signature = {**args, **{k: "constexpr" for k in meta}}
+    # as a launch sees them: pointers 16-byte aligned, sizes and strides multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in ("t",)}
+    src = ASTSource(fn=getattr(device_module(False), fn), signature=signature, constexprs=meta, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": WARPS, "enable_fp_fusion": fp_fusion})
     return k.asm["ptx"]
