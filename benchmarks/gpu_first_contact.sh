@@ -5,6 +5,8 @@
 #   benchmarks/gpu_first_contact.sh bench-small  benchmarks/bench_gpu.py on the small shape
 #   benchmarks/gpu_first_contact.sh bench-ds     benchmarks/bench_gpu.py on DeepSeek-V3 (experts cut to fit)
 #   benchmarks/gpu_first_contact.sh bench-qwen3  ... on Qwen3-30B-A3B; bench-mixtral on Mixtral-8x7B
+#   benchmarks/gpu_first_contact.sh bench-default  the default path and the torch variants alone
+#                                                (--peers-only), on all four shapes
 #   benchmarks/gpu_first_contact.sh profile-ds   benchmarks/gpu_profile.py there: the default path's kernels
 #                                                and idle time against torch's grouped-GEMM layer
 #
@@ -22,8 +24,8 @@ out=${OUT:-$here/benchmarks/results/first-contact}
 py=${PYTHON:-python3}
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-case $mode in check|bench-small|bench-ds|bench-qwen3|bench-mixtral|profile-ds) ;;
-    *) echo "usage: $0 {check|bench-small|bench-ds|bench-qwen3|bench-mixtral|profile-ds}" >&2; exit 64;; esac
+case $mode in check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds) ;;
+    *) echo "usage: $0 {check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds}" >&2; exit 64;; esac
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_first_contact.sh: no CUDA device here (nvidia-smi finds none)" >&2
     exit 2
@@ -44,13 +46,14 @@ timeout_opt() {  # a per-test limit where pytest-timeout is installed
     "$py" -c 'import pytest_timeout' 2>/dev/null && echo --timeout=90
 }
 
-bench() {  # bench SHAPE: its JSON, the shared log, and the first timeline PNG of the folder
-    local shape=$1 tmp
+bench() {  # bench NAME SHAPE... [FLAGS]: its JSON, the shared log, the first timeline PNG of the folder
+    local name=$1 tmp
+    shift
     tmp=$(mktemp -d)
-    step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/bench_gpu.py --shapes "$shape" \
-        --out "$tmp" --reps 10 --warmup 3
-    cp "$tmp/bench_gpu.json" "$out/bench-$shape.json" 2>/dev/null
-    ls "$out"/timeline-*.png >/dev/null 2>&1 || cp "$tmp/timeline-$shape-hyperparallel.png" "$out/timeline-$shape.png" 2>/dev/null
+    step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/bench_gpu.py --out "$tmp" --reps 10 \
+        --warmup 3 --shapes "$@"
+    cp "$tmp/bench_gpu.json" "$out/bench-$name.json" 2>/dev/null
+    ls "$out"/timeline-*.png >/dev/null 2>&1 || cp "$tmp/timeline-$1-hyperparallel.png" "$out/timeline-$1.png" 2>/dev/null
     rm -rf "$tmp"
 }
 
@@ -63,10 +66,11 @@ torch.version.cuda, "triton", triton.__version__, "python", platform.python_vers
     step "${FC_LIMIT_TESTS:-300}" "$log" "$py" -m pytest -m gpu -p no:cacheprovider --maxfail 8 -q $(timeout_opt) \
         --junitxml "$out/gpu-tests.xml" tests/test_triton_gpu.py
     ;;
-bench-small) bench small ;;
-bench-ds) bench deepseek-v3-fit ;;
-bench-qwen3) bench qwen3-30b-a3b ;;
-bench-mixtral) bench mixtral-8x7b ;;
+bench-small) bench small small ;;
+bench-ds) bench deepseek-v3-fit deepseek-v3-fit ;;
+bench-qwen3) bench qwen3-30b-a3b qwen3-30b-a3b ;;
+bench-mixtral) bench mixtral-8x7b mixtral-8x7b ;;
+bench-default) bench default qwen3-30b-a3b small mixtral-8x7b deepseek-v3-fit --peers-only ;;
 profile-ds) step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/gpu_profile.py --out "$out" ;;
 esac
 exit $status
