@@ -39,6 +39,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -374,8 +375,8 @@ def weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, shared:
     in fp32, slot 0 first, shared [T, H] last; [T, H] in rows.dtype (a fresh tensor).
     Block by block of tokens, so a block's partial sums stay in cache over the k slots
     (the same operations per element, so the same bits); on a GPU one Triton launch."""
-    if rows.is_cuda and (fused := _gpu_combine(rows)) is not None:
-        return fused(rows, pos, w, shared)
+    if (fused := _fused(rows)) is not None:
+        return fused.slot_combine(rows, pos, w, shared)
     t, k = pos.shape
     acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
     tmp = arena.take("tmp", tuple(acc.shape), torch.float32)
@@ -402,20 +403,21 @@ def _accumulator(arena: Arena, shape: tuple[int, int], dtype: torch.dtype) -> to
     return arena.take("acc", shape, torch.float32)
 
 
-def _gpu_combine(rows: torch.Tensor):
-    """``hpmoe.gpu.combine.slot_combine`` where it runs for ``rows`` (a GPU's, with
-    triton; loaded only then), else None: the same sums in one launch."""
-    from ..gpu.combine import available, slot_combine
-    return slot_combine if available(rows) else None
+def _fused(rows: torch.Tensor) -> ModuleType | None:
+    """``hpmoe.gpu.combine`` where its one-launch sums run for ``rows`` (a GPU's, with
+    triton; imported only then), else None."""
+    if not rows.is_cuda:
+        return None
+    from ..gpu import combine
+    return combine if combine.available(rows) else None
 
 
 def weighted_sum_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
                           arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``weighted_sum`` given g [T, H] fp32: (dw [T, k] fp32, drows
     [T*k, H] rows.dtype in sorted order, arena; on a GPU one Triton launch, fresh)."""
-    if rows.is_cuda and _gpu_combine(rows) is not None:
-        from ..gpu.combine import slot_combine_backward
-        return slot_combine_backward(g, rows, pos, w)
+    if (fused := _fused(rows)) is not None:
+        return fused.slot_combine_backward(g, rows, pos, w)
     t, k = pos.shape
     dw = torch.empty(t, k, dtype=torch.float32, device=g.device)
     tmp = arena.take("tmp", tuple(g.shape), torch.float32)
@@ -433,8 +435,8 @@ def weighted_sum_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
 
 def slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None, arena: Arena) -> torch.Tensor:
     """out[t] = sum_j rows[pos[t, j]] (+ extra[t]) in fp32, slot order; [T, H] rows.dtype."""
-    if rows.is_cuda and (fused := _gpu_combine(rows)) is not None:
-        return fused(rows, pos, None, extra)
+    if (fused := _fused(rows)) is not None:
+        return fused.slot_combine(rows, pos, None, extra)
     t, k = pos.shape
     acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
     picked = arena.take("picked", tuple(acc.shape), rows.dtype)

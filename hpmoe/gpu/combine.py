@@ -44,8 +44,8 @@ def slot_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | 
     if t == 0 or n == 0:
         return out
     rows, pos = rows.contiguous(), pos.contiguous()
-    w = weights.contiguous() if weights is not None else pos
-    x = extra.contiguous() if extra is not None else out
+    w = weights.contiguous() if weights is not None else pos  # not read without weights
+    x = extra.contiguous() if extra is not None else out  # not read without extra
     kernel = device_module(interpret).combine_kernel
     import triton.language as tl
 
