@@ -15,16 +15,16 @@ import importlib.util
 
 import torch
 
-from .runner import _TL_DTYPES, device_module
+from .runner import TL_DTYPES, device_module
 
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 256, 4
 BACKWARD_ROWS = 16  # a backward program keeps k dot products a row
 
 
 def available(rows: torch.Tensor) -> bool:
-    """Whether ``slot_combine`` runs for ``rows``: a CUDA tensor, triton installed, not
-    inside ``torch.compile``."""
-    return rows.is_cuda and not torch.compiler.is_compiling() and _has_triton()
+    """Whether ``slot_combine`` runs for ``rows``: a CUDA tensor of a dtype the kernels
+    take, triton installed, not inside ``torch.compile``."""
+    return rows.is_cuda and rows.dtype in TL_DTYPES and not torch.compiler.is_compiling() and _has_triton()
 
 
 @functools.cache
@@ -53,7 +53,7 @@ def slot_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | 
     launch = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
     kernel[grid](rows, pos, w, x, out, t, n, rows.stride(0), x.stride(0), out.stride(0),
                  K=k, WEIGHTED=weights is not None, EXTRA=extra is not None,
-                 DT=getattr(tl, _TL_DTYPES[rows.dtype]), BR=BLOCK_ROWS, BC=BLOCK_COLS, EMULATE=interpret,
+                 DT=getattr(tl, TL_DTYPES[rows.dtype]), BR=BLOCK_ROWS, BC=BLOCK_COLS, EMULATE=interpret,
                  **launch)
     return out
 
@@ -76,6 +76,6 @@ def slot_combine_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
     launch = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
     kernel[(-(-t // BACKWARD_ROWS),)](rows, pos, weights, g, dw, drows, t, n, rows.stride(0), g.stride(0),
                                       drows.stride(0), K=k, KP=1 << max(k - 1, 0).bit_length(),
-                                      DT=getattr(tl, _TL_DTYPES[rows.dtype]), BR=BACKWARD_ROWS, BC=BLOCK_COLS,
+                                      DT=getattr(tl, TL_DTYPES[rows.dtype]), BR=BACKWARD_ROWS, BC=BLOCK_COLS,
                                       EMULATE=interpret, **launch)
     return dw, drows

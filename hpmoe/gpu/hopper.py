@@ -120,10 +120,10 @@ def compile_combine(dtype: torch.dtype = torch.bfloat16, slots: int = 8, fp_fusi
     from triton.compiler import ASTSource
 
     from .combine import BACKWARD_ROWS, BLOCK_COLS, BLOCK_ROWS, WARPS
-    from .runner import _TL_DTYPES
+    from .runner import TL_DTYPES
 
     dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    common = {"K": slots, "DT": getattr(tl, _TL_DTYPES[dtype]), "BC": BLOCK_COLS, "EMULATE": False}
+    common = {"K": slots, "DT": getattr(tl, TL_DTYPES[dtype]), "BC": BLOCK_COLS, "EMULATE": False}
     if backward:
         fn, meta = "combine_backward_kernel", {**common, "KP": 1 << max(slots - 1, 0).bit_length(),
                                                "BR": BACKWARD_ROWS}

@@ -42,7 +42,7 @@ from .ops import aligned_addresses, aligned_layout
 from .pack import PackedProgram
 from .residency import KernelResources, SMLimits, check_resident, resident_programs
 
-_TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @functools.cache
@@ -152,8 +152,8 @@ class DeviceProgram:
         self.packed = packed
         self.device = torch.device(device)
         self.interpret = self.device.type != "cuda" if interpret is None else interpret
-        if dtype not in _TL_DTYPES:
-            raise TypeError(f"dtype {dtype} is not supported by the triton backend ({list(_TL_DTYPES)})")
+        if dtype not in TL_DTYPES:
+            raise TypeError(f"dtype {dtype} is not supported by the triton backend ({list(TL_DTYPES)})")
         self.dtype = dtype
         self.config = config or (INTERPRETER_CONFIG if self.interpret else KernelConfig.for_dtype(dtype))
         self.arrays = {n: torch.from_numpy(a.copy()).to(self.device) for n, a in packed.arrays().items()}
@@ -347,7 +347,7 @@ def kernel_meta(dtype: torch.dtype, config: KernelConfig, interpret: bool, block
     """The constexpr arguments of ``taskflow_kernel`` (aligned: see ``ops.aligned_layout``)."""
     import triton.language as tl
     c = config
-    return {"DT": getattr(tl, _TL_DTYPES[dtype]), "BM": c.bm, "BN": c.bn, "BK": c.bk, "BR": c.br, "BC": c.bc,
+    return {"DT": getattr(tl, TL_DTYPES[dtype]), "BM": c.bm, "BN": c.bn, "BK": c.bk, "BR": c.br, "BC": c.bc,
             "PREC": "ieee" if dtype == torch.float32 else "tf32", "UPCAST": interpret, "BLOCKING": blocking,
             "STAMP": stamp, "DELAY": delay, "ALIGNED": aligned}
 
