@@ -32,7 +32,9 @@ device copy as the memory bandwidth; a variant's roofline fraction is
 ``max(flops / peak, bytes / bandwidth) / time`` with flops and bytes of the region's task
 graph.  Medians over ``--reps`` after ``--warmup`` runs, CUDA events.
 
-    python benchmarks/bench_gpu.py --out benchmarks/results [--shapes small qwen3 ...] [--ep 1]
+    python benchmarks/bench_gpu.py --out benchmarks/results [--shapes small qwen3 ...] [--ep 1] [--peers-only]
+
+``--peers-only``: no persistent-kernel rows, only the default path against the torch variants.
 
 Writes <out>/bench_gpu.json and <out>/bench_gpu.md, and the stamped forward run of the
 persistent kernel per shape and policy (<out>/timeline-<shape>-<policy>.json, Perfetto
