@@ -16,6 +16,7 @@ from hpmoe.exec.kernel_by_kernel import (
     Experts,
     GemmPath,
     Groups,
+    Permutation,
     experts_backward,
     experts_forward,
     gemm_path,
@@ -352,3 +353,15 @@ def test_the_gpus_one_launch_combine_gradient_against_the_torch_one(dtype: torch
     want_dw, want_drows = weighted_sum_backward(dout, rows, pos, w, Arena("cpu"))
     assert torch.equal(drows, want_drows)
     torch.testing.assert_close(dw, want_dw, rtol=1e-5, atol=1e-5 * h ** 0.5)
+
+
+@pytest.mark.parametrize("experts", [8, 256, 300, 40000])
+def test_the_permutation_sorts_narrow_keys_into_the_int64_order(experts: int) -> None:
+    """Permutation.of sorts expert ids as uint8 / int16 / int32 keys: the same stable
+    order as sorting the int64 ids (ties kept in token order, ids at the type's edges)."""
+    g = torch.Generator().manual_seed(experts)
+    ids = torch.randint(0, experts, (97, 4), generator=g)
+    ids[0, 0], ids[1, 1] = experts - 1, 0
+    perm = Permutation.of(ids, experts, 1)
+    assert torch.equal(perm.order, torch.argsort(ids.reshape(-1), stable=True))
+    assert perm.send.sum() == ids.numel()

@@ -300,9 +300,16 @@ class Permutation:
     @staticmethod
     def of(ids: torch.Tensor, experts: int, ep: int) -> Permutation:
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(flat.to(_sort_key(experts)), stable=True)
         pos = inverse_permutation(order).view(ids.shape)
         return Permutation(order, pos, expert_counts(flat, experts).view(ep, experts // ep))
+
+
+def _sort_key(experts: int) -> torch.dtype:
+    """The narrowest integer dtype holding every expert id: a radix sort makes one pass
+    per byte of key (8 for int64, on a GPU and for torch's CPU sort), and a stable sort's
+    order does not depend on the key's width (``routing.plan_routing`` does the same)."""
+    return torch.uint8 if experts <= 256 else torch.int16 if experts <= 32767 else torch.int32
 
 
 @dataclass(frozen=True)
