@@ -46,15 +46,11 @@ def slot_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | 
     rows, pos = rows.contiguous(), pos.contiguous()
     w = weights.contiguous() if weights is not None else pos  # not read without weights
     x = extra.contiguous() if extra is not None else out  # not read without extra
-    kernel = device_module(interpret).combine_kernel
-    import triton.language as tl
-
     grid = (-(-t // BLOCK_ROWS), -(-n // BLOCK_COLS))
-    launch = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
-    kernel[grid](rows, pos, w, x, out, t, n, rows.stride(0), x.stride(0), out.stride(0),
-                 K=k, WEIGHTED=weights is not None, EXTRA=extra is not None,
-                 DT=getattr(tl, TL_DTYPES[rows.dtype]), BR=BLOCK_ROWS, BC=BLOCK_COLS, EMULATE=interpret,
-                 **launch)
+    device_module(interpret).combine_kernel[grid](
+        rows, pos, w, x, out, t, n, rows.stride(0), x.stride(0), out.stride(0), K=k,
+        WEIGHTED=weights is not None, EXTRA=extra is not None, BR=BLOCK_ROWS, BC=BLOCK_COLS,
+        **_launch(rows.dtype, interpret))
     return out
 
 
@@ -65,17 +61,22 @@ def slot_combine_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
     of ``rows`` must be some pos[t, j] (kernel by kernel's sorted rows are)."""
     t, k = pos.shape
     n = rows.shape[1]
-    dw = torch.zeros(t, k, dtype=torch.float32, device=rows.device)
+    dw = torch.empty(t, k, dtype=torch.float32, device=rows.device)
     drows = torch.empty_like(rows)
     if t == 0 or n == 0:
         return dw, drows.zero_()
     g, rows, pos, weights = g.contiguous(), rows.contiguous(), pos.contiguous(), weights.contiguous()
-    kernel = device_module(interpret).combine_backward_kernel
+    device_module(interpret).combine_backward_kernel[(-(-t // BACKWARD_ROWS),)](
+        rows, pos, weights, g, dw, drows, t, n, rows.stride(0), g.stride(0), drows.stride(0), K=k,
+        KP=1 << max(k - 1, 0).bit_length(), BR=BACKWARD_ROWS, BC=BLOCK_COLS, **_launch(rows.dtype, interpret))
+    return dw, drows
+
+
+def _launch(dtype: torch.dtype, interpret: bool) -> dict:
+    """A launch's dtype arguments and options: on a GPU without FMA contraction, so each
+    product is rounded before its add (the interpreter computes so anyway, and emulates
+    bf16's rounding)."""
     import triton.language as tl
 
-    launch = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
-    kernel[(-(-t // BACKWARD_ROWS),)](rows, pos, weights, g, dw, drows, t, n, rows.stride(0), g.stride(0),
-                                      drows.stride(0), K=k, KP=1 << max(k - 1, 0).bit_length(),
-                                      DT=getattr(tl, TL_DTYPES[rows.dtype]), BR=BACKWARD_ROWS, BC=BLOCK_COLS,
-                                      EMULATE=interpret, **launch)
-    return dw, drows
+    options = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
+    return {"DT": getattr(tl, TL_DTYPES[dtype]), "EMULATE": interpret, **options}
