@@ -4,8 +4,9 @@ torch needs three to six kernels per slot (gather, scale, add, ...), each a trip
 through memory.
 
 Each row of the result reads its k gathered rows once and writes once, in the same fp32
-operations in the same order as the torch version: the same bits
-(``tests/test_kernel_by_kernel.py`` holds them equal in the Triton interpreter).
+operations in the same order as the torch version: the same values bit for bit
+(``tests/test_kernel_by_kernel.py`` holds them equal in the Triton interpreter).  The
+forward is the persistent kernel's SUM tile (``device._gather_sum``) in a plain launch.
 """
 
 from __future__ import annotations

@@ -264,21 +264,33 @@ def sum_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexp
         ir = r0 + tl.arange(0, BR)
         for c0 in range(0, n, BC):
             jc = c0 + tl.arange(0, BC)
+            acc = _gather_sum(a, lda, ip, ldi, wp, ldw, sp, lds_, ir, jc, m, n, slots, weighted, shared,
+                              BR, BC)
             mask = (ir[:, None] < m) & (jc[None, :] < n)
-            acc = tl.full((BR, BC), 0.0, tl.float32)
-            for j0 in range(0, slots, SLOTS_IN_FLIGHT):
-                for u in tl.static_range(SLOTS_IN_FLIGHT):
-                    j = j0 + u
-                    live = (ir < m) & (j < slots)
-                    src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=live, other=0).to(tl.int64)
-                    v = tl.load(a + src[:, None] * lda + jc[None, :], mask=mask & live[:, None],
-                                other=0.0).to(tl.float32)
-                    w = tl.load(wp + ir.to(tl.int64) * ldw + j, mask=live & weighted, other=1.0)
-                    acc = acc + w[:, None] * v
-            if shared:
-                s = tl.load(sp + ir[:, None].to(tl.int64) * lds_ + jc[None, :], mask=mask, other=0.0)
-                acc = acc + s.to(tl.float32)
             tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], _to(acc, DT, EMULATE), mask=mask)
+
+
+@triton.jit
+def _gather_sum(a, lda, ip, ldi, wp, ldw, sp, lds_, ir, jc, m, n, slots, weighted, shared,
+                BR: tl.constexpr, BC: tl.constexpr):
+    """fp32 [BR, BC]: rows ir < m, columns jc < n of sum over slots j in order of
+    W[i, j] * A[I[i, j], :] (W read only where ``weighted``, else 1.0: exact) + S[i, :]
+    (where ``shared``), from 0; SLOTS_IN_FLIGHT slots' rows loaded per step."""
+    mask = (ir[:, None] < m) & (jc[None, :] < n)
+    acc = tl.full((BR, BC), 0.0, tl.float32)
+    for j0 in range(0, slots, SLOTS_IN_FLIGHT):
+        for u in tl.static_range(SLOTS_IN_FLIGHT):
+            j = j0 + u
+            live = (ir < m) & (j < slots)
+            src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=live, other=0).to(tl.int64)
+            v = tl.load(a + src[:, None] * lda + jc[None, :], mask=mask & live[:, None], other=0.0)
+            v = v.to(tl.float32)
+            w = tl.load(wp + ir.to(tl.int64) * ldw + j, mask=live & weighted, other=1.0)
+            acc = acc + w[:, None] * v
+    if shared:
+        s = tl.load(sp + ir[:, None].to(tl.int64) * lds_ + jc[None, :], mask=mask, other=0.0)
+        acc = acc + s.to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -440,30 +452,17 @@ def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_
 def combine_kernel(rows, pos, w, extra, out, t, n, ld_rows, ld_extra, ld_out,
                    K: tl.constexpr, WEIGHTED: tl.constexpr, EXTRA: tl.constexpr, DT: tl.constexpr,
                    BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
-    """Kernel by kernel's combine on a GPU, one launch: out[i, :] = sum over slots j in
-    order of w[i, j] * rows[pos[i, j], :] (WEIGHTED; else the rows alone, summed from 0)
-    + extra[i, :], in fp32, rounded to DT once; each program a (BR, BC) block.  The
-    operations and their order are those of ``weighted_sum`` / ``slot_sum`` (launched
-    without FMA contraction), so the bits are theirs."""
+    """Kernel by kernel's combine on a GPU, one launch: the SUM tile's block sum
+    (``_gather_sum``) over pos [t, K] int64 and w [t, K] fp32 (read where WEIGHTED) plus
+    extra (where EXTRA), rounded to DT once; each program a (BR, BC) block.  The products
+    and sums are ``weighted_sum`` / ``slot_sum``'s in their order (launched without FMA
+    contraction), so the values are theirs bit for bit (a weighted sum of negative zeros
+    alone comes out +0 here, -0 there)."""
     ir = tl.program_id(0) * BR + tl.arange(0, BR)
     jc = tl.program_id(1) * BC + tl.arange(0, BC)
-    live = ir < t
-    mask = live[:, None] & (jc[None, :] < n)
-    acc = tl.full((BR, BC), 0.0, tl.float32)
-    for j in tl.static_range(K):  # unrolled: every slot's gathered rows are loaded together
-        src = tl.load(pos + ir.to(tl.int64) * K + j, mask=live, other=0)
-        v = tl.load(rows + src[:, None] * ld_rows + jc[None, :], mask=mask, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            v = v * tl.load(w + ir.to(tl.int64) * K + j, mask=live, other=0.0)[:, None]
-            if j == 0:  # noqa: SIM108 (a compile-time branch: j is a constexpr)
-                acc = v
-            else:
-                acc = acc + v
-        else:
-            acc = acc + v
-    if EXTRA:
-        acc = acc + tl.load(extra + ir[:, None].to(tl.int64) * ld_extra + jc[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
+    wp = w.to(tl.pointer_type(tl.float32), bitcast=True)  # pos's address where not WEIGHTED: unread
+    acc = _gather_sum(rows, ld_rows, pos, K, wp, K, extra, ld_extra, ir, jc, t, n, K, WEIGHTED, EXTRA, BR, BC)
+    mask = (ir[:, None] < t) & (jc[None, :] < n)
     tl.store(out + ir[:, None].to(tl.int64) * ld_out + jc[None, :], _to(acc, DT, EMULATE), mask=mask)
 
 
