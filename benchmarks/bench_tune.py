@@ -9,7 +9,8 @@ Rows: presets tiny and small x transports shm and dist x 256, 1024 and 4096 toke
 rank, and small with 1024 tokens over shaped links of 1gbit and 500mbit (root).  Prints
 a markdown table; per row, by median and by fastest iteration (in brackets):
 default / sweep best (1.00: as fast as the best; the acceptance asks >= 0.95), default
-over kernel by kernel, default over the serialized baseline, and the tuning's cost.
+over kernel by kernel, default over the serialized baseline, and the tuning's cost;
+then how many rows hold 5% by each measure.
 ``--paired N`` (0: none) then runs the default and the sweep's fastest candidate N calls
 each, alternating call by call: the paired ratio, which the host's drift over the
 sweep's minutes does not bias.
@@ -78,11 +79,30 @@ def table(rows: list[dict]) -> str:
         choice = ("-" if r["choice_vs_best"] is None
                   else f"{r['choice_vs_best']:.2f} ({r['choice_vs_best_fastest']:.2f})")
         paired = "-" if r["paired"] is None else f"{r['paired']:.2f} ({r['paired_fastest']:.2f})"
+        if r["paired_with"] == r["winner"]:
+            paired += " same path"
         out.append(f"| {r['row']} | {r['winner']} | {r['vs_best']:.2f} ({r['vs_best_fastest']:.2f}) "
                    f"| {choice} | {paired} | {r['vs_kbk']:.2f}x ({r['vs_kbk_fastest']:.2f}x) "
                    f"| {r['vs_serial']:.2f}x ({r['vs_serial_fastest']:.2f}x) "
                    f"| {r['tune_steps']} ({r['tune_seconds']:.1f}) |")
     return "\n".join(out)
+
+
+def tally(rows: list[dict]) -> str:
+    """How many rows hold the acceptance's 5% (fastest calls, then medians), by each
+    measure; a paired row that compares the default's path with itself is a measure of
+    the host's noise, not of the tuning."""
+    def count(fast: str, median: str, among: list[dict]) -> str:
+        ok = [sum(r[k] is not None and r[k] >= 0.95 for r in among) for k in (fast, median)]
+        return f"{ok[0]} / {ok[1]} of {len(among)}"
+    paired = [r for r in rows if r["paired"] is not None]
+    other = [r for r in paired if r["paired_with"] != r["winner"]]
+    return "\n".join([
+        f"within 5% of the sweep's best (fastest / median): {count('vs_best_fastest', 'vs_best', rows)}",
+        f"its choice in the sweep: {count('choice_vs_best_fastest', 'choice_vs_best', rows)}",
+        f"paired: {count('paired_fastest', 'paired', paired)}; "
+        f"where the sweep's fastest is another path: {count('paired_fastest', 'paired', other)}",
+        f"at least 0.95x of kernel by kernel: {count('vs_kbk_fastest', 'vs_kbk', rows)}"])
 
 
 def main() -> None:
@@ -105,6 +125,7 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps({"figures": rows[-1], "report": report}) + "\n")
     print(table(rows))
+    print(tally(rows))
 
 
 if __name__ == "__main__":

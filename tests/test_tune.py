@@ -326,6 +326,26 @@ def test_bench_pairs_the_default_with_the_sweeps_fastest_candidate(tmp_path, mon
     assert refused.returncode != 0 and "BenchConfig.paired=3" in refused.stderr
 
 
+def test_the_sweeps_tally_counts_each_measure_and_sets_apart_a_path_paired_with_itself():
+    """``bench_tune.py``'s closing counts, on hand-made rows: 0.95 holds and 0.949 does
+    not; a paired row whose candidate is the default's own path is left out of the count
+    among other paths."""
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        import bench_tune
+    finally:
+        sys.path.remove(benchmarks)
+    base = {"vs_best": 1.0, "vs_best_fastest": 1.0, "choice_vs_best": 1.0, "choice_vs_best_fastest": 1.0,
+            "vs_kbk": 1.0, "vs_kbk_fastest": 1.0, "paired": 1.0, "paired_fastest": 1.0}
+    rows = [dict(base, winner="kbk", paired_with="kbk", vs_best_fastest=0.949, paired_fastest=0.9),
+            dict(base, winner="kbk", paired_with="flow", vs_best=0.95, paired=0.96),
+            dict(base, winner="flow", paired_with=None, paired=None, paired_fastest=None)]
+    lines = bench_tune.tally(rows).splitlines()
+    assert lines[0] == "within 5% of the sweep's best (fastest / median): 2 / 3 of 3"
+    assert lines[2] == "paired: 1 / 2 of 2; where the sweep's fastest is another path: 1 / 1 of 1"
+
+
 def _first_tried(rank, world, profile):
     os.environ["HPMOE_PROFILE"] = profile
     spec = preset("tiny")
