@@ -1,7 +1,9 @@
-"""What the front door costs a small call: an AUTO layer (settled on its tuned path)
-and a layer pinned to kernel by kernel, alternating call by call on 2 gloo ranks over a
-shared-memory session, the collectives one call makes, and what one small gloo
-all-gather takes between these ranks.
+"""What the front door costs a small call: an AUTO layer (settled on its tuned path),
+a layer pinned to kernel by kernel, the kernel-by-kernel executor called bare on the
+session's collectives (no agreement, no layer) and the serialized baseline
+(``refs.serialized_ep_forward``: raw all-to-alls), alternating call by call on 2 gloo
+ranks over a shared-memory session; the collectives one call makes, and what one small
+gloo all-gather takes between these ranks.
 
     HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/door_ab.py \
         [--preset tiny] [--tokens 256] [--calls 400]
@@ -31,7 +33,10 @@ def _ms(seconds: list[float]) -> dict[str, float]:
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     from hpmoe import MoE
-    from hpmoe.routing import RoutingKind, synthetic_routing
+    from hpmoe.exec.arena import ArenaPool
+    from hpmoe.exec.kernel_by_kernel import kbk_forward
+    from hpmoe.refs import serialized_ep_forward
+    from hpmoe.routing import Routing, RoutingKind, synthetic_routing
     from hpmoe.runtime import Session
     from hpmoe.spec import ParallelSpec, preset
     from hpmoe.weights import ExpertWeights
@@ -49,12 +54,17 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         for _ in range(SETTLE):
             layers["auto"].region(x, ids, topk)
         tuned = layers["auto"].tuned(args.tokens, backward=False)
-        seconds: dict[str, list[float]] = {n: [] for n in layers}
+        routing, pool = Routing(ids, topk), ArenaPool()
+        calls = {name: (lambda m=m: m.region(x, ids, topk)) for name, m in layers.items()}
+        calls |= {"bare_kernel_by_kernel": lambda: kbk_forward(x, routing, w, s.collectives, pool),
+                  "serialized_baseline": lambda: serialized_ep_forward(x, w, routing)}
+        seconds: dict[str, list[float]] = {n: [] for n in calls}
+        names = list(calls)
         for i in range(args.calls):
-            for name in (("auto", "kernel_by_kernel") if i % 2 else ("kernel_by_kernel", "auto")):
+            for name in names[i % len(names):] + names[:i % len(names)]:  # each first in turn
                 s.collectives.barrier("door_ab", publish=False)
                 t0 = time.perf_counter()
-                layers[name].region(x, ids, topk)
+                calls[name]()
                 seconds[name].append(time.perf_counter() - t0)
         waits = _count_waits(lambda: layers["kernel_by_kernel"].region(x, ids, topk))
         gather = _all_gather_seconds(args.calls)
