@@ -274,6 +274,51 @@ def test_distributed_ranks_may_hold_any_token_count(counts):
         torch.testing.assert_close(results[0][2][name] + results[1][2][name], grad, **TOL[torch.float32])
 
 
+def _kbk_step(rank, world, counts, placed):
+    """One step of a kernel-by-kernel layer on this rank's share of ``counts`` tokens, and
+    the forward's collectives by name; ``placed``: experts 0 and 4 swap ranks."""
+    from hpmoe.placement import Placement
+    from hpmoe.runtime.collective import Collectives
+
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, backend="kernel_by_kernel")
+    if placed:
+        layer.placement = Placement((4, 1, 2, 3, 0, 5, 6, 7), spec.experts, world)
+    x, dy = _rows(spec, sum(counts))
+    x, dy = (t[sum(counts[:rank]):sum(counts[:rank + 1])] for t in (x, dy))
+    names, wait = [], Collectives._wait
+    Collectives._wait = lambda self, work, mine, what: names.append(what) or wait(self, work, mine, what)
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        Collectives._wait = wait
+    result = _run(layer, x, dy)
+    layer.close()
+    return result, names
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_the_agreement_carries_kernel_by_kernels_counts(placed):
+    """A kernel-by-kernel call on an EP group makes the unprotected baseline's three
+    collectives: the agreement carries each rank's rows per expert, so no count exchange
+    follows (under a placement, whose slots are counted after it, one does); uneven
+    token counts (one rank's padding) and both cases equal one process."""
+    counts = (5, 2)
+    results = spawn_gloo(_kbk_step, 2, counts, placed, timeout=120)
+    for _, names in results:
+        assert names[0].endswith("agreement") and len(names) == 3 + placed, names
+        assert ("kernel by kernel: count exchange" in names) == placed, names
+    spec = preset("tiny")
+    whole = MoE(spec, ExpertWeights.random(spec, 1), backend="kernel_by_kernel")
+    want = _run(whole, *_rows(spec, sum(counts)))
+    got = [r for r, _ in results]
+    torch.testing.assert_close(torch.cat([g[0] for g in got]), want[0], **TOL[torch.float32])
+    torch.testing.assert_close(torch.cat([g[1] for g in got]), want[1], **TOL[torch.float32])
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[0][2][name] + got[1][2][name], grad, **TOL[torch.float32])
+
+
 # ---------------------------------------------------------------------------- AUTO
 
 

@@ -108,9 +108,10 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_deadline(path, where):
     stalled, peer = result.ranks[1], result.ranks[0]
     assert stalled.stopped and peer.returncode == 1, peer.stderr
     line = next(x for x in peer.stderr.splitlines() if x.startswith("diagnosed after "))
-    # stopped inside the path, rank 1 misses the path's first exchange: kernel by kernel's count
-    # exchange, or the agreement with which the runtime opens its region (the call's second)
-    stage = "kernel by kernel: count exchange" if (path, where) == ("auto", "inside-path") else "agreement"
+    # stopped inside the path, rank 1 misses the path's first exchange: kernel by kernel's
+    # dispatch (the call's agreement carried its counts), or the agreement with which the
+    # runtime opens its region (the call's second)
+    stage = "kernel by kernel: d.dispatch" if (path, where) == ("auto", "inside-path") else "agreement"
     assert "CollectiveError" in line and "rank 1 did not arrive" in line and stage in line, line
     if where == "inside-path" and path != "auto":
         assert "region 2: agreement" in line, line

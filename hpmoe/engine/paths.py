@@ -207,7 +207,9 @@ class TritonPath:
 @dataclass(frozen=True)
 class KernelByKernelPath:
     """The region without tiles (``exec.kernel_by_kernel``): in one process, or over the
-    EP group of ``session`` (its deadline-bounded collectives); scratch from ``pool``."""
+    EP group of ``session`` (its deadline-bounded collectives); scratch from ``pool``;
+    ``received``: this call's rows from each rank for this rank's experts, carried by
+    the call's agreement (None: the forward exchanges them)."""
 
     reads_slots: ClassVar[bool] = True
 
@@ -215,11 +217,12 @@ class KernelByKernelPath:
     tiles: TileSpec | None = None  # fingerprinted in the backward's agreement
     pool: ArenaPool | None = None
     recompute: bool = False
+    received: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, KernelByKernelState | None]:
         coll = self.session.collectives if self.session is not None else None
-        return kbk_forward(x, routing, weights, coll, self.pool, save, self.recompute)
+        return kbk_forward(x, routing, weights, coll, self.pool, save, self.recompute, self.received)
 
     def backward(self, state: KernelByKernelState, dy: torch.Tensor) -> Gradients:
         """Opens with the session's agreement: the ranks are in step and agree on the

@@ -325,9 +325,16 @@ class Exchange:
     unregroup: torch.Tensor
 
     @staticmethod
-    def of(send: torch.Tensor, coll: Collectives) -> Exchange:
-        recv = torch.empty_like(send)
-        coll.all_to_all(recv, send.contiguous(), None, None, "kernel by kernel: count exchange")
+    def of(send: torch.Tensor, coll: Collectives, received: torch.Tensor | None = None) -> Exchange:
+        """The exchange of ``send``; ``received``: what each rank sends this one, known
+        already (its own row is ``send``'s: a layer's padding rows stay on their rank),
+        else counted in one all-to-all."""
+        if received is None:
+            recv = torch.empty_like(send)
+            coll.all_to_all(recv, send.contiguous(), None, None, "kernel by kernel: count exchange")
+        else:
+            recv = received.to(send.device, copy=True)
+            recv[coll.rank] = send[coll.rank]
         ep, local = recv.shape
         key = (torch.arange(local, device=recv.device) * ep
                + torch.arange(ep, device=recv.device)[:, None]).reshape(-1)  # [s, e] -> e*ep + s
@@ -509,32 +516,36 @@ def _local_slice(weights: ExpertWeights, coll: Collectives | None) -> slice:
 
 
 def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None = None,
-                pool: ArenaPool | None = None, save: bool = False, recompute: bool = False
-                ) -> tuple[torch.Tensor, KernelByKernelState | None]:
+                pool: ArenaPool | None = None, save: bool = False, recompute: bool = False,
+                received: torch.Tensor | None = None) -> tuple[torch.Tensor, KernelByKernelState | None]:
     """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
     tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
 
     coll: the EP group's deadline-bounded collectives (a runtime ``Session``'s; None:
     one process, every expert here); every rank calls collectively.  pool: where scratch
     buffers come from (None: fresh ones), given back however the call ends; saved
-    tensors are always fresh ones.  recompute: save no gated-activation outputs."""
+    tensors are always fresh ones.  recompute: save no gated-activation outputs.
+    received: [ep, L] int64 rows each rank routes to this rank's experts, where the
+    caller's agreement carried them (a rank's rows to itself are taken from ``routing``);
+    None: counted in a count exchange first."""
     spec = weights.spec
     check_input(x, routing, spec)
     arena = pool.acquire(x.device) if pool is not None else Arena(x.device)
     try:
-        return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute)
+        return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute,
+                        received)
     finally:
         if pool is not None:
             pool.release(arena)
 
 
 def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None,
-             arena: Arena, keep: Arena, save: bool, recompute: bool
+             arena: Arena, keep: Arena, save: bool, recompute: bool, received: torch.Tensor | None
              ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     spec = weights.spec
     mine, k = _local_slice(weights, coll), spec.top_k
     perm = Permutation.of(routing.ids, spec.experts, _group_size(coll))
-    exchange = Exchange.of(perm.send, coll) if _group_size(coll) > 1 else None
+    exchange = Exchange.of(perm.send, coll, received) if _group_size(coll) > 1 else None
     rows_from = arena if exchange is not None else keep  # in one process the rows are xs
     rows = torch.index_select(x, 0, perm.order // k,
                               out=rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype))

@@ -115,6 +115,9 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
 # ---------------------------------------------------------------------------- module
 
 LOAD_DECAY = 0.9  # of the measured per-expert load, per call
+AGREED_COUNTS = 256  # rows per expert an agreement carries: a fixed length (rows of unequal
+# length would end the all-gather before the ranks' expert counts could be compared); a
+# layer with more experts runs kernel by kernel's own count exchange
 MIN_REBALANCE_GAIN = 1.05  # a new placement must lower the busiest rank's predicted load this much
 
 
@@ -381,45 +384,66 @@ class MoE(nn.Module):
             w = _cast(w, dtype)
         o, xc, ids, topk_weights = self.options, x.to(dtype), ids.to(torch.int64), topk_weights.float()
         n, tokens = x.shape[0], torch.arange(x.shape[0], device=ids.device)
+        sent = received = None
         if o.distributed:
             logical = replace(self.spec, dtype=dtype)
-            counts = self._open_call(n, w, input_error(xc, Routing(ids, topk_weights), logical))
+            error = input_error(xc, Routing(ids, topk_weights), logical)
+            carry = error is None and self._placement is None  # slots are counted after the agreement
+            sent = expert_counts(ids, self.spec.experts) if carry else None
+            counts, received = self._open_call(n, w, error, sent)
             padded, rank = max(max(counts), 1), self.session().rank
             token_rank, first = torch.full_like(tokens, rank), sum(counts[:rank])
         else:
             padded = max(-(-n // o.virtual_ep), 1) * o.virtual_ep
             token_rank, first = tokens // (padded // o.virtual_ep), 0
-        self._measure_load(ids)
+        self._measure_load(ids, sent)
         if self._placement is not None:  # the physical layer: one expert per slot
             ids = self._placement.physical_ids(ids, token_rank, first + tokens)
             w = w if o.shard_experts else self._placement.slot_weights(w)
+            received = None  # counted by logical expert, not by slot
         xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
-            out = self._run(xp, idp, wp, w)
+            out = self._run(xp, idp, wp, w, received)
         return out[:x.shape[0]].to(x.dtype)
 
-    def _open_call(self, tokens: int, w: ExpertWeights, error: BaseException | None) -> list[int]:
+    def _open_call(self, tokens: int, w: ExpertWeights, error: BaseException | None,
+                   sent: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
         """The agreement that opens every distributed call, before any other collective
         of it: what the call is (dtype, sizes, tiles, the tuning history) and each rank's
         verdict on its own input; it also carries each rank's time of the previous call
-        (the tuner's trial).  Every rank raises the same named error when one objects;
-        else returns every rank's token count."""
+        (the tuner's trial) and ``sent``, its rows per expert ([E] int64; None: zeros), so
+        that kernel by kernel needs no count exchange of its own.  Every rank raises the
+        same named error when one objects; else returns every rank's token count and the
+        rows [ep, E / ep] each rank sends this rank's experts (None where a rank sent
+        none, or more experts than ``AGREED_COUNTS``)."""
         trial, micros = self._auto.tuner.report()
         layout = self._placement.digest() if self._placement is not None else 0
-        table = self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error,
-                                         (trial, micros), self._auto.tuner.digest(), layout)
-        self._auto.tuner.observe(table[:, 1].tolist(), table[:, 2].tolist(), self.session().rank)
-        return table[:, 0].tolist()
+        fits = sent is not None and sent.numel() <= AGREED_COUNTS  # the same on ranks that agree
+        carried = np.zeros(AGREED_COUNTS, np.int64)  # one row length on every rank, whatever its layer
+        if fits:
+            carried[:sent.numel()] = sent.cpu().numpy()
+        figures = (trial, micros, *carried.tolist())
+        table = self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error, figures,
+                                         self._auto.tuner.digest(), layout)
+        rank = self.session().rank
+        self._auto.tuner.observe(table[:, 1].tolist(), table[:, 2].tolist(), rank)
+        if not fits:
+            return table[:, 0].tolist(), None
+        local = self.spec.experts // len(table)
+        mine = table[:, 3 + rank * local:3 + (rank + 1) * local]
+        return table[:, 0].tolist(), torch.from_numpy(mine.copy())
 
     def _run(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
-             w: ExpertWeights) -> torch.Tensor:
-        """The region on padded inputs, on the path ``engine.select`` chooses; a tuning
-        trial is timed here and in the backward."""
+             w: ExpertWeights, received: torch.Tensor | None = None) -> torch.Tensor:
+        """The region on padded inputs, on the path ``engine.select`` chooses (``received``:
+        the agreement's counts for kernel by kernel); a tuning trial is timed here and in
+        the backward."""
         o = self.options
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             auto = o.schedule is SchedulePolicy.AUTO
             return run_region(x, ids, topk_weights, w.gathered(), o.virtual_ep, o.tiles, auto, o.nodes)
-        path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas, x.device)
+        path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas, x.device,
+                             received)
         return run(path, x, Routing(ids, topk_weights), w, trial, self._own_slots(), self._clock)
 
     # ------------------------------------------------------------------ placement
@@ -569,12 +593,13 @@ class MoE(nn.Module):
         moves, hw = Moves.between(self._physical(), plan), self.options.rank_hardware
         return move_seconds(list(self.experts.parameters()), optimizer, moves, hw) < saving_s
 
-    def _measure_load(self, ids: torch.Tensor) -> None:
-        """The per-expert load's EMA and the periodic rebalance; not under torch.compile
-        (a counter on the module would make every call recompile: measure in eager steps)."""
+    def _measure_load(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """The per-expert load's EMA (``rows``: the call's rows per expert, where counted
+        already) and the periodic rebalance; not under torch.compile (a counter on the
+        module would make every call recompile: measure in eager steps)."""
         if torch.compiler.is_compiling():
             return
-        rows = expert_counts(ids.detach(), self.spec.experts).double()
+        rows = (rows if rows is not None else expert_counts(ids.detach(), self.spec.experts)).double()
         self._load = LOAD_DECAY * self._load.to(rows.device) + (1.0 - LOAD_DECAY) * rows  # no host sync
         self._calls += 1
         every = self.options.rebalance_every
