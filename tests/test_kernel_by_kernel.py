@@ -212,7 +212,7 @@ def test_an_inference_call_saves_nothing(monkeypatch) -> None:
     import hpmoe.engine.paths as paths
 
     saves, forward = [], paths.kbk_forward
-    monkeypatch.setattr(paths, "kbk_forward", lambda *a: saves.append(a[5]) or forward(*a))
+    monkeypatch.setattr(paths, "kbk_forward", lambda *a, **k: saves.append(a[5]) or forward(*a, **k))
     x, routing, w = _inputs(torch.float32, RoutingKind.ZIPF, tokens=8)
     w13 = w.w13.clone().requires_grad_()  # needs_input_grad is True even under no_grad
     args = (x, routing.weights, w13, w.w2, w.shared_w13, w.shared_w2)

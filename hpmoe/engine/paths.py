@@ -207,7 +207,8 @@ class TritonPath:
 @dataclass(frozen=True)
 class KernelByKernelPath:
     """The region without tiles (``exec.kernel_by_kernel``): in one process, or over the
-    EP group of ``session`` (its deadline-bounded collectives); scratch from ``pool``;
+    EP group of ``session`` (its deadline-bounded collectives; the call's agreement has
+    checked every rank's input); scratch from ``pool``;
     ``received``: this call's rows from each rank for this rank's experts, carried by
     the call's agreement (None: the forward exchanges them)."""
 
@@ -222,7 +223,8 @@ class KernelByKernelPath:
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, KernelByKernelState | None]:
         coll = self.session.collectives if self.session is not None else None
-        return kbk_forward(x, routing, weights, coll, self.pool, save, self.recompute, self.received)
+        return kbk_forward(x, routing, weights, coll, self.pool, save, self.recompute, self.received,
+                           checked=coll is not None)
 
     def backward(self, state: KernelByKernelState, dy: torch.Tensor) -> Gradients:
         """Opens with the session's agreement: the ranks are in step and agree on the

@@ -517,7 +517,8 @@ def _local_slice(weights: ExpertWeights, coll: Collectives | None) -> slice:
 
 def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None = None,
                 pool: ArenaPool | None = None, save: bool = False, recompute: bool = False,
-                received: torch.Tensor | None = None) -> tuple[torch.Tensor, KernelByKernelState | None]:
+                received: torch.Tensor | None = None, checked: bool = False
+                ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
     tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
 
@@ -527,9 +528,11 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
     tensors are always fresh ones.  recompute: save no gated-activation outputs.
     received: [ep, L] int64 rows each rank routes to this rank's experts, where the
     caller's agreement carried them (a rank's rows to itself are taken from ``routing``);
-    None: counted in a count exchange first."""
+    None: counted in a count exchange first.  checked: the caller has checked x and
+    routing (``routing.check_input``: a distributed call's agreement does)."""
     spec = weights.spec
-    check_input(x, routing, spec)
+    if not checked:
+        check_input(x, routing, spec)
     arena = pool.acquire(x.device) if pool is not None else Arena(x.device)
     try:
         return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute,
