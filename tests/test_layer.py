@@ -252,12 +252,26 @@ def _rows(spec, tokens):
     return torch.randn(tokens, spec.hidden, generator=g), torch.randn(tokens, spec.hidden, generator=g)
 
 
+def _share(rank, counts, spec):
+    """(x, dy) of rank ``rank`` when the ranks hold ``counts`` of ``_rows``' tokens."""
+    return tuple(t[sum(counts[:rank]):sum(counts[:rank + 1])] for t in _rows(spec, sum(counts)))
+
+
+def _assert_ranks_equal_one_process(got, counts, **options):
+    """Two ranks' steps (``_run``'s results, in rank order) against one process's step of
+    the same layer on every token: outputs and dx joined, parameter gradients summed."""
+    spec = preset("tiny")
+    want = _run(MoE(spec, ExpertWeights.random(spec, 1), **options), *_rows(spec, sum(counts)))
+    torch.testing.assert_close(torch.cat([g[0] for g in got]), want[0], **TOL[torch.float32])
+    torch.testing.assert_close(torch.cat([g[1] for g in got]), want[1], **TOL[torch.float32])
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[0][2][name] + got[1][2][name], grad, **TOL[torch.float32])
+
+
 def _uneven_step(rank, world, counts):
     spec = preset("tiny")
     layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, tiles=TINY_TILES)
-    x, dy = _rows(spec, sum(counts))
-    x, dy = (t[sum(counts[:rank]):sum(counts[:rank + 1])] for t in (x, dy))
-    result = _run(layer, x, dy)
+    result = _run(layer, *_share(rank, counts, spec))
     layer.close()
     return result
 
@@ -265,13 +279,7 @@ def _uneven_step(rank, world, counts):
 @pytest.mark.parametrize("counts", [(3, 4), (0, 5)])
 def test_distributed_ranks_may_hold_any_token_count(counts):
     results = spawn_gloo(_uneven_step, 2, counts, timeout=120)
-    spec = preset("tiny")
-    whole = MoE(spec, ExpertWeights.random(spec, 1), tiles=TINY_TILES)
-    want = _run(whole, *_rows(spec, sum(counts)))
-    torch.testing.assert_close(torch.cat([results[r][0] for r in (0, 1)]), want[0], **TOL[torch.float32])
-    torch.testing.assert_close(torch.cat([results[r][1] for r in (0, 1)]), want[1], **TOL[torch.float32])
-    for name, grad in want[2].items():
-        torch.testing.assert_close(results[0][2][name] + results[1][2][name], grad, **TOL[torch.float32])
+    _assert_ranks_equal_one_process(results, counts, tiles=TINY_TILES)
 
 
 def _kbk_step(rank, world, counts, placed):
@@ -284,8 +292,7 @@ def _kbk_step(rank, world, counts, placed):
     layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, backend="kernel_by_kernel")
     if placed:
         layer.placement = Placement((4, 1, 2, 3, 0, 5, 6, 7), spec.experts, world)
-    x, dy = _rows(spec, sum(counts))
-    x, dy = (t[sum(counts[:rank]):sum(counts[:rank + 1])] for t in (x, dy))
+    x, dy = _share(rank, counts, spec)
     names, wait = [], Collectives._wait
     Collectives._wait = lambda self, work, mine, what: names.append(what) or wait(self, work, mine, what)
     try:
@@ -309,14 +316,7 @@ def test_the_agreement_carries_kernel_by_kernels_counts(placed):
     for _, names in results:
         assert names[0].endswith("agreement") and len(names) == 3 + placed, names
         assert ("kernel by kernel: count exchange" in names) == placed, names
-    spec = preset("tiny")
-    whole = MoE(spec, ExpertWeights.random(spec, 1), backend="kernel_by_kernel")
-    want = _run(whole, *_rows(spec, sum(counts)))
-    got = [r for r, _ in results]
-    torch.testing.assert_close(torch.cat([g[0] for g in got]), want[0], **TOL[torch.float32])
-    torch.testing.assert_close(torch.cat([g[1] for g in got]), want[1], **TOL[torch.float32])
-    for name, grad in want[2].items():
-        torch.testing.assert_close(got[0][2][name] + got[1][2][name], grad, **TOL[torch.float32])
+    _assert_ranks_equal_one_process([r for r, _ in results], counts, backend="kernel_by_kernel")
 
 
 # ---------------------------------------------------------------------------- AUTO

@@ -400,7 +400,7 @@ class MoE(nn.Module):
         if self._placement is not None:  # the physical layer: one expert per slot
             ids = self._placement.physical_ids(ids, token_rank, first + tokens)
             w = w if o.shard_experts else self._placement.slot_weights(w)
-            received = None  # counted by logical expert, not by slot
+            received = None  # a placement this call adopted: its slots are counted after the agreement
         xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
         with torch.autocast(x.device.type, enabled=False):
             out = self._run(xp, idp, wp, w, received)
