@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+import types
 
 import numpy as np
 import torch
@@ -55,8 +57,52 @@ def simulated_order(graph: TaskGraph, policy: SchedulePolicy,
     return sched, np.lexsort((np.arange(tl.num_tasks), tl.end, tl.start))
 
 
-def burn(seconds: float) -> None:
-    """Spend ``seconds`` of this thread's CPU."""
-    t0 = time.thread_time()
-    while time.thread_time() - t0 < seconds:
-        pass
+class KernelClock:
+    """A clock that only the code under test advances, in place of the host's: ``spend``
+    adds seconds to the wall clock and to the calling thread's CPU (a kernel computing),
+    ``idle`` to the wall clock only (a kernel sleeping), ``outside`` to the process's CPU
+    only (work no kernel's thread clock sees).  A figure computed from its readings is
+    exact, whatever else runs on the host."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.wall, self.beside = 0.0, 0.0
+        self._cpu: dict[int, float] = {}
+
+    def spend(self, seconds: float) -> None:
+        with self._lock:
+            self.wall += seconds
+            me = threading.get_ident()
+            self._cpu[me] = self._cpu.get(me, 0.0) + seconds
+
+    def idle(self, seconds: float) -> None:
+        with self._lock:
+            self.wall += seconds
+
+    def outside(self, seconds: float) -> None:
+        with self._lock:
+            self.beside += seconds
+
+    def perf_counter(self) -> float:
+        return self.wall
+
+    def perf_counter_ns(self) -> int:
+        return round(self.wall * 1e9)
+
+    def thread_time(self) -> float:
+        return self._cpu.get(threading.get_ident(), 0.0)
+
+    def thread_time_ns(self) -> int:
+        return round(self.thread_time() * 1e9)
+
+    def process_cpu(self) -> float:
+        """CPU seconds of every thread, and what was spent outside them."""
+        with self._lock:
+            return sum(self._cpu.values()) + self.beside
+
+    def time_module(self) -> types.SimpleNamespace:
+        """A stand-in for the ``time`` module: these clocks, the host's ``monotonic``
+        (deadlines and polls keep running on it) and ``sleep``."""
+        return types.SimpleNamespace(perf_counter=self.perf_counter, perf_counter_ns=self.perf_counter_ns,
+                                     thread_time=self.thread_time, thread_time_ns=self.thread_time_ns,
+                                     monotonic=time.monotonic, sleep=time.sleep, strftime=time.strftime)
