@@ -1,5 +1,5 @@
-"""Emulated hosts: the tc commands of each veth end, bad specs named, and the name
-service each namespace sees."""
+"""Emulated hosts: the tc commands of each veth end, the rate each end is shaped to,
+bad specs named, and the name service each namespace sees."""
 
 import os
 import shutil
@@ -9,7 +9,15 @@ import sys
 import pytest
 
 from hpmoe.launch.launcher import left_by
-from hpmoe.launch.netns import LinkSpec, Topology, name_service_files, tier_commands
+from hpmoe.launch.netns import (
+    LinkSpec,
+    Topology,
+    create_topology,
+    delete_topology,
+    list_namespaces,
+    name_service_files,
+    tier_commands,
+)
 
 needs_namespaces = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "unshare")),
@@ -71,3 +79,20 @@ def test_ranks_in_namespaces_print_nothing_where_the_machine_cannot_resolve_thei
     assert proc.returncode == 0, err
     assert all(x.startswith("hpmoe bench: ") for x in err.splitlines()), err
     assert left_by(proc.pid) == [], "namespaces or their /etc/netns files outlived the job"
+
+
+@needs_namespaces
+def test_both_ends_of_every_ranks_link_are_shaped_to_the_links_rate():
+    """What ``--link 1gbit`` builds, read back from the kernel: a token-bucket qdisc at
+    1 Gbit/s on each rank's end of its veth pair and on the hub's end (the rate a link
+    then carries is a benchmark's figure: ``hpmoe bench --link``)."""
+    topo = create_topology(2, LinkSpec("1gbit"), os.urandom(8).hex())
+    try:
+        ends = [(ns, "eth0") for ns in topo.ranks] + [(topo.hub, f"p{r}") for r in range(2)]
+        for ns, dev in ends:
+            shown = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                                   capture_output=True, text=True, check=True).stdout.split()
+            assert shown[:2] == ["qdisc", "tbf"] and shown[shown.index("rate") + 1] == "1Gbit", (ns, dev)
+    finally:
+        delete_topology(topo)
+    assert not {*topo.ranks, topo.hub} & set(list_namespaces())
