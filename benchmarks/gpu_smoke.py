@@ -9,7 +9,7 @@ Steps (each reported, none fatal to the next):
              2 s per-wait deadline, against ``moe_forward`` / ``moe_forward_backward``
              on the CPU; wall time of a second run
   layer      ``hpmoe.nn.MoE`` moved to CUDA on its default path, forward and backward,
-             against the same layer on the CPU
+             against the same layer on the CPU and against the dense reference
   auto       the same layer with ``backend="auto"`` trained until its tuning settles:
              each candidate's steps, the winner, and every step against the default path
   deadline   a wait that can never be met, under a 0.2 s deadline: seconds until the
@@ -106,30 +106,45 @@ def region() -> dict:
                for n in ("dx", "dweights", "dw13", "dw2")}}
 
 
+def _step(m: torch.nn.Module, x: torch.Tensor, reference: bool = False) -> tuple[torch.Tensor, ...]:
+    """(y, x.grad, the experts' gate_up_proj.grad) of one step of layer ``m`` on ``x``
+    ([2, 32, H], the layer's dtype; loss: the sum of y squared in fp32); ``reference``:
+    by autograd through the gate and ``refs.dense_moe`` on ``m``'s parameters instead."""
+    from hpmoe.refs import dense_moe
+    from hpmoe.routing import route
+
+    x = x.detach().clone().requires_grad_(True)
+    if reference:
+        flat = x.reshape(-1, m.spec.hidden)
+        w = m.expert_weights()
+        y = dense_moe(flat, w, route(flat, w)).view(x.shape)
+    else:
+        y = m(x)
+    y.float().square().sum().backward()
+    return y, x.grad, m.experts.gate_up_proj.grad
+
+
 def layer(device: str = "cuda") -> dict:
-    """The layer's default path on ``device`` against the CPU, fp32 and bf16 (on a Hopper
-    GPU bf16 takes the grouped-GEMM path)."""
+    """The layer's default path on ``device``, fp32 and bf16 (on a Hopper GPU bf16 takes
+    the grouped-GEMM path), against the same layer on the CPU (``*_rel``) and against
+    the dense reference by autograd on the CPU (``*_ref_rel``)."""
     from hpmoe.exec.kernel_by_kernel import Experts, gemm_path
     from hpmoe.nn.layer import MoE
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         spec = SPEC.with_dtype(dtype)
-        g = torch.Generator().manual_seed(2)
-        x = torch.randn(2, 32, spec.hidden, generator=g).to(dtype)
-        got = {}
-        runs = (("cpu", MoE(spec, seed=0), x.clone()), ("device", MoE(spec, seed=0).to(device), x.to(device)))
-        for name, m, xin in runs:
-            xin.requires_grad_(True)
-            y = m(xin)
-            y.float().square().sum().backward()
-            got[name] = (y, xin.grad, m.experts.gate_up_proj.grad)
-            w13 = m.experts.gate_up_proj
-            ex = Experts(w13, m.experts.down_proj, tuple(range(w13.shape[0])), spec.activation)
+        x = torch.randn(2, 32, spec.hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
+        m = MoE(spec, seed=0).to(device)
+        got = _step(m, x.to(device))
+        cpu, ref = _step(MoE(spec, seed=0), x), _step(MoE(spec, seed=0), x, reference=True)
+        w13 = m.experts.gate_up_proj
+        ex = Experts(w13, m.experts.down_proj, tuple(range(w13.shape[0])), spec.activation)
         name = str(dtype)[6:]
-        out[f"{name}_gemm_path"] = gemm_path(xin.detach().view(-1, spec.hidden), ex).value
+        out[f"{name}_gemm_path"] = gemm_path(x.to(device).view(-1, spec.hidden), ex).value
         for i, what in enumerate(("y", "dx", "dw13")):
-            out[f"{name}_{what}_rel"] = rel(got["device"][i], got["cpu"][i])
+            out[f"{name}_{what}_rel"] = rel(got[i], cpu[i])
+            out[f"{name}_{what}_ref_rel"] = rel(got[i], ref[i])
     return out
 
 

@@ -1,9 +1,8 @@
-"""The GPU scripts on a machine without CUDA: each says so and exits 2 at once, so a
-first contact that lands on the wrong machine costs seconds, not a lease."""
+"""The GPU scripts on a machine without CUDA: each says so and exits 2 before any work,
+so a first contact that lands on the wrong machine costs seconds, not a lease."""
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,19 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 
-def test_the_first_contact_script_exits_2_in_under_ten_seconds(tmp_path):
+def test_the_first_contact_script_exits_2_before_it_runs_anything(tmp_path):
+    """Without a device it stops at its first check: it starts no Python (``PYTHON``
+    names a stand-in that leaves a mark) and makes no output folder."""
+    mark, python = tmp_path / "python-ran", tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {mark}\n")
+    python.chmod(0o755)
+    out = tmp_path / "out"
     for mode in ("check", "bench-small", "bench-ds", "profile-ds"):
-        start = time.monotonic()
-        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": str(python)}
         done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_first_contact.sh"), mode], env=env,
                               capture_output=True, text=True)
         assert done.returncode == 2 and "no CUDA device" in done.stderr, done
-        assert time.monotonic() - start < 10
-    assert not any(tmp_path.iterdir())
+    assert not mark.exists() and not out.exists()
 
 
 def test_the_first_contact_script_refuses_an_unknown_mode():
@@ -39,10 +42,16 @@ def test_the_python_gpu_scripts_exit_2_without_cuda(script, tmp_path):
     assert done.returncode == 2 and "needs a CUDA device" in done.stderr, done.stderr[-2000:]
 
 
+# ||a - b|| / ||b|| a step may reach: fp32 as the suite's assert_close; bf16 keeps 8 bits,
+# one rounding is up to 2^-9 (2e-3) relative, and a step rounds a few times in a row
+STEP_REL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
 def test_the_smokes_layer_step_runs_on_the_cpu():
     """The smoke's layer step, which only a GPU runs, with the CPU as its device: the code
-    keeps pace with the package's API (a GPU run once found it broken), and two layers
-    built alike on one device give the same bits (what the step measures is the device)."""
+    keeps pace with the package's API (a GPU run once found it broken), and its output and
+    gradients are the dense reference's by autograd.  (Its device-against-CPU figures
+    compare a CPU run with itself here, so they are not checked.)"""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_smoke
@@ -50,7 +59,9 @@ def test_the_smokes_layer_step_runs_on_the_cpu():
         sys.path.remove(str(ROOT / "benchmarks"))
     got = gpu_smoke.layer(device="cpu")
     assert got["float32_gemm_path"] == got["bfloat16_gemm_path"] == "per-expert"
-    assert all(got[f"{d}_{w}_rel"] == 0.0 for d in ("float32", "bfloat16") for w in ("y", "dx", "dw13"))
+    for dtype, bound in STEP_REL.items():
+        for what in ("y", "dx", "dw13"):
+            assert got[f"{dtype}_{what}_ref_rel"] < bound, (dtype, what, got[f"{dtype}_{what}_ref_rel"])
 
 
 def test_the_model_check_refits_a_saved_run_and_predicts_it(capsys):
