@@ -9,6 +9,9 @@ import json
 import pytest
 
 from hpmoe.cli import build_parser, main, version
+from hpmoe.cli.bench import bench_config
+from hpmoe.exec.backend import Backend
+from hpmoe.spec import DispatchMode
 
 
 def _subparsers() -> dict:
@@ -37,12 +40,24 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
     (["bench", "--fault", "explode:0"], "hpmoe bench: error: --fault='explode:0' must be KIND:RANK[:AFTER] "
                                         "with KIND one of kill, silent, unreachable, stall"),
     (["bench", "--workers", "2"], "hpmoe bench: error: --workers='2' must be MATRIX,VECTOR"),
+    (["bench", "--backend", "kernel_by_kernel", "--schedule", "hyperparallel"],
+     "hpmoe bench: error: --backend kernel_by_kernel runs no schedule: --schedule=hyperparallel must be "
+     "left at auto"),
 ])
 def test_bad_flags_end_in_one_line_naming_flag_and_value(argv: list[str], message: str,
                                                            capsys: pytest.CaptureFixture) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith(message), err
+
+
+def test_the_bench_runs_the_tiles_and_path_its_flags_name() -> None:
+    args = build_parser().parse_args(["bench", "--dispatch", "per-rank", "--tile-rows", "256",
+                                      "--backend", "kernel_by_kernel"])
+    config = bench_config(args)
+    assert config.tiles.dispatch is DispatchMode.PER_RANK and config.tiles.rows == 256
+    assert config.backend is Backend.KERNEL_BY_KERNEL and not config.tunes
+    assert bench_config(build_parser().parse_args(["bench"])).tunes
 
 
 def test_a_missing_plotting_extra_is_named_before_any_work(monkeypatch: pytest.MonkeyPatch,

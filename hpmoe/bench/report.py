@@ -171,6 +171,7 @@ class BenchReport:
     tuning: dict = field(default_factory=dict)  # AUTO's tuning (``bench.runner.Tuned.to_json``)
     sweep: dict[str, Stats] = field(default_factory=dict)  # every candidate of the tuning space, by name
     paired: dict[str, Stats] = field(default_factory=dict)  # ``bench.runner.head_to_head``'s two variants
+    unbalanced_max_abs_diff: float | None = None  # under --balance: |layer without the placement - baseline|
 
     def to_json(self) -> dict:
         """Flat JSON-ready dict (milliseconds, ratios)."""
@@ -211,6 +212,11 @@ class BenchReport:
             out |= self.prediction.fields()
         if self.steal is not None:
             out["host_steal_fraction"] = round(self.steal, 4)
+        if "unbalanced" in self.stats:
+            plain, placed = self.stats["unbalanced"], self.stats["taskflow"]
+            out |= {"balance_gain": round(plain.median_ms / placed.median_ms, 3),
+                    "balance_gain_fastest": round(plain.min_ms / placed.min_ms, 3),
+                    "unbalanced_max_abs_diff": self.unbalanced_max_abs_diff}
         sweep = sweep_fields(self.sweep, self.stats["taskflow"], self.tuning.get("tune_winner"))
         note = {"note": self.note} if self.note else {}
         return out | self.tuning | sweep | paired_fields(self.paired) | note

@@ -77,6 +77,7 @@ class Variant(enum.Enum):
     SERIAL_SAME_TRANSPORT = "serial_same_transport"  # serial schedule, hpmoe runtime + transport
     RUNTIME = "runtime_taskflow"  # the chosen schedule on hpmoe's runtime
     TASKFLOW = "taskflow"  # what hpmoe runs by default (AUTO's choice)
+    UNBALANCED = "unbalanced"  # under ``balance`` only: the default path's layer without the placement
 
 
 STEP_NAMES = ("exchange", "schedule", "prepare", "region")
@@ -106,6 +107,7 @@ class BenchConfig:
     block: int = 10  # back-to-back calls of a variant under IterationOrder.BLOCKS
     balance: int | None = None  # redundant slots of a placement planned on the batch's load (0: re-pack only)
     paired: int = 0  # with ``sweep``: then calls each of the default and the sweep's fastest candidate
+    backend: Backend = Backend.EXACT  # the default's path: EXACT under ``policy``, or KERNEL_BY_KERNEL pinned
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.iters <= 0:
@@ -117,6 +119,17 @@ class BenchConfig:
         if self.paired < 0 or (self.paired and not self.sweep):
             raise ValueError(f"BenchConfig.paired={self.paired!r} must be >= 0, and needs sweep (it pairs "
                              f"the default with the sweep's fastest candidate)")
+        if self.backend not in (Backend.EXACT, Backend.KERNEL_BY_KERNEL):
+            raise ValueError(f"BenchConfig.backend={self.backend!r} must be Backend.EXACT or "
+                             f"Backend.KERNEL_BY_KERNEL (a bench runs ranks on the CPU)")
+        if self.backend is Backend.KERNEL_BY_KERNEL and self.policy is not SchedulePolicy.AUTO:
+            raise ValueError(f"--backend kernel_by_kernel runs no schedule: --schedule={self.policy.value} "
+                             f"must be left at auto")
+
+    @property
+    def tunes(self) -> bool:
+        """Whether the default path is AUTO's, which tunes on its first calls."""
+        return self.policy is SchedulePolicy.AUTO and self.backend is Backend.EXACT
 
 
 @dataclass(frozen=True)
@@ -323,6 +336,7 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     session.board.enter("bench: profile agreement")
     profile = agreed_profile(group)
     policies, note = candidate_policies(config.policy, profile)
+    note = note if config.tunes else ""  # its note is on AUTO's choice
     session.board.enter("bench: cost model measurements")
     models = bench_models(config, profile, group)
     hardware = models.runtime if models else cpu_nominal(config.workers.matrix, config.workers.vector)
@@ -331,16 +345,16 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
     session.board.enter("bench: decision")
     decision = _decide(warm, models, policies, group) if config.policy is SchedulePolicy.AUTO else None
     calls = {n: c for n, c in every.items() if not n.startswith("runtime:")}
-    layer, calls[Variant.TASKFLOW.value] = default_call(config, session, data, hardware)
-    tuned = settle(layer, calls[Variant.TASKFLOW.value], config, session)
-    aliases = {}  # a sweep candidate that already runs as a variant is not run twice
+    tuned, aliases = add_default(config, session, data, hardware, calls)  # a variant run once has aliases
+    unbalanced, unbalanced_fields = unbalanced_call(config, session, hardware)
+    calls |= unbalanced
     if tuned is not None:
         flow = _runtime_knobs(tuned.result, config.tiles)
         chosen = flow.policy
         calls[Variant.RUNTIME.value] = runtime_call(config, session, data, flow, hardware)
         if config.sweep:
             knob = KnobCalls(session, data, hardware, every)
-            aliases = {sweep_name(KERNEL_BY_KERNEL_KNOBS): Variant.KERNEL_BY_KERNEL.value}
+            aliases |= {sweep_name(KERNEL_BY_KERNEL_KNOBS): Variant.KERNEL_BY_KERNEL.value}
             calls |= {sweep_name(k): knob(k) for k in tuned.space.every() if sweep_name(k) not in aliases}
     else:
         chosen = policies[0]
@@ -353,8 +367,33 @@ def _run(config: BenchConfig, session: Session, data: Inputs) -> BenchReport:
         samples.alias(name, to)
     paired = head_to_head(config.paired, calls, aliases, samples, session) if config.paired and tuned else {}
     session.board.enter("bench: report")
-    return build_report(config, chosen, samples, models, decision, group, note, probe,
-                        _max_or_none(steal, group), tuned, paired)
+    report = build_report(config, chosen, samples, models, decision, group, note, probe,
+                          _max_or_none(steal, group), tuned, paired)
+    return dataclasses.replace(report, tuning=report.tuning | unbalanced_fields)
+
+
+def add_default(config: BenchConfig, session: Session, data: Inputs, hardware: HardwareModel,
+                calls: Calls) -> tuple[Tuned | None, dict[str, str]]:
+    """Add the default path's call to ``calls``, settled (``settle``: under AUTO, tuned);
+    its tuning, and the aliases of variants timed once: under ``Backend.KERNEL_BY_KERNEL``
+    the default is the kernel-by-kernel variant.  Collective."""
+    if config.backend is Backend.KERNEL_BY_KERNEL:
+        return None, {Variant.TASKFLOW.value: Variant.KERNEL_BY_KERNEL.value}
+    layer, calls[Variant.TASKFLOW.value] = default_call(config, session, data, hardware)
+    return settle(layer, calls[Variant.TASKFLOW.value], config, session), {}
+
+
+def unbalanced_call(config: BenchConfig, session: Session, hardware: HardwareModel) -> tuple[Calls, dict]:
+    """Under ``config.balance``: the default path's layer on the same batch without the
+    placement (the logical layer, its experts where the routing put them), warmed up and
+    tuned like the default, and its tuning's winner; else nothing.  Collective."""
+    if config.balance is None:
+        return {}, {}
+    plain = make_inputs(dataclasses.replace(config, balance=None), session.world, session.rank)
+    layer, call = default_call(config, session, plain, hardware)
+    tuned = settle(layer, call, config, session)
+    return {Variant.UNBALANCED.value: call}, ({"unbalanced_tune_winner": tuned.result.winner.name}
+                                              if tuned is not None else {})
 
 
 def head_to_head(calls_each: int, calls: Calls, aliases: dict[str, str], samples: Samples,
@@ -419,17 +458,18 @@ class Tuned:
 
 def default_call(config: BenchConfig, session: Session, data: Inputs,
                  hardware: HardwareModel) -> tuple[MoE, Callable[[], object]]:
-    """What a user's layer runs by default (or under the bench's ``--schedule``)."""
+    """What a user's layer runs by default (or under the bench's ``--schedule`` or
+    ``--backend``)."""
     auto = config.policy is SchedulePolicy.AUTO
     return layer_call(data, RegionOptions(ep_group=session, schedule=config.policy, tiles=config.tiles,
-                                          hardware=None if auto else hardware))
+                                          hardware=None if auto else hardware, backend=config.backend))
 
 
 def settle(layer: MoE, call: Callable[[], object], config: BenchConfig, session: Session) -> Tuned | None:
     """Calls of the default path alone, back to back, until AUTO's tuning settles (a
     cached choice settles at once), and at least ``config.warmup`` of them; the tuning
-    (None: the layer does not tune, its schedule fixed).  Collective."""
-    auto = config.policy is SchedulePolicy.AUTO
+    (None: the layer does not tune, its path fixed).  Collective."""
+    auto = config.tunes
     for step in range(config.warmup + Budget().max_steps + 2):
         if step >= config.warmup and (not auto or layer.tuned(config.tokens, backward=False)):
             break
@@ -510,7 +550,7 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
     twice: with the share ``probe`` measured between the timed iterations, and with the
     share measured before them (the models AUTO decided with).  ``steal``: the host's
     steal over the timed iterations (``BenchReport.steal``)."""
-    names = [v.value for v in Variant]
+    names = [v.value for v in Variant if v.value in s.seconds]
     sst, rt = Variant.SERIAL_SAME_TRANSPORT.value, Variant.RUNTIME.value
     stats = {n: Stats.of(slowest_rank(np.array(s.seconds[n]), group)) for n in names}
     sweep = {n.removeprefix("sweep:"): Stats.of(slowest_rank(np.array(s.seconds[n]), group))
@@ -524,9 +564,11 @@ def build_report(config: BenchConfig, policy: SchedulePolicy, s: Samples, models
         prediction, predicted = predict(s.last[sst], s.last[rt], steps[sst]["region"], steps[rt]["region"],
                                         during, models, entries, kernels)
     out, serial = s.outs, s.outs[Variant.SERIAL.value]
+    unbalanced = out.get(Variant.UNBALANCED.value)
     return BenchReport(
         ep=dist.get_world_size(group), policy=policy, stats=stats, steps=steps,
         max_abs_diff=max_abs_diff(out[Variant.TASKFLOW.value], serial, group),
+        unbalanced_max_abs_diff=None if unbalanced is None else max_abs_diff(unbalanced, serial, group),
         runtime_max_abs_diff=max_abs_diff(out[rt], serial, group),
         bitwise_equal=all_equal(out[rt], out[sst], group),
         candidate=s.last[rt].schedule.candidate or None, link=models.link if models else None,

@@ -9,8 +9,11 @@ as one of those ranks) it is one rank of the benchmark, and rank 0 prints.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from ..bench.order import IterationOrder
 from ..bench.report import BenchReport
 from ..bench.runner import STEP_NAMES, BenchConfig, run_bench
+from ..exec.backend import Backend
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..launch.launcher import LaunchSpec, launch
 from ..launch.netns import LinkSpec
@@ -32,12 +36,12 @@ from ..runtime.session import JOB_ENV, RuntimeConfig
 from ..runtime.transport.base import TransportKind
 from ..runtime.transport.segment import SegmentError
 from ..sim.trace import write_gantt, write_trace
-from ..spec import TileSpec, preset
+from ..spec import DispatchMode, TileSpec, preset
 from .common import DTYPES, add_layer_args, balance_redundant, dtype_choice, emit, require_plotting
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
-            "transport", "schedule", "workers", "threads", "warmup", "iters", "deadline", "fault",
-            "trace", "link", "balance", "order", "block", "paired")
+            "dispatch", "transport", "schedule", "backend", "workers", "threads", "warmup", "iters",
+            "deadline", "fault", "trace", "link", "balance", "order", "block", "paired")
 _FLAGS = ("json", "predict", "cache_schedules", "sweep")
 
 
@@ -54,6 +58,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="what the default ('taskflow' in the report) runs; auto: AUTO measures the "
                         "candidates of its search space (path, schedule, workers, tiles, dispatch) on the "
                         "bench's forward and runs the fastest, or takes the choice `hpmoe tune` saved")
+    p.add_argument("--backend", choices=[Backend.EXACT.value, Backend.KERNEL_BY_KERNEL.value],
+                   default=Backend.EXACT.value,
+                   help="the default's path: exact runs the taskflow under --schedule (auto: AUTO measures "
+                        "every path and runs the fastest); kernel_by_kernel pins that path")
     p.add_argument("--link", default=None, metavar="RATE",
                    help="run ranks in network namespaces joined by links shaped to RATE (e.g. 2gbit)")
     p.add_argument("--workers", default="1,1", help="matrix,vector worker threads per rank")
@@ -109,14 +117,15 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         moe=preset(args.preset, DTYPES[dtype_choice(args.dtype, on_this_cpu=True)[0]]), tokens=args.tokens,
         routing=RoutingKind(args.routing), seed=args.seed,
-        tiles=TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols),
+        tiles=TileSpec(rows=args.tile_rows, gemm_rows=args.gemm_rows, gemm_cols=args.gemm_cols,
+                       dispatch=DispatchMode(args.dispatch)),
         runtime=runtime, workers=_workers(args.workers),
         policy=SchedulePolicy(args.schedule),
         warmup=args.warmup, iters=args.iters,
         link=LinkSpec(args.link) if args.link else None, predict=args.predict,
         cache_schedules=args.cache_schedules, fault=Fault.parse(args.fault) if args.fault else None,
         sweep=args.sweep, balance=balance_redundant(args.balance), order=IterationOrder(args.order),
-        block=args.block, paired=args.paired)
+        block=args.block, paired=args.paired, backend=Backend(args.backend))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,16 +140,50 @@ def run(args: argparse.Namespace) -> int:
 def launch_ranks(command: str, args: argparse.Namespace, experts: int, link: LinkSpec | None,
                  argv: list[str]) -> int:
     """Run ``hpmoe COMMAND ARGV`` as ``--ep`` local ranks (in shaped namespaces with a link)."""
-    ep = 2 if args.ep is None else args.ep
-    if ep <= 0 or experts % ep:
-        raise ValueError(f"--ep={ep} must be a positive divisor of the {experts} experts")
-    spec = LaunchSpec(argv=(sys.executable, "-m", "hpmoe", command, *argv), world=ep,
-                      link=link, timeout_s=args.timeout, grace_s=args.deadline + 10.0)
-    result = launch(spec)
+    result = launch(rank_launch(command, args, experts, link, argv))
     if not result.ok:
         codes = {r.rank: r.returncode for r in result.ranks}
         print(f"hpmoe {command}: ranks failed, exit codes {codes}", file=sys.stderr)
     return result.returncode
+
+
+def rank_launch(command: str, args: argparse.Namespace, experts: int, link: LinkSpec | None,
+                argv: list[str], capture: bool = False) -> LaunchSpec:
+    """The launch of ``hpmoe COMMAND ARGV`` as ``--ep`` local ranks under ``--timeout``,
+    the ranks' output collected with ``capture``."""
+    ep = 2 if args.ep is None else args.ep
+    if ep <= 0 or experts % ep:
+        raise ValueError(f"--ep={ep} must be a positive divisor of the {experts} experts")
+    return LaunchSpec(argv=(sys.executable, "-m", "hpmoe", command, *argv), world=ep,
+                      link=link, timeout_s=args.timeout, grace_s=args.deadline + 10.0, capture=capture)
+
+
+_PROGRESS = re.compile(r"^hpmoe bench: [\w -]+ \d+/\d+ \([\d.]+ s\)$")  # runner.timed_loop's lines
+
+
+class BenchFailed(RuntimeError):
+    """A rank of a ``measure`` run failed; the message holds the ranks' diagnosis."""
+
+
+def measure(argv: Sequence[str], timeout_s: float) -> dict:
+    """``hpmoe bench ARGV --json`` run to completion as its ranks (launched as the command
+    launches them, in shaped network namespaces with ``--link``; nothing outlives the
+    job) within ``timeout_s``: rank 0's report (fields: docs/bench-json.md).  Raises
+    ValueError on bad arguments, ``TopologyError`` when the links cannot be built, and
+    ``BenchFailed`` with the ranks' first lines of stderr (the diagnosis) when a rank fails."""
+    parser = argparse.ArgumentParser(prog="hpmoe")
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", *argv, "--json", "--timeout", str(timeout_s)])
+    config = bench_config(args)
+    spec = rank_launch("bench", args, config.moe.experts, config.link, _rank_argv(args), capture=True)
+    result = launch(spec)
+    if not result.ok:
+        lines = [line for r in result.ranks for line in r.stderr.splitlines()
+                 if line.strip() and not _PROGRESS.match(line)] or ["(no diagnosis printed)"]
+        codes = {r.rank: r.returncode for r in result.ranks}
+        raise BenchFailed(f"hpmoe bench {' '.join(argv)}: ranks failed, exit codes {codes}: "
+                          + " | ".join(lines[:4]))
+    return json.loads(result.ranks[0].stdout.strip().splitlines()[-1])
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -196,7 +239,8 @@ def _print(args: argparse.Namespace, config: BenchConfig, report: BenchReport, w
     head = {"preset": args.preset, "tokens_per_rank": args.tokens, "routing": args.routing,
             "dtype": dtype, "dtype_auto": why, "machine": machine().to_json(),
             "transport": config.runtime.transport.value,
-            "link": args.link, "balance": args.balance, "workers": args.workers, "threads": args.threads,
+            "link": args.link, "balance": args.balance, "backend": args.backend,
+            "dispatch": args.dispatch, "workers": args.workers, "threads": args.threads,
             "warmup": args.warmup, "iters": args.iters}
     layer = f"{args.preset}, EP {report.ep}, {args.tokens} tokens/rank, {dtype}"
     files = _write_traces(Path(args.trace), report, layer) if args.trace else {}
@@ -215,6 +259,7 @@ def summary(doc: dict) -> str:
 
     link = f", link {doc['link']}" if doc.get("link") else ""
     ran = f"AUTO's choice, {doc['tune_winner']}" if doc.get("tune_winner") else \
+        "kernel by kernel, pinned" if doc.get("backend") == "kernel_by_kernel" else \
         f"the {doc['schedule']} schedule on the runtime"
     steps = ", ".join(f"{k} {doc[f'runtime_taskflow_{k}_ms']:.3f}" for k in STEP_NAMES)
     lines = [
@@ -232,6 +277,12 @@ def summary(doc: dict) -> str:
         f"  max |hpmoe - baseline| {doc['max_abs_diff']:.3g}; runtime bitwise equal across schedules: "
         f"{'yes' if doc['bitwise_equal_serial_schedule'] else 'NO'}",
     ]
+    if "balance_gain" in doc:
+        chose = f" (AUTO: {doc['unbalanced_tune_winner']})" if doc.get("unbalanced_tune_winner") else ""
+        lines += [f"  the same layer without the placement    {stats('unbalanced')}{chose}",
+                  f"  the placement's gain {doc['balance_gain']:.2f}x (fastest iterations "
+                  f"{doc['balance_gain_fastest']:.2f}x); max |without - baseline| "
+                  f"{doc['unbalanced_max_abs_diff']:.3g}"]
     if doc.get("tune_winner"):
         cost = (f"{doc['tune_steps']} tuning steps, {doc['tune_seconds']:.2f} s, "
                 f"at most {doc['tune_max_steps']}"
