@@ -55,9 +55,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from hpmoe import refs
+from hpmoe.bench.torch_peers import (
+    Peer,
+    eager_forward,
+    fit_experts,
+    grouped_forward,
+    layer_step,
+    torch_step,
+)
 from hpmoe.exec.arena import ArenaPool
 from hpmoe.exec.kernel_by_kernel import kbk_backward, kbk_forward
 from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward
@@ -97,17 +103,6 @@ def shapes(device: torch.device) -> dict[str, MoESpec]:
             for name, spec in base_shapes().items()}
 
 
-def fit_experts(spec: MoESpec, device: torch.device) -> MoESpec:
-    """The largest power-of-two expert count (>= groups) whose weights, their gradients and
-    the baselines' gradient copies take at most half the device memory."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    per_expert = 3 * spec.hidden * spec.ffn * spec.dtype.itemsize * 4
-    e = spec.experts
-    while e > spec.groups and e * per_expert > total // 2:
-        e //= 2
-    return dataclasses.replace(spec, experts=e)
-
-
 # ---------------------------------------------------------------------------- timing
 
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
@@ -132,78 +127,6 @@ def device_peaks(reps: int) -> tuple[float, float]:
     dst = torch.empty_like(src)
     copy_ms = cuda_ms(lambda: dst.copy_(src), reps, 3)
     return 2 * 8192 ** 3 / (ms / 1e3), 2 * src.numel() * 2 / (copy_ms / 1e3)
-
-
-# ---------------------------------------------------------------------------- torch peers
-
-@dataclasses.dataclass
-class Peer:
-    """Static routing state of the torch variants (computed once, so no host sync
-    happens inside a timed or captured call)."""
-
-    order: torch.Tensor
-    inverse: torch.Tensor
-    counts: list[int]
-    offs: torch.Tensor
-
-    @staticmethod
-    def of(routing: Routing, spec: MoESpec) -> Peer:
-        flat = routing.ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=spec.experts)
-        return Peer(order=order, inverse=refs.inverse_permutation(order), counts=counts.tolist(),
-                    offs=torch.cumsum(counts, 0).to(torch.int32))
-
-
-def eager_forward(x, w13, w2, sw13, sw2, tw, peer: Peer, spec: MoESpec) -> torch.Tensor:
-    """Kernel by kernel: gather, one F.linear / SwiGLU / F.linear per expert, unsort, sum."""
-    k = spec.top_k
-    rows = x[peer.order // k]
-    chunks = enumerate(rows.split(peer.counts))
-    outs = [refs.expert_ffn(chunk, w13[e], w2[e]) for e, chunk in chunks if len(chunk)]
-    o = torch.cat(outs).index_select(0, peer.inverse).view(x.shape[0], k, spec.hidden)
-    shared = refs.expert_ffn(x, sw13, sw2) if sw13 is not None else None
-    return refs.topk_sum(o, tw, shared, spec.dtype)
-
-
-def grouped_forward(x, w13, w2, sw13, sw2, tw, peer: Peer, spec: MoESpec) -> torch.Tensor:
-    """Permute, torch._grouped_mm up, SwiGLU, torch._grouped_mm down, unpermute."""
-    k, f = spec.top_k, spec.ffn
-    rows = x[peer.order // k]
-    h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=peer.offs)
-    a = F.silu(h[:, :f]) * h[:, f:]
-    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=peer.offs)
-    o = y.index_select(0, peer.inverse).view(x.shape[0], k, spec.hidden)
-    shared = refs.expert_ffn(x, sw13, sw2) if sw13 is not None else None
-    return refs.topk_sum(o, tw, shared, spec.dtype)
-
-
-def torch_step(forward, x, w: ExpertWeights, routing: Routing, dy, peer: Peer, backward: bool):
-    """A callable running ``forward`` (and autograd's backward) on leaves made once."""
-    leaves = [t.detach().requires_grad_(backward) if t is not None else None
-              for t in (x, w.w13, w.w2, w.shared_w13, w.shared_w2, routing.weights)]
-    grads = [t for t in leaves if t is not None]
-
-    def step() -> object:
-        out = forward(*leaves, peer, w.spec)
-        if backward:
-            return torch.autograd.grad(out, grads, dy)
-        return out
-    return step
-
-
-def layer_step(layer: MoE, x, routing: Routing, dy, backward: bool):
-    """A callable running ``layer.region`` (and autograd's backward to x, the top-k
-    weights and the layer's expert weights) on leaves made once."""
-    xl, wl = (t.detach().requires_grad_(backward) for t in (x, routing.weights))
-    params = [p for p in layer.parameters() if p.requires_grad]
-
-    def step() -> object:
-        out = layer.region(xl, routing.ids, wl)
-        if backward:
-            return torch.autograd.grad(out, [xl, wl, *params], dy, allow_unused=True)
-        return out
-    return step
 
 
 def grouped_gemms(x, w: ExpertWeights, peer: Peer, spec: MoESpec) -> dict:
