@@ -1,9 +1,10 @@
 """One rank of a distributed ``hpmoe.MoE`` that stalls, started by the launcher
-(``python -m tests.layer_fault_rank PATH WHERE``): a clean call on PATH (``path_options``),
-then rank 1 stops itself (SIGSTOP) before the next call (WHERE ``before-call``) or inside
-it, after the call's agreement and before the path's first exchange (``inside-path``);
-rank 0 prints ``diagnosed after T s: <error>`` (T from the call's start) and exits 1 at
-once."""
+(``python -m tests.layer_fault_rank PATH WHERE [OUT]``): a clean call on PATH
+(``path_options``; its output saved as ``OUT/rank{R}.pt`` for the test to compare with
+the dense reference), then rank 1 stops itself (SIGSTOP) before the next call (WHERE
+``before-call``) or inside it, after the call's agreement and before the path's first
+exchange (``inside-path``); rank 0 prints ``diagnosed after T s: <error>`` (T from the
+call's start) and exits 1 at once."""
 
 from __future__ import annotations
 
@@ -41,15 +42,23 @@ def _stop() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def main(path: str, where: str) -> int:
+def inputs(rank: int) -> tuple[torch.Tensor, ExpertWeights]:
+    """Rank ``rank``'s tokens [6, H] and the layer's weights (the same on every rank)."""
+    spec = preset("tiny")
+    x = torch.randn(6, spec.hidden, generator=torch.Generator().manual_seed(rank))
+    return x, ExpertWeights.random(spec, 1)
+
+
+def main(path: str, where: str, out: str | None = None) -> int:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # far beyond the layer's deadline
-    spec = preset("tiny")
     policy, tiles = path_options(path, TILES)
-    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, tiles=tiles,
+    x, weights = inputs(rank)
+    layer = MoE(weights.spec, weights, ep_group=dist.group.WORLD, tiles=tiles,
                 schedule=policy, runtime=RuntimeConfig(deadline_s=DEADLINE))
-    x = torch.randn(6, spec.hidden, generator=torch.Generator().manual_seed(rank))
-    layer(x)
+    y = layer(x)
+    if out is not None:
+        torch.save(y.detach().clone(), os.path.join(out, f"rank{rank}.pt"))
     if rank == 1 and where == "before-call":
         _stop()
     if rank == 1 and where == "inside-path":

@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpmoe import refs
 from hpmoe.launch.launcher import LaunchSpec, launch
 from hpmoe.nn.layer import MoE
+from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig
 from hpmoe.runtime.transport.segment import job_segments
 from hpmoe.spec import preset
@@ -26,6 +28,7 @@ from hpmoe.weights import ExpertWeights
 
 from .helpers import TINY_TILES
 from .layer_fault_rank import DEADLINE as STALL_DEADLINE
+from .layer_fault_rank import inputs as stall_inputs
 from .layer_fault_rank import path_options
 
 DEADLINE = 3.0
@@ -100,8 +103,8 @@ def test_bad_input_on_one_rank_is_named_on_every_rank_and_the_next_step_runs_in_
 
 @pytest.mark.parametrize("where", ["before-call", "inside-path"])
 @pytest.mark.parametrize("path", PATHS)
-def test_a_stopped_rank_is_named_by_its_peer_within_the_deadline(path, where):
-    argv = (sys.executable, "-m", "tests.layer_fault_rank", path, where)
+def test_a_stopped_rank_is_named_by_its_peer_within_the_deadline(path, where, tmp_path):
+    argv = (sys.executable, "-m", "tests.layer_fault_rank", path, where, str(tmp_path))
     # the stopped rank never reports: 2 s of grace after the peer's diagnosis, then it is killed
     result = launch(LaunchSpec(argv=argv, world=2, capture=True, timeout_s=90.0, grace_s=2.0))
     assert job_segments(result.job) == []
@@ -115,5 +118,11 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_deadline(path, where):
     assert "CollectiveError" in line and "rank 1 did not arrive" in line and stage in line, line
     if where == "inside-path" and path != "auto":
         assert "region 2: agreement" in line, line
+    # diagnosed at the 2 s deadline plus at most a poll (50 ms) and the report; 5 s past it
+    # is 100 polls: a margin a loaded host does not use up, the call's own cost included
     assert float(line.split()[2]) < STALL_DEADLINE + 5.0
     assert "(stopped or hung)" in peer.stderr
+    for rank in range(2):  # the clean call before the stop, on each rank
+        x, w = stall_inputs(rank)
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), refs.dense_moe(x, w, route(x, w)),
+                                   atol=1e-5, rtol=1e-5)
