@@ -107,6 +107,16 @@ class Topology:
         return ["ip", "netns", "exec", self.ranks[rank]]
 
 
+def link_unavailable() -> str | None:
+    """Why ranks cannot run in shaped network namespaces on this machine (not root, no
+    ``ip`` or ``tc``), or None when they can (``create_topology`` may still refuse:
+    ``TopologyError``, e.g. in a container without the network capability)."""
+    if os.geteuid() != 0:
+        return "not root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    return f"no `{'` or `'.join(missing)}` (iproute2)" if missing else None
+
+
 class TopologyError(RuntimeError):
     """The namespaces or links could not be built (not root, no ``ip``/``tc``, a rate
     ``tc`` refuses)."""
