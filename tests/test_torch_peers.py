@@ -14,6 +14,7 @@ from hpmoe.bench.torch_peers import (
     device_inputs,
     eager_forward,
     grouped_forward,
+    grouped_mm_unavailable,
 )
 from hpmoe.spec import preset
 
@@ -41,3 +42,14 @@ def test_alternating_calls_take_turns_and_bad_counts_are_named() -> None:
     assert seen == ["a", "b", "b", "a", "a", "b"] and set(ms) == {"a", "b"}
     with pytest.raises(ValueError, match="reps=0 must be >= 1"):
         alternating_ms({}, reps=0, warmup=0, device=CPU)
+
+
+def test_a_torch_without_grouped_mm_is_named(monkeypatch) -> None:
+    assert grouped_mm_unavailable(CPU, torch.float32) is None
+
+    def missing(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError("no kernel for this device\nmore")
+
+    monkeypatch.setattr(torch, "_grouped_mm", missing)
+    assert grouped_mm_unavailable(CPU, torch.float32) == ("torch._grouped_mm does not run here: "
+                                                          "NotImplementedError: no kernel for this device")

@@ -99,6 +99,18 @@ def layer_step(layer: MoE, x, routing: Routing, dy, backward: bool):
     return step
 
 
+def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``torch._grouped_mm`` does not run on ``device`` in ``dtype`` (this torch or
+    this GPU lacks it), or None when a small call runs."""
+    try:
+        a = torch.ones(32, 16, device=device, dtype=dtype)
+        torch._grouped_mm(a, torch.ones(2, 16, 16, device=device, dtype=dtype),
+                          offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        return f"torch._grouped_mm does not run here: {type(err).__name__}: {str(err).splitlines()[0][:100]}"
+    return None
+
+
 def fit_experts(spec: MoESpec, device: torch.device) -> MoESpec:
     """The largest power-of-two expert count (>= groups) whose weights, their gradients and
     the baselines' gradient copies take at most half the device memory."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .. import refs
-from ..bench.torch_peers import default_against_grouped, fit_experts
+from ..bench.torch_peers import default_against_grouped, fit_experts, grouped_mm_unavailable
 from ..exec.exact import execute_forward
 from ..launch.netns import LinkSpec, TopologyError, link_unavailable
 from ..machine import default_cpu_dtype, machine
@@ -216,6 +216,7 @@ def measured_row(case: str, hpmoe: str, argv: list[str], doc: dict, variant: str
 
 
 def shared_memory(scale: Scale) -> list[Row]:
+    """The pinned taskflow and kernel by kernel, two local ranks over shared memory."""
     _section("measured here: 2 local ranks, shared-memory transport")
     print(f"(preset '{scale.preset}', {scale.tokens} tok/rank, fp32; the serialized baseline runs "
           f"all_to_all_single and one kernel at a time; every variant runs in the same run, interleaved)")
@@ -265,11 +266,15 @@ def gpu(scale: Scale) -> list[Row]:
     """``hpmoe.MoE`` on the GPU against ``torch._grouped_mm`` + autograd, or one line."""
     command = f"{_python()} benchmarks/bench_gpu.py --peers-only --shapes deepseek-v3-fit"
     case, peer = f"one GPU, {scale.gpu_preset}, {scale.gpu_tokens} tok", "torch._grouped_mm + autograd"
+    what = "the GPU row (hpmoe.MoE against torch._grouped_mm + autograd, forward + backward)"
     if not torch.cuda.is_available():
-        print("skipped: the GPU row (hpmoe.MoE against torch._grouped_mm + autograd, forward + backward) "
-              "needs a CUDA device; on a machine with one, `make demo` runs it", flush=True)
+        print(f"skipped: {what} needs a CUDA device; on a machine with one, `make demo` runs it", flush=True)
         return [Row(case, "-", "-", Kind.SKIPPED, command, why="no CUDA device")]
     device = torch.device("cuda")
+    why = grouped_mm_unavailable(device, torch.bfloat16)
+    if why is not None:
+        print(f"skipped: {what}: {why}", flush=True)
+        return [Row(case, "-", "-", Kind.SKIPPED, command, why=why[:80])]
     spec = fit_experts(preset(scale.gpu_preset, torch.bfloat16), device)
     _section(f"measured here: one {torch.cuda.get_device_name(device)}, {scale.gpu_preset} "
              f"({spec.experts} experts), {scale.gpu_tokens} tokens, bf16, forward + backward")
