@@ -251,8 +251,9 @@ def skewed(scale: Scale) -> list[Row]:
     _section("measured here: skewed routing, the same layer with and without replicas of its hot experts")
     print("(hot routing sends most tokens to a few experts, so one rank computes while the other waits; "
           "--balance replicate:2 adds two copies of the most loaded experts, placed on this batch's load "
-          "(hpmoe.placement), and the layer without them runs beside it in the same run; both kernel by "
-          "kernel, what AUTO runs on shared memory here)")
+          "(hpmoe.placement), and the layer without them runs beside it in the same run; both pinned to "
+          "kernel by kernel, AUTO's choice on shared memory in docs/PERFORMANCE.md, so that the two differ "
+          "by the placement alone)")
     argv = bench_argv(scale, "--routing", "hot", "--balance", "replicate:2", "--backend", "kernel_by_kernel")
     case = "2 ranks, shared memory, hot routing"
     doc = _run_bench(case, argv, scale)
