@@ -2,19 +2,24 @@
 and a bf16 default dtype (as ``from_pretrained(dtype=torch.bfloat16)`` sets)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from hpmoe import refs
 from hpmoe.nn.conformance import CHECK_TILES, tiny_model
 from hpmoe.nn.families import FAMILIES
 from hpmoe.nn.layer import MoE
 from hpmoe.nn.replace import replace_moe_blocks
+from hpmoe.routing import route
 from hpmoe.spec import preset
+from hpmoe.weights import ExpertWeights
 
 pytest.importorskip("transformers")
 QWEN3 = next(f for f in FAMILIES if f.name == "qwen3_moe")
 IDS = torch.arange(24).view(2, 12) % 61 + 2
+BF16 = dict(atol=2e-2, rtol=2e-2)  # bf16 against fp32: the suite's bf16 tolerance (torch's rtol: 1.6e-2)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,16 +53,30 @@ def test_autocast_runs_the_region_in_the_autocast_dtype():
     assert all(g is not None and g.dtype == torch.float32 for g in grads)  # fp32 master weights
 
 
+def _fp32(w: ExpertWeights) -> ExpertWeights:
+    """``w`` (a layer's, bf16) in fp32: the same values, exactly."""
+    tensors = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
+    return dataclasses.replace(w, spec=w.spec.with_dtype(torch.float32), **{
+        name: t.detach().float() for name, t in tensors.items() if isinstance(t, torch.Tensor)})
+
+
 def test_a_bf16_default_dtype_builds_and_runs_layers():
+    """Built under a bf16 default dtype, a layer and a replaced model compute in bf16 what
+    the fp32 reference computes within bf16's tolerance: the layer's weights in fp32
+    through the gate and refs.dense_moe, and the model before its replacement in fp32."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         layer = MoE(preset("tiny", torch.bfloat16), virtual_ep=2, tiles=CHECK_TILES)
-        out = layer(torch.randn(5, 32))
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+        out = layer(x)
         model = QWEN3.tiny_model()
+        original = copy.deepcopy(model)
         replace_moe_blocks(model, tiles=CHECK_TILES)
         logits = model(input_ids=IDS).logits
     finally:
         torch.set_default_dtype(old)
-    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
-    assert logits.dtype == torch.bfloat16
+    assert out.dtype == logits.dtype == torch.bfloat16
+    w, x32 = _fp32(layer.expert_weights()), x.float()
+    torch.testing.assert_close(out.float(), refs.dense_moe(x32, w, route(x32, w)), **BF16)
+    torch.testing.assert_close(logits.float(), original.float()(input_ids=IDS).logits, **BF16)
