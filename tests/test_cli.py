@@ -7,11 +7,13 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from hpmoe.cli import build_parser, main, version
 from hpmoe.cli.bench import bench_config
 from hpmoe.exec.backend import Backend
-from hpmoe.spec import DispatchMode
+from hpmoe.routing import RoutingKind, synthetic_routing
+from hpmoe.spec import DispatchMode, ParallelSpec, preset
 
 
 def _subparsers() -> dict:
@@ -72,7 +74,21 @@ def test_a_missing_plotting_extra_is_named_before_any_work(monkeypatch: pytest.M
 
 
 def test_info_counts_bytes_and_flops_in_integers(capsys: pytest.CaptureFixture) -> None:
-    assert main(["info", "--preset", "tiny", "--ep", "2", "--tokens", "64", "--json"]) == 0
+    """The tiny layer, EP 2, 64 tokens a rank, balanced routing, fp32: the counts are
+    integers, and the link bytes and flops are what the routing and the shapes give,
+    counted here by hand."""
+    assert main(["info", "--preset", "tiny", "--ep", "2", "--tokens", "64", "--dtype", "fp32", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     for key in ("link_bytes_per_rank_max", "link_bytes_per_rank_mean", "memory_bytes", "flops"):
         assert isinstance(doc[key], int), (key, doc[key])
+    spec, par = preset("tiny"), ParallelSpec(ep=2, tokens_per_rank=64)
+    ids = synthetic_routing(RoutingKind.BALANCED, spec, par, seed=0).ids
+    home, owner = torch.arange(128)[:, None].expand_as(ids) // 64, ids // par.local_experts(spec)
+    away = home != owner  # a row dispatched to another rank, and its result combined back
+    link = [int((away & (home == r)).sum() + (away & (owner == r)).sum()) * spec.hidden * 4 for r in range(2)]
+    assert (doc["link_bytes_per_rank_max"], doc["link_bytes_per_rank_mean"]) == (max(link), sum(link) // 2)
+    h, f, fs, tokens = spec.hidden, spec.ffn, spec.shared_ffn, 128
+    gemm = ids.numel() * (2 * h * 2 * f + 2 * f * h) + tokens * (2 * h * 2 * fs + 2 * fs * h)
+    swiglu = 5 * (ids.numel() * f + tokens * fs)  # 5 flops an element
+    weighted_sum = 2 * tokens * (spec.top_k + spec.shared_experts) * h  # 2 flops a term: top-k rows, shared
+    assert doc["flops"] == gemm + swiglu + weighted_sum
