@@ -8,6 +8,7 @@ all plain integer tensors.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +55,14 @@ def check_hidden(x: object, spec: MoESpec, name: str = "x") -> None:
 def check_input(x: object, routing: Routing, spec: MoESpec, name: str = "x") -> None:
     """``check_hidden`` and ``check_routing`` of one call: the value checks (finite x
     and weights, ids in range) in one device round trip, where the two made three."""
+    check_form(x, routing, spec, name)
+    _check_values(spec, x, name, routing.ids, routing.weights)
+
+
+def check_form(x: object, routing: Routing, spec: MoESpec, name: str = "x") -> None:
+    """The types, shapes and dtypes of ``check_input``, read on the host alone."""
     _check_hidden_form(x, spec, name)
     _check_routing_form(routing, spec, x.shape[0])
-    _check_values(spec, x, name, routing.ids, routing.weights)
 
 
 def _check_ids_form(ids: object, spec: MoESpec, tokens: int) -> None:
@@ -87,25 +93,60 @@ def _check_hidden_form(x: object, spec: MoESpec, name: str) -> None:
 
 def _check_values(spec: MoESpec, x: torch.Tensor | None = None, name: str = "x",
                   ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
-    """x finite, ids in ``[0, experts)``, weights finite (each where given and not empty):
-    the (min, max) of each (``aminmax`` propagates NaN) in float64, which holds every
-    expert id exactly, fetched in one ``tolist``; the failing row is looked up after."""
+    """Raise the error ``input_status`` finds in x, ids and weights (each where given):
+    one host read of its verdict."""
     if torch.compiler.is_compiling():  # no data-dependent branch in a compiled graph
         return
-    named = {k: t for k, t in (("x", x), ("ids", ids), ("weights", weights)) if t is not None and t.numel()}
-    if not named:
-        return
-    got = torch.stack([m.double() for t in named.values() for m in torch.aminmax(t)]).tolist()
-    lo, hi = dict(zip(named, got[::2], strict=True)), dict(zip(named, got[1::2], strict=True))
-    if "x" in named and not np.isfinite([lo["x"], hi["x"]]).all():
-        row = int((~torch.isfinite(x).all(dim=1)).nonzero()[0, 0])
-        kind = "NaN" if bool(torch.isnan(x[row]).any()) else "inf"
-        raise ValueError(f"{name} has {kind} at row {row}")
-    if "ids" in named and (lo["ids"] < 0 or hi["ids"] >= spec.experts):
-        bad = int(lo["ids"] if lo["ids"] < 0 else hi["ids"])
-        raise ValueError(f"routing.ids contains expert id {bad}, outside [0, {spec.experts})")
-    if "weights" in named and not np.isfinite([lo["weights"], hi["weights"]]).all():
-        raise ValueError("routing.weights contains NaN or inf")
+    error = status_error(input_status(spec.experts, x, ids, weights).tolist(), spec.experts, name)
+    if error is not None:
+        raise error
+
+
+class InputFault(enum.IntEnum):
+    """What the scan of a call's input found first, in the order it checks: x, then the
+    expert ids, then the routing weights (``input_status``)."""
+
+    NONE = 0
+    X_NAN = 1  # a row of x holds a NaN
+    X_INF = 2  # a row of x holds an inf (and no NaN)
+    EXPERT_ID = 3  # an expert id outside [0, experts)
+    WEIGHTS = 4  # a routing weight is NaN or inf
+
+
+def input_status(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [3] on the inputs' device, computed there without a host read: (the first
+    ``InputFault``, x's first non-finite row, the out-of-range expert id: the lowest when
+    one is negative, else the highest).  x [N, H], ids [N, k], weights [N, k], each
+    optional; empty ones hold no fault.  ``status_error`` reads it."""
+    given = [t for t in (x, ids, weights) if t is not None]
+    zero = torch.zeros((), dtype=torch.int64, device=given[0].device if given else "cpu")
+    fault, row, value = zero, zero, zero
+    if weights is not None and weights.numel():
+        fault = torch.where(torch.isfinite(weights).all(), fault, int(InputFault.WEIGHTS))
+    if ids is not None and ids.numel():
+        lo, hi = torch.aminmax(ids)
+        value = torch.where(lo < 0, lo, hi).to(torch.int64)
+        fault = torch.where((lo < 0) | (hi >= experts), int(InputFault.EXPERT_ID), fault)
+    if x is not None and x.numel():
+        bad = ~torch.isfinite(x).all(dim=1)
+        row = bad.to(torch.uint8).argmax()  # the first bad row (argmax takes the first maximum)
+        kind = torch.where(torch.isnan(x[row]).any(), int(InputFault.X_NAN), int(InputFault.X_INF))
+        fault = torch.where(bad[row], kind, fault)
+    return torch.stack([fault, row, value])
+
+
+def status_error(status: Sequence[int], experts: int, name: str = "x") -> ValueError | None:
+    """The error an ``input_status`` read on the host names (None: no fault): the field,
+    the row or the value (``experts``: the ids' range; ``name``: x's)."""
+    fault, row, value = (int(v) for v in status)
+    if fault in (InputFault.X_NAN, InputFault.X_INF):
+        return ValueError(f"{name} has {'NaN' if fault == InputFault.X_NAN else 'inf'} at row {row}")
+    if fault == InputFault.EXPERT_ID:
+        return ValueError(f"routing.ids contains expert id {value}, outside [0, {experts})")
+    if fault == InputFault.WEIGHTS:
+        return ValueError("routing.weights contains NaN or inf")
+    return None
 
 
 def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
@@ -129,15 +170,19 @@ def input_error(x: object, routing: Routing, spec: MoESpec) -> BaseException | N
 
 # ---------------------------------------------------------------------------- gates
 
-def route(x: torch.Tensor, weights: ExpertWeights) -> Routing:
+def route(x: torch.Tensor, weights: ExpertWeights, check: bool = True) -> Routing:
     """Run the gate of ``weights.spec`` on ``x`` ([N, H], spec.dtype).
 
     Same semantics as transformers' ``DeepseekV3TopkRouter`` (sigmoid) and
     ``Qwen3MoeTopKRouter`` (softmax); the weights are differentiable with respect
-    to ``x`` and the router parameters.
+    to ``x`` and the router parameters.  check: raise for non-finite x here (a host
+    read); a layer's call protocol scans x itself (``engine.check``).
     """
     spec = weights.spec
-    check_hidden(x, spec)
+    if check:
+        check_hidden(x, spec)
+    else:
+        _check_hidden_form(x, spec, "x")
     logits = x.float() @ weights.router.t()
     if spec.gate is GateKind.SIGMOID:
         scores = logits.sigmoid()

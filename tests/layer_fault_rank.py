@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import hpmoe.nn.layer as layer_module
+import hpmoe.engine.door as door_module
 from hpmoe.nn.layer import MoE
 from hpmoe.runtime import RuntimeConfig
 from hpmoe.schedule import SchedulePolicy
@@ -62,8 +62,8 @@ def main(path: str, where: str, out: str | None = None) -> int:
     if rank == 1 and where == "before-call":
         _stop()
     if rank == 1 and where == "inside-path":
-        run = layer_module.run
-        layer_module.run = lambda *args: _stop() or run(*args)
+        run = door_module.run
+        door_module.run = lambda *args: _stop() or run(*args)
     start = time.monotonic()
     try:
         layer(x)

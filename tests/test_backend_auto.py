@@ -70,13 +70,13 @@ def test_auto_times_both_paths_on_real_steps_and_keeps_the_fastest(monkeypatch, 
     w = ExpertWeights.random(spec, 3)
     exact = MoE(spec, w, tiles=TILES, schedule=None)
     layer = MoE(spec, w, tiles=TILES, backend="auto")
-    layer._auto.tuner = Tuner(Budget(warmup=0, trials=1, final=1, final_max=1))
+    layer._door.auto.tuner = Tuner(Budget(warmup=0, trials=1, final=1, final_max=1))
     x = torch.randn(8, spec.hidden, generator=torch.Generator().manual_seed(1))
     want = _step(exact, x)
     ran = []
     for _ in range(Budget(warmup=0, trials=1, final=1, final_max=1).max_steps):
         got = _step(layer, x)
-        ran.append(layer._auto.tuner._open.knobs)
+        ran.append(layer._door.auto.tuner._open.knobs)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         if layer.tuned(8) is not None:
@@ -87,7 +87,7 @@ def test_auto_times_both_paths_on_real_steps_and_keeps_the_fastest(monkeypatch, 
     assert (result.winner, result.runner_up) == (KERNEL_BY_KERNEL_KNOBS, critical)
     assert result.winner_s == pytest.approx(2 * fed[KERNEL_BY_KERNEL_KNOBS])  # its forward and backward
     _step(layer, x)
-    settled = layer._auto.tuner._open
+    settled = layer._door.auto.tuner._open
     assert settled.knobs == KERNEL_BY_KERNEL_KNOBS and not settled.tuning  # nothing timed or waited for
     with timed(settled, torch.device("cpu")):
         torch.ones(64, 64) @ torch.ones(64, 64)

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from hpmoe.nn import compiled
+from hpmoe.engine import compiled
 from hpmoe.nn.experts_impl import HPMOE, register
 from hpmoe.nn.families import FAMILIES
 from hpmoe.nn.layer import MoE

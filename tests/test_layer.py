@@ -332,7 +332,7 @@ def test_auto_runs_kernel_by_kernel_without_a_profile_and_caches_per_shape(monke
         layer(x)
     d = layer.decision(16)
     assert d.reason is Reason.NO_MODEL and d.chosen.path is Path.KERNEL_BY_KERNEL
-    assert len(layer._auto.decisions) == 2  # forward+backward and forward-only shapes
+    assert len(layer._door.auto.decisions) == 2  # forward+backward and forward-only shapes
 
 
 def test_auto_forecasts_on_a_given_model_and_runs_its_choice():

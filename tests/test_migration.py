@@ -302,7 +302,7 @@ def _gated(rank, world, link_bytes_per_s, steps):
     before = layer.placement
     after = layer.rebalance(redundant=2, min_gain=1.0, optimizer=opt, steps=steps)
     layer.close()
-    return before, after, layer._clock.call_s
+    return before, after, layer._door.balance.clock.call_s
 
 
 @pytest.mark.parametrize("link, steps, moves, replicas",

@@ -223,7 +223,7 @@ def _layer_steps(rank, world, steps, skew):
         out.backward(torch.ones_like(out))
         outs.append((out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}))
     result = layer.tuned(TOKENS, backward=True)
-    history = {k.name: v for t in layer._auto.tuner._keys.values() for k, v in t._seen.items()}
+    history = {k.name: v for t in layer._door.auto.tuner._keys.values() for k, v in t._seen.items()}
     layer.close()
     return result, history, outs
 
@@ -354,7 +354,7 @@ def _first_tried(rank, world, profile):
     with torch.no_grad():
         for _ in range(2):  # the second call's agreement carries the first's time
             layer(x)
-    tuning = next(iter(layer._auto.tuner._keys.values()))
+    tuning = next(iter(layer._door.auto.tuner._keys.values()))
     chosen = layer.decision(TOKENS, backward=False).chosen
     layer.close()
     return next(iter(tuning._seen)), chosen

@@ -17,6 +17,7 @@ from ..regions.family import RegionFamily, region_family
 from ..sim.hardware import HardwareModel
 from ..sim.presets import cpu_nominal
 from ..spec import TileSpec, require_per_expert
+from .check import CheckMode, as_check_mode
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
     from ..runtime import RuntimeConfig, Session
@@ -49,7 +50,7 @@ class RegionOptions:
       order: None (task-id order), an int seeding a random valid order, or the task ids
       in order (``moe_forward``'s ``order``) — every order
       gives the same bits.  Under ``torch.compile`` (one process) AUTO decides on the saved
-      profile alone (``nn.compiled``).
+      profile alone (``engine.compiled``).
     recompute: recompute the gated activations in backward instead of saving them.
     tiles: the tiling of the taskflow, its ``dispatch`` included: ``DispatchMode.PER_RANK``
       and ``PER_NODE`` run the deduplicated forward and backward regions (exact executors
@@ -80,6 +81,12 @@ class RegionOptions:
       ``"kernel_by_kernel"``, in one process or with an ep_group: the region without
       tiles (``exec.kernel_by_kernel``), pinned — what AUTO may choose, chosen by the
       user; ``schedule`` and ``tiles`` are then not read (but fingerprinted).
+    check: when a call's input verdict (NaN/inf rows of x, expert ids out of range,
+      non-finite routing weights; scanned on the input's device once a call) is read:
+      ``"deferred"`` (default) at the next call or ``layer.check()``, raising the same
+      named error one call late without a host sync in the call; ``"sync"`` in the call
+      itself (``engine.check.CheckMode``).  On an EP group every call reads it at once
+      for the agreement.
     """
 
     ep_group: Any = None
@@ -94,9 +101,11 @@ class RegionOptions:
     rebalance_every: int = 0
     redundant: int = 0
     shard_experts: bool = False
+    check: CheckMode | str = CheckMode.DEFERRED
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", as_backend(self.backend))
+        object.__setattr__(self, "check", as_check_mode(self.check))
         for name in ("rebalance_every", "redundant"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

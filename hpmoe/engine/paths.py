@@ -12,16 +12,16 @@ checkpointing see them) and ``unpack`` puts them back.
 - ``TritonPath``: the taskflow as one persistent Triton kernel on the input's device;
 - ``KernelByKernelPath``: the region without tiles (grouped GEMMs, all-to-all).
 
-Distributed paths are collective; the caller opened the forward with the session's
-agreement, and each backward opens with its own (the runtime's inside ``run_backward``,
-the kernel-by-kernel one here)."""
+Every path takes a call whose input has been checked and, on an EP group, agreed
+(``engine.door``): none checks, agrees or counts on its own.  The backward node opens
+the backward call's agreement (``RegionFunction.backward``) before the path runs."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -115,7 +115,7 @@ class ExactPath:
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, RegionState | None]:
-        fwd = execute_forward(x, weights, routing, self.ep, self.tiles, self.order, self.nodes)
+        fwd = execute_forward(x, weights, routing, self.ep, self.tiles, self.order, self.nodes, checked=True)
         if not save:
             return fwd.out, None
         family = region_family(self.tiles)
@@ -151,7 +151,7 @@ class RuntimePath:
                 save: bool) -> tuple[torch.Tensor, RegionState | None]:
         from ..runtime import ForwardRunner
 
-        fwd = ForwardRunner(self.session, weights, self.options())(x, routing)
+        fwd = ForwardRunner(self.session, weights, self.options())(x, routing, agreed=True)
         if not save:
             return fwd.out, None
         family = region_family(self.tiles)
@@ -162,7 +162,7 @@ class RuntimePath:
         from ..runtime import run_backward
 
         return run_backward(self.session, state.plan, state.saved[0], dy, state.weights, state.routing,
-                            self.options(), self.recompute).grads
+                            self.options(), self.recompute, agreed=True).grads
 
 
 @dataclass
@@ -194,8 +194,8 @@ class TritonPath:
                 save: bool) -> tuple[torch.Tensor, TritonState | None]:
         from ..gpu.backend import TritonOptions, triton_forward
 
-        fwd = triton_forward(x, weights, routing, self.ep, self.tiles, TritonOptions(self.policy,
-                                                                                   hardware=self.hardware))
+        fwd = triton_forward(x, weights, routing, self.ep, self.tiles,
+                             TritonOptions(self.policy, hardware=self.hardware), checked=True)
         return fwd.out, TritonState(fwd) if save else None
 
     def backward(self, state: TritonState, dy: torch.Tensor) -> Gradients:
@@ -207,10 +207,10 @@ class TritonPath:
 @dataclass(frozen=True)
 class KernelByKernelPath:
     """The region without tiles (``exec.kernel_by_kernel``): in one process, or over the
-    EP group of ``session`` (its deadline-bounded collectives; the call's agreement has
-    checked every rank's input); scratch from ``pool``;
+    EP group of ``session`` (its deadline-bounded collectives); scratch from ``pool``;
     ``received``: this call's rows from each rank for this rank's experts, carried by
-    the call's agreement (None: the forward exchanges them)."""
+    the call's agreement (None: the forward exchanges them); ``sent``: this rank's rows
+    per expert, counted by the call already (None: the forward counts them)."""
 
     reads_slots: ClassVar[bool] = True
 
@@ -218,19 +218,16 @@ class KernelByKernelPath:
     tiles: TileSpec | None = None  # fingerprinted in the backward's agreement
     pool: ArenaPool | None = None
     recompute: bool = False
-    received: torch.Tensor | None = None
+    received: torch.Tensor | None = field(default=None, compare=False)
+    sent: torch.Tensor | None = field(default=None, compare=False)
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, KernelByKernelState | None]:
         coll = self.session.collectives if self.session is not None else None
         return kbk_forward(x, routing, weights, coll, self.pool, save, self.recompute, self.received,
-                           checked=coll is not None)
+                           checked=True, sent=self.sent)
 
     def backward(self, state: KernelByKernelState, dy: torch.Tensor) -> Gradients:
-        """Opens with the session's agreement: the ranks are in step and agree on the
-        region (not on dy's values: an inf gradient reaches a loss scaler)."""
-        if self.session is not None:
-            self.session.open_call(RegionKind.BACKWARD, state.weights, self.tiles, dy.shape[0])
         return kbk_backward(state, dy, self.pool)
 
 
@@ -275,7 +272,8 @@ class RegionCall:
     [N, k] int64 expert ids of the local tokens, the path, whether grad mode was on at the
     call (inside ``forward`` it is always off, and ``ctx.needs_input_grad`` ignores it:
     without this an inference call would save activations), the tuner's trial and the
-    layer's clock (the backward's seconds go into both)."""
+    layer's clock (the backward's seconds go into both); on an EP group the session
+    whose agreement opens the backward call, and the tiles it fingerprints."""
 
     spec: MoESpec
     ids: torch.Tensor
@@ -284,6 +282,8 @@ class RegionCall:
     trial: Trial | None = None
     slot_rows: tuple[int, ...] | None = None
     clock: RegionClock | None = None
+    session: Session | None = None
+    tiles: TileSpec | None = None
 
 
 class RegionFunction(torch.autograd.Function):
@@ -313,20 +313,25 @@ class RegionFunction(torch.autograd.Function):
         state, ctx.state = ctx.state.unpack(ctx.saved_tensors), None
         dy = dout.to(call.spec.dtype).contiguous()
         with timed(call.trial, dy.device), clocked(call.clock, backward=True):
+            if call.session is not None:  # ranks in step on the region, not on dy's values (an inf
+                # gradient reaches a loss scaler)
+                call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dy.shape[0])
             g = call.path.backward(state, dy)
         return g.dx, g.dweights, *g.expert_tensors, None
 
 
 def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
-        trial: Trial | None = None, own: slice | None = None,
-        clock: RegionClock | None = None) -> torch.Tensor:
+        trial: Trial | None = None, own: slice | None = None, clock: RegionClock | None = None,
+        session: Session | None = None, tiles: TileSpec | None = None) -> torch.Tensor:
     """The region on ``path`` as one autograd node (gradients flow to x, the routing
     weights and every expert tensor); a tuning ``trial`` and a ``clock`` are timed
-    forward and backward.  Weights whose experts read slot rows are gathered first for a
-    path that reads none (``own``: the only experts it reads, the others left unfilled;
-    None: every one)."""
+    forward and backward; ``session``: an EP group's, whose agreement opens the
+    backward (``tiles``: fingerprinted).  Weights whose experts read slot rows are
+    gathered first for a path that reads none (``own``: the only experts it reads, the
+    others left unfilled; None: every one)."""
     w = weights if path.reads_slots else weights.gathered(own)
-    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows, clock)
+    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows, clock, session,
+                      tiles)
     with timed(trial, x.device), clocked(clock, backward=False):
         return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
                                     call)

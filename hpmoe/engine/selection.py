@@ -62,23 +62,25 @@ PROCESS_AUTO = Auto(PROCESS_DECISIONS)  # callers that keep none: moe_forward, t
 
 def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Session | None = None,
            pool: ArenaPool | None = None, device: torch.device | None = None,
-           received: torch.Tensor | None = None) -> tuple[RegionPath, Trial | None]:
+           received: torch.Tensor | None = None, sent: torch.Tensor | None = None
+           ) -> tuple[RegionPath, Trial | None]:
     """The path of a call of ``tokens`` tokens (per rank with an ep_group, after padding;
     the whole batch in one process) computing ``spec`` (its dtype: the compute dtype) on
     ``device`` (default: the CPU), and the tuning trial it is (None: not tuning).
     ``received``: the rows each rank sends this one's experts, carried by the call's
-    agreement (kernel by kernel then exchanges no counts).  Collective over ``session``'s
-    group."""
+    agreement (kernel by kernel then exchanges no counts); ``sent``: this rank's rows per
+    expert, counted by the call (kernel by kernel then counts none).  Collective over
+    ``session``'s group."""
     if o.backend is Backend.AUTO:
         auto.tuner.observe_own()
         key = device_key(o, spec, tokens, torch.is_grad_enabled(), auto, device)
         trial = auto.tuner.start(key, DeviceSpace(), OneProcess())
         if trial.knobs.path is Path.PERSISTENT:
             return TritonPath(o.virtual_ep, o.tiles, trial.knobs.policy, None, o.recompute), trial
-        return KernelByKernelPath(None, o.tiles, pool, o.recompute), trial
+        return KernelByKernelPath(None, o.tiles, pool, o.recompute, sent=sent), trial
     chosen, trial = _choose(o, spec, tokens, auto, session)
     if chosen.backend is Backend.KERNEL_BY_KERNEL:
-        return KernelByKernelPath(session, o.tiles, pool, o.recompute, received), trial
+        return KernelByKernelPath(session, o.tiles, pool, o.recompute, received, sent), trial
     if o.distributed:
         return RuntimePath(session, chosen.tiles, chosen.policy, chosen.rank_hardware, chosen.nodes,
                            chosen.recompute), trial

@@ -99,22 +99,26 @@ class PreparedForward:
 
 
 def execute_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
-                    tiles: TileSpec = DEFAULT_TILES, order: Order = None, nodes: int = 1) -> ForwardResult:
+                    tiles: TileSpec = DEFAULT_TILES, order: Order = None, nodes: int = 1,
+                    checked: bool = False) -> ForwardResult:
     """Lower and run the forward region of ``ep`` virtual ranks on ``nodes`` nodes.
 
     x: [N, H] spec.dtype, split evenly over ranks.  ``order``: task ids, or an int
-    seed for a random valid order, or None (task-id order)."""
-    prepared = prepare_forward(x, weights, routing, ep, tiles, nodes)
+    seed for a random valid order, or None (task-id order).  checked: the caller has
+    checked x and routing (``routing.check_input``)."""
+    prepared = prepare_forward(x, weights, routing, ep, tiles, nodes, checked)
     if isinstance(order, int):
         order = random_order(prepared.graph, order)
     return prepared.run(order)
 
 
 def prepare_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int,
-                    tiles: TileSpec = DEFAULT_TILES, nodes: int = 1) -> PreparedForward:
+                    tiles: TileSpec = DEFAULT_TILES, nodes: int = 1,
+                    checked: bool = False) -> PreparedForward:
     """The forward region of ``execute_forward``, lowered and allocated, not run."""
     spec = weights.spec
-    check_input(x, routing, spec)
+    if not checked:
+        check_input(x, routing, spec)
     if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep, nodes=nodes)

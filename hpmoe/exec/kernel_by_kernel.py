@@ -298,11 +298,13 @@ class Permutation:
     send: torch.Tensor
 
     @staticmethod
-    def of(ids: torch.Tensor, experts: int, ep: int) -> Permutation:
+    def of(ids: torch.Tensor, experts: int, ep: int, counts: torch.Tensor | None = None) -> Permutation:
+        """``counts``: [experts] rows per expert, where the caller has counted them."""
         flat = ids.reshape(-1)
         order = torch.argsort(flat.to(_sort_key(experts)), stable=True)
         pos = inverse_permutation(order).view(ids.shape)
-        return Permutation(order, pos, expert_counts(flat, experts).view(ep, experts // ep))
+        counts = expert_counts(flat, experts) if counts is None else counts
+        return Permutation(order, pos, counts.view(ep, experts // ep))
 
 
 def _sort_key(experts: int) -> torch.dtype:
@@ -517,7 +519,7 @@ def _local_slice(weights: ExpertWeights, coll: Collectives | None) -> slice:
 
 def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None = None,
                 pool: ArenaPool | None = None, save: bool = False, recompute: bool = False,
-                received: torch.Tensor | None = None, checked: bool = False
+                received: torch.Tensor | None = None, checked: bool = False, sent: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
     tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
@@ -529,25 +531,26 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
     received: [ep, L] int64 rows each rank routes to this rank's experts, where the
     caller's agreement carried them (a rank's rows to itself are taken from ``routing``);
     None: counted in a count exchange first.  checked: the caller has checked x and
-    routing (``routing.check_input``: a distributed call's agreement does)."""
+    routing (``routing.check_input``: the layer's call protocol does).  sent: [E] int64
+    rows routed to each expert, where the caller has counted them."""
     spec = weights.spec
     if not checked:
         check_input(x, routing, spec)
     arena = pool.acquire(x.device) if pool is not None else Arena(x.device)
     try:
         return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute,
-                        received)
+                        received, sent)
     finally:
         if pool is not None:
             pool.release(arena)
 
 
 def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None,
-             arena: Arena, keep: Arena, save: bool, recompute: bool, received: torch.Tensor | None
-             ) -> tuple[torch.Tensor, KernelByKernelState | None]:
+             arena: Arena, keep: Arena, save: bool, recompute: bool, received: torch.Tensor | None,
+             sent: torch.Tensor | None) -> tuple[torch.Tensor, KernelByKernelState | None]:
     spec = weights.spec
     mine, k = _local_slice(weights, coll), spec.top_k
-    perm = Permutation.of(routing.ids, spec.experts, _group_size(coll))
+    perm = Permutation.of(routing.ids, spec.experts, _group_size(coll), sent)
     exchange = Exchange.of(perm.send, coll, received) if _group_size(coll) > 1 else None
     rows_from = arena if exchange is not None else keep  # in one process the rows are xs
     rows = torch.index_select(x, 0, perm.order // k,

@@ -160,15 +160,18 @@ def fill_indices(arena: Arena, plan: RoutingPlan, topk_weights: torch.Tensor) ->
 
 
 def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: int = 1,
-                   tiles: TileSpec = DEFAULT_TILES, options: TritonOptions | None = None) -> TritonForward:
+                   tiles: TileSpec = DEFAULT_TILES, options: TritonOptions | None = None,
+                   checked: bool = False) -> TritonForward:
     """The forward MoE region of ``ep`` virtual ranks as one persistent kernel on
     ``x.device`` (a CUDA device, or the CPU through the Triton interpreter).
 
     x: [N, H] spec.dtype; weights and routing on the same device.  Returns the output
-    [N, H] spec.dtype and what the backward region needs."""
+    [N, H] spec.dtype and what the backward region needs.  checked: the caller has
+    checked x and routing (``routing.check_input``)."""
     options = options or TritonOptions()
     spec = weights.spec
-    check_input(x, routing, spec)
+    if not checked:
+        check_input(x, routing, spec)
     if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     require_per_expert(tiles, "the triton backend (no device operations for EXPAND, PARTIAL_REDUCE, "

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..engine.compiled import run_region
 from ..exec.exact import DEFAULT_TILES
 from ..spec import MoESpec
 from ..weights import ExpertWeights
-from .compiled import run_region
 from .families.base import activation_of, check_flags
 
 HPMOE = "hpmoe"

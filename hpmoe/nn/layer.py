@@ -37,24 +37,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..engine import Auto, RegionClock, RegionOptions, decision, run, select, tuned
-from ..exec.arena import ArenaPool
+from ..engine import RegionOptions
+from ..engine.balance import MIN_REBALANCE_GAIN, own_rows
+from ..engine.check import CheckMode
+from ..engine.door import CallRecord, Door
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy
-from ..migration import Migration, Moves, migrate, move_seconds, replica_seconds, replica_sum
-from ..placement import Placement, plan_placement, rank_loads, starting_placement
-from ..regions.base import RegionKind
-from ..routing import Routing, expert_counts, input_error, route
+from ..migration import Migration
+from ..placement import Placement, starting_placement
+from ..routing import route
 from ..schedule.auto import AutoDecision
 from ..schedule.tune import TuneResult
 from ..sim.hardware import HardwareModel
 from ..spec import GateKind, MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
-from .compiled import run_region
 from .experts_impl import register, runs_region
 from .experts_impl import select as select_experts
 from .families import FAMILIES, computing_experts, family_of, read_block
@@ -114,12 +113,6 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
 
 # ---------------------------------------------------------------------------- module
 
-LOAD_DECAY = 0.9  # of the measured per-expert load, per call
-AGREED_COUNTS = 256  # rows per expert an agreement carries: a fixed length (rows of unequal
-# length would end the all-gather before the ranks' expert counts could be compared); a
-# layer with more experts runs kernel by kernel's own count exchange
-MIN_REBALANCE_GAIN = 1.05  # a new placement must lower the busiest rank's predicted load this much
-
 
 class MoE(nn.Module):
     """A routed + shared MoE-FFN layer whose region runs as tile taskflows.
@@ -131,7 +124,8 @@ class MoE(nn.Module):
     the region runs in the dtype of the expert weights at call time (after ``.to()``,
     FSDP mixed precision), or in the autocast dtype inside ``torch.autocast``.
     weights: initial parameters (copied), or None for ``ExpertWeights.random(spec, seed)``.
-    The other arguments are the fields of ``RegionOptions``.
+    The other arguments are the fields of ``RegionOptions``.  Every call goes through the
+    layer's front door (``engine.door.Door``): check, agree, place, select, run.
     forward: hidden_states [..., H] -> [..., H] in the dtype of hidden_states; with an
     ep_group, this rank's tokens, any number of them (0 included) on every rank.
     """
@@ -140,7 +134,8 @@ class MoE(nn.Module):
                  schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO, recompute: bool = False,
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
                  hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact",
-                 nodes: int = 1, rebalance_every: int = 0, redundant: int = 0, shard_experts: bool = False):
+                 nodes: int = 1, rebalance_every: int = 0, redundant: int = 0, shard_experts: bool = False,
+                 check: CheckMode | str = CheckMode.DEFERRED):
         super().__init__()
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
@@ -151,35 +146,26 @@ class MoE(nn.Module):
         bias = w.router_bias.detach().clone() if spec.gate is GateKind.SIGMOID else None
         parts = (w.shared_w13[:fs], w.shared_w13[fs:], w.shared_w2) if fs else ()
         options = RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware, backend,
-                                nodes, rebalance_every, redundant, shard_experts)
+                                nodes, rebalance_every, redundant, shard_experts, check)
         first, stored = None, slice(None)
         if shard_experts:
             first = starting_placement(spec.experts, options.ranks, options.redundant, options.nodes)
-            stored = list(first.phy2log[_own_rows(spec, options, first)])
+            stored = list(first.phy2log[own_rows(spec, options, first)])
         self.experts = FusedExperts(*(t.detach()[stored].clone() for t in (w.w13, w.w2, *w.biases)))
         self.gate = TopkRouter(w.router.detach().clone(), bias)
         self.shared_experts = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
-        self._setup(spec, None, "shared_experts" if fs else None, options)
-        if shard_experts:
-            self._placement = self._checked(first)
+        self._setup(spec, None, "shared_experts" if fs else None, options, first)
 
     def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
-               options: RegionOptions) -> None:
+               options: RegionOptions, placement: Placement | None = None) -> None:
         # raises, naming them
         ParallelSpec(ep=options.ranks, tokens_per_rank=1, nodes=options.nodes).local_experts(spec)
         self.spec = spec
         self.family = family
         self.fused_shared = fused_shared
         self.options = options
-        self._session = options.session
-        self._owns_session = False
-        self._auto = Auto()
-        self._placement: Placement | None = None
-        self._load = torch.zeros(spec.experts, dtype=torch.float64, device="cpu")  # moves to the routing's
-        self._calls = 0
-        self._arenas = ArenaPool()
+        self._door = Door(spec, options, placement)
         self._computing: int | None = None  # computing experts when some are identity ones
-        self._clock = RegionClock() if options.shard_experts else None  # what a move would save
 
     @classmethod
     def from_hf(cls, module: nn.Module, **options: Any) -> MoE:
@@ -231,21 +217,22 @@ class MoE(nn.Module):
     def session(self) -> Session | None:
         """The runtime session of a distributed layer, opened at first use (collective
         over the ep_group); None in one process."""
-        if not self.options.distributed:
-            return None
-        if self._session is None:
-            from ..runtime import Session
-
-            self._session = Session(self.options.runtime, self.options.ep_group)
-            self._owns_session = True
-        return self._session
+        return self._door.session()
 
     def close(self) -> None:
         """Close the runtime session this layer opened (a shared session stays open)."""
-        if self._owns_session and self._session is not None:
-            self._session.close()
-            self._session = None
-        self._owns_session = False
+        self._door.close()
+
+    def check(self) -> None:
+        """Wait for the device and raise the input fault a call found and has not
+        reported yet (``check="deferred"``, the default: a call's input scan runs on the
+        device and the next call raises what it found, one call late)."""
+        self._door.check()
+
+    @property
+    def last_call(self) -> CallRecord | None:
+        """What the last region call ran: its path, tokens per rank, tuning trial."""
+        return self._door.last
 
     @property
     def _layout(self) -> ExpertsLayout:
@@ -260,14 +247,15 @@ class MoE(nn.Module):
         whose router module routes), w13 [E, 2F, H], w2 [E, H, F] (views of the block's
         expert parameters, or a copy where its layout needs one), shared_w13 = cat(gate, up).
         With ``shard_experts``: the physical layer of this rank's stored slots (router
-        placeholders; ``_stored_slots``)."""
+        placeholders; ``Balance.stored_slots``)."""
         t = self._expert_tensors()
         spec = replace(self.spec, dtype=t.w13.dtype)
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
         shared = (None, None) if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
                                                   sh.down_proj.weight)
         if self.options.shard_experts:
-            return self._stored_slots(spec, t, *shared)
+            stored = [t.w13, t.w2, *((t.b13, t.b2) if t.b13 is not None else ())]
+            return self._door.balance.stored_slots(spec, stored, *shared)
         router, bias = self._router(t.w13.device)
         return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=t.w13, w2=t.w2,
                              shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2)
@@ -306,11 +294,11 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, h)
         if self.family is None:
             dtype = experts_dtype(self, self._layout)
-            try:
-                routing = route(x.to(dtype), self._gate_weights(dtype))
+            try:  # x's values are scanned once, by the region call
+                routing = route(x.to(dtype), self._gate_weights(dtype), check=False)
             except (ValueError, TypeError) as err:  # every rank must hear of it, in step
                 if self.options.distributed:
-                    self._open_call(x.shape[0], self.expert_weights(), err)
+                    self._door.reject(x.shape[0], self.expert_weights(), err)
                 raise
             return self.region(x, routing.ids, routing.weights).view(hidden_states.shape)
         out, router_out = self._block_forward(x, hidden_states, args, kwargs)
@@ -375,76 +363,10 @@ class MoE(nn.Module):
         """The region on a routing made elsewhere: x [N, H] routed by ids [N, k] (logical
         expert ids) with weights [N, k] (any float dtype; combined in fp32) -> the routed
         plus shared experts' output [N, H] in x's dtype; with an ep_group, this rank's
-        tokens.  The same front door as ``forward`` (agreement, AUTO, placement).
-        Computes in the experts' dtype, or the autocast dtype; pads the batch to equal
-        token counts per (virtual) rank with zero rows of weight 0."""
-        w = self.expert_weights()
-        dtype = _compute_dtype(x, w.spec.dtype)
-        if dtype != w.spec.dtype:
-            w = _cast(w, dtype)
-        o, xc, ids, topk_weights = self.options, x.to(dtype), ids.to(torch.int64), topk_weights.float()
-        n, tokens = x.shape[0], torch.arange(x.shape[0], device=ids.device)
-        sent = received = None
-        if o.distributed:
-            logical = replace(self.spec, dtype=dtype)
-            error = input_error(xc, Routing(ids, topk_weights), logical)
-            carry = error is None and self._placement is None  # slots are counted after the agreement
-            sent = expert_counts(ids, self.spec.experts) if carry else None
-            counts, received = self._open_call(n, w, error, sent)
-            padded, rank = max(max(counts), 1), self.session().rank
-            token_rank, first = torch.full_like(tokens, rank), sum(counts[:rank])
-        else:
-            padded = max(-(-n // o.virtual_ep), 1) * o.virtual_ep
-            token_rank, first = tokens // (padded // o.virtual_ep), 0
-        self._measure_load(ids, sent)
-        if self._placement is not None:  # the physical layer: one expert per slot
-            ids = self._placement.physical_ids(ids, token_rank, first + tokens)
-            w = w if o.shard_experts else self._placement.slot_weights(w)
-            received = None  # a placement this call adopted: its slots are counted after the agreement
-        xp, idp, wp = _pad(xc, ids, topk_weights, padded, w.spec, o.virtual_ep, o.group)
-        with torch.autocast(x.device.type, enabled=False):
-            out = self._run(xp, idp, wp, w, received)
-        return out[:x.shape[0]].to(x.dtype)
-
-    def _open_call(self, tokens: int, w: ExpertWeights, error: BaseException | None,
-                   sent: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
-        """The agreement that opens every distributed call, before any other collective
-        of it: what the call is (dtype, sizes, tiles, the tuning history) and each rank's
-        verdict on its own input; it also carries each rank's time of the previous call
-        (the tuner's trial) and ``sent``, its rows per expert ([E] int64; None: zeros), so
-        that kernel by kernel needs no count exchange of its own.  Every rank raises the
-        same named error when one objects; else returns every rank's token count and the
-        rows [ep, E / ep] each rank sends this rank's experts (None where a rank sent
-        none, or more experts than ``AGREED_COUNTS``)."""
-        trial, micros = self._auto.tuner.report()
-        layout = self._placement.digest() if self._placement is not None else 0
-        fits = sent is not None and sent.numel() <= AGREED_COUNTS  # the same on ranks that agree
-        carried = np.zeros(AGREED_COUNTS, np.int64)  # one row length on every rank, whatever its layer
-        if fits:
-            carried[:sent.numel()] = sent.cpu().numpy()
-        figures = (trial, micros, *carried.tolist())
-        table = self.session().open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error, figures,
-                                         self._auto.tuner.digest(), layout)
-        rank = self.session().rank
-        self._auto.tuner.observe(table[:, 1].tolist(), table[:, 2].tolist(), rank)
-        if not fits:
-            return table[:, 0].tolist(), None
-        local = self.spec.experts // len(table)
-        mine = table[:, 3 + rank * local:3 + (rank + 1) * local]
-        return table[:, 0].tolist(), torch.from_numpy(mine.copy())
-
-    def _run(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
-             w: ExpertWeights, received: torch.Tensor | None = None) -> torch.Tensor:
-        """The region on padded inputs, on the path ``engine.select`` chooses (``received``:
-        the agreement's counts for kernel by kernel); a tuning trial is timed here and in
-        the backward."""
-        o = self.options
-        if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
-            auto = o.schedule is SchedulePolicy.AUTO
-            return run_region(x, ids, topk_weights, w.gathered(), o.virtual_ep, o.tiles, auto, o.nodes)
-        path, trial = select(o, w.spec, x.shape[0], self._auto, self.session(), self._arenas, x.device,
-                             received)
-        return run(path, x, Routing(ids, topk_weights), w, trial, self._own_slots(), self._clock)
+        tokens.  The same front door as ``forward`` (``engine.door``: check, agreement,
+        placement, AUTO).  Computes in the experts' dtype, or the autocast dtype; pads the
+        batch to equal token counts per (virtual) rank with zero rows of weight 0."""
+        return self._door.call(x, ids, topk_weights, self.expert_weights())
 
     # ------------------------------------------------------------------ placement
 
@@ -455,54 +377,11 @@ class MoE(nn.Module):
         plan it; every rank keeps full-size parameters and optimizer state, so a new
         placement moves nothing.  A layer with ``shard_experts`` moves rows instead:
         ``move_to``."""
-        return self._placement
+        return self._door.balance.placement
 
     @placement.setter
     def placement(self, placement: Placement | None) -> None:
-        if self.options.shard_experts:
-            raise ValueError("a layer with shard_experts stores its own slots only: a new placement moves "
-                             "rows between ranks, use layer.move_to(placement, optimizer)")
-        self._placement = self._checked(placement)
-
-    def _checked(self, placement: Placement | None) -> Placement | None:
-        """``placement`` for this layer (None for the identity), else raises naming it."""
-        o, ranks = self.options, self.options.ranks
-        if placement is not None:
-            if not isinstance(placement, Placement):
-                raise TypeError(f"placement must be a Placement, got {type(placement).__name__}")
-            if (placement.experts, placement.ranks, placement.nodes) != (self.spec.experts, ranks, o.nodes):
-                raise ValueError(f"placement is for {placement.experts} experts on {placement.ranks} ranks, "
-                                 f"{placement.nodes} nodes; the layer has {self.spec.experts} experts on "
-                                 f"{ranks} ranks, {o.nodes} nodes")
-            if placement.is_identity:
-                placement = None
-        return placement
-
-    def _own_slots(self) -> slice | None:
-        """This rank's slots on an EP group, the only ones a path reads; None in one
-        process, or where every agreement checksums the weights (every slot filled)."""
-        s, p = self.session(), self._placement
-        if s is None or s.config.check_weights or (p is None and not self.options.shard_experts):
-            return None
-        return _own_rows(self.spec, self.options, p)
-
-    def _physical(self) -> Placement:
-        """The placement in effect, the identity included."""
-        o = self.options
-        return self._placement or Placement.identity(self.spec.experts, o.ranks, o.nodes)
-
-    def _stored_slots(self, spec: MoESpec, t: ExpertTensors, shared_w13: torch.Tensor | None,
-                      shared_w2: torch.Tensor | None) -> ExpertWeights:
-        """A sharded layer's region weights: the physical layer whose slots on this rank
-        read its stored rows (the others -1); an expert replicated on several ranks sums
-        its rows' gradients over them (``migration.replica_sum``)."""
-        p, mine = self._physical(), _own_rows(self.spec, self.options, self._placement)
-        rows = tuple(s - mine.start if mine.start <= s < mine.stop else -1 for s in range(p.slots))
-        stored = [t.w13, t.w2, *((t.b13, t.b2) if t.b13 is not None else ())]
-        if p.spread:  # spares (a second slot on one rank) take no tokens and are never read
-            stored = replica_sum(stored, p.phy2log[mine], p.spread, self.session().collectives)
-        return ExpertWeights.routed(p.physical_spec(spec), stored[0], stored[1], shared_w13, shared_w2,
-                                    *stored[2:], slot_rows=rows)
+        self._door.balance.set(placement)
 
     def move_to(self, placement: Placement | None,
                 optimizer: torch.optim.Optimizer | None = None) -> Migration:
@@ -511,24 +390,12 @@ class MoE(nn.Module):
         their gradients and every state tensor ``optimizer`` keeps for them (Adam's
         moments); any other layer moves nothing.  Returns what moved, its measured time
         and its modelled time on the layer's hardware model's link."""
-        new = self._checked(placement)
-        o = self.options
-        if not o.shard_experts:
-            self._placement = new
-            return Migration.nothing()
-        stored = self._physical().slots
-        slots = placement.slots if placement is not None else self.spec.experts
-        if slots != stored:
-            raise ValueError(f"a layer with shard_experts stores {stored} slots (experts plus "
-                             f"redundant={o.redundant}): the placement has {slots}")
-        old, self._placement = self._physical(), new
-        return migrate(list(self.experts.parameters()), Moves.between(old, self._physical()), optimizer,
-                       self.session().collectives, o.rank_hardware)
+        return self._door.balance.move_to(placement, list(self.experts.parameters()), optimizer)
 
     def expert_load(self) -> np.ndarray:
         """[E] this rank's measured routed rows per expert: an exponential moving average
-        over calls (``LOAD_DECAY`` per call)."""
-        return self._load.cpu().numpy().copy()
+        over calls (``engine.balance.LOAD_DECAY`` per call)."""
+        return self._door.balance.expert_load()
 
     def rebalance(self, redundant: int = 0, min_gain: float = MIN_REBALANCE_GAIN,
                   optimizer: torch.optim.Optimizer | None = None, steps: int = 0) -> Placement | None:
@@ -537,81 +404,15 @@ class MoE(nn.Module):
         ranks (``plan_placement``, keeping experts where they are).  Adopted only when it
         lowers the busiest rank's predicted load (``rank_loads``) by ``min_gain`` or more —
         on a layer with ``shard_experts``, its predicted seconds a call, replicas' gradient
-        all-reduce included (``_plan``) — and, with ``steps`` (the calls it would serve
-        until the next rebalance), on such a layer only when the move's modelled time is
-        below what it is predicted to save over them (``_worth_moving``); ``move_to``
-        moves ``optimizer``'s state with the rows.  Returns the placement in effect."""
-        o = self.options
-        if o.shard_experts and redundant != o.redundant:
-            raise ValueError(f"rebalance(redundant={redundant}) on a layer with shard_experts, which stores "
-                             f"redundant={o.redundant} extra slots: pass that")
-        if not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"rebalance(steps={steps!r}) must be an int >= 0")
-        clock = self._clock.call_s if self._clock is not None else 0.0
-        mine = torch.cat([self._load.cpu(), torch.tensor([clock], dtype=torch.float64, device="cpu")])
-        if self.options.distributed:  # every rank's load summed, the slowest rank's call
-            every = self.session().collectives.all_gather(mine, "rebalance: expert load")
-            mine = torch.cat([every[:, :-1].sum(0), every[:, -1].max().view(1)])
-        load, call_s = mine[:-1].numpy(), float(mine[-1])
-        plan, now, then, timed = self._plan(load, redundant, call_s)
-        saving = steps * (now - then) if timed else 0.0
-        if now >= min_gain * then > 0 and (not steps or self._worth_moving(plan, optimizer, saving)):
-            self.move_to(plan, optimizer)
-        return self._placement
+        all-reduce included — and, with ``steps`` (the calls it would serve until the next
+        rebalance), on such a layer only when the move's modelled time is below what it is
+        predicted to save over them; ``move_to`` moves ``optimizer``'s state with the rows.
+        Returns the placement in effect."""
+        stored = list(self.experts.parameters())
+        return self._door.balance.rebalance(redundant, stored, min_gain, optimizer, steps)
 
-    def _plan(self, load: np.ndarray, redundant: int, call_s: float) -> tuple[Placement, float, float, bool]:
-        """(the plan, the cost of a call now, its predicted cost under the plan, whether
-        the costs are seconds).  The busiest rank's load under each placement; for a layer
-        with ``shard_experts`` whose calls were measured, seconds of a call instead (the
-        measured ``call_s`` scaled by the busiest rank's load, plus ``replica_seconds``),
-        the plan the best over every number of the ``redundant`` slots spread as replicas
-        (the rest spares): a replica's gradient all-reduce can cost more than the
-        imbalance it removes."""
-        o, current = self.options, self._physical()
-        busiest = rank_loads(current, load).max()
-        if not (o.shard_experts and call_s > 0 and busiest > 0):
-            plan = plan_placement(load, o.ranks, redundant, o.nodes, current)
-            return plan, float(busiest), float(rank_loads(plan, load).max()), False
-        stored, hw = list(self.experts.parameters()), o.rank_hardware
-
-        def seconds(p: Placement) -> float:
-            return call_s * rank_loads(p, load).max() / busiest + replica_seconds(stored, p, hw)
-
-        plans = [plan_placement(load, o.ranks, redundant, o.nodes, current, spread=r)
-                 for r in range(redundant + 1)]
-        plan = min(plans, key=seconds)
-        return plan, seconds(current), seconds(plan), True
-
-    def _worth_moving(self, plan: Placement, optimizer: torch.optim.Optimizer | None,
-                      saving_s: float) -> bool:
-        """Whether moving to ``plan`` takes less than ``saving_s``, the seconds the calls
-        it serves are predicted to save (``_plan``), against the move's modelled time
-        (``Moves.seconds`` on the layer's hardware model); a layer that does not shard its
-        experts moves nothing."""
-        if not self.options.shard_experts:
-            return True
-        moves, hw = Moves.between(self._physical(), plan), self.options.rank_hardware
-        return move_seconds(list(self.experts.parameters()), optimizer, moves, hw) < saving_s
-
-    def _measure_load(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """The per-expert load's EMA (``rows``: the call's rows per expert, where counted
-        already) and the periodic rebalance; not under torch.compile (a counter on the
-        module would make every call recompile: measure in eager steps)."""
-        if torch.compiler.is_compiling():
-            return
-        rows = (rows if rows is not None else expert_counts(ids.detach(), self.spec.experts)).double()
-        self._load = LOAD_DECAY * self._load.to(rows.device) + (1.0 - LOAD_DECAY) * rows  # no host sync
-        self._calls += 1
-        every = self.options.rebalance_every
-        if every and self._calls % every == 0 and torch.is_grad_enabled():
-            self.rebalance(self.options.redundant)
-
-    def _region_spec(self, dtype: torch.dtype | None) -> MoESpec:
-        """The layer the region computes in ``dtype`` (default: the parameters'): one
-        expert per physical slot under a placement."""
-        spec = replace(self.spec, dtype=dtype or experts_dtype(self, self._layout))
-        sharded = self._placement is not None or self.options.shard_experts
-        return self._physical().physical_spec(spec) if sharded else spec
+    def _spec(self, dtype: torch.dtype | None) -> MoESpec:
+        return replace(self.spec, dtype=dtype or experts_dtype(self, self._layout))
 
     def decision(self, tokens: int, backward: bool | None = None,
                  dtype: torch.dtype | None = None) -> AutoDecision:
@@ -621,7 +422,7 @@ class MoE(nn.Module):
         Made at the first call of each shape (collective over the ep_group: group rank 0
         forecasts and broadcasts), then cached."""
         backward = torch.is_grad_enabled() if backward is None else backward
-        return decision(self.options, self._region_spec(dtype), tokens, backward, self._auto, self.session())
+        return self._door.decision(self._spec(dtype), tokens, backward)
 
     def tuned(self, tokens: int, backward: bool | None = None,
               dtype: torch.dtype | None = None) -> TuneResult | None:
@@ -632,13 +433,12 @@ class MoE(nn.Module):
         (or the layer does not tune: one process without ``backend='auto'``, a fixed
         schedule, an explicit ``hardware`` model)."""
         backward = torch.is_grad_enabled() if backward is None else backward
-        return tuned(self.options, self._region_spec(dtype), tokens, backward, self._auto, self.session(),
-                     next(self.parameters()).device)
+        return self._door.tuned(self._spec(dtype), tokens, backward, next(self.parameters()).device)
 
     @property
     def tuning_notes(self) -> tuple[str, ...]:
         """What AUTO's tuning noted: cache entries it ignored, and why."""
-        return tuple(self._auto.tuner.notes)
+        return tuple(self._door.auto.tuner.notes)
 
     def extra_repr(self) -> str:
         o = self.options
@@ -646,45 +446,3 @@ class MoE(nn.Module):
         family = f"family={self.family.name}, " if self.family else ""
         backend = f", backend={o.backend.value}" if o.backend is not Backend.EXACT else ""
         return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute}"
-
-
-def _compute_dtype(x: torch.Tensor, weights_dtype: torch.dtype) -> torch.dtype:
-    """The autocast dtype inside ``torch.autocast``, else the expert weights' dtype."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return weights_dtype
-
-
-def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
-    """``w`` with its expert tensors cast to ``dtype`` (differentiably)."""
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dtype)
-
-    return ExpertWeights(replace(w.spec, dtype=dtype), w.router, w.router_bias, cast(w.w13), cast(w.w2),
-                         cast(w.shared_w13), cast(w.shared_w2), cast(w.b13), cast(w.b2), w.slot_rows)
-
-
-def _own_rows(spec: MoESpec, options: RegionOptions, placement: Placement | None = None) -> slice:
-    """The slots of this rank of ``options``' ep_group under ``placement`` (None: one
-    expert per slot)."""
-    per = (placement.slots if placement is not None else spec.experts) // options.ranks
-    rank = dist.get_rank(options.group)
-    return slice(rank * per, (rank + 1) * per)
-
-
-def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, spec: MoESpec,
-         virtual_ep: int, group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Append ``total - N`` zero tokens of routing weight 0, each routed to the first local
-    expert of the rank that holds it: no communication, an expert output of exactly 0, and
-    nothing added to any gradient."""
-    n, k = ids.shape
-    if total == n:
-        return x, ids, weights
-    ranks = virtual_ep if group is None else dist.get_world_size(group)
-    local = max(spec.experts // ranks, 1)
-    pos = torch.arange(n, total, device=ids.device)
-    owner = pos // (total // ranks) if group is None else torch.full_like(pos, dist.get_rank(group))
-    pad_ids = (owner * local).clamp(max=spec.experts - 1).unsqueeze(1).expand(total - n, k)
-    return (torch.cat([x, x.new_zeros(total - n, x.shape[1])]), torch.cat([ids, pad_ids]),
-            torch.cat([weights, weights.new_zeros(total - n, k)]))

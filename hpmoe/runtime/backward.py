@@ -48,17 +48,19 @@ class BackwardOutput:
 
 def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupSaved, dy: torch.Tensor,
                  weights: ExpertWeights, routing: Routing, options: ForwardOptions,
-                 recompute: bool = False) -> BackwardOutput:
+                 recompute: bool = False, agreed: bool = False) -> BackwardOutput:
     """This rank's part of the backward of the forward that ran ``plan`` with ``options``.
 
     saved: what that forward kept (``region_family(options.tiles).saved``, symmetric
     fields copied);
     dy: [T, H] spec.dtype; routing: the forward's ``ForwardOutput.routing`` (this rank's
-    [T, k], or every rank's [ep*T, k] when deduplicated)."""
+    [T, k], or every rank's [ep*T, k] when deduplicated); agreed: the caller's call
+    agreement opened the region (``Session.open_call``: counters snapshotted, ranks in
+    step)."""
     tiles, family = options.tiles, region_family(options.tiles)
     layout = family.layout(plan, tiles)
     region = family.backward(layout, recompute)
-    program, schedule = _open(s, plan, region, options, weights)
+    program, schedule = _open(s, plan, region, options, weights, agreed)
     sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
     shared = weights.has_shared
@@ -72,10 +74,13 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
 
 
 def _open(s: Session, plan: RoutingPlan, region: Region, options: ForwardOptions,
-          weights: ExpertWeights) -> tuple[RankProgram, Schedule]:
-    """Open ``region`` on ``s`` (snapshot, then the agreement); lower every rank,
-    schedule, keep this rank's program."""
-    s.transport.begin()
-    s.agree(region.kind, weights, plan.par.tokens_per_rank, options.tiles)
+          weights: ExpertWeights, agreed: bool) -> tuple[RankProgram, Schedule]:
+    """Open ``region`` on ``s`` (snapshot, then the agreement, unless the caller's has);
+    lower every rank, schedule, keep this rank's program."""
+    if agreed:
+        s.regions += 1
+    else:
+        s.transport.begin()
+        s.agree(region.kind, weights, plan.par.tokens_per_rank, options.tiles)
     schedule = compile_region(plan, region, options.tiles, options.policy, options.hardware)
     return compile_program(schedule, region, s.rank), schedule

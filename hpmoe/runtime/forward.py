@@ -93,13 +93,21 @@ class ForwardRunner:
         self.family = region_family(self.options.tiles)
         self._cache: dict[bytes, Schedule] = {}
 
-    def __call__(self, x: torch.Tensor, routing: Routing, fault: Fault | None = None) -> ForwardOutput:
-        """x: [T, H] spec.dtype this rank's tokens; routing: their ids/weights [T, k]."""
+    def __call__(self, x: torch.Tensor, routing: Routing, fault: Fault | None = None,
+                 agreed: bool = False) -> ForwardOutput:
+        """x: [T, H] spec.dtype this rank's tokens; routing: their ids/weights [T, k].
+        agreed: the caller's call agreement has checked every rank's input and
+        snapshotted the counters (``Session.open_call``): the region opens no agreement
+        of its own."""
         spec, s, tiles = self.weights.spec, self.session, self.options.tiles
         marks = [time.perf_counter()]
         tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else -1
         fam = self.family
-        n = s.agree(fam.forward_kind, self.weights, tokens, tiles, region_input_error(x, routing, spec))
+        if agreed:
+            s.regions += 1
+            n = s.regions
+        else:
+            n = s.agree(fam.forward_kind, self.weights, tokens, tiles, region_input_error(x, routing, spec))
         if fault is not None:
             fault.before_exchange(s.rank, n)
         par = ParallelSpec(ep=s.world, tokens_per_rank=tokens, nodes=self.options.nodes)

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ..spec import TileSpec
@@ -29,6 +30,21 @@ from .transport.segment import check_token, new_token, sweep_stale
 from .transport.shm import ShmTransport
 
 JOB_ENV = "HPMOE_JOB"  # set by the launcher: prefix of every shared segment of the job
+AGREED_COUNTS = 256  # rows per expert a call's agreement carries: a fixed length (rows of unequal
+# length would end the all-gather before the ranks' expert counts could be compared); a
+# layer with more experts runs kernel by kernel's own count exchange
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What a call's agreement returned: every rank's token count, the ``figures`` each
+    rank sent ([world, m] int64), and the rows [ep, E / ep] int64 each rank routes to
+    this rank's experts (None where no rank sent its counts, or the layer has more than
+    ``AGREED_COUNTS`` experts)."""
+
+    tokens: list[int]
+    figures: np.ndarray
+    received: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -104,18 +120,32 @@ class Session:
         return self.regions
 
     def open_call(self, kind: RegionKind, weights: ExpertWeights, tiles: TileSpec, tokens: int,
-                  error: BaseException | None = None, figures: Sequence[int] = (),
-                  tuning: int = 0, placement: int = 0) -> np.ndarray:
+                  error: BaseException | None = None, figures: Sequence[int] = (), tuning: int = 0,
+                  placement: int = 0, sent: torch.Tensor | None = None) -> Opened:
         """Open call number ``calls + 1`` of a layer, before any other collective of it:
-        agree on what it is (ranks may hold different numbers of ``tokens``; ``tuning``
-        and ``placement``: digests of the layer's tuning history and expert placement,
-        equal on ranks in step) and on every
-        rank's input (``error``: this rank's objection).  Raises as ``agree`` on every
-        rank; returns [world, 1 + len(figures)]: every rank's token count and ``figures``."""
+        snapshot the counters (no peer signals this call's events before every rank has
+        passed the agreement), then agree on what it is (ranks may hold different numbers
+        of ``tokens``; ``tuning`` and ``placement``: digests of the layer's tuning history
+        and expert placement, equal on ranks in step) and on every rank's input
+        (``error``: this rank's objection).  ``figures``: numbers ranks may differ on
+        (the tuner's); ``sent``: this rank's rows per expert ([E] int64, None on every
+        rank or none), carried so that kernel by kernel needs no count exchange of its
+        own.  Raises as ``agree`` on every rank."""
         self.calls += 1
+        self.transport.begin()
+        carried = np.zeros(AGREED_COUNTS, np.int64)  # one row length on every rank, whatever its layer
+        fits = sent is not None and sent.numel() <= AGREED_COUNTS  # the same on ranks that agree
+        if fits:
+            carried[:sent.numel()] = sent.cpu().numpy()
         mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning, placement)
         what = f"{kind.name.lower()} call {self.calls}: agreement"
-        return agree(self.collectives, what, mine, error, (tokens, *figures))
+        table = agree(self.collectives, what, mine, error, (tokens, *figures, *carried))
+        m = 1 + len(figures)
+        received = None
+        if fits:
+            local = sent.numel() // self.world
+            received = torch.from_numpy(table[:, m + self.rank * local:m + (self.rank + 1) * local].copy())
+        return Opened(table[:, 0].tolist(), table[:, 1:m], received)
 
     def _make_transport(self, hello: _Hello) -> Transport:
         if self.config.transport is TransportKind.LOCAL:

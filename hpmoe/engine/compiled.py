@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import PROCESS_AUTO, RegionOptions, RegionPath, select
 from ..ir.schedule import SchedulePolicy
-from ..routing import Routing
+from ..routing import Routing, check_input
 from ..spec import Activation, DispatchMode, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights
+from .options import RegionOptions
+from .paths import RegionPath
+from .selection import PROCESS_AUTO, select
 
 
 def _weights(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor,
@@ -80,8 +82,9 @@ def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
     sw13 [2Fs, H], sw2 [H, Fs] (Fs 0: none), b13 [E, 2F], b2 [E, H] (width 0: none); ep
     virtual ranks dividing N; tiles: the TileSpec fields and the nodes (``_tile_fields``);
     glu: the ``GluForm`` (``_glu_fields``); auto: AUTO picks the path.  Returns [N, H] in
-    x's dtype."""
+    x's dtype.  The op's call checks its input (the paths check nothing)."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
+    check_input(x, routing, w.spec)
     return _path(w, x.shape[0], ep, tiles, auto).forward(x, routing, w, False)[0]
 
 
