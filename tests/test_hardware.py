@@ -1,6 +1,7 @@
 """Hardware models: validation, cost formulas, link table, profiles and calibration.
 
-No test asserts on wall time: calibration figures are only checked to be positive and finite.
+No test asserts on wall time: calibration runs on a clock the test drives, and each figure
+is checked against the work of its benchmark over the injected time.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import time
 
 import numpy as np
 import pytest
@@ -142,12 +144,37 @@ def test_cpu_preset_loads_the_env_profile(tmp_path, monkeypatch) -> None:
     assert hardware_preset("cpu") == hw
 
 
-def test_calibrate_quick_gives_positive_finite_figures(tmp_path) -> None:
+def test_calibrate_quick_turns_each_timing_into_its_figure(tmp_path, monkeypatch) -> None:
+    """The quick calibration's benchmarks run, on a clock that moves 1 ms between two
+    readings: every timed batch takes 1 ms, so each figure is its benchmark's work over
+    1 ms shared by the batch's calls, counted here from the documented shapes."""
+    cal, dt = hpmoe.sim.calibrate, 1e-3
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += dt
+        return clock[0]
+    monkeypatch.setattr(cal, "time", argparse.Namespace(perf_counter=perf_counter, strftime=time.strftime))
     hw = calibrate(threads=1, quick=True, matrix_workers=1, vector_workers=1)
-    rates = [hw.matrix_flops_bf16, hw.matrix_flops_fp32, hw.vector_flops, hw.mem_bw,
-             hw.task_overhead, *(e.bandwidth(d) for e in hw.link for d in DIRECTIONS)]
-    assert all(math.isfinite(r) and r > 0 for r in rates), rates
-    assert math.isfinite(hw.link_latency) and hw.link_latency >= 0
+    plan = cal._QUICK
+    call = dt / plan.tiny_calls  # a 1 x 1 GEMM kernel's call and a one-element op alike
+
+    def rate(m: int, k: int) -> float:  # an m x 512 x k tile, batched as _gemm_bench batches it
+        flops = 2.0 * m * cal.GEMM_N * k
+        t = dt / max(1, min(64, int(2e-3 * 1e11 / flops)))
+        return flops / max(t - call, 0.5 * t)
+    rates = [rate(m, k) for m in plan.gemm_rows for k in plan.gemm_ks]
+    assert hw.matrix_flops_bf16 == hw.matrix_flops_fp32 == pytest.approx(max(rates), rel=1e-9)
+    assert [g.bf16 for g in hw.gemm_shapes] == pytest.approx([r / max(rates) for r in rates], rel=1e-9)
+    assert hw.mem_bw == pytest.approx(2 * plan.copy_bytes / dt, rel=1e-9)  # read + written
+    assert hw.vector_flops == pytest.approx(5.0 * cal.SWIGLU_TILE[0] * cal.SWIGLU_TILE[1] / dt, rel=1e-9)
+    assert hw.task_overhead == pytest.approx(call, rel=1e-9)
+    assert hw.link_latency == pytest.approx(0.0, abs=1e-15)  # the 64-byte put costs what the op does
+    bandwidth = (plan.put_bytes - cal.SMALL_PUT) / (dt - call)
+    assert [e.bandwidth(d) for e in hw.link for d in DIRECTIONS] == pytest.approx([bandwidth] * 2, rel=1e-9)
+    tokens, k, h = cal.UNPERMUTE_TILE  # 10 calls a batch; (k + 2) rows of h bf16 a token counted
+    moved = (dt / 10 - call) * 2 * plan.copy_bytes / dt
+    assert hw.unpermute_traffic == pytest.approx(moved / ((k + 2) * tokens * h * 2), rel=1e-9)
     assert (hw.name, hw.matrix_workers, hw.vector_workers) == ("cpu", 1, 1)
     assert load_profile(save_profile(hw, tmp_path / "cpu.json")) == hw
 
