@@ -67,7 +67,7 @@ def test_the_quick_demo_measures_the_linked_and_skewed_rows_and_leaves_nothing_b
     assert proc.returncode == 0, err[-3000:]
     table = _table(out)
     for pattern in (r"1gbit link\s+taskflow", r"1gbit link\s+kernel by kernel", r"shared memory\s+taskflow",
-                    r"hot routing\s+2 replicas"):
+                    r"zipf routing\s+2 replicas"):
         assert _row(table, pattern).endswith("measured"), pattern
     assert _row(table, "Ascend A3 model").endswith("simulated")
     assert [n for n in list_namespaces() if n.startswith(f"hpm-p{proc.pid}-")] == []
@@ -92,7 +92,7 @@ def test_without_root_the_demo_skips_the_linked_rows_in_one_line_and_exits_0(mon
     table = _table(out)
     assert _row(table, "1gbit link").endswith("skipped: not root; needs root, ip, tc")
     assert _row(table, r"shared memory\s+taskflow").endswith("measured")
-    assert _row(table, r"hot routing\s+2 replicas").endswith("measured")
+    assert _row(table, r"zipf routing\s+2 replicas").endswith("measured")
     assert (tmp_path / "gantt_a3.png").is_file()
 
 
@@ -138,4 +138,4 @@ def test_a_failed_rank_ends_its_row_with_the_diagnosis_and_the_demo_exits_1(monk
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "failed: hpmoe bench: ranks failed: rank 1 exited" in out
-    assert _row(_table(out), r"hot routing").endswith("failed: ranks failed: the diagnosis is above")
+    assert _row(_table(out), r"zipf routing").endswith("failed: ranks failed: the diagnosis is above")

@@ -50,7 +50,8 @@ from .info import graph_summary
 class Scale:
     """How much the demo runs.  exact_*: the exact forward's virtual ranks and tokens per
     rank; sim_*: the simulated layer and tokens per rank; preset, tokens, warmup, iters:
-    the measured rows' layer, tokens per rank and iterations; tile_rows: the pinned
+    the measured rows' layer, tokens per rank and iterations (``skew_iters`` for the skewed
+    row, whose difference is the smallest); tile_rows: the pinned
     taskflow's rows per tile and per GEMM tile; gpu_*: the GPU row's layer, tokens and
     timed calls; timeout_s: the wall-time limit of each measured run."""
 
@@ -62,6 +63,7 @@ class Scale:
     tokens: int
     warmup: int
     iters: int
+    skew_iters: int
     tile_rows: int
     gpu_preset: str
     gpu_tokens: int
@@ -70,10 +72,11 @@ class Scale:
 
 
 FULL = Scale(exact_ep=4, exact_tokens=256, sim_preset="deepseek-v3", sim_tokens=4096, preset="small",
-             tokens=1024, warmup=2, iters=10, tile_rows=256, gpu_preset="deepseek-v3", gpu_tokens=4096,
-             gpu_reps=10, timeout_s=300.0)
+             tokens=1024, warmup=2, iters=10, skew_iters=20, tile_rows=256, gpu_preset="deepseek-v3",
+             gpu_tokens=4096, gpu_reps=10, timeout_s=300.0)
 QUICK = Scale(exact_ep=2, exact_tokens=32, sim_preset="small", sim_tokens=256, preset="tiny", tokens=64,
-              warmup=1, iters=2, tile_rows=32, gpu_preset="tiny", gpu_tokens=256, gpu_reps=2, timeout_s=120.0)
+              warmup=1, iters=2, skew_iters=2, tile_rows=32, gpu_preset="tiny", gpu_tokens=256, gpu_reps=2,
+              timeout_s=120.0)
 SIM_EP = 8
 WHY_THEY_DIFFER = (
     "why the two differ: over shared memory between two cores there is nothing to overlap (the "
@@ -170,11 +173,12 @@ def _hpmoe() -> str:
     return f"{_python()} -m hpmoe"
 
 
-def bench_argv(scale: Scale, *extra: str) -> list[str]:
+def bench_argv(scale: Scale, *extra: str, iters: int | None = None) -> list[str]:
     """``hpmoe bench`` arguments of a measured row: two ranks, ``scale``'s layer, fp32 (the
-    documented figures' dtype), and ``extra``."""
+    documented figures' dtype), ``iters`` timed iterations (default ``scale.iters``), and
+    ``extra``."""
     return ["--ep", "2", "--preset", scale.preset, "--tokens", str(scale.tokens), "--dtype", "fp32",
-            "--warmup", str(scale.warmup), "--iters", str(scale.iters), *extra]
+            "--warmup", str(scale.warmup), "--iters", str(iters or scale.iters), *extra]
 
 
 def pinned_taskflow(scale: Scale) -> list[str]:
@@ -247,15 +251,16 @@ def linked(scale: Scale, rate: str) -> list[Row]:
 
 
 def skewed(scale: Scale) -> list[Row]:
-    """Hot routing, the same layer with and without two replicas of its hot experts."""
+    """Zipf routing, the same layer with and without two replicas of its hot experts."""
     _section("measured here: skewed routing, the same layer with and without replicas of its hot experts")
-    print("(hot routing sends most tokens to a few experts, so one rank computes while the other waits; "
+    print("(zipf routing sends most tokens to a few experts, so one rank computes while the other waits; "
           "--balance replicate:2 adds two copies of the most loaded experts, placed on this batch's load "
           "(hpmoe.placement), and the layer without them runs beside it in the same run; both pinned to "
           "kernel by kernel, AUTO's choice on shared memory in docs/PERFORMANCE.md, so that the two differ "
           "by the placement alone)")
-    argv = bench_argv(scale, "--routing", "hot", "--balance", "replicate:2", "--backend", "kernel_by_kernel")
-    case = "2 ranks, shared memory, hot routing"
+    argv = bench_argv(scale, "--routing", "zipf", "--balance", "replicate:2", "--backend", "kernel_by_kernel",
+                      iters=scale.skew_iters)
+    case = "2 ranks, shared memory, zipf routing"
     doc = _run_bench(case, argv, scale)
     if isinstance(doc, Row):
         return [doc]
