@@ -94,8 +94,8 @@ def test_a_waiting_task_runs_after_its_event_and_counters_carry_over_regions() -
     tl = res.timeline
     start = dict(zip(tl.task.tolist(), tl.start.tolist(), strict=True))
     end = dict(zip(tl.task.tolist(), tl.end.tolist(), strict=True))
-    assert start[1] >= end[0]
-    assert tl.queue.tolist() == [0, 1] and tl.makespan > 0.02
+    assert start[1] >= end[0]  # the GEMM sleeps 20 ms: a SwiGLU that did not wait would start first
+    assert tl.queue.tolist() == [0, 1]
 
 
 class ClockLog(Log):
