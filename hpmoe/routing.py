@@ -24,10 +24,13 @@ class Routing:
 
     ids:     [N, k] int64 — global expert ids in top-k slot order.
     weights: [N, k] float32 — combine weights in the same order.
+    counts:  [E] int64 rows routed to each expert (``expert_counts(ids)``), where the
+             caller has counted them already; None: not counted.
     """
 
     ids: torch.Tensor
     weights: torch.Tensor
+    counts: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -93,13 +96,31 @@ def _check_hidden_form(x: object, spec: MoESpec, name: str) -> None:
 
 def _check_values(spec: MoESpec, x: torch.Tensor | None = None, name: str = "x",
                   ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
-    """Raise the error ``input_status`` finds in x, ids and weights (each where given):
-    one host read of its verdict."""
+    """Raise the error ``value_error`` finds in x, ids and weights (each where given)."""
     if torch.compiler.is_compiling():  # no data-dependent branch in a compiled graph
         return
-    error = status_error(input_status(spec.experts, x, ids, weights).tolist(), spec.experts, name)
+    error = value_error(spec.experts, x, ids, weights, name)
     if error is not None:
         raise error
+
+
+def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None, name: str = "x") -> ValueError | None:
+    """The first fault of x (non-finite rows), ids (outside ``[0, experts)``) and weights
+    (non-finite), each where given, or None: the (min, max) of each (``aminmax``
+    propagates NaN) in float64, which holds every expert id exactly, fetched in one host
+    read; only a fault costs the scan that names its row (``input_status``)."""
+    named = [t for t in (x, ids, weights) if t is not None and t.numel()]
+    if not named:
+        return None
+    lo_hi = torch.stack([m.double() for t in named for m in torch.aminmax(t)]).tolist()
+    clean = bool(np.isfinite(lo_hi).all())  # expert ids are always finite
+    if any(t is ids for t in named):
+        at = 2 * [t is ids for t in named].index(True)
+        clean = clean and lo_hi[at] >= 0 and lo_hi[at + 1] < experts
+    if clean:
+        return None
+    return status_error(input_status(experts, x, ids, weights).tolist(), experts, name)
 
 
 class InputFault(enum.IntEnum):
@@ -131,9 +152,22 @@ def input_status(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor 
     if x is not None and x.numel():
         bad = ~torch.isfinite(x).all(dim=1)
         row = bad.to(torch.uint8).argmax()  # the first bad row (argmax takes the first maximum)
-        kind = torch.where(torch.isnan(x[row]).any(), int(InputFault.X_NAN), int(InputFault.X_INF))
-        fault = torch.where(bad[row], kind, fault)
+        at = row.view(1)  # indexing with a tensor, not a Python number: no host read
+        kind = torch.where(torch.isnan(x.index_select(0, at)).any(), int(InputFault.X_NAN),
+                           int(InputFault.X_INF))
+        fault = torch.where(bad.index_select(0, at)[0], kind, fault)
     return torch.stack([fault, row, value])
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """A call's input scan on its device: its verdict ``status`` int64 [3]
+    (``input_status``), the expert ids clamped into ``[0, experts)`` [N, k] int64, and
+    their rows per expert [E] int64."""
+
+    status: torch.Tensor
+    ids: torch.Tensor
+    counts: torch.Tensor
 
 
 def status_error(status: Sequence[int], experts: int, name: str = "x") -> ValueError | None:

@@ -4,12 +4,22 @@
 import pytest
 import torch
 
+import hpmoe.engine.check as check_module
 from hpmoe import MoE
 from hpmoe.routing import InputFault, input_status, route, status_error
 from hpmoe.spec import preset
 from hpmoe.weights import ExpertWeights
 
 SPEC = preset("tiny")
+
+
+@pytest.fixture(params=["host", "device"])
+def held(request, monkeypatch):
+    """Where a deferred verdict waits for the next call: read at once and kept on the
+    host (a CPU), or kept on the device and copied to host memory (a GPU; forced here)."""
+    if request.param == "device":
+        monkeypatch.setattr(check_module, "held_on_device", lambda device: True)
+    return request.param
 
 
 def _layer(**options) -> MoE:
@@ -70,7 +80,7 @@ def test_nan_before_inf_in_the_first_bad_row_and_empty_inputs_hold_no_fault():
     assert input_status(8, *empty).tolist() == [0, 0, 0]
 
 
-def test_deferred_reports_a_nan_row_at_the_next_call_and_says_so():
+def test_deferred_reports_a_nan_row_at_the_next_call_and_says_so(held):
     layer = _layer()
     x = _x()
     x[5, 3] = float("nan")
@@ -83,7 +93,7 @@ def test_deferred_reports_a_nan_row_at_the_next_call_and_says_so():
     torch.testing.assert_close(layer(clean), _layer(check="sync")(clean), rtol=0, atol=0)  # reported once
 
 
-def test_an_out_of_range_id_runs_clamped_and_is_reported_by_check():
+def test_an_out_of_range_id_runs_clamped_and_is_reported_by_check(held):
     layer = _layer()
     x = _x()
     r = _routing(x)
@@ -95,7 +105,7 @@ def test_an_out_of_range_id_runs_clamped_and_is_reported_by_check():
     layer.check()  # nothing left
 
 
-def test_the_next_call_raises_before_it_runs_and_holds_nothing_of_its_own():
+def test_the_next_call_raises_before_it_runs_and_holds_nothing_of_its_own(held):
     layer = _layer()
     x, y = _x(), _x(seed=1)
     x[2, 0], y[7, 0] = float("inf"), float("nan")
@@ -105,7 +115,7 @@ def test_the_next_call_raises_before_it_runs_and_holds_nothing_of_its_own():
     layer.check()
 
 
-def test_non_finite_routing_weights_are_reported():
+def test_non_finite_routing_weights_are_reported(held):
     layer = _layer()
     x = _x()
     r = _routing(x)

@@ -23,10 +23,8 @@ from hpmoe.exec.kernel_by_kernel import (
     kbk_backward,
     kbk_forward,
     segments,
-    slot_sum,
-    weighted_sum,
-    weighted_sum_backward,
 )
+from hpmoe.exec.phases import slot_sum, weighted_sum, weighted_sum_backward
 from hpmoe.refs import dense_moe, serialized_ep_forward
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.spec import Activation, ParallelSpec, preset
@@ -317,11 +315,11 @@ def test_the_pinned_backend_runs_kernel_by_kernel_in_one_process_and_on_an_ep_gr
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tk_h", [(37, 3, 300), (5, 1, 16), (64, 8, 512)])
 def test_the_gpus_one_launch_combine_gives_the_torch_combines_bits(dtype: torch.dtype, tk_h) -> None:
-    """``hpmoe.gpu.combine.slot_combine`` (what ``weighted_sum`` and ``slot_sum`` run on a
+    """``hpmoe.gpu.phases.slot_combine`` (what ``weighted_sum`` and ``slot_sum`` run on a
     GPU), in the Triton interpreter, against the torch versions: blocks cut by the token
     and hidden sizes, one slot and eight, with and without the shared expert's rows."""
     pytest.importorskip("triton")
-    from hpmoe.gpu.combine import slot_combine
+    from hpmoe.gpu.phases import slot_combine
 
     t, k, h = tk_h
     g = torch.Generator().manual_seed(t)
@@ -342,13 +340,13 @@ def test_the_gpus_one_launch_combine_gradient_against_the_torch_one(dtype: torch
     the rows' gradients bit for bit, the weights' within fp32 rounding (another order of
     the same sum); six slots pad to eight; blocks cut by the token and hidden sizes."""
     pytest.importorskip("triton")
-    from hpmoe.gpu.combine import slot_combine_backward
+    from hpmoe.gpu.phases import slot_combine_backward
 
     t, k, h = tk_h
     g = torch.Generator().manual_seed(t)
     rows = torch.randn(t * k, h, generator=g).to(dtype)
     pos = torch.randperm(t * k, generator=g).view(t, k)
-    w, dout = torch.rand(t, k, generator=g), torch.randn(t, h, generator=g)
+    w, dout = torch.rand(t, k, generator=g), torch.randn(t, h, generator=g).to(dtype)  # the output's dtype
     dw, drows = slot_combine_backward(dout, rows, pos, w, interpret=True)
     want_dw, want_drows = weighted_sum_backward(dout, rows, pos, w, Arena("cpu"))
     assert torch.equal(drows, want_drows)

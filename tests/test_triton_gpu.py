@@ -128,12 +128,12 @@ def test_global_timer_stamps_become_a_timeline_that_respects_every_wait():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_by_kernels_one_launch_combine_gives_the_cpus_bits(dtype):
-    """The GPU's combines (``hpmoe.gpu.combine``, what kernel by kernel runs on CUDA)
+    """The GPU's combines (``hpmoe.gpu.phases``, what kernel by kernel runs on CUDA)
     against the torch ones on the CPU: the same fp32 products and sums in the same order
     give the same bits (an FMA would not); the weights' gradient sums in another order."""
     from hpmoe.exec.arena import Arena
-    from hpmoe.exec.kernel_by_kernel import slot_sum, weighted_sum, weighted_sum_backward
-    from hpmoe.gpu.combine import slot_combine, slot_combine_backward
+    from hpmoe.exec.phases import slot_sum, weighted_sum, weighted_sum_backward
+    from hpmoe.gpu.phases import slot_combine, slot_combine_backward
 
     g = torch.Generator().manual_seed(5)
     t, k, h = 300, 8, 1000

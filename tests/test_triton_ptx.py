@@ -109,3 +109,34 @@ def test_kernel_by_kernels_combine_has_no_fma_and_gathers_whole_vectors():
         assert len(re.findall(r"\bld\.global[.\w]*\.v4", ptx)) >= 8, backward  # a vector per slot at least
         fused = compile_combine(torch.bfloat16, slots=8, fp_fusion=True, backward=backward)
         assert re.search(r"\bfma\.rn\.f32", fused), backward
+
+
+def test_kernel_by_kernels_other_phases_and_the_input_scan_build_for_sm90():
+    """The permute, the gated activation and its gradient (no FMA: torch's bits), the
+    input scan and its verdict compile for sm_90 as ``gpu.phases`` launches them."""
+    from hpmoe.gpu.hopper import compile_phase
+    from hpmoe.gpu.phases import BLOCK_COLS, BLOCK_ROWS, SCAN_COLS, SCAN_ROWS
+
+    bf16, blocks = torch.bfloat16, {"BR": BLOCK_ROWS, "BC": BLOCK_COLS}
+    sizes = {"m": "i32", "f": "i32"}
+    glu = compile_phase("glu_kernel", {"h": "*bf16", "a": "*bf16", **sizes, "ld_h": "i32", "ld_a": "i32"},
+                        {"DT": bf16, **blocks, "EMULATE": False})
+    grad = compile_phase("glu_backward_kernel", {"h": "*bf16", "da": "*bf16", "dh": "*bf16", **sizes,
+                                                 "ld_h": "i32", "ld_da": "i32", "ld_dh": "i32"},
+                         {"DT": bf16, **blocks, "EMULATE": False})
+    for ptx in (glu, grad):
+        assert not re.search(r"\bfma\.rn\.f32", ptx)
+        assert re.search(r"\bld\.global[.\w]*\.v", ptx)  # vector loads
+    rows = {"x": "*bf16", "order": "*i64", "rows": "*bf16", "t": "i32", "n": "i32", "ld_x": "i32",
+            "ld_rows": "i32"}
+    permute = compile_phase("permute_kernel", rows, {"K": 8, **blocks})
+    assert re.search(r"\bld\.global[.\w]*\.v4", permute)
+    scan = compile_phase("scan_kernel", {"x": "*bf16", "ids": "*i64", "w": "*fp32", "ids_out": "*i64",
+                                         "facts": "*i64", "counts": "*i64", "n": "i32", "hidden": "i32",
+                                         "ld_x": "i32", "experts": "i32"},
+                         {"K": 8, "KP": 8, "BR": SCAN_ROWS, "BC": SCAN_COLS}, rows=("n",))
+    assert re.search(r"\batom\.global[.\w]*\.min\.s64", scan)
+    assert re.search(r"\batom\.global[.\w]*\.add", scan)
+    verdict = compile_phase("verdict_kernel", {"facts": "*i64", "status": "*i64", "held": "*i64",
+                                               "experts": "i32"}, {"MERGE": True})
+    assert "st.global" in verdict

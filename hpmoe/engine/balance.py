@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..migration import Migration, Moves, migrate, move_seconds, replica_seconds, replica_sum
 from ..placement import Placement, plan_placement, rank_loads
+from ..routing import Routing
 from ..spec import MoESpec
 from ..weights import ExpertWeights
 from .options import RegionOptions
@@ -96,16 +97,23 @@ class Balance:
         physical slot under a placement."""
         return self.physical().physical_spec(spec) if self.sharded else spec
 
-    def place(self, ids: torch.Tensor, w: ExpertWeights, token_rank: torch.Tensor,
-              token_index: torch.Tensor) -> tuple[torch.Tensor, ExpertWeights]:
+    def place(self, routing: Routing, w: ExpertWeights, padded: int,
+              tokens: list[int] | None) -> tuple[Routing, ExpertWeights]:
         """The call on the physical layer: each (token, slot) row's physical slot
-        (``Placement.physical_ids`` of the token's rank and index) and weights whose
+        (``Placement.physical_ids`` of the token's rank and index: ``tokens``, every EP
+        rank's count, else ``padded`` tokens over the virtual ranks) and weights whose
         slots read their expert's rows in place."""
         p = self._placement
         if p is None:
-            return ids, w
-        ids = p.physical_ids(ids, token_rank, token_index)
-        return ids, w if self.options.shard_experts else p.slot_weights(w)
+            return routing, w
+        index = torch.arange(routing.ids.shape[0], device=routing.ids.device)
+        if tokens is None:
+            token_rank, first = index // (padded // self.options.virtual_ep), 0
+        else:
+            rank = dist.get_rank(self.options.group)
+            token_rank, first = torch.full_like(index, rank), sum(tokens[:rank])
+        ids = p.physical_ids(routing.ids, token_rank, first + index)
+        return Routing(ids, routing.weights), w if self.options.shard_experts else p.slot_weights(w)
 
     def stored_slots(self, spec: MoESpec, tensors: list[torch.Tensor], shared_w13: torch.Tensor | None,
                      shared_w2: torch.Tensor | None) -> ExpertWeights:

@@ -29,10 +29,11 @@ from ..regions.base import RegionKind
 from ..routing import Routing, check_form, expert_counts
 from ..schedule.auto import AutoDecision
 from ..schedule.tune import TuneResult
+from ..schedule.tuner import Trial
 from ..spec import MoESpec
 from ..weights import ExpertWeights
 from .balance import Balance
-from .check import CheckMode, InputCheck
+from .check import InputCheck
 from .compiled import run_region
 from .options import RegionOptions
 from .paths import RegionPath, run
@@ -66,6 +67,8 @@ class Door:
         self.inputs = InputCheck(options.check, spec.experts)
         self.balance = Balance(spec, options, self.session, placement)
         self.last: CallRecord | None = None
+        self._specs: dict[torch.dtype, MoESpec] = {}
+        self._paths: dict[tuple, RegionPath] = {}
 
     def session(self) -> Session | None:
         """The runtime session of a distributed layer, opened at first use (collective
@@ -97,14 +100,14 @@ class Door:
         o = self.options
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             return self._compiled(xc, routing, w).to(x.dtype)
-        logical = replace(self.spec, dtype=dtype)
+        logical = self._logical(dtype)
         if o.distributed:
-            routing, rows, received, tokens = self._agreed(xc, routing, w, logical)
+            routing, opened = self._agreed(xc, routing, w, logical)
+            received, tokens = opened.received, opened.tokens
         else:
-            routing, rows, received, tokens = self._checked(xc, routing, logical), None, None, None
-            rows = expert_counts(routing.ids, self.spec.experts)
-        self.balance.measure(rows)
-        out = self._placed(xc, routing, w, rows, received, tokens)
+            routing, received, tokens = self._checked(xc, routing, logical), None, None
+        self.balance.measure(routing.counts)
+        out = self._placed(xc, routing, w, received, tokens)
         return out[:x.shape[0]].to(x.dtype)
 
     def reject(self, tokens: int, w: ExpertWeights, error: BaseException) -> None:
@@ -117,30 +120,35 @@ class Door:
         reported yet (``CheckMode.DEFERRED``); waits for the device."""
         self.inputs.check()
 
+    def _logical(self, dtype: torch.dtype) -> MoESpec:
+        """The layer's logical spec in ``dtype`` (made once per dtype)."""
+        spec = self._specs.get(dtype)
+        if spec is None:
+            spec = self._specs[dtype] = replace(self.spec, dtype=dtype)
+        return spec
+
     def _checked(self, x: torch.Tensor, routing: Routing, spec: MoESpec) -> Routing:
-        """One process: the form, then the values' scan settled as the check mode says;
-        under ``DEFERRED`` the call runs on ids clamped into range."""
+        """One process: the form, then the values' scan settled as the check mode says
+        (under ``DEFERRED`` the call runs on ids clamped into range); the rows per expert
+        counted."""
         check_form(x, routing, spec)
-        self.inputs.settle(self.inputs.scan(x, routing.ids, routing.weights))
-        if self.inputs.mode is CheckMode.DEFERRED:
-            return Routing(routing.ids.clamp(0, spec.experts - 1), routing.weights)
-        return routing
+        ids, counts = self.inputs.settle(x, routing.ids, routing.weights)
+        return Routing(ids, routing.weights, counts)
 
     def _agreed(self, x: torch.Tensor, routing: Routing, w: ExpertWeights, spec: MoESpec
-                ) -> tuple[Routing, torch.Tensor, torch.Tensor | None, list[int]]:
-        """An EP group: this rank's verdict read at once and agreed on with every
-        rank's; (routing, rows per expert, rows each rank sends this one's experts
-        (None under a placement: slots are counted after the agreement), every rank's
-        token count)."""
+                ) -> tuple[Routing, Opened]:
+        """An EP group: this rank's verdict read at once and agreed on with every rank's
+        (the rows per expert counted and carried, but under a placement: slots are counted
+        after the agreement)."""
         try:
             check_form(x, routing, spec)
-            error = self.inputs.error(self.inputs.scan(x, routing.ids, routing.weights))
+            error = self.inputs.error(x, routing.ids, routing.weights)
         except (ValueError, TypeError) as err:
             error = err
         rows = expert_counts(routing.ids, spec.experts) if error is None else None
         opened = self._open(x.shape[0] if isinstance(x, torch.Tensor) else 0, w, error,
                             rows if self.balance.placement is None else None)
-        return routing, rows, opened.received, opened.tokens
+        return Routing(routing.ids, routing.weights, rows), opened
 
     def _open(self, tokens: int, w: ExpertWeights, error: BaseException | None,
               sent: torch.Tensor | None) -> Opened:
@@ -153,40 +161,49 @@ class Door:
         tuner.observe(opened.figures[:, 0].tolist(), opened.figures[:, 1].tolist(), s.rank)
         return opened
 
-    def _placed(self, x: torch.Tensor, routing: Routing, w: ExpertWeights, rows: torch.Tensor,
-                received: torch.Tensor | None, tokens: list[int] | None) -> torch.Tensor:
+    def _placed(self, x: torch.Tensor, routing: Routing, w: ExpertWeights, received: torch.Tensor | None,
+                tokens: list[int] | None) -> torch.Tensor:
         """Steps 3-6 of a call whose input is checked (and agreed: ``tokens``, every
         rank's count)."""
-        o, n = self.options, x.shape[0]
-        index = torch.arange(n, device=routing.ids.device)
-        if tokens is not None:
-            rank = self.session().rank
-            padded, token_rank, first = max(max(tokens), 1), torch.full_like(index, rank), sum(tokens[:rank])
-        else:
-            padded = max(-(-n // o.virtual_ep), 1) * o.virtual_ep
-            token_rank, first = index // (padded // o.virtual_ep), 0
-        ids, w = self.balance.place(routing.ids, w, token_rank, first + index)
-        placed = self.balance.placement is not None
-        received = None if placed else received  # slots are counted after the agreement
-        sent = rows if not placed and padded == n else None  # pad rows are rows too
-        xp, idp, wp = _pad(x, ids, routing.weights, padded, w.spec, o.virtual_ep, o.group)
+        o = self.options
+        padded = max(max(tokens), 1) if tokens is not None else self._padded(x.shape[0])
+        if self.balance.placement is not None:  # slots are counted after the agreement
+            routing, w, received = *self.balance.place(routing, w, padded, tokens), None
+        xp, routing = _pad(x, routing, padded, w.spec, o.virtual_ep, o.group)
         s = self.session()
         with torch.autocast(x.device.type, enabled=False):
-            path, trial = select(o, w.spec, xp.shape[0], self.auto, s, self.arenas, x.device, received, sent)
-            self.last = CallRecord(path, xp.shape[0], trial is not None and trial.tuning)
-            return run(path, xp, Routing(idp, wp), w, trial, self.balance.own_slots(), self.balance.clock, s,
-                       o.tiles)
+            path, trial = self._select(w.spec, padded, x.device, received)
+            self.last = CallRecord(path, padded, trial is not None and trial.tuning)
+            return run(path, xp, routing, w, trial, self.balance.own_slots(), self.balance.clock, s, o.tiles)
+
+    def _padded(self, tokens: int) -> int:
+        """One process: ``tokens`` rounded up to a multiple of the virtual ranks (one at least)."""
+        ranks = self.options.virtual_ep
+        return max(-(-tokens // ranks), 1) * ranks
+
+    def _select(self, spec: MoESpec, tokens: int, device: torch.device,
+                received: torch.Tensor | None) -> tuple[RegionPath, Trial | None]:
+        """``selection.select``; in one process a choice that is not a tuning trial is
+        kept per (layer, tokens, grad mode, device) and looked up at later calls."""
+        key = spec, tokens, torch.is_grad_enabled(), device
+        if (path := self._paths.get(key)) is not None:
+            return path, None
+        path, trial = select(self.options, spec, tokens, self.auto, self.session(), self.arenas, device,
+                             received)
+        if trial is None and not self.options.distributed:
+            self._paths[key] = path
+        return path, trial
 
     def _compiled(self, x: torch.Tensor, routing: Routing, w: ExpertWeights) -> torch.Tensor:
         """Under ``torch.compile`` in one process: the region's custom op (``compiled``),
         which checks its input itself; AUTO decides on the saved profile alone."""
         o, n = self.options, x.shape[0]
-        padded = max(-(-n // o.virtual_ep), 1) * o.virtual_ep
-        index = torch.arange(n, device=routing.ids.device)
-        ids, w = self.balance.place(routing.ids, w, index // (padded // o.virtual_ep), index)
-        xp, idp, wp = _pad(x, ids, routing.weights, padded, w.spec, o.virtual_ep, None)
+        padded = self._padded(n)
+        routing, w = self.balance.place(routing, w, padded, None)
+        xp, routing = _pad(x, routing, padded, w.spec, o.virtual_ep, None)
         auto = o.schedule is SchedulePolicy.AUTO
-        return run_region(xp, idp, wp, w.gathered(), o.virtual_ep, o.tiles, auto, o.nodes)[:n]
+        return run_region(xp, routing.ids, routing.weights, w.gathered(), o.virtual_ep, o.tiles, auto,
+                          o.nodes)[:n]
 
     def decision(self, spec: MoESpec, tokens: int, backward: bool) -> AutoDecision:
         """AUTO's forecast for a call of ``tokens`` tokens computing ``spec`` (``MoE.decision``)."""
@@ -216,18 +233,19 @@ def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
                          cast(w.shared_w13), cast(w.shared_w2), cast(w.b13), cast(w.b2), w.slot_rows)
 
 
-def _pad(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, total: int, spec: MoESpec,
-         virtual_ep: int, group: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pad(x: torch.Tensor, routing: Routing, total: int, spec: MoESpec, virtual_ep: int,
+         group: object) -> tuple[torch.Tensor, Routing]:
     """Append ``total - N`` zero tokens of routing weight 0, each routed to the first local
     expert of the rank that holds it: no communication, an expert output of exactly 0, and
-    nothing added to any gradient."""
+    nothing added to any gradient (the rows per expert are then not the routing's)."""
+    ids, weights = routing.ids, routing.weights
     n, k = ids.shape
     if total == n:
-        return x, ids, weights
+        return x, routing
     ranks = virtual_ep if group is None else dist.get_world_size(group)
     local = max(spec.experts // ranks, 1)
     pos = torch.arange(n, total, device=ids.device)
     owner = pos // (total // ranks) if group is None else torch.full_like(pos, dist.get_rank(group))
     pad_ids = (owner * local).clamp(max=spec.experts - 1).unsqueeze(1).expand(total - n, k)
-    return (torch.cat([x, x.new_zeros(total - n, x.shape[1])]), torch.cat([ids, pad_ids]),
-            torch.cat([weights, weights.new_zeros(total - n, k)]))
+    return (torch.cat([x, x.new_zeros(total - n, x.shape[1])]),
+            Routing(torch.cat([ids, pad_ids]), torch.cat([weights, weights.new_zeros(total - n, k)])))

@@ -30,6 +30,7 @@ from ..exec.arena import ArenaPool
 from ..exec.exact import Order, execute_forward
 from ..exec.exact_backward import Gradients, execute_backward
 from ..exec.kernel_by_kernel import KernelByKernelState, kbk_backward, kbk_forward
+from ..exec.phases import TORCH, Phases
 from ..ir.schedule import SchedulePolicy
 from ..regions.base import RegionKind
 from ..regions.family import region_family
@@ -209,8 +210,8 @@ class KernelByKernelPath:
     """The region without tiles (``exec.kernel_by_kernel``): in one process, or over the
     EP group of ``session`` (its deadline-bounded collectives); scratch from ``pool``;
     ``received``: this call's rows from each rank for this rank's experts, carried by
-    the call's agreement (None: the forward exchanges them); ``sent``: this rank's rows
-    per expert, counted by the call already (None: the forward counts them)."""
+    the call's agreement (None: the forward exchanges them); ``phases``: the functions of
+    its memory-bound phases (``exec.phases``)."""
 
     reads_slots: ClassVar[bool] = True
 
@@ -219,13 +220,13 @@ class KernelByKernelPath:
     pool: ArenaPool | None = None
     recompute: bool = False
     received: torch.Tensor | None = field(default=None, compare=False)
-    sent: torch.Tensor | None = field(default=None, compare=False)
+    phases: Phases = TORCH
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, KernelByKernelState | None]:
         coll = self.session.collectives if self.session is not None else None
         return kbk_forward(x, routing, weights, coll, self.pool, save, self.recompute, self.received,
-                           checked=True, sent=self.sent)
+                           checked=True, phases=self.phases)
 
     def backward(self, state: KernelByKernelState, dy: torch.Tensor) -> Gradients:
         return kbk_backward(state, dy, self.pool)

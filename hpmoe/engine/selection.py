@@ -8,6 +8,7 @@ caller's memory of it: the layer keeps one, one-process callers share the proces
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import torch
 from ..exec.arena import ArenaPool
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
+from ..exec.phases import TORCH, Phases
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..schedule.auto import PROCESS_DECISIONS, AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
 from ..schedule.tune import DeviceSpace, Knobs, Space, TuneKey, TuneResult
@@ -62,31 +64,40 @@ PROCESS_AUTO = Auto(PROCESS_DECISIONS)  # callers that keep none: moe_forward, t
 
 def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Session | None = None,
            pool: ArenaPool | None = None, device: torch.device | None = None,
-           received: torch.Tensor | None = None, sent: torch.Tensor | None = None
-           ) -> tuple[RegionPath, Trial | None]:
+           received: torch.Tensor | None = None) -> tuple[RegionPath, Trial | None]:
     """The path of a call of ``tokens`` tokens (per rank with an ep_group, after padding;
     the whole batch in one process) computing ``spec`` (its dtype: the compute dtype) on
     ``device`` (default: the CPU), and the tuning trial it is (None: not tuning).
     ``received``: the rows each rank sends this one's experts, carried by the call's
-    agreement (kernel by kernel then exchanges no counts); ``sent``: this rank's rows per
-    expert, counted by the call (kernel by kernel then counts none).  Collective over
-    ``session``'s group."""
+    agreement (kernel by kernel then exchanges no counts).  Collective over ``session``'s
+    group."""
     if o.backend is Backend.AUTO:
         auto.tuner.observe_own()
         key = device_key(o, spec, tokens, torch.is_grad_enabled(), auto, device)
         trial = auto.tuner.start(key, DeviceSpace(), OneProcess())
         if trial.knobs.path is Path.PERSISTENT:
             return TritonPath(o.virtual_ep, o.tiles, trial.knobs.policy, None, o.recompute), trial
-        return KernelByKernelPath(None, o.tiles, pool, o.recompute, sent=sent), trial
+        return KernelByKernelPath(None, o.tiles, pool, o.recompute, phases=phases_for(device)), trial
     chosen, trial = _choose(o, spec, tokens, auto, session)
     if chosen.backend is Backend.KERNEL_BY_KERNEL:
-        return KernelByKernelPath(session, o.tiles, pool, o.recompute, received, sent), trial
+        return KernelByKernelPath(session, o.tiles, pool, o.recompute, received, phases_for(device)), trial
     if o.distributed:
         return RuntimePath(session, chosen.tiles, chosen.policy, chosen.rank_hardware, chosen.nodes,
                            chosen.recompute), trial
     if o.backend is Backend.TRITON:
         return TritonPath(o.virtual_ep, o.tiles, o.policy, o.hardware, o.recompute), trial
     return ExactPath(o.virtual_ep, chosen.tiles, chosen.schedule, chosen.nodes, chosen.recompute), trial
+
+
+def phases_for(device: torch.device | None) -> Phases:
+    """Kernel by kernel's memory-bound phases on ``device``: one Triton launch each on a
+    CUDA device where triton is installed (``gpu.phases.TRITON``, which falls back to
+    torch per call where its kernels do not run), else torch's."""
+    if device is None or device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return TORCH
+    from ..gpu.phases import TRITON
+
+    return TRITON
 
 
 def _choose(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto,

@@ -39,20 +39,19 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..refs import inverse_permutation
-from ..regions.backward_kernels import glu_backward
-from ..regions.kernels import gemm_bias, glu
+from ..regions.kernels import gemm_bias
 from ..routing import Routing, check_input, expert_counts
 from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
 from .exact_backward import Gradients
+from .phases import TORCH, Phases
 
 if TYPE_CHECKING:  # the runtime loads on first distributed use, never by ``import hpmoe``
     from ..runtime.collective import Collectives
@@ -177,25 +176,26 @@ def _grouped(path: GemmPath | None, xs: torch.Tensor, ex: Experts) -> bool:
 
 
 def experts_forward(xs: torch.Tensor, groups: Groups, ex: Experts, keep: Arena, tag: str,
-                    path: GemmPath | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    path: GemmPath | None = None, phases: Phases = TORCH
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [M, 2F], a [M, F], y [M, H]) of experts on expert-major rows xs [M, H]:
-    h = xs @ w13[e]^T + b13[e], a = the gated activation, y = a @ w2[e]^T + b2[e]
-    (``refs.expert_ffn``).  PER_EXPERT (in ``keep``): one expert after another so that
-    its h and a are still in cache for the next GEMM; GROUPED: a grouped GEMM each
-    (path None: ``gemm_path``)."""
+    h = xs @ w13[e]^T + b13[e], a = the gated activation (``phases.glu``), y = a @
+    w2[e]^T + b2[e] (``refs.expert_ffn``).  PER_EXPERT (in ``keep``): one expert after
+    another so that its h and a are still in cache for the next GEMM; GROUPED: a grouped
+    GEMM each (path None: ``gemm_path``)."""
     m, f, dtype = xs.shape[0], ex.w2.shape[2], xs.dtype
     a = keep.take(tag + "a", (m, f), dtype)
     if _grouped(path, xs, ex):
         offs = groups.offsets()
         h = _GROUPED_MM(xs, ex.stacked(ex.w13).transpose(1, 2), offs=offs)
-        glu(h, a, ex.activation, ex.glu)
+        phases.glu(h, a, ex.activation, ex.glu)
         return h, a, _GROUPED_MM(a, ex.stacked(ex.w2).transpose(1, 2), offs=offs)
     h = keep.take(tag + "h", (m, 2 * f), dtype)
     y = keep.take(tag + "y", (m, ex.w2.shape[1]), dtype)
     for e, s, t in groups.segments:
         r = ex.rows[e]
         gemm_bias(xs[s:t], ex.w13[r], None if ex.b13 is None else ex.b13[r], h[s:t])
-        glu(h[s:t], a[s:t], ex.activation, ex.glu)
+        phases.glu(h[s:t], a[s:t], ex.activation, ex.glu)
         gemm_bias(a[s:t], ex.w2[r], None if ex.b2 is None else ex.b2[r], y[s:t])
     return h, a, y
 
@@ -214,19 +214,20 @@ class ExpertGrads:
 
 def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor | None,
                      groups: Groups, ex: Experts, grads: ExpertGrads, arena: Arena, tag: str,
-                     path: GemmPath | None = None) -> torch.Tensor:
+                     path: GemmPath | None = None, phases: Phases = TORCH) -> torch.Tensor:
     """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the weight
     gradients of every local expert into ``grads`` (zeros for experts without rows), one
     expert after another (PER_EXPERT) or in grouped GEMMs (GROUPED; None: ``gemm_path``;
     its GEMMs' outputs replace grads' tensors where they cover every row).
-    a: the gated activation's output, or None to recompute it."""
+    a: the gated activation's output, or None to recompute it; phases: the gated
+    activation and its gradient."""
     m, f = h.shape[0], h.shape[1] // 2
     dh = arena.take(tag + "dh", (m, 2 * f), dy.dtype)
     tmp = arena.take(tag + "glu", (m, f), dy.dtype)
     recompute = a is None
     a = arena.take(tag + "a", (m, f), h.dtype) if recompute else a
     if _grouped(path, xs, ex):
-        return _grouped_backward(dy, xs, h, a, recompute, groups, ex, grads, dh, tmp)
+        return _grouped_backward(dy, xs, h, a, recompute, groups, ex, grads, dh, tmp, phases)
     da = arena.take(tag + "da", (m, f), dy.dtype)
     dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
     written = [g for g in (grads.dw13, grads.dw2, grads.db13, grads.db2) if g is not None]
@@ -241,10 +242,10 @@ def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: tor
         add = r in done  # a second replica of the row on this rank: sum into it
         done.add(r)
         if recompute:
-            glu(h[s:t], a[s:t], ex.activation, ex.glu)
+            phases.glu(h[s:t], a[s:t], ex.activation, ex.glu)
         torch.mm(dy[s:t], ex.w2[r], out=da[s:t])
         _mm_into(grads.dw2[r], dy[s:t].t(), a[s:t], add)
-        glu_backward(h[s:t], da[s:t], dh[s:t], ex.activation, tmp[s:t], ex.glu)
+        phases.glu_backward(h[s:t], da[s:t], dh[s:t], ex.activation, tmp[s:t], ex.glu)
         _mm_into(grads.dw13[r], dh[s:t].t(), xs[s:t], add)
         torch.mm(dh[s:t], ex.w13[r], out=dxs[s:t])
         if grads.db13 is not None:
@@ -269,16 +270,16 @@ def _sum_into(out: torch.Tensor, rows: torch.Tensor, add: bool) -> None:
 
 def _grouped_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor, recompute: bool,
                       groups: Groups, ex: Experts, grads: ExpertGrads, dh: torch.Tensor,
-                      tmp: torch.Tensor) -> torch.Tensor:
+                      tmp: torch.Tensor, phases: Phases) -> torch.Tensor:
     """``experts_backward`` in grouped GEMMs: the weight gradients of an expert without
     rows come out zero from the grouped GEMM itself; where the experts are every row of
     ``grads``, the GEMMs' outputs become its tensors."""
     offs = groups.offsets()
     if recompute:
-        glu(h, a, ex.activation, ex.glu)
+        phases.glu(h, a, ex.activation, ex.glu)
     da = _GROUPED_MM(dy, ex.stacked(ex.w2), offs=offs)
     grads.dw2 = ex.put(grads.dw2, _GROUPED_MM(dy.t(), a, offs=offs))
-    glu_backward(h, da, dh, ex.activation, tmp, ex.glu)
+    phases.glu_backward(h, da, dh, ex.activation, tmp, ex.glu)
     grads.dw13 = ex.put(grads.dw13, _GROUPED_MM(dh.t(), xs, offs=offs))
     return _GROUPED_MM(dh, ex.stacked(ex.w13), offs=offs)
 
@@ -369,101 +370,6 @@ def _group_size(coll: Collectives | None) -> int:
     return coll.world if coll is not None else 1
 
 
-# ---------------------------------------------------------------------------- combine
-
-
-CHUNK_BYTES = 1 << 20  # a token block's fp32 sum buffer: small enough to stay in cache
-
-
-def token_blocks(tokens: int, hidden: int, device: torch.device) -> list[slice]:
-    """Blocks of tokens whose [block, hidden] fp32 buffer is about ``CHUNK_BYTES`` on a
-    CPU; elsewhere one block (a GPU gains nothing from cache blocking and would pay a
-    launch per block and slot: DeepSeek-V3's 4096 tokens made 114 blocks)."""
-    if device.type != "cpu":
-        return [slice(0, tokens)]
-    rows = max(1, CHUNK_BYTES // (4 * max(hidden, 1)))
-    return [slice(s, min(s + rows, tokens)) for s in range(0, tokens, rows)]
-
-
-def weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
-                 arena: Arena) -> torch.Tensor:
-    """``refs.topk_sum`` of sorted rows [T*k, H]: out[t] = sum_j w[t, j] * rows[pos[t, j]]
-    in fp32, slot 0 first, shared [T, H] last; [T, H] in rows.dtype (a fresh tensor).
-    Block by block of tokens, so a block's partial sums stay in cache over the k slots
-    (the same operations per element, so the same bits); on a GPU one Triton launch."""
-    if (fused := _fused(rows)) is not None:
-        return fused.slot_combine(rows, pos, w, shared)
-    t, k = pos.shape
-    acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
-    tmp = arena.take("tmp", tuple(acc.shape), torch.float32)
-    picked = arena.take("picked", tuple(acc.shape), rows.dtype)
-    for b in token_blocks(t, rows.shape[1], rows.device):
-        a, p, tb, pb, wb = acc[b], picked[b], tmp[b], pos[b], w[b]  # this block's views, once
-        for j in range(k):
-            torch.index_select(rows, 0, pb[:, j], out=p)
-            torch.mul(p, wb[:, j:j + 1], out=a if j == 0 else tb)
-            if j:
-                a.add_(tb)
-        if k == 0:
-            a.zero_()
-        if shared is not None:
-            a.add_(shared[b])
-    return acc.to(rows.dtype)
-
-
-def _accumulator(arena: Arena, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 sum buffer of a result in ``dtype``: from the arena unless the result
-    is fp32 itself (``Tensor.to`` would then return the arena's buffer to the caller)."""
-    if dtype == torch.float32:
-        return torch.empty(shape, dtype=torch.float32, device=arena.device)
-    return arena.take("acc", shape, torch.float32)
-
-
-def _fused(rows: torch.Tensor) -> ModuleType | None:
-    """``hpmoe.gpu.combine`` where its one-launch sums run for ``rows`` (a GPU's, with
-    triton; imported only then), else None."""
-    if not rows.is_cuda:
-        return None
-    from ..gpu import combine
-    return combine if combine.available(rows) else None
-
-
-def weighted_sum_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
-                          arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``weighted_sum`` given g [T, H] fp32: (dw [T, k] fp32, drows
-    [T*k, H] rows.dtype in sorted order, arena; on a GPU one Triton launch, fresh)."""
-    if (fused := _fused(rows)) is not None:
-        return fused.slot_combine_backward(g, rows, pos, w)
-    t, k = pos.shape
-    dw = torch.empty(t, k, dtype=torch.float32, device=g.device)
-    tmp = arena.take("tmp", tuple(g.shape), torch.float32)
-    picked = arena.take("picked", tuple(g.shape), rows.dtype)
-    drows = arena.take("drows", tuple(rows.shape), rows.dtype)
-    for j in range(k):
-        torch.index_select(rows, 0, pos[:, j], out=picked)
-        torch.mul(picked, g, out=tmp)
-        torch.sum(tmp, 1, out=dw[:, j])
-        torch.mul(g, w[:, j:j + 1], out=tmp)
-        picked.copy_(tmp)
-        drows.index_copy_(0, pos[:, j], picked)
-    return dw, drows
-
-
-def slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None, arena: Arena) -> torch.Tensor:
-    """out[t] = sum_j rows[pos[t, j]] (+ extra[t]) in fp32, slot order; [T, H] rows.dtype."""
-    if (fused := _fused(rows)) is not None:
-        return fused.slot_combine(rows, pos, None, extra)
-    t, k = pos.shape
-    acc = _accumulator(arena, (t, rows.shape[1]), rows.dtype)
-    picked = arena.take("picked", tuple(acc.shape), rows.dtype)
-    acc.zero_()
-    for j in range(k):
-        acc.add_(torch.index_select(rows, 0, pos[:, j], out=picked))
-    if extra is not None:
-        acc.add_(extra)
-    return acc.to(rows.dtype)
-
-
 # ---------------------------------------------------------------------------- region
 
 
@@ -490,6 +396,7 @@ class KernelByKernelState:
     weights: ExpertWeights | None
     spec: MoESpec | None = None  # the weights' spec while they are packed away
     slot_rows: tuple[int, ...] | None = None  # and their slot rows
+    phases: Phases = TORCH  # the forward's memory-bound phases, which the backward runs too
 
     TENSORS = ("xs", "h", "a", "y", "sh", "sa", "x", "topk_weights")
     WEIGHTS = ("w13", "w2", "shared_w13", "shared_w2", "b13", "b2")
@@ -519,7 +426,7 @@ def _local_slice(weights: ExpertWeights, coll: Collectives | None) -> slice:
 
 def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None = None,
                 pool: ArenaPool | None = None, save: bool = False, recompute: bool = False,
-                received: torch.Tensor | None = None, checked: bool = False, sent: torch.Tensor | None = None
+                received: torch.Tensor | None = None, checked: bool = False, phases: Phases = TORCH
                 ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
     tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
@@ -531,15 +438,15 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
     received: [ep, L] int64 rows each rank routes to this rank's experts, where the
     caller's agreement carried them (a rank's rows to itself are taken from ``routing``);
     None: counted in a count exchange first.  checked: the caller has checked x and
-    routing (``routing.check_input``: the layer's call protocol does).  sent: [E] int64
-    rows routed to each expert, where the caller has counted them."""
+    routing (``routing.check_input``: the layer's call protocol does).  phases: the
+    functions of the memory-bound phases (``exec.phases``: torch's, or a device's)."""
     spec = weights.spec
     if not checked:
         check_input(x, routing, spec)
     arena = pool.acquire(x.device) if pool is not None else Arena(x.device)
     try:
         return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute,
-                        received, sent)
+                        received, phases)
     finally:
         if pool is not None:
             pool.release(arena)
@@ -547,27 +454,28 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
 
 def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None,
              arena: Arena, keep: Arena, save: bool, recompute: bool, received: torch.Tensor | None,
-             sent: torch.Tensor | None) -> tuple[torch.Tensor, KernelByKernelState | None]:
+             phases: Phases) -> tuple[torch.Tensor, KernelByKernelState | None]:
     spec = weights.spec
     mine, k = _local_slice(weights, coll), spec.top_k
-    perm = Permutation.of(routing.ids, spec.experts, _group_size(coll), sent)
+    perm = Permutation.of(routing.ids, spec.experts, _group_size(coll), routing.counts)
     exchange = Exchange.of(perm.send, coll, received) if _group_size(coll) > 1 else None
     rows_from = arena if exchange is not None else keep  # in one process the rows are xs
-    rows = torch.index_select(x, 0, perm.order // k,
-                              out=rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype))
+    rows = rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype)
+    rows = phases.permute(x, perm.order, k, rows)
     xs = exchange.dispatch(rows, arena, keep, "d.") if exchange is not None else rows
     groups = Groups(exchange.local_rows() if exchange is not None else perm.send.reshape(-1))
-    h, a, y = experts_forward(xs, groups, Experts.routed(weights, mine), keep, "e.")
+    h, a, y = experts_forward(xs, groups, Experts.routed(weights, mine), keep, "e.", phases=phases)
     y = exchange.combine(y, arena, keep, "c.") if exchange is not None else y
     sh = sa = sy = None
     if weights.has_shared:
-        sh, sa, sy = experts_forward(x, Groups.one(x.shape[0], x.device), Experts.shared(weights), keep, "s.")
-    out = weighted_sum(y, perm.pos, routing.weights, sy, arena)
+        sh, sa, sy = experts_forward(x, Groups.one(x.shape[0], x.device), Experts.shared(weights), keep, "s.",
+                                     phases=phases)
+    out = phases.weighted_sum(y, perm.pos, routing.weights, sy, arena)
     if not save:
         return out, None
     drop = recompute
     return out, KernelByKernelState(perm, exchange, groups, xs, h, None if drop else a, y, sh,
-                                    None if drop else sa, x, routing.weights, weights)
+                                    None if drop else sa, x, routing.weights, weights, phases=phases)
 
 
 def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool | None = None) -> Gradients:
@@ -586,21 +494,21 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
     w = s.weights
     mine = _local_slice(w, s.exchange.coll if s.exchange is not None else None)
     dtype = w.spec.dtype
-    g = dout.to(torch.float32)
-    dweights, drows = weighted_sum_backward(g, s.y, s.perm.pos, s.topk_weights, arena)
+    dweights, drows = s.phases.weighted_sum_backward(dout, s.y, s.perm.pos, s.topk_weights, arena)
     dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
     ex = Experts.routed(w, mine)
     grads = ExpertGrads(*(_weight_buffer(t, ex) for t in (w.w13, w.w2, *w.biases)))
-    dxs = experts_backward(dys, s.xs, s.h, s.a, s.groups, ex, grads, arena, "e.")
+    dxs = experts_backward(dys, s.xs, s.h, s.a, s.groups, ex, grads, arena, "e.", phases=s.phases)
     dxs = s.exchange.combine(dxs, arena, arena, "gc.") if s.exchange is not None else dxs
     dsw13 = dsw2 = dx_shared = None
     if s.sh is not None:
         sg = ExpertGrads(torch.empty_like(w.shared_w13)[None], torch.empty_like(w.shared_w2)[None])
         ds = dout.to(dtype).contiguous()
         one = Groups.one(s.x.shape[0], s.x.device)
-        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, one, Experts.shared(w), sg, arena, "s.")
+        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, one, Experts.shared(w), sg, arena, "s.",
+                                     phases=s.phases)
         dsw13, dsw2 = sg.dw13[0], sg.dw2[0]
-    dx = slot_sum(dxs, s.perm.pos, dx_shared, arena)
+    dx = s.phases.slot_sum(dxs, s.perm.pos, dx_shared, arena)
     return Gradients(dx=dx, dweights=dweights, dw13=grads.dw13, dw2=grads.dw2, dshared_w13=dsw13,
                      dshared_w2=dsw2, db13=grads.db13, db2=grads.db2)
 

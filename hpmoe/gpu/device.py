@@ -103,6 +103,16 @@ def _add(a, b):
 
 
 @triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _to(x, DT: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 ``x`` rounded to ``DT`` to nearest even.  The interpreter truncates when it
     narrows to bfloat16, so there (EMULATE) the rounding is done on the bits."""
@@ -215,8 +225,14 @@ def swiglu_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
             pa = a + ir[:, None].to(tl.int64) * lda + jc[None, :]
             g = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(pa + n, mask=mask, other=0.0).to(tl.float32)
-            s = _to(g / (1.0 + tl.exp(-g)), DT, EMULATE).to(tl.float32)
-            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], _to(s * u, DT, EMULATE), mask=mask)
+            tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], _swiglu(g, u, DT, EMULATE), mask=mask)
+
+
+@triton.jit
+def _swiglu(g, u, DT: tl.constexpr, EMULATE: tl.constexpr):
+    """silu(g) * u of fp32 g, u in DT, rounded as torch rounds it (silu, then the product)."""
+    s = _to(g / (1.0 + tl.exp(-g)), DT, EMULATE).to(tl.float32)
+    return _to(s * u, DT, EMULATE)
 
 
 @triton.jit
@@ -237,13 +253,21 @@ def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.c
             g = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(pa + n, mask=mask, other=0.0).to(tl.float32)
             d = tl.load(b + ir[:, None].to(tl.int64) * ldb + jc[None, :], mask=mask, other=0.0).to(tl.float32)
-            sig = 1.0 / (1.0 + tl.exp(-g))
-            t = _to(d * u, DT, EMULATE).to(tl.float32)
-            dgate = t * sig * (1.0 + g * (1.0 - sig))
-            dup = d * _to(g * sig, DT, EMULATE).to(tl.float32)
+            dgate, dup = _swiglu_grad(g, u, d, DT, EMULATE)
             pc = c + ir[:, None].to(tl.int64) * ldc + jc[None, :]
-            tl.store(pc, _to(dgate, DT, EMULATE), mask=mask)
-            tl.store(pc + n, _to(dup, DT, EMULATE), mask=mask)
+            tl.store(pc, dgate, mask=mask)
+            tl.store(pc + n, dup, mask=mask)
+
+
+@triton.jit
+def _swiglu_grad(g, u, d, DT: tl.constexpr, EMULATE: tl.constexpr):
+    """(d gate, d up) in DT of silu(g) * u given its gradient d (fp32 g, u, d), as
+    autograd rounds them (d * u rounded first, then silu's backward; d times silu(g))."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    t = _to(d * u, DT, EMULATE).to(tl.float32)
+    dgate = t * sig * (1.0 + g * (1.0 - sig))
+    dup = d * _to(g * sig, DT, EMULATE).to(tl.float32)
+    return _to(dgate, DT, EMULATE), _to(dup, DT, EMULATE)
 
 
 @triton.jit
@@ -470,7 +494,7 @@ def combine_kernel(rows, pos, w, extra, out, t, n, ld_rows, ld_extra, ld_out,
 def combine_backward_kernel(rows, pos, w, g, dw, drows, t, n, ld_rows, ld_g, ld_drows,
                             K: tl.constexpr, KP: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr,
                             BC: tl.constexpr, EMULATE: tl.constexpr):
-    """The gradients of ``combine_kernel`` (weighted, g [T, H] fp32 the output's), one
+    """The gradients of ``combine_kernel`` (weighted, g [T, H] the output's, read in fp32), one
     launch: dw[i, j] = sum_c rows[pos[i, j], c] * g[i, c] in fp32 (the products rounded,
     summed block of columns by block) and drows[pos[i, j], :] = g[i, :] * w[i, j]
     rounded to DT once, as ``weighted_sum_backward``: drows with its bits, dw in another
@@ -483,7 +507,7 @@ def combine_backward_kernel(rows, pos, w, g, dw, drows, t, n, ld_rows, ld_g, ld_
     for c0 in range(0, n, BC):
         jc = c0 + tl.arange(0, BC)
         mask = live[:, None] & (jc[None, :] < n)
-        gb = tl.load(g + ir[:, None].to(tl.int64) * ld_g + jc[None, :], mask=mask, other=0.0)
+        gb = tl.load(g + ir[:, None].to(tl.int64) * ld_g + jc[None, :], mask=mask, other=0.0).to(tl.float32)
         for j in tl.static_range(K):
             dst = tl.load(pos + ir.to(tl.int64) * K + j, mask=live, other=0)
             v = tl.load(rows + dst[:, None] * ld_rows + jc[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -493,3 +517,113 @@ def combine_backward_kernel(rows, pos, w, g, dw, drows, t, n, ld_rows, ld_g, ld_
             scaled = _to(gb * wj[:, None], DT, EMULATE)
             tl.store(drows + dst[:, None] * ld_drows + jc[None, :], scaled, mask=mask)
     tl.store(dw + ir[:, None].to(tl.int64) * K + ju[None, :], acc, mask=live[:, None] & (ju[None, :] < K))
+
+
+@triton.jit
+def permute_kernel(x, order, rows, t, n, ld_x, ld_rows, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """rows[i, :] = x[order[i] // K, :] for the t sorted (token, slot) rows, one launch:
+    each program a (BR, BC) block."""
+    ir = tl.program_id(0) * BR + tl.arange(0, BR)
+    jc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (ir[:, None] < t) & (jc[None, :] < n)
+    src = tl.load(order + ir.to(tl.int64), mask=ir < t, other=0) // K
+    v = tl.load(x + src[:, None].to(tl.int64) * ld_x + jc[None, :], mask=mask)
+    tl.store(rows + ir[:, None].to(tl.int64) * ld_rows + jc[None, :], v, mask=mask)
+
+
+@triton.jit
+def glu_kernel(h, a, m, f, ld_h, ld_a, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+               EMULATE: tl.constexpr):
+    """a[i, j] = silu(h[i, j]) * h[i, f + j] (``_swiglu``) for m rows, one launch: each
+    program a (BR, BC) block."""
+    ir = tl.program_id(0) * BR + tl.arange(0, BR)
+    jc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (ir[:, None] < m) & (jc[None, :] < f)
+    ph = h + ir[:, None].to(tl.int64) * ld_h + jc[None, :]
+    g = tl.load(ph, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(ph + f, mask=mask, other=0.0).to(tl.float32)
+    tl.store(a + ir[:, None].to(tl.int64) * ld_a + jc[None, :], _swiglu(g, u, DT, EMULATE), mask=mask)
+
+
+@triton.jit
+def glu_backward_kernel(h, da, dh, m, f, ld_h, ld_da, ld_dh, DT: tl.constexpr, BR: tl.constexpr,
+                        BC: tl.constexpr, EMULATE: tl.constexpr):
+    """dh [m, 2f] = the gradient of ``glu_kernel``'s output given da [m, f]
+    (``_swiglu_grad``), one launch: each program a (BR, BC) block."""
+    ir = tl.program_id(0) * BR + tl.arange(0, BR)
+    jc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (ir[:, None] < m) & (jc[None, :] < f)
+    ph = h + ir[:, None].to(tl.int64) * ld_h + jc[None, :]
+    g = tl.load(ph, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(ph + f, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(da + ir[:, None].to(tl.int64) * ld_da + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+    dgate, dup = _swiglu_grad(g, u, d, DT, EMULATE)
+    pd = dh + ir[:, None].to(tl.int64) * ld_dh + jc[None, :]
+    tl.store(pd, dgate, mask=mask)
+    tl.store(pd + f, dup, mask=mask)
+
+
+# ---------------------------------------------------------------------------- a call's input scan
+
+BIG = tl.constexpr(1 << 62)  # above every row key and expert id: "nothing found"
+
+
+@triton.jit
+def scan_kernel(x, ids, w, ids_out, facts, counts, n, hidden, ld_x, experts, K: tl.constexpr,
+                KP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """The facts of a call's input, each program BR tokens, one launch: facts[0] = min
+    over x's non-finite rows r of 2r + (0 for a NaN in the row, 1 for inf alone) (BIG:
+    none); facts[1], facts[2] = min and max expert id; facts[3] = 1 for a non-finite
+    routing weight.  Also the ids clamped into [0, experts) (``ids_out``) and their rows
+    per expert added into ``counts``.  facts and counts start at (BIG, BIG, -BIG, 0) and
+    zeros; KP: K rounded up to a power of two."""
+    ir = tl.program_id(0) * BR + tl.arange(0, BR)
+    live = ir < n
+    bad = tl.full((BR,), 0, tl.int32)
+    nan = tl.full((BR,), 0, tl.int32)
+    for c0 in range(0, hidden, BC):
+        jc = c0 + tl.arange(0, BC)
+        mask = live[:, None] & (jc[None, :] < hidden)
+        v = tl.load(x + ir[:, None].to(tl.int64) * ld_x + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+        isnan = v != v
+        notfinite = isnan | (v == float("inf")) | (v == float("-inf"))
+        bad = tl.maximum(bad, tl.reduce(notfinite.to(tl.int32), 1, _max))
+        nan = tl.maximum(nan, tl.reduce(isnan.to(tl.int32), 1, _max))
+    key = tl.where(live & (bad > 0), ir.to(tl.int64) * 2 + (1 - nan).to(tl.int64), BIG)
+    tl.atomic_min(facts, tl.reduce(key, 0, _min))
+    ju = tl.arange(0, KP)
+    im = live[:, None] & (ju[None, :] < K)
+    at = ir[:, None].to(tl.int64) * K + ju[None, :]
+    e = tl.load(ids + at, mask=im, other=0).to(tl.int64)
+    tl.atomic_min(facts + 1, tl.reduce(tl.reduce(tl.where(im, e, BIG), 1, _min), 0, _min))
+    tl.atomic_max(facts + 2, tl.reduce(tl.reduce(tl.where(im, e, -BIG), 1, _max), 0, _max))
+    clamped = tl.minimum(tl.maximum(e, 0), experts - 1)
+    tl.store(ids_out + at, clamped, mask=im)
+    tl.atomic_add(counts + clamped, tl.full((BR, KP), 1, tl.int64), mask=im)
+    wv = tl.load(w + at, mask=im, other=0.0)
+    wbad = ((wv != wv) | (wv == float("inf")) | (wv == float("-inf"))).to(tl.int64)
+    tl.atomic_max(facts + 3, tl.reduce(tl.reduce(wbad, 1, _max), 0, _max))
+
+
+@triton.jit
+def verdict_kernel(facts, status, held, experts, MERGE: tl.constexpr):
+    """One program: the call's ``InputFault`` status (fault, row, value) from
+    ``scan_kernel``'s facts, in ``routing.input_status``'s order (x, ids, weights); with
+    MERGE also into ``held`` unless it holds a fault already (the first one is kept)."""
+    key = tl.load(facts)
+    lo = tl.load(facts + 1)
+    hi = tl.load(facts + 2)
+    wbad = tl.load(facts + 3)
+    xbad = key < BIG
+    idbad = (lo < 0) | (hi >= experts)
+    fault = tl.where(xbad, 1 + key % 2, tl.where(idbad, 3, tl.where(wbad > 0, 4, 0)))
+    row = tl.where(xbad, key // 2, 0)
+    value = tl.where(~xbad & idbad, tl.where(lo < 0, lo, hi), 0)
+    tl.store(status, fault)
+    tl.store(status + 1, row)
+    tl.store(status + 2, value)
+    if MERGE:
+        keep = tl.load(held) != 0
+        tl.store(held, tl.where(keep, tl.load(held), fault))
+        tl.store(held + 1, tl.where(keep, tl.load(held + 1), row))
+        tl.store(held + 2, tl.where(keep, tl.load(held + 2), value))

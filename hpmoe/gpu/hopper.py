@@ -112,30 +112,45 @@ def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | N
 def compile_combine(dtype: torch.dtype = torch.bfloat16, slots: int = 8, fp_fusion: bool = False,
                     backward: bool = False) -> str:
     """The sm_90 PTX of ``combine_kernel`` (kernel by kernel's weighted combine; with
-    ``backward``, ``combine_backward_kernel``) as ``hpmoe.gpu.combine`` launches it
+    ``backward``, ``combine_backward_kernel``) as ``hpmoe.gpu.phases`` launches it
     (``fp_fusion`` False: no FMA contraction)."""
+    from .phases import BACKWARD_ROWS, BLOCK_COLS, BLOCK_ROWS
+
+    dt = _PTX_TYPES[dtype]
+    common = {"K": slots, "DT": dtype, "BC": BLOCK_COLS, "EMULATE": False}
+    if backward:
+        meta = {**common, "KP": 1 << max(slots - 1, 0).bit_length(), "BR": BACKWARD_ROWS}
+        args = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "g": f"*{dt}", "dw": "*fp32",
+                "drows": f"*{dt}", "t": "i32", "n": "i32", "ld_rows": "i32", "ld_g": "i32", "ld_drows": "i32"}
+        return compile_phase("combine_backward_kernel", args, meta, fp_fusion)
+    meta = {**common, "WEIGHTED": True, "EXTRA": True, "BR": BLOCK_ROWS}
+    args = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "extra": f"*{dt}", "out": f"*{dt}",
+            "t": "i32", "n": "i32", "ld_rows": "i32", "ld_extra": "i32", "ld_out": "i32"}
+    return compile_phase("combine_kernel", args, meta, fp_fusion)
+
+
+_PTX_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compile_phase(fn: str, args: dict[str, str], meta: dict[str, object], fp_fusion: bool = False,
+                  rows: tuple[str, ...] = ("t", "m")) -> str:
+    """The sm_90 PTX of the plain kernel ``fn`` of ``gpu.device`` (one of
+    ``gpu.phases``'s launches), compiled on any machine: ``args`` its runtime arguments'
+    types (``*bf16``, ``i32``, ...), ``meta`` its constexprs (a torch dtype stands for its
+    Triton type); pointers 16-byte aligned and sizes and strides multiples of 16 but the
+    row counts ``rows``, as a launch sees them (``fp_fusion`` False: no FMA contraction,
+    as ``phases`` launches)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .combine import BACKWARD_ROWS, BLOCK_COLS, BLOCK_ROWS, WARPS
+    from .phases import WARPS
     from .runner import TL_DTYPES
 
-    dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    common = {"K": slots, "DT": getattr(tl, TL_DTYPES[dtype]), "BC": BLOCK_COLS, "EMULATE": False}
-    if backward:
-        fn, meta = "combine_backward_kernel", {**common, "KP": 1 << max(slots - 1, 0).bit_length(),
-                                               "BR": BACKWARD_ROWS}
-        args = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "g": "*fp32", "dw": "*fp32", "drows": f"*{dt}",
-                "t": "i32", "n": "i32", "ld_rows": "i32", "ld_g": "i32", "ld_drows": "i32"}
-    else:
-        fn, meta = "combine_kernel", {**common, "WEIGHTED": True, "EXTRA": True, "BR": BLOCK_ROWS}
-        args = {"rows": f"*{dt}", "pos": "*i64", "w": "*fp32", "extra": f"*{dt}", "out": f"*{dt}",
-                "t": "i32", "n": "i32", "ld_rows": "i32", "ld_extra": "i32", "ld_out": "i32"}
+    meta = {k: getattr(tl, TL_DTYPES[v]) if isinstance(v, torch.dtype) else v for k, v in meta.items()}
     signature = {**args, **{k: "constexpr" for k in meta}}
-    # as a launch sees them: pointers 16-byte aligned, sizes and strides multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in ("t",)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in rows}
     src = ASTSource(fn=getattr(device_module(False), fn), signature=signature, constexprs=meta, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": WARPS, "enable_fp_fusion": fp_fusion})

@@ -1,0 +1,216 @@
+"""Kernel by kernel's memory-bound phases on a GPU, one Triton launch each (``TRITON``,
+the ``exec.phases.Phases`` table a CUDA call runs), and the scan of a call's input.
+
+torch needs one to six kernels a phase (the combine: gather, scale and add per slot),
+each a trip through memory; here each phase reads its inputs once and writes once, in
+the same fp32 operations in the same order as the torch version, so the values are the
+same bit for bit where the order is (``tests/test_kernel_by_kernel.py`` and
+``tests/test_gpu_phases.py`` hold them equal in the Triton interpreter; the combine's
+weight gradient sums its products in another order).  A phase runs for CUDA tensors
+of a dtype the kernels take (the gated activation: SiLU's plain form only), outside
+``torch.compile``; anything else falls back to the torch version.  The combine is the
+persistent kernel's SUM tile (``device._gather_sum``) in a plain launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from ..exec.arena import Arena
+from ..exec.phases import Phases, permute, slot_sum, weighted_sum, weighted_sum_backward
+from ..regions.backward_kernels import glu_backward
+from ..regions.kernels import glu
+from ..routing import Scanned
+from ..spec import Activation, GluForm
+from .runner import TL_DTYPES, device_module
+
+BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 256, 4
+BACKWARD_ROWS = 16  # a backward program keeps k dot products a row
+SCAN_ROWS, SCAN_COLS = 16, 256
+BIG = 1 << 62  # ``device.BIG``: "nothing found" in the scan's facts
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the phases' kernels run for ``t``: a CUDA tensor of a dtype they take,
+    triton installed, not inside ``torch.compile``."""
+    return t.is_cuda and t.dtype in TL_DTYPES and not torch.compiler.is_compiling() and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _blocks(rows: int, cols: int, br: int = BLOCK_ROWS, bc: int = BLOCK_COLS) -> tuple[int, int]:
+    return -(-rows // br), -(-cols // bc)
+
+
+# ---------------------------------------------------------------------------- phases
+
+
+def triton_permute(x: torch.Tensor, order: torch.Tensor, k: int, out: torch.Tensor,
+                   interpret: bool = False) -> torch.Tensor:
+    """``exec.phases.permute`` in one launch: out [T*k, H] = x[order // k]."""
+    if not (available(x) or interpret):
+        return permute(x, order, k, out)
+    t, n = out.shape
+    if t and n:
+        x, order = x.contiguous(), order.contiguous()
+        device_module(interpret).permute_kernel[_blocks(t, n)](
+            x, order, out, t, n, x.stride(0), out.stride(0), K=k, BR=BLOCK_ROWS, BC=BLOCK_COLS,
+            **_launch(x.dtype, interpret, dtype_arg=False))
+    return out
+
+
+def _plain_silu(h: torch.Tensor, activation: Activation, form: GluForm, interpret: bool) -> bool:
+    """Whether the kernels compute this gated activation: SiLU, plain form."""
+    return (available(h) or interpret) and activation is Activation.SILU and form.plain
+
+
+def triton_glu(h: torch.Tensor, out: torch.Tensor, activation: Activation, form: GluForm,
+               interpret: bool = False) -> None:
+    """``regions.kernels.glu`` in one launch: out [m, F] = silu(h[:, :F]) * h[:, F:]."""
+    if not _plain_silu(h, activation, form, interpret):
+        glu(h, out, activation, form)
+        return
+    m, f = out.shape
+    if m and f:
+        device_module(interpret).glu_kernel[_blocks(m, f)](
+            h, out, m, f, h.stride(0), out.stride(0), BR=BLOCK_ROWS, BC=BLOCK_COLS,
+            **_launch(h.dtype, interpret))
+
+
+def triton_glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: Activation,
+                        tmp: torch.Tensor | None = None, form: GluForm | None = None,
+                        interpret: bool = False) -> None:
+    """``regions.backward_kernels.glu_backward`` in one launch: dh [m, 2F], the gradient
+    of the gated activation of h given da [m, F] (``tmp``: unused)."""
+    form = form or GluForm()
+    if not _plain_silu(h, activation, form, interpret):
+        glu_backward(h, da, dh, activation, tmp, form)
+        return
+    m, f = da.shape
+    if m and f:
+        device_module(interpret).glu_backward_kernel[_blocks(m, f)](
+            h, da, dh, m, f, h.stride(0), da.stride(0), dh.stride(0), BR=BLOCK_ROWS, BC=BLOCK_COLS,
+            **_launch(h.dtype, interpret))
+
+
+def slot_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None,
+                 extra: torch.Tensor | None, interpret: bool = False) -> torch.Tensor:
+    """out [T, H] rows.dtype: out[t] = sum_j weights[t, j] * rows[pos[t, j]] (fp32, slot 0
+    first; without weights the rows alone, from 0) + extra[t].  rows [R, H]; pos [T, k]
+    int64; weights [T, k] fp32 or None; extra [T, H] or None.  interpret: run in the
+    Triton interpreter (a CPU's tensors)."""
+    t, k = pos.shape
+    n = rows.shape[1]
+    out = torch.empty(t, n, dtype=rows.dtype, device=rows.device)
+    if t == 0 or n == 0:
+        return out
+    rows, pos = rows.contiguous(), pos.contiguous()
+    w = weights.contiguous() if weights is not None else pos  # not read without weights
+    x = extra.contiguous() if extra is not None else out  # not read without extra
+    device_module(interpret).combine_kernel[_blocks(t, n)](
+        rows, pos, w, x, out, t, n, rows.stride(0), x.stride(0), out.stride(0), K=k,
+        WEIGHTED=weights is not None, EXTRA=extra is not None, BR=BLOCK_ROWS, BC=BLOCK_COLS,
+        **_launch(rows.dtype, interpret))
+    return out
+
+
+def slot_combine_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
+                          interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the weighted ``slot_combine`` given g [T, H] (any float dtype,
+    read in fp32): (dw [T, k] fp32, drows [R, H] rows.dtype, each row pos[t, j] holding
+    g[t] * weights[t, j]); every row of ``rows`` must be some pos[t, j] (kernel by
+    kernel's sorted rows are)."""
+    t, k = pos.shape
+    n = rows.shape[1]
+    dw = torch.empty(t, k, dtype=torch.float32, device=rows.device)
+    drows = torch.empty_like(rows)
+    if t == 0 or n == 0:
+        return dw, drows.zero_()
+    g, rows, pos, weights = g.contiguous(), rows.contiguous(), pos.contiguous(), weights.contiguous()
+    device_module(interpret).combine_backward_kernel[(-(-t // BACKWARD_ROWS),)](
+        rows, pos, weights, g, dw, drows, t, n, rows.stride(0), g.stride(0), drows.stride(0), K=k,
+        KP=_pow2(k), BR=BACKWARD_ROWS, BC=BLOCK_COLS, **_launch(rows.dtype, interpret))
+    return dw, drows
+
+
+def _weighted_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
+                  arena: Arena) -> torch.Tensor:
+    if not available(rows):
+        return weighted_sum(rows, pos, w, shared, arena)
+    return slot_combine(rows, pos, w, shared)
+
+
+def _weighted_sum_backward(g: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
+                           arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
+    if not available(rows):
+        return weighted_sum_backward(g, rows, pos, w, arena)
+    return slot_combine_backward(g, rows, pos, w)
+
+
+def _slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None,
+              arena: Arena) -> torch.Tensor:
+    if not available(rows):
+        return slot_sum(rows, pos, extra, arena)
+    return slot_combine(rows, pos, None, extra)
+
+
+TRITON = Phases(permute=triton_permute, glu=triton_glu, glu_backward=triton_glu_backward,
+                weighted_sum=_weighted_sum, weighted_sum_backward=_weighted_sum_backward, slot_sum=_slot_sum)
+
+
+# ---------------------------------------------------------------------------- the input scan
+
+
+def scan(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: int,
+         held: torch.Tensor | None = None, interpret: bool = False) -> Scanned:
+    """The scan of x [N, H], ids [N, k] int64 and weights [N, k] fp32 in two small
+    launches and one copy, no host read: the facts (``device.scan_kernel``: x's first
+    non-finite row, the ids' range, a non-finite weight; the clamped ids and their
+    counts), then the verdict (``device.verdict_kernel``), kept also in ``held`` ([3]
+    int64) unless that holds a fault already."""
+    n, k = ids.shape
+    facts = _start(experts, x.device).clone()  # (BIG, BIG, -BIG, 0) then zero counts
+    status = torch.empty(3, dtype=torch.int64, device=x.device)
+    out = torch.empty_like(ids)
+    dev = device_module(interpret)
+    if n:
+        x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+        dev.scan_kernel[(-(-n // SCAN_ROWS),)](
+            x, ids, weights, out, facts, facts[4:], n, x.shape[1], x.stride(0), experts, K=k, KP=_pow2(k),
+            BR=SCAN_ROWS, BC=SCAN_COLS)
+    dev.verdict_kernel[(1,)](facts, status, status if held is None else held, experts,
+                             MERGE=held is not None)
+    return Scanned(status, out, facts[4:])
+
+
+@functools.cache
+def _start(experts: int, device: torch.device) -> torch.Tensor:
+    """The scan's facts and counts before a call: (BIG, BIG, -BIG, 0), then zeros."""
+    start = torch.zeros(4 + experts, dtype=torch.int64, device=device)
+    start[:3] = torch.tensor([BIG, BIG, -BIG], dtype=torch.int64, device=device)
+    return start
+
+
+# ---------------------------------------------------------------------------- launches
+
+
+def _pow2(k: int) -> int:
+    """``k`` rounded up to a power of two (1 at least)."""
+    return 1 << max(k - 1, 0).bit_length()
+
+
+def _launch(dtype: torch.dtype, interpret: bool, dtype_arg: bool = True) -> dict:
+    """A launch's dtype arguments and options: on a GPU without FMA contraction, so each
+    product is rounded before its add (the interpreter computes so anyway, and emulates
+    bf16's rounding)."""
+    import triton.language as tl
+
+    options = {} if interpret else {"num_warps": WARPS, "enable_fp_fusion": False}
+    args = {"DT": getattr(tl, TL_DTYPES[dtype]), "EMULATE": interpret} if dtype_arg else {}
+    return {**args, **options}

@@ -1,0 +1,103 @@
+"""Kernel by kernel's memory-bound phases and the input scan as one Triton launch each
+(``hpmoe.gpu.phases``, what a CUDA call runs), in the Triton interpreter, against the
+torch versions (``exec.phases``, ``routing.input_status``): blocks cut by the row and
+column counts."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hpmoe.exec.phases import permute  # noqa: E402
+from hpmoe.gpu.phases import scan, triton_glu, triton_glu_backward, triton_permute  # noqa: E402
+from hpmoe.regions.backward_kernels import glu_backward  # noqa: E402
+from hpmoe.regions.kernels import glu  # noqa: E402
+from hpmoe.routing import expert_counts, input_status, status_error  # noqa: E402
+from hpmoe.spec import Activation, GluForm  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(37, 48), (5, 16), (64, 300)]  # (rows, F): a partial row block, one small block, a partial
+# column block
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m_f", SHAPES)
+def test_the_gated_activation_and_its_gradient_against_torch(dtype, m_f):
+    """bf16: the torch bits (every product rounded as torch rounds it); fp32: within
+    rounding (the interpreter's exp is numpy's, torch's CPU one SLEEF's)."""
+    m, f = m_f
+    close = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    g = torch.Generator().manual_seed(m)
+    h = (torch.randn(m, 2 * f, generator=g) * 3).to(dtype)
+    da = torch.randn(m, f, generator=g).to(dtype)
+    want, got = torch.empty(m, f, dtype=dtype), torch.full((m, f), float("nan"), dtype=dtype)
+    glu(h, want, Activation.SILU)
+    triton_glu(h, got, Activation.SILU, GluForm(), interpret=True)
+    torch.testing.assert_close(got, want, **close)
+    want_dh, got_dh = torch.empty(m, 2 * f, dtype=dtype), torch.full((m, 2 * f), float("nan"), dtype=dtype)
+    glu_backward(h, da, want_dh, Activation.SILU)
+    triton_glu_backward(h, da, got_dh, Activation.SILU, interpret=True)
+    torch.testing.assert_close(got_dh, want_dh, **close)
+
+
+def test_other_activations_fall_back_to_torch():
+    h, out = torch.randn(4, 8), torch.empty(4, 4)
+    want = torch.empty(4, 4)
+    glu(h, want, Activation.GELU)
+    triton_glu(h, out, Activation.GELU, GluForm(), interpret=True)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t_h_k", [(37, 300, 3), (5, 16, 1), (20, 40, 8)])
+def test_the_permute_gathers_the_torch_rows(dtype, t_h_k):
+    t, h, k = t_h_k
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    order = torch.randperm(t * k, generator=g)
+    want = permute(x, order, k, torch.empty(t * k, h, dtype=dtype))
+    assert torch.equal(triton_permute(x, order, k, torch.empty(t * k, h, dtype=dtype), interpret=True), want)
+
+
+def _scan_case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(23, 40, generator=g)
+    ids = torch.randint(0, 8, (23, 3), generator=g)
+    w = torch.rand(23, 3, generator=g)
+    if seed % 4 == 1:
+        x[17, 5], x[9, 39], x[9, 2] = float("nan"), float("inf"), float("nan")
+    if seed % 4 == 2:
+        x[3, 1] = float("-inf")
+        ids[20, 2] = 12
+    if seed % 4 == 3:
+        ids[0, 0], ids[5, 1] = -4, 9
+        w[22, 2] = float("nan")
+    return x, ids, w
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_scan_finds_what_the_torch_scan_finds_and_counts_the_clamped_ids(seed):
+    x, ids, w = _scan_case(seed)
+    got = scan(x, ids, w, 8, interpret=True)
+    want = input_status(8, x, ids, w).tolist()
+    assert got.status.tolist()[0] == want[0]
+    assert str(status_error(got.status.tolist(), 8)) == str(status_error(want, 8))
+    assert torch.equal(got.ids, ids.clamp(0, 7))
+    assert torch.equal(got.counts, expert_counts(ids.clamp(0, 7), 8))
+
+
+def test_the_scan_keeps_the_first_fault_it_was_handed_and_fills_a_clean_one():
+    held = torch.zeros(3, dtype=torch.int64)
+    scan(*_scan_case(0), 8, held, interpret=True)
+    assert held.tolist() == [0, 0, 0]
+    scan(*_scan_case(2), 8, held, interpret=True)  # inf at row 3 (before the id 12)
+    first = held.tolist()
+    assert str(status_error(first, 8)) == "x has inf at row 3"
+    scan(*_scan_case(1), 8, held, interpret=True)
+    assert held.tolist() == first
+
+
+def test_an_empty_call_scans_clean():
+    x, ids, w = torch.zeros(0, 4), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)
+    got = scan(x, ids, w, 8, interpret=True)
+    assert got.status.tolist()[0] == 0 and got.counts.tolist() == [0] * 8
