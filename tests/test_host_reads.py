@@ -109,3 +109,41 @@ def test_a_fault_is_still_reported_one_call_late(as_on_a_gpu):
         layer(x)
     with pytest.raises(ValueError, match="x has NaN at row 3"):
         layer(torch.randn(8, spec.hidden))
+
+
+@pytest.fixture
+def poisoned_scratch(monkeypatch):
+    """Every scratch buffer a call takes comes back holding NaN (integers: -1), as
+    recycled memory may on a GPU: a call that reads a row it did not write shows it."""
+    from hpmoe.exec.arena import Arena
+
+    take = Arena.take
+
+    def poisoned(self, name, shape, dtype):
+        t = take(self, name, shape, dtype)
+        return t.fill_(float("nan") if dtype.is_floating_point else -1)
+
+    monkeypatch.setattr(Arena, "take", poisoned)
+
+
+def test_no_step_reads_a_buffer_row_it_did_not_write(as_on_a_gpu, poisoned_scratch):
+    """Several training steps on one layer, new routings each (an expert with no rows
+    among them), every scratch buffer poisoned: outputs and gradients those of autograd
+    through the dense reference."""
+    spec = preset("tiny")
+    w = ExpertWeights.random(spec, 0)
+    layer = MoE(spec, w)
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 + step)
+        x = torch.randn(16, spec.hidden, generator=g)
+        ids = torch.randint(0, spec.experts - 1, (16, spec.top_k), generator=g)  # the last expert: no rows
+        ids[:, 1] = (ids[:, 0] + 1 + step) % (spec.experts - 1)
+        tw = torch.rand(16, spec.top_k, generator=g)
+        xl = x.clone().requires_grad_()
+        out = layer.region(xl, ids, tw)
+        out.square().sum().backward()
+        xr = x.clone().requires_grad_()
+        want = dense_moe(xr, w, Routing(ids, tw))
+        want.square().sum().backward()
+        torch.testing.assert_close(out.detach(), want.detach(), **TOL[torch.float32])
+        torch.testing.assert_close(xl.grad, xr.grad, **TOL[torch.float32])

@@ -81,7 +81,7 @@ def test_groups_give_the_per_expert_segments_and_grouped_offsets() -> None:
     groups = Groups(torch.tensor(counts))
     assert groups.segments == segments(counts) == [(0, 0, 3), (3, 3, 8), (4, 8, 9)]
     assert groups.offsets().tolist() == [3, 3, 3, 8, 9] and groups.offsets().dtype == torch.int32
-    assert Groups.one(7, torch.device("cpu")).segments == [(0, 0, 7)]
+    assert Groups.one(7).segments == [(0, 0, 7)]
 
 
 def test_expert_gemms_give_grouped_mm_bits() -> None:
@@ -256,6 +256,20 @@ def test_grouped_gemms_match_the_per_expert_loop(dtype: torch.dtype, recompute: 
         torch.testing.assert_close(loop, copy, **tol, msg=lambda m, n=name: f"{n} in place: {m}")
     if rows == (0, 1, 2, 3):  # expert 1 has no rows: exact zeros
         assert not out[GemmPath.GROUPED][4][1].any() and not out[GemmPath.GROUPED][5][1].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_expert_is_one_plain_gemm_on_the_grouped_path(dtype: torch.dtype) -> None:
+    """One group of every row (``Groups.one``, the shared expert) runs plain GEMMs on the
+    grouped path: the per-expert loop's values, forward and both gradients."""
+    g = torch.Generator().manual_seed(5)
+    ex = Experts(*(torch.randn(*s, generator=g).to(dtype) for s in ((1, 48, 16), (1, 16, 24))), (0,),
+                 Activation.SILU)
+    xs, dy = (torch.randn(13, 16, generator=g).to(dtype) for _ in range(2))
+    grouped, loop = (_expert_grads(ex, Groups.one(13), xs, dy, p, False) for p in GemmPath)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(grouped, loop, strict=True):
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_the_grouped_path_is_a_gpus_and_refuses_biases() -> None:

@@ -72,24 +72,36 @@ def segments(counts: list[int]) -> Segments:
 @dataclass(frozen=True)
 class Groups:
     """The rows of each local expert, contiguous in expert order: counts int64 [L] on the
-    rows' device.  A grouped GEMM reads their offsets on the device; a per-expert loop
-    reads ``segments`` on the host (one device sync, on first use), so the grouped path
-    makes none."""
+    rows' device, or None for one expert of every one of ``rows`` rows (the shared
+    expert: a plain GEMM, nothing counted).  A grouped GEMM reads their offsets on the
+    device; a per-expert loop reads ``segments`` on the host (one device sync, on first
+    use), so the grouped path makes none."""
 
-    counts: torch.Tensor
+    counts: torch.Tensor | None
+    rows: int = 0
 
     @staticmethod
-    def one(rows: int, device: torch.device) -> Groups:
+    def one(rows: int) -> Groups:
         """A single expert of ``rows`` rows (the shared expert)."""
-        return Groups(torch.full((1,), rows, dtype=torch.int64, device=device))
+        return Groups(None, rows)
 
     def offsets(self) -> torch.Tensor:
         """int32 [L] end row of each expert's rows (empty experts included), as
         ``grouped_mm``'s ``offs``."""
         return self.counts.cumsum(0).to(torch.int32)
 
+    def mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        """``torch._grouped_mm(a, b, offs=offs)`` over these groups (a [M, K] and b [G, K,
+        N] -> [M, N]; a [K, M] and b [M, N] -> [G, K, N]); one group of every row: a plain
+        GEMM, no offsets."""
+        if self.counts is not None:
+            return _GROUPED_MM(a, b, offs=offs)
+        return torch.mm(a, b[0]) if b.dim() == 3 else torch.mm(a, b).unsqueeze(0)
+
     @cached_property
     def segments(self) -> Segments:
+        if self.counts is None:
+            return [(0, 0, self.rows)] if self.rows else []
         return segments(self.counts.tolist())
 
 
@@ -186,10 +198,10 @@ def experts_forward(xs: torch.Tensor, groups: Groups, ex: Experts, keep: Arena, 
     m, f, dtype = xs.shape[0], ex.w2.shape[2], xs.dtype
     a = keep.take(tag + "a", (m, f), dtype)
     if _grouped(path, xs, ex):
-        offs = groups.offsets()
-        h = _GROUPED_MM(xs, ex.stacked(ex.w13).transpose(1, 2), offs=offs)
+        offs = groups.offsets() if groups.counts is not None else None
+        h = groups.mm(xs, ex.stacked(ex.w13).transpose(1, 2), offs)
         phases.glu(h, a, ex.activation, ex.glu)
-        return h, a, _GROUPED_MM(a, ex.stacked(ex.w2).transpose(1, 2), offs=offs)
+        return h, a, groups.mm(a, ex.stacked(ex.w2).transpose(1, 2), offs)
     h = keep.take(tag + "h", (m, 2 * f), dtype)
     y = keep.take(tag + "y", (m, ex.w2.shape[1]), dtype)
     for e, s, t in groups.segments:
@@ -274,14 +286,14 @@ def _grouped_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: to
     """``experts_backward`` in grouped GEMMs: the weight gradients of an expert without
     rows come out zero from the grouped GEMM itself; where the experts are every row of
     ``grads``, the GEMMs' outputs become its tensors."""
-    offs = groups.offsets()
+    offs = groups.offsets() if groups.counts is not None else None
     if recompute:
         phases.glu(h, a, ex.activation, ex.glu)
-    da = _GROUPED_MM(dy, ex.stacked(ex.w2), offs=offs)
-    grads.dw2 = ex.put(grads.dw2, _GROUPED_MM(dy.t(), a, offs=offs))
+    da = groups.mm(dy, ex.stacked(ex.w2), offs)
+    grads.dw2 = ex.put(grads.dw2, groups.mm(dy.t(), a, offs))
     phases.glu_backward(h, da, dh, ex.activation, tmp, ex.glu)
-    grads.dw13 = ex.put(grads.dw13, _GROUPED_MM(dh.t(), xs, offs=offs))
-    return _GROUPED_MM(dh, ex.stacked(ex.w13), offs=offs)
+    grads.dw13 = ex.put(grads.dw13, groups.mm(dh.t(), xs, offs))
+    return groups.mm(dh, ex.stacked(ex.w13), offs)
 
 
 # ---------------------------------------------------------------------------- routing
@@ -468,7 +480,7 @@ def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Co
     y = exchange.combine(y, arena, keep, "c.") if exchange is not None else y
     sh = sa = sy = None
     if weights.has_shared:
-        sh, sa, sy = experts_forward(x, Groups.one(x.shape[0], x.device), Experts.shared(weights), keep, "s.",
+        sh, sa, sy = experts_forward(x, Groups.one(x.shape[0]), Experts.shared(weights), keep, "s.",
                                      phases=phases)
     out = phases.weighted_sum(y, perm.pos, routing.weights, sy, arena)
     if not save:
@@ -504,7 +516,7 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
     if s.sh is not None:
         sg = ExpertGrads(torch.empty_like(w.shared_w13)[None], torch.empty_like(w.shared_w2)[None])
         ds = dout.to(dtype).contiguous()
-        one = Groups.one(s.x.shape[0], s.x.device)
+        one = Groups.one(s.x.shape[0])
         dx_shared = experts_backward(ds, s.x, s.sh, s.sa, one, Experts.shared(w), sg, arena, "s.",
                                      phases=s.phases)
         dsw13, dsw2 = sg.dw13[0], sg.dw2[0]

@@ -69,6 +69,15 @@ def stall_report(board: Board, mine: Status, what: str, elapsed_s: float, err: B
     return StallReport(board.rank, what, elapsed_s, cause, missing, peers)
 
 
+def wire_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the group's collectives take their tensors: this process's CUDA device for
+    an NCCL group (NCCL moves GPU memory only), else the CPU (gloo, or a group with a
+    backend per device, which takes either)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Collectives:
     """This rank's collectives over ``group`` (None: the default group), each bounded
     by ``deadline_s`` and announced on ``board``."""
@@ -76,14 +85,17 @@ class Collectives:
     def __init__(self, group: dist.ProcessGroup | None, board: Board, deadline_s: float):
         self.group, self.board, self.deadline_s = group, board, deadline_s
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device = wire_device(group)
 
     def all_gather(self, tensor: torch.Tensor, what: str, publish: bool = True) -> torch.Tensor:
-        """[world, *tensor.shape]: every rank's ``tensor`` (same shape and dtype
-        everywhere); ``publish``: see ``Board.enter``."""
-        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        """[world, *tensor.shape] on ``tensor``'s device: every rank's ``tensor`` (same
+        shape and dtype everywhere), gathered on the group's ``device``; ``publish``: see
+        ``Board.enter``."""
+        sent = tensor.to(self.device).contiguous()
+        parts = [torch.empty_like(sent) for _ in range(self.world)]
         mine = self.board.enter(what, publish)
-        self._wait(dist.all_gather(parts, tensor.contiguous(), group=self.group, async_op=True), mine, what)
-        return torch.stack(parts)
+        self._wait(dist.all_gather(parts, sent, group=self.group, async_op=True), mine, what)
+        return torch.stack(parts).to(tensor.device)
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """``tensor`` summed over every rank, in place (the same bits on every rank: each
