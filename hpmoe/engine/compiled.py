@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.schedule import SchedulePolicy
-from ..routing import Routing, check_input
+from ..routing import Routing, check_form, check_input
 from ..spec import Activation, DispatchMode, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights
 from .options import RegionOptions
@@ -66,12 +66,14 @@ def _tile_spec(fields: list[int]) -> tuple[TileSpec, int]:
     return TileSpec(rows, gemm_rows, gemm_cols, splits, _DISPATCH[dispatch], _WIRE[wire]), nodes
 
 
-def _path(w: ExpertWeights, tokens: int, ep: int, fields: list[int], auto: bool) -> RegionPath:
-    """The path of a call: AUTO's for this shape with ``auto``, else the taskflow."""
+def _path(w: ExpertWeights, tokens: int, ep: int, fields: list[int], auto: bool,
+          device: torch.device) -> RegionPath:
+    """The path of a call on ``device``: AUTO's for this shape with ``auto``, else the
+    taskflow."""
     tiles, nodes = _tile_spec(fields)
     schedule = SchedulePolicy.AUTO if auto else None
     options = RegionOptions(virtual_ep=ep, schedule=schedule, tiles=tiles, nodes=nodes)
-    return select(options, w.spec, tokens, PROCESS_AUTO)[0]
+    return select(options, w.spec, tokens, PROCESS_AUTO, device=device)[0]
 
 
 @torch.library.custom_op("hpmoe::region", mutates_args=())
@@ -82,10 +84,14 @@ def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
     sw13 [2Fs, H], sw2 [H, Fs] (Fs 0: none), b13 [E, 2F], b2 [E, H] (width 0: none); ep
     virtual ranks dividing N; tiles: the TileSpec fields and the nodes (``_tile_fields``);
     glu: the ``GluForm`` (``_glu_fields``); auto: AUTO picks the path.  Returns [N, H] in
-    x's dtype.  The op's call checks its input (the paths check nothing)."""
+    x's dtype.  The op's call checks its input (the paths check nothing): its values
+    only outside a CUDA graph's capture (reading them is a host sync, which a capture
+    refuses)."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
-    check_input(x, routing, w.spec)
-    return _path(w, x.shape[0], ep, tiles, auto).forward(x, routing, w, False)[0]
+    check_form(x, routing, w.spec)
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_input(x, routing, w.spec)
+    return _path(w, x.shape[0], ep, tiles, auto, x.device).forward(x, routing, w, False)[0]
 
 
 @region.register_fake
@@ -101,7 +107,7 @@ def region_backward(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weight
     """Gradients [dx, dweights, dw13, dw2, dsw13, dsw2, db13, db2] of ``region`` given dy [N, H]
     (zeros for the absent, width-0 ones)."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
-    path = _path(w, x.shape[0], ep, tiles, auto)
+    path = _path(w, x.shape[0], ep, tiles, auto, x.device)
     g = path.backward(path.forward(x, routing, w, True)[1], dy.to(x.dtype).contiguous())
     absent = (sw13, sw2, b13, b2)  # dshared_w13, dshared_w2, db13, db2: zeros of width 0 where None
     rest = zip(g.expert_tensors[2:], absent, strict=True)
