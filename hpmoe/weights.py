@@ -7,11 +7,18 @@ Routed experts are stored fused, as in transformers' ``DeepseekV3Experts`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .spec import GateKind, MoESpec
+
+Rows = torch.Tensor | tuple[torch.Tensor, ...]
+"""Rows of expert tensors indexed by expert (``rows[e]``): a [L, ...] tensor, or a tuple
+of L row views of a stored tensor (experts reading slot rows in place)."""
+
+GRADIENT_FIELDS = ("dw13", "dw2", "db13", "db2")  # the expert tensors' gradients, as regions name them
 
 
 @dataclass
@@ -82,6 +89,15 @@ class ExpertWeights:
         if self.slot_rows is None:
             return tuple(range(self.spec.experts))[experts]
         return self.slot_rows[experts]
+
+    def local(self, experts: slice) -> LocalExperts:
+        """What ``experts`` read, in place, indexed by expert from 0: their rows of w13, w2
+        (and b13, b2), nothing copied (``row_views``)."""
+        rows = self.rows_of(experts)
+        if -1 in rows:
+            raise ValueError(f"ExpertWeights.local: experts {experts.start}..{experts.stop - 1} include "
+                             f"slots not stored here (slot_rows {rows})")
+        return LocalExperts(*(row_views(t, rows) for t in (self.w13, self.w2, *self.biases)))
 
     def gathered(self, experts: slice | None = None) -> ExpertWeights:
         """The same layer with one row per expert, copied from its slot row by a
@@ -157,6 +173,125 @@ class ExpertWeights:
             b13=draw(spec.experts, 2 * spec.ffn, fan_in=spec.hidden) if spec.expert_bias else None,
             b2=draw(spec.experts, spec.hidden, fan_in=spec.ffn) if spec.expert_bias else None,
         )
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """The expert tensors one (virtual) rank's experts read, indexed by its expert:
+    w13 [L][2F, H], w2 [L][H, F], b13 [L][2F] and b2 [L][H] (None without biases)."""
+
+    w13: Rows
+    w2: Rows
+    b13: Rows | None = None
+    b2: Rows | None = None
+
+
+def row_views(t: torch.Tensor, rows: Sequence[int]) -> Rows:
+    """Rows ``rows`` of ``t`` [R, ...] indexed by position, nothing copied: the slice
+    [len(rows), ...] where they are consecutive, else a tuple of row views."""
+    rows = tuple(rows)
+    lo = rows[0] if rows else 0
+    if rows == tuple(range(lo, lo + len(rows))):
+        return t[lo:lo + len(rows)]
+    return tuple(t[r] for r in rows)
+
+
+def rows_shape(rows: Rows) -> tuple[int, ...]:
+    """The shape of ``rows`` as one [L, ...] tensor."""
+    if isinstance(rows, torch.Tensor):
+        return tuple(rows.shape)
+    return (len(rows), *(rows[0].shape if rows else ()))
+
+
+def slot_targets(rows: Sequence[int], stored: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where the gradients of slots reading stored rows ``rows`` (of ``stored``) go, in
+    slot order: (each slot's target — its stored row for the first slot reading it, else
+    scratch row ``stored + j`` — and the stored row of each scratch row j)."""
+    seen, target, extra = set(), [], []
+    for r in rows:
+        target.append(stored + len(extra) if r in seen else r)
+        if r in seen:
+            extra.append(r)
+        seen.add(r)
+    return tuple(target), tuple(extra)
+
+
+@dataclass(frozen=True)
+class SlotGradients:
+    """The expert weight gradients of a region computing slots ``first ..`` (one per
+    ``target``) of weights whose experts read rows in place (``ExpertWeights.slot_rows``;
+    without them every expert its own row), written where they belong.  The first of
+    those slots reading a stored row writes its gradient straight into that row; a later
+    one (another replica of the expert computed by the same region) writes into a
+    scratch row, which ``fold`` adds to the stored row after the region, in slot order:
+    the bits of ``gathered``'s backward (each slot's gradient ``index_add_``-ed into
+    zeros, slot by slot).  Nothing else is copied.
+
+    full: ``GRADIENT_FIELDS`` name -> [R, ...] gradient shaped like the stored tensor
+    (w13, w2, b13, b2; biases where present); scratch: name -> [X, ...], one row per
+    later replica; target: each slot's row, of ``full`` (< R) or of ``scratch`` (R + j);
+    extra: the stored row each scratch row folds into."""
+
+    full: dict[str, torch.Tensor]
+    scratch: dict[str, torch.Tensor]
+    first: int
+    target: tuple[int, ...]
+    extra: tuple[int, ...]
+
+    @staticmethod
+    def of(weights: ExpertWeights, slots: slice, fill: float = 0.0) -> SlotGradients:
+        """Gradients for a region computing ``slots`` of ``weights``, every element
+        ``fill`` (0: experts without rows get no task and keep zeros)."""
+        computed = range(weights.spec.experts)[slots]
+        rows = weights.rows_of(slice(computed.start, computed.stop))
+        if -1 in rows:
+            raise ValueError(f"SlotGradients: slots {computed.start}..{computed.stop - 1} include slots not "
+                             f"stored here (slot_rows {rows})")
+        target, extra = slot_targets(rows, weights.w13.shape[0])
+        tensors = dict(zip(GRADIENT_FIELDS, (weights.w13, weights.w2, *weights.biases), strict=False))
+        full = {n: torch.full_like(t, fill) for n, t in tensors.items()}
+        scratch = {n: t.new_full((len(extra), *t.shape[1:]), fill) for n, t in tensors.items()}
+        return SlotGradients(full, scratch, computed.start, target, extra)
+
+    @property
+    def stored(self) -> int:
+        """R: rows of the stored tensors."""
+        return self.full["dw13"].shape[0]
+
+    def views(self, slots: slice) -> dict[str, Rows]:
+        """Where ``slots`` (some of the region's) write their gradients, keyed by
+        ``GRADIENT_FIELDS`` name, indexed by slot from ``slots.start`` (``row_views``)."""
+        target, r = self.target[slots.start - self.first:slots.stop - self.first], self.stored
+        if all(t < r for t in target):
+            return {n: row_views(g, target) for n, g in self.full.items()}
+        return {n: tuple(g[t] if t < r else self.scratch[n][t - r] for t in target)
+                for n, g in self.full.items()}
+
+    def zero_idle(self, active: Sequence[bool]) -> None:
+        """Zero what no task wrote (for gradients filled with NaN): the rows of computed
+        slots that received no rows (``active``: per computed slot) and the stored rows
+        no computed slot reads."""
+        r = self.stored
+        idle = [t for t, busy in zip(self.target, active, strict=True) if not busy]
+        unread = sorted(set(range(r)) - {t for t in self.target if t < r})
+        for n, g in self.full.items():
+            rows = [t for t in idle if t < r] + unread
+            g.index_fill_(0, torch.tensor(rows, dtype=torch.int64, device=g.device), 0)
+            spare = [t - r for t in idle if t >= r]
+            self.scratch[n].index_fill_(0, torch.tensor(spare, dtype=torch.int64, device=g.device), 0)
+
+    def fold(self) -> None:
+        """Add each scratch row into its stored row after the region, in slot order, as
+        ``index_add_`` does on a CPU (narrower dtypes than fp32: summed in fp32, rounded
+        once)."""
+        for n, scratch in self.scratch.items():
+            full = self.full[n]
+            for row in dict.fromkeys(self.extra):
+                acc = full[row].to(torch.promote_types(full.dtype, torch.float32))  # fp32: the row itself
+                for j in (j for j, r in enumerate(self.extra) if r == row):
+                    acc += scratch[j]
+                if acc.dtype != full.dtype:
+                    full[row] = acc
 
 
 class _RowGather(torch.autograd.Function):

@@ -22,7 +22,7 @@ from ..regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
 from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
 from ..spec import TileSpec
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, Rows, SlotGradients
 from .exact import DEFAULT_TILES, Order, execute_forward, run_graph
 
 
@@ -33,6 +33,8 @@ class Gradients:
     dx: [N, H] spec.dtype; dweights: [N, k] float32 (routing weights); dw13: [E, 2F, H];
     dw2: [E, H, F]; dshared_w13: [2Fs, H] and dshared_w2: [H, Fs] (None without shared
     experts); db13 [E, 2F] and db2 [E, H] (None without expert biases), all spec.dtype.
+    Under slot rows (``ExpertWeights.slot_rows``) the expert gradients are shaped like
+    the stored tensors [R, ...], each row the sum of its slots' (``SlotGradients``).
     Shared gradients are summed over ranks in rank order in fp32."""
 
     dx: torch.Tensor
@@ -74,12 +76,14 @@ def execute_backward(saved: Sequence[SavedActivations] | Sequence[DedupSaved], p
     ep, family = plan.par.ep, region_family(tiles)
     _check_inputs(saved, plan, dy, weights, recompute)
     layout = family.layout(plan, tiles)
-    out = _full_outputs(dy, weights)
-    views, dys = rank_views(out, plan), dy.chunk(ep)
+    slots = SlotGradients.of(weights, slice(None))
+    out = _full_outputs(dy, weights, slots)
+    views, dys = rank_views(out, plan, slots), dy.chunk(ep)
     buffers = [family.backward_buffers(saved[r], dys[r], layout, tiles, r, views[r]) for r in range(ep)]
     contexts = [family.backward_context(weights, layout, family.rank_routing(routing, plan, r), r)
                 for r in range(ep)]
-    return _run(family.backward(layout, recompute), plan, tiles, order, buffers, contexts, out, weights)
+    region = family.backward(layout, recompute)
+    return _run(region, plan, tiles, order, buffers, contexts, out, weights, slots)
 
 
 def _check_inputs(saved: Sequence, plan: RoutingPlan, dy: torch.Tensor, weights: ExpertWeights,
@@ -93,53 +97,43 @@ def _check_inputs(saved: Sequence, plan: RoutingPlan, dy: torch.Tensor, weights:
 
 
 def _run(region: Region, plan: RoutingPlan, tiles: TileSpec, order: Order, buffers: list, contexts: list,
-         out: Gradients, weights: ExpertWeights) -> BackwardResult:
+         out: Gradients, weights: ExpertWeights, slots: SlotGradients) -> BackwardResult:
     """Lower ``region``, run it in ``order`` over the ranks' buffers, and complete ``out``
-    (whose expert slices the ranks wrote) with the shared experts' rank sums."""
+    (whose expert rows the ranks wrote) with the replicas' scratch rows (``slots``) and
+    the shared experts' rank sums."""
     graph = region.lower(plan, tiles, None)
     if isinstance(order, int):
         order = random_order(graph, order)
     run_graph(graph, region, buffers, contexts, order)
+    slots.fold()
     grads = replace(out, dshared_w13=_rank_sum(buffers, "dsw13", weights),
                     dshared_w2=_rank_sum(buffers, "dsw2", weights))
     return BackwardResult(grads=grads, buffers=buffers, graph=graph)
 
 
-def _full_outputs(dy: torch.Tensor, weights: ExpertWeights) -> Gradients:
-    """Full-size gradients every rank writes its slice of (no copies afterwards);
-    expert gradients zero-filled (experts without rows get no task)."""
+def _full_outputs(dy: torch.Tensor, weights: ExpertWeights, slots: SlotGradients) -> Gradients:
+    """Full-size gradients every rank writes its part of (no copies afterwards); expert
+    gradients ``slots``' zero-filled ones (experts without rows get no task)."""
     k = weights.spec.top_k
-    return full_expert_gradients(weights, torch.empty(dy.shape, dtype=dy.dtype, device=dy.device),
+    return full_expert_gradients(slots, torch.empty(dy.shape, dtype=dy.dtype, device=dy.device),
                                  torch.empty(dy.shape[0], k, device=dy.device))
 
 
-def full_expert_gradients(weights: ExpertWeights, dx: torch.Tensor, dweights: torch.Tensor) -> Gradients:
-    """``Gradients`` with zero-filled full-size expert gradients (biases' included) and no
-    shared-expert ones yet: ranks write their experts' slices (``expert_views``)."""
-    return Gradients(dx=dx, dweights=dweights, dw13=torch.zeros_like(weights.w13),
-                     dw2=torch.zeros_like(weights.w2), dshared_w13=None, dshared_w2=None,
-                     **expert_bias_gradients(weights))
+def full_expert_gradients(slots: SlotGradients, dx: torch.Tensor, dweights: torch.Tensor) -> Gradients:
+    """``Gradients`` whose expert gradients (biases' included) are ``slots``' full ones and
+    no shared-expert ones yet: ranks write their experts' rows (``SlotGradients.views``)."""
+    f = slots.full
+    return Gradients(dx=dx, dweights=dweights, dw13=f["dw13"], dw2=f["dw2"], dshared_w13=None,
+                     dshared_w2=None, db13=f.get("db13"), db2=f.get("db2"))
 
 
-def expert_bias_gradients(weights: ExpertWeights) -> dict[str, torch.Tensor]:
-    """Zero-filled full-size db13 / db2 when the experts carry biases, else none."""
-    return {name: torch.zeros_like(b) for name, b in zip(("db13", "db2"), weights.biases, strict=False)}
-
-
-def expert_views(grads: Gradients, experts: slice) -> dict[str, torch.Tensor]:
-    """The slices of the expert gradients (``dw13``, ``dw2``, ``db13``, ``db2`` where present)
-    that the ranks holding ``experts`` write, keyed by backward-buffer field."""
-    full = {"dw13": grads.dw13, "dw2": grads.dw2, "db13": grads.db13, "db2": grads.db2}
-    return {name: g[experts] for name, g in full.items() if g is not None}
-
-
-def rank_views(out: Gradients, plan: RoutingPlan) -> list[dict[str, torch.Tensor]]:
-    """Per rank, its slices of full-size ``dx``/``dweights`` (its tokens) and the expert
-    gradients (its experts), keyed by ``BackwardBuffers`` field."""
+def rank_views(out: Gradients, plan: RoutingPlan,
+               slots: SlotGradients) -> list[dict[str, torch.Tensor | Rows]]:
+    """Per rank, its slices of full-size ``dx``/``dweights`` (its tokens) and where its
+    experts' gradients land (``SlotGradients.views``), keyed by ``BackwardBuffers`` field."""
     ep, local = plan.par.ep, plan.local_experts
     dx, dw = out.dx.chunk(ep), out.dweights.chunk(ep)
-    return [{"dx": dx[r], "dw": dw[r], **expert_views(out, slice(r * local, (r + 1) * local))}
-            for r in range(ep)]
+    return [{"dx": dx[r], "dw": dw[r], **slots.views(slice(r * local, (r + 1) * local))} for r in range(ep)]
 
 
 def _check_dy(dy: object, weights: ExpertWeights, tokens: int) -> None:

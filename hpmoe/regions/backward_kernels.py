@@ -24,7 +24,7 @@ from ..ir.graph import TaskKind, Tile
 from ..refs import clamped, glu_halves
 from ..routing import RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, Rows, rows_shape
 from .backward import lower_backward
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .kernels import ACTIVATIONS_INTO, ForwardBuffers, glu
@@ -67,9 +67,10 @@ class BackwardBuffers:
     grecv [R, H] (symmetric) received output gradients; da [R, F]; dh [R, 2F];
     dxe [R, H] expert input gradients; gcomb [T*k, H] (symmetric) input gradients
     back at the source; dx [T, H]; dw [T, k] float32 routing-weight gradient;
-    dw13 [L, 2F, H], dw2 [L, H, F] local expert gradients (zero for experts without
-    rows); sda [T, Fs], sdh [T, 2Fs], sdx [T, H], dsw13 [2Fs, H], dsw2 [H, Fs] shared;
-    db13 [L, 2F], db2 [L, H] the expert biases' gradients (None without biases).
+    dw13 [L][2F, H], dw2 [L][H, F] local expert gradients (zero for experts without
+    rows; ``Rows``: where each expert's gradient lands, ``SlotGradients.views``);
+    sda [T, Fs], sdh [T, 2Fs], sdx [T, H], dsw13 [2Fs, H], dsw2 [H, Fs] shared;
+    db13 [L][2F], db2 [L][H] the expert biases' gradients (None without biases).
     All spec.dtype except ``dw``."""
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("grecv", "gcomb")
@@ -83,22 +84,23 @@ class BackwardBuffers:
     gcomb: torch.Tensor
     dx: torch.Tensor
     dw: torch.Tensor
-    dw13: torch.Tensor
-    dw2: torch.Tensor
+    dw13: Rows
+    dw2: Rows
     sda: torch.Tensor
     sdh: torch.Tensor
     sdx: torch.Tensor
     dsw13: torch.Tensor
     dsw2: torch.Tensor
-    db13: torch.Tensor | None = None
-    db2: torch.Tensor | None = None
+    db13: Rows | None = None
+    db2: Rows | None = None
 
     @staticmethod
     def allocate(saved: SavedActivations, dy: torch.Tensor, plan: RoutingPlan,
-                 views: Mapping[str, torch.Tensor] | None = None) -> BackwardBuffers:
+                 views: Mapping[str, torch.Tensor | Rows] | None = None) -> BackwardBuffers:
         """Buffers for one rank holding dy [T, H].  ``views`` may supply any gradient
-        field — ``grecv``/``gcomb`` in a symmetric heap, ``dx``/``dw``/``dw13``/``dw2`` as
-        slices of full-size outputs (``dw13``/``dw2`` zero-filled) — the rest is allocated
+        field — ``grecv``/``gcomb`` in a symmetric heap, ``dx``/``dw`` as slices of full-size
+        outputs, ``dw13``/``dw2`` (``db13``/``db2``) the rows of zero-filled ones
+        (``SlotGradients.views``) — the rest is allocated
         here, as are recomputed ``a``/``sa`` (``saved`` itself is not modified)."""
         shapes = gradient_shapes(plan, dy.shape[0], saved.xe.shape[0])
         views = dict(views or {})
@@ -151,27 +153,27 @@ def _or_new(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dty
     return torch.empty(shape, dtype=dtype, device=device) if given is None else given
 
 
-def _check_views(views: Mapping[str, torch.Tensor], shapes: Mapping[str, FieldSpec]) -> None:
-    for name, tensor in views.items():
+def _check_views(views: Mapping[str, torch.Tensor | Rows], shapes: Mapping[str, FieldSpec]) -> None:
+    for name, view in views.items():
         if name not in shapes:
             raise ValueError(f"views[{name!r}]: not a gradient field, expected one of {sorted(shapes)}")
         shape, dtype, _ = shapes[name]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"views[{name!r}] is {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"expected {shape} {dtype}")
+        got, got_dtype = rows_shape(view), (view if isinstance(view, torch.Tensor) else view[0]).dtype
+        if got != shape or got_dtype != dtype:
+            raise ValueError(f"views[{name!r}] is {got} {got_dtype}, expected {shape} {dtype}")
 
 
 @dataclass
 class BackwardContext:
     """Read-only data of one rank for the backward kernels.
 
-    w13 [L, 2F, H], w2 [L, H, F]: this rank's experts; shared_w13 [2Fs, H] and
+    w13 [L][2F, H], w2 [L][H, F]: this rank's experts (read in place); shared_w13 [2Fs, H] and
     shared_w2 [H, Fs] or None; token_of_row [T*k] int64 token of each permuted row;
     row_weight [T*k] float32 routing weight of each permuted row; pos [T, k] int64
     permuted row of (token, slot); activation, glu: the experts' gated activation."""
 
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: Rows
+    w2: Rows
     shared_w13: torch.Tensor | None
     shared_w2: torch.Tensor | None
     token_of_row: torch.Tensor
@@ -185,9 +187,9 @@ class BackwardContext:
               rank: int) -> BackwardContext:
         """``topk_weights``: [T, k] float32 routing weights of ``rank``'s tokens."""
         local, k = plan.local_experts, plan.moe.top_k
-        experts = slice(rank * local, (rank + 1) * local)
+        mine = weights.local(slice(rank * local, (rank + 1) * local))
         order = plan.order[rank]
-        return BackwardContext(w13=weights.w13[experts], w2=weights.w2[experts],
+        return BackwardContext(w13=mine.w13, w2=mine.w2,
                                shared_w13=weights.shared_w13, shared_w2=weights.shared_w2,
                                token_of_row=order // k, row_weight=topk_weights.reshape(-1)[order],
                                pos=plan.pos[rank], activation=weights.spec.activation, glu=weights.spec.glu)
@@ -253,7 +255,7 @@ def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Back
 
 
 def _dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    w = ctx.w2[t.expert, :, t.col0:t.col1]
+    w = ctx.w2[t.expert][:, t.col0:t.col1]
     torch.mm(me.grecv[t.row0:t.row1], w, out=me.da[t.row0:t.row1, t.col0:t.col1])
 
 
@@ -263,22 +265,22 @@ def _swiglu_bwd(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backwa
 
 
 def _dgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    w = ctx.w13[t.expert, :, t.col0:t.col1]
+    w = ctx.w13[t.expert][:, t.col0:t.col1]
     torch.mm(me.dh[t.row0:t.row1], w, out=me.dxe[t.row0:t.row1, t.col0:t.col1])
 
 
 def _wgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     g = me.grecv[t.row0:t.row1, t.col0:t.col1]
-    torch.mm(g.t(), me.saved.a[t.row0:t.row1], out=me.dw2[t.expert, t.col0:t.col1])
+    torch.mm(g.t(), me.saved.a[t.row0:t.row1], out=me.dw2[t.expert][t.col0:t.col1])
     if me.db2 is not None:  # the tile holds every row of its expert
-        torch.sum(g, 0, out=me.db2[t.expert, t.col0:t.col1])
+        torch.sum(g, 0, out=me.db2[t.expert][t.col0:t.col1])
 
 
 def _wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     g = me.dh[t.row0:t.row1, t.col0:t.col1]
-    torch.mm(g.t(), me.saved.xe[t.row0:t.row1], out=me.dw13[t.expert, t.col0:t.col1])
+    torch.mm(g.t(), me.saved.xe[t.row0:t.row1], out=me.dw13[t.expert][t.col0:t.col1])
     if me.db13 is not None:
-        torch.sum(g, 0, out=me.db13[t.expert, t.col0:t.col1])
+        torch.sum(g, 0, out=me.db13[t.expert][t.col0:t.col1])
 
 
 def _grad_unpermute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:

@@ -22,7 +22,7 @@ import torch
 from ..ir.graph import TaskKind, Tile
 from ..routing import Routing, RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, Rows
 from .backward_kernels import BACKWARD_KERNELS, bias_gradient_shapes
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup_backward import lower_dedup_backward
@@ -63,7 +63,7 @@ class DedupBackwardBuffers:
     back per send row), ``ghrecv`` [Hr, H] (dy rows this rank relays).  dy, dx [T, H];
     gsend [Sd, H]; grecv, dxe [R, H]; da [R, F]; dh [R, 2F]; gpart [Rd, H] and gnred
     [Hr, H] partial dtype; dwpart [Rd, k], dwnred [Hr, k] and dw [T, k] float32;
-    dw13 [L, 2F, H], dw2 [L, H, F]; sda, sdh, sdx, dsw13, dsw2 as in the per-expert
+    dw13 [L][2F, H], dw2 [L][H, F] (``Rows``); sda, sdh, sdx, dsw13, dsw2 as in the per-expert
     backward."""
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("gdrecv", "gpcomb", "dwcomb", "ghrecv")
@@ -85,21 +85,22 @@ class DedupBackwardBuffers:
     dwnred: torch.Tensor
     dx: torch.Tensor
     dw: torch.Tensor
-    dw13: torch.Tensor
-    dw2: torch.Tensor
+    dw13: Rows
+    dw2: Rows
     sda: torch.Tensor
     sdh: torch.Tensor
     sdx: torch.Tensor
     dsw13: torch.Tensor
     dsw2: torch.Tensor
-    db13: torch.Tensor | None = None
-    db2: torch.Tensor | None = None
+    db13: Rows | None = None
+    db2: Rows | None = None
 
     @staticmethod
     def allocate(saved: DedupSaved, dy: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
-                 views: Mapping[str, torch.Tensor] | None = None) -> DedupBackwardBuffers:
-        """Buffers of ``rank`` holding dy [T, H]; ``views`` may supply ``dx``, ``dw``,
-        ``dw13``, ``dw2`` (slices of full-size outputs, the expert ones zero-filled)."""
+                 views: Mapping[str, torch.Tensor | Rows] | None = None) -> DedupBackwardBuffers:
+        """Buffers of ``rank`` holding dy [T, H]; ``views`` may supply ``dx``, ``dw`` (slices
+        of full-size outputs) and ``dw13``, ``dw2`` (and ``db13``, ``db2``: the rows of
+        zero-filled ones, ``SlotGradients.views``)."""
         moe = d.base.plan.moe
         t, r, k, h, f, fs = dy.shape[0], saved.xe.shape[0], moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
         sd, rd, el, dt, pd = (int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), d.base.plan.local_experts,
@@ -140,8 +141,8 @@ class DedupBackwardContext:
     of each expand entry; slot_send_row [T, k]: send row of the pair carrying each of
     a token's slots."""
 
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: Rows
+    w2: Rows
     shared_w13: torch.Tensor | None
     shared_w2: torch.Tensor | None
     activation: Activation

@@ -17,7 +17,7 @@ from ..ir.graph import TaskKind, Tile
 from ..refs import add_present
 from ..routing import Routing, RoutingPlan
 from ..spec import TileSpec
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, Rows
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup import lower_dedup
 from .dedup_layout import DedupLayout, make_dedup_layout
@@ -77,7 +77,7 @@ class DedupBuffers:
 
 @dataclass
 class DedupContext:
-    """Read-only data of one rank.  w13 [L, 2F, H], w2 [L, H, F]: its experts.
+    """Read-only data of one rank.  w13 [L][2F, H], w2 [L][H, F]: its experts (read in place).
     token_of_row [Sd]: token of each send row it gathers from x (0 for forwarded
     rows).  relay_src [Sd]: ``hrecv`` row of each forwarded send row (-1 elsewhere).
     expand_ptr [Rd + 1], expand_src, expand_dst: drecv row -> per-expert receive rows
@@ -89,8 +89,8 @@ class DedupContext:
     the last)."""
 
     weights: ExpertWeights
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: Rows
+    w2: Rows
     token_of_row: torch.Tensor
     relay_src: torch.Tensor
     expand_ptr: list[int]
@@ -100,14 +100,14 @@ class DedupContext:
     slot_weight: torch.Tensor
     hop_rows: torch.Tensor
     partial_row: torch.Tensor
-    b13: torch.Tensor | None = None  # [L, 2F] / [L, H]: its experts' biases, or None
-    b2: torch.Tensor | None = None
+    b13: Rows | None = None  # [L][2F] / [L][H]: its experts' biases, or None
+    b2: Rows | None = None
 
     @staticmethod
     def build(weights: ExpertWeights, d: DedupLayout, routing: Routing, rank: int) -> DedupContext:
         plan, pairs = d.base.plan, d.pairs
         local, tpr = plan.local_experts, plan.par.tokens_per_rank
-        experts = slice(rank * local, (rank + 1) * local)
+        mine = weights.local(slice(rank * local, (rank + 1) * local))
         got = np.flatnonzero(pairs.dst == rank)
         got = got[np.argsort(pairs.recv_row[got], kind="stable")]
         slot_row = pairs.slot_row[got]
@@ -115,15 +115,14 @@ class DedupContext:
         row, j = np.nonzero(slot_row >= 0)  # by drecv row, then slot
         token_of_row, relay_src = _send_sources(d, rank)
         return DedupContext(
-            weights=weights, w13=weights.w13[experts], w2=weights.w2[experts],
+            weights=weights, w13=mine.w13, w2=mine.w2,
             token_of_row=torch.from_numpy(token_of_row), relay_src=torch.from_numpy(relay_src),
             expand_ptr=np.searchsorted(row, np.arange(len(got) + 1)).tolist(),
             expand_src=torch.from_numpy(row.copy()), expand_dst=torch.from_numpy(slot_row[row, j].copy()),
             slot_row=torch.from_numpy(slot_row.copy()),
             slot_weight=torch.from_numpy(np.where(slot_row >= 0, w, 0.0).astype(np.float32)),
             hop_rows=torch.from_numpy(_hop_rows(d, rank)),
-            partial_row=torch.from_numpy(_partial_rows(d, rank)),
-            **{name: b[experts] for name, b in zip(("b13", "b2"), weights.biases, strict=False)})
+            partial_row=torch.from_numpy(_partial_rows(d, rank)), b13=mine.b13, b2=mine.b2)
 
 
 def _send_sources(d: DedupLayout, rank: int) -> tuple[np.ndarray, np.ndarray]:

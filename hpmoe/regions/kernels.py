@@ -17,7 +17,7 @@ from ..ir.graph import TaskKind, Tile
 from ..refs import gated, topk_sum
 from ..routing import Routing, RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, Rows
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .forward import lower_forward
 
@@ -64,18 +64,19 @@ class ForwardBuffers:
 class RankContext:
     """Read-only data of one rank: its experts' weights and its slice of the plan.
 
-    w13: [L, 2F, H], w2: [L, H, F] (this rank's experts); token_of_row: [T*k] int64
-    token of each permuted row; pos: [T, k] int64 permuted row of (token, slot);
-    topk_weights: [T, k] float32; b13 [L, 2F] / b2 [L, H]: its experts' biases, or None."""
+    w13: [L][2F, H], w2: [L][H, F] (this rank's experts, read in place: ``Rows``);
+    token_of_row: [T*k] int64 token of each permuted row; pos: [T, k] int64 permuted row
+    of (token, slot); topk_weights: [T, k] float32; b13 [L][2F] / b2 [L][H]: its experts'
+    biases, or None."""
 
     weights: ExpertWeights
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: Rows
+    w2: Rows
     token_of_row: torch.Tensor
     pos: torch.Tensor
     topk_weights: torch.Tensor
-    b13: torch.Tensor | None = None
-    b2: torch.Tensor | None = None
+    b13: Rows | None = None
+    b2: Rows | None = None
 
     @staticmethod
     def build(weights: ExpertWeights, plan: RoutingPlan, routing: Routing, rank: int) -> RankContext:
@@ -87,9 +88,9 @@ class RankContext:
     def of(weights: ExpertWeights, plan: RoutingPlan, topk_weights: torch.Tensor, rank: int) -> RankContext:
         """Of ``rank`` given its own tokens' routing weights [T, k]."""
         local, k = plan.local_experts, plan.moe.top_k
-        experts = slice(rank * local, (rank + 1) * local)
-        return RankContext(weights, weights.w13[experts], weights.w2[experts], plan.order[rank] // k,
-                           plan.pos[rank], topk_weights, *(b[experts] for b in weights.biases))
+        mine = weights.local(slice(rank * local, (rank + 1) * local))
+        return RankContext(weights, mine.w13, mine.w2, plan.order[rank] // k, plan.pos[rank], topk_weights,
+                           mine.b13, mine.b2)
 
 
 Kernel = Callable[[Tile, ForwardBuffers, ForwardBuffers, RankContext], None]
@@ -107,12 +108,12 @@ def gemm_bias(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: 
         torch.addmm(bias, a, w.t(), out=out)
 
 
-def _bias(b: torch.Tensor | None, expert: int, col0: int, col1: int) -> torch.Tensor | None:
-    return None if b is None else b[expert, col0:col1]
+def _bias(b: Rows | None, expert: int, col0: int, col1: int) -> torch.Tensor | None:
+    return None if b is None else b[expert][col0:col1]
 
 
 def _gemm_up(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
-    w = ctx.w13[t.expert, t.col0:t.col1]
+    w = ctx.w13[t.expert][t.col0:t.col1]
     gemm_bias(me.recv[t.row0:t.row1], w, _bias(ctx.b13, t.expert, t.col0, t.col1),
               me.h[t.row0:t.row1, t.col0:t.col1])
 
@@ -142,7 +143,7 @@ def _swiglu(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext)
 
 
 def _gemm_down(t: Tile, me: ForwardBuffers, peer: ForwardBuffers, ctx: RankContext) -> None:
-    w = ctx.w2[t.expert, t.col0:t.col1]
+    w = ctx.w2[t.expert][t.col0:t.col1]
     gemm_bias(me.a[t.row0:t.row1], w, _bias(ctx.b2, t.expert, t.col0, t.col1),
               me.y[t.row0:t.row1, t.col0:t.col1])
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..exec.exact_backward import Gradients, expert_views, full_expert_gradients
+from ..exec.exact_backward import Gradients, full_expert_gradients
 from ..exec.program import RankProgram, compile_program, compile_region
 from ..ir.schedule import Schedule
 from ..regions.backward_kernels import BackwardBuffers, SavedActivations
@@ -26,7 +26,7 @@ from ..regions.base import Region
 from ..regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
 from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, SlotGradients
 from .forward import ForwardOptions
 from .session import Session
 from .transport.base import Step
@@ -35,8 +35,9 @@ from .transport.base import Step
 @dataclass
 class BackwardOutput:
     """grads: dx [T, H] spec.dtype and dweights [T, k] float32 of this rank's tokens;
-    dw13 [E, 2F, H] and dw2 [E, H, F] full size, this rank's experts filled in and zeros
-    elsewhere; dshared_w13/dshared_w2 this rank's share (None without shared experts).
+    dw13 [E, 2F, H] and dw2 [E, H, F] full size (shaped like the stored tensors under
+    slot rows), this rank's experts' rows filled in and zeros elsewhere;
+    dshared_w13/dshared_w2 this rank's share (None without shared experts).
     buffers: the rank's buffers (symmetric fields valid until the next region);
     schedule: every rank's schedule; program: this rank's part."""
 
@@ -64,10 +65,12 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
     sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
     shared = weights.has_shared
-    grads = full_expert_gradients(weights, dx=dy, dweights=dy)  # dx, dweights: the buffers', below
-    buf = family.backward_buffers(saved, dy, layout, tiles, s.rank, {**sym, **expert_views(grads, mine)})
+    slots = SlotGradients.of(weights, mine)
+    grads = full_expert_gradients(slots, dx=dy, dweights=dy)  # dx, dweights: the buffers', below
+    buf = family.backward_buffers(saved, dy, layout, tiles, s.rank, {**sym, **slots.views(mine)})
     ctx = family.backward_context(weights, layout, routing, s.rank)
     s.executor.run(program, region, buf, ctx, s.transport)
+    slots.fold()
     grads = replace(grads, dx=buf.dx, dweights=buf.dw, dshared_w13=buf.dsw13 if shared else None,
                     dshared_w2=buf.dsw2 if shared else None)
     return BackwardOutput(grads=grads, buffers=buf, schedule=schedule, program=program)
