@@ -29,6 +29,7 @@ from .core import (
     RoutingPlan,
     Schedule,
     SchedulePolicy,
+    SlotGradients,
     TaskGraph,
     TileSpec,
     WorkerCounts,
@@ -134,17 +135,33 @@ class TritonForward:
 
 def forward_arena(x: torch.Tensor, weights: ExpertWeights, routing: Routing, plan: RoutingPlan,
                   space: BufferSpace) -> Arena:
-    """The arena of a forward call: work buffers NaN, caller tensors bound, indices filled."""
+    """The arena of a forward call: work buffers NaN, caller tensors bound (the expert
+    weights where they are stored, ``bind_experts``), indices filled."""
     spec = weights.spec
     arena = Arena(space, spec.dtype, x.device)
-    bind = {"x": x.contiguous(), "w13": weights.w13.contiguous(), "w2": weights.w2.contiguous(),
-            "topk": routing.weights.to(x.device, torch.float32).contiguous(),
+    bind = {"x": x.contiguous(), "topk": routing.weights.to(x.device, torch.float32).contiguous(),
             "out": torch.full_like(x, float("nan"))}
     if weights.has_shared:
         bind.update(sw13=weights.shared_w13.contiguous(), sw2=weights.shared_w2.contiguous())
     arena.bind_all(bind)
+    bind_experts(arena, {"w13": weights.w13.contiguous(), "w2": weights.w2.contiguous()}, weights)
     fill_indices(arena, plan, routing.weights)
     return arena
+
+
+def bind_experts(arena: Arena, tensors: dict[str, torch.Tensor], weights: ExpertWeights) -> None:
+    """Bind expert-row tensors ([R, ...] stored rows, or their gradients): split over the
+    ranks, or under slot rows every rank the whole tensor (``BufferSpace.read``)."""
+    for name, t in tensors.items():
+        if weights.slot_rows is None:
+            arena.bind(name, t)
+        else:
+            arena.bind_shared(name, t)
+
+
+def region_space(plan: RoutingPlan, weights: ExpertWeights) -> BufferSpace:
+    """``buffer_space`` of ``plan`` with the experts' slot rows (each its own without)."""
+    return buffer_space(plan, weights.slot_rows, weights.w13.shape[0])
 
 
 def fill_indices(arena: Arena, plan: RoutingPlan, topk_weights: torch.Tensor) -> None:
@@ -182,7 +199,7 @@ def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep
                          "experts run on the exact and runtime backends)")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
     plan = plan_routing(routing.ids.cpu(), spec, par)
-    arena = forward_arena(x, weights, routing, plan, buffer_space(plan))
+    arena = forward_arena(x, weights, routing, plan, region_space(plan, weights))
     region = prepare(lower_forward(plan, tiles), arena, options)
     info = region.run()
     return TritonForward(out=arena.gather("out"), region=region, plan=plan, tiles=tiles, weights=weights,
@@ -205,7 +222,8 @@ def triton_backward(fwd: TritonForward, dy: torch.Tensor, recompute: bool = Fals
     """The backward region after ``fwd``: dy [N, H] spec.dtype on the forward's device.
 
     Expert weight gradients of experts that received no rows are zero (no task
-    writes them); every other output starts as NaN."""
+    writes them); every other output starts as NaN.  Under slot rows the expert
+    gradients are shaped like the stored tensors, replicas summed (``SlotGradients``)."""
     options = options or fwd.region.options
     w, plan, arena = fwd.weights, fwd.plan, fwd.region.arena
     if dy.shape != fwd.x.shape or dy.dtype != fwd.x.dtype or dy.device != fwd.x.device:
@@ -214,19 +232,22 @@ def triton_backward(fwd: TritonForward, dy: torch.Tensor, recompute: bool = Fals
     k = w.spec.top_k
     nan = float("nan")
     out = {"dy": dy.contiguous(), "dx": torch.full_like(dy, nan),
-           "dweights": torch.full((dy.shape[0], k), nan, device=dy.device),
-           "dw13": torch.full_like(w.w13, nan), "dw2": torch.full_like(w.w2, nan)}
+           "dweights": torch.full((dy.shape[0], k), nan, device=dy.device)}
     arena.bind_all(out)
+    slots = SlotGradients.of(w, slice(None), fill=nan)
+    bind_experts(arena, slots.full, w)
+    if w.slot_rows is not None:  # later replicas' gradients, folded in below
+        for name, t in slots.scratch.items():
+            arena.bind_shared(f"{name}x", t)
     if w.has_shared:
         for name in ("dsw13", "dsw2"):
             for r in range(plan.par.ep):
                 arena.rank_view(name, r).fill_(nan)
     region = prepare(lower_backward(plan, fwd.tiles, recompute=recompute), arena, options)
     info = region.run()
-    idle = plan.counts.sum(dim=(0,)).reshape(-1) == 0  # [ep * L] experts without rows
-    for name in ("dw13", "dw2"):
-        out[name][idle.to(dy.device)] = 0
-    grads = Gradients(dx=out["dx"], dweights=out["dweights"], dw13=out["dw13"], dw2=out["dw2"],
+    slots.zero_idle((plan.counts.sum(dim=0).reshape(-1) > 0).tolist())  # experts without rows: no task
+    slots.fold()
+    grads = Gradients(dx=out["dx"], dweights=out["dweights"], dw13=slots.full["dw13"], dw2=slots.full["dw2"],
                       dshared_w13=_rank_sum(arena, "dsw13", w), dshared_w2=_rank_sum(arena, "dsw2", w))
     return TritonGradients(grads=grads, region=region, info=info)
 

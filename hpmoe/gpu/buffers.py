@@ -9,6 +9,12 @@ pure function of the plan and the schedule.
 Element classes: DATA buffers hold ``spec.dtype``; F32 and I32 hold float32 routing
 weights / router gradients and int32 row indices.
 
+Experts reading slot rows in place (``ExpertWeights.slot_rows``): every rank's
+``w13``/``w2`` buffer is the whole stored tensor and its expert e reads row
+``read[rank, e]``; its gradient lands in row ``write[rank, e]`` of the whole ``dw13``/
+``dw2`` gradient, or, for a later replica of a row (``scratch``), of the scratch
+``dw13x``/``dw2x`` that the host folds in afterwards (``weights.SlotGradients``).
+
 The ``Arena``: every rank's work buffers (send, recv, h, a, y, comb, ... and their
 gradients) are regions of one flat tensor per element class on one device, so a put
 from rank r to rank p is a copy into p's region of the same allocation.  Inputs,
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .core import RoutingPlan
+from .core import RoutingPlan, slot_targets
 
 
 class Elem(enum.IntEnum):
@@ -50,7 +56,7 @@ class BufferField:
 def _fields() -> tuple[BufferField, ...]:
     data_work = ["send", "recv", "h", "a", "y", "comb", "sh", "sa", "so", "gsend", "grecv", "da", "dh",
                  "dxe", "gcomb", "sda", "sdh", "sdx", "dsw13", "dsw2"]
-    data_view = ["x", "out", "dy", "dx", "w13", "w2", "dw13", "dw2"]
+    data_view = ["x", "out", "dy", "dx", "w13", "w2", "dw13", "dw2", "dw13x", "dw2x"]
     return tuple([BufferField(n, Elem.DATA, True) for n in data_work]
                  + [BufferField(n, Elem.DATA, False) for n in data_view]
                  + [BufferField(n, Elem.DATA, False, replicated=True) for n in ("sw13", "sw2")]
@@ -69,12 +75,17 @@ class BufferSpace:
 
     rows, ld: [len(FIELDS), ep] int64.  Buffer id of (field f, rank r): ``f * ep + r``.
     dims: (T, k, H, F, Fs, L) tokens per rank, top-k, hidden, expert FFN, shared FFN,
-    local experts."""
+    local experts.  read, write [ep, L] int64: the expert row of the rank's weight buffers
+    each of its experts reads, and of its gradient buffers (its scratch buffers where
+    ``scratch`` [ep, L] bool) its gradient lands in (without slot rows: its own, e)."""
 
     ep: int
     rows: np.ndarray
     ld: np.ndarray
     dims: tuple[int, int, int, int, int, int]
+    read: np.ndarray
+    write: np.ndarray
+    scratch: np.ndarray
 
     @property
     def num_buffers(self) -> int:
@@ -89,26 +100,50 @@ class BufferSpace:
         return int(self.rows[f, rank]), int(self.ld[f, rank])
 
 
-def buffer_space(plan: RoutingPlan) -> BufferSpace:
-    """The buffers of ``plan``'s forward and backward regions, per rank."""
+def buffer_space(plan: RoutingPlan, slot_rows: tuple[int, ...] | None = None, stored: int = 0) -> BufferSpace:
+    """The buffers of ``plan``'s forward and backward regions, per rank; ``slot_rows``:
+    the row of the ``stored`` rows of the expert tensors each expert reads in place
+    (None: each its own)."""
     moe, ep = plan.moe, plan.par.ep
     t, k, h, f, fs, el = (plan.par.tokens_per_rank, moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn,
                           plan.local_experts)
     recv = np.array([plan.recv_rows(r) for r in range(ep)], np.int64)
+    read, write, scratch, stored, extra = _expert_rows(slot_rows, stored, ep, el)
     shapes = {"send": (t * k, h), "recv": (recv, h), "h": (recv, 2 * f), "a": (recv, f), "y": (recv, h),
               "comb": (t * k, h), "sh": (t, 2 * fs), "sa": (t, fs), "so": (t, h), "gsend": (t * k, h),
               "grecv": (recv, h), "da": (recv, f), "dh": (recv, 2 * f), "dxe": (recv, h),
               "gcomb": (t * k, h), "sda": (t, fs), "sdh": (t, 2 * fs), "sdx": (t, h), "dsw13": (2 * fs, h),
               "dsw2": (h, fs), "x": (t, h), "out": (t, h), "dy": (t, h), "dx": (t, h),
-              "w13": (el * 2 * f, h), "w2": (el * h, f), "sw13": (2 * fs, h), "sw2": (h, fs),
-              "dw13": (el * 2 * f, h), "dw2": (el * h, f), "roww": (t * k, 1), "topk": (t, k),
+              "w13": (stored * 2 * f, h), "w2": (stored * h, f), "sw13": (2 * fs, h), "sw2": (h, fs),
+              "dw13": (stored * 2 * f, h), "dw2": (stored * h, f), "dw13x": (extra * 2 * f, h),
+              "dw2x": (extra * h, f), "roww": (t * k, 1), "topk": (t, k),
               "dweights": (t, k), "tok": (t * k, 1), "pos": (t, k)}
     rows = np.zeros((len(FIELDS), ep), np.int64)
     ld = np.zeros((len(FIELDS), ep), np.int64)
     for name, (r, c) in shapes.items():
         rows[FIELD_INDEX[name]] = r
         ld[FIELD_INDEX[name]] = c
-    return BufferSpace(ep=ep, rows=rows, ld=ld, dims=(t, k, h, f, fs, el))
+    return BufferSpace(ep=ep, rows=rows, ld=ld, dims=(t, k, h, f, fs, el), read=read, write=write,
+                       scratch=scratch)
+
+
+def _expert_rows(slot_rows: tuple[int, ...] | None, stored: int, ep: int,
+                 local: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """(read, write, scratch as in ``BufferSpace``, expert rows of a rank's weight and
+    gradient buffers, rows of its scratch buffers): without slot rows a rank's buffers
+    are its own experts' rows; with them every rank's are the whole stored tensors."""
+    if slot_rows is None:
+        own = np.tile(np.arange(local, dtype=np.int64), (ep, 1))
+        return own, own, np.zeros((ep, local), bool), local, 0
+    if len(slot_rows) != ep * local or min(slot_rows) < 0 or max(slot_rows) >= stored:
+        raise ValueError(f"slot_rows must give a row in 0..{stored - 1} for each of the {ep * local} experts "
+                         f"(every one stored here), got {slot_rows}")
+    target, extra = slot_targets(slot_rows, stored)
+    write = np.array(target, np.int64)
+    scratch = write >= stored
+    write[scratch] -= stored
+    read, shape = np.array(slot_rows, np.int64), (ep, local)
+    return read.reshape(shape), write.reshape(shape), scratch.reshape(shape), stored, len(extra)
 
 
 _TORCH = {Elem.F32: torch.float32, Elem.I32: torch.int32}
@@ -162,6 +197,12 @@ class Arena:
                  for r, n in enumerate(rows.tolist())]
         for r in range(self.space.ep):
             self.views[(name, r)] = parts[0 if f.replicated else r]
+
+    def bind_shared(self, name: str, tensor: torch.Tensor) -> None:
+        """Use ``tensor`` as every rank's buffer ``name`` (the whole stored expert tensor
+        that experts reading slot rows index, ``BufferSpace.read``)."""
+        for r in range(self.space.ep):
+            self.bind_rank(name, r, tensor)
 
     def bind_rank(self, name: str, rank: int, tensor: torch.Tensor) -> None:
         """Use ``tensor`` as rank ``rank``'s buffer ``name`` (any shape holding

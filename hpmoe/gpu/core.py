@@ -21,11 +21,13 @@ from ..sim.hardware import HardwareModel, LinkEntry
 from ..sim.presets import hardware_preset
 from ..sim.simulate import Timeline
 from ..spec import MoESpec, ParallelSpec, TileSpec
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, SlotGradients, slot_targets
 
 __all__ = ["DEFAULT_TILES", "IS_PUT", "ExpertWeights", "Gradients", "GraphError", "HangReport",
            "HardwareModel",
            "LinkEntry", "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan", "Schedule",
-           "SchedulePolicy", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts",
+           "SchedulePolicy", "SlotGradients", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit",
+           "WorkerCounts",
            "WorkerReport", "WorkerStatus", "check_input", "gemm_dims", "hardware_preset",
-           "lower_backward", "lower_forward", "plan_routing", "schedule", "task_costs", "verify_schedule"]
+           "lower_backward", "lower_forward", "plan_routing", "schedule", "slot_targets", "task_costs",
+           "verify_schedule"]

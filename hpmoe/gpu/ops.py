@@ -88,15 +88,14 @@ Describe = Callable[[Tasks, BufferSpace], dict[str, np.ndarray]]
 
 
 def _op(op: Op, t: Tasks, sp: BufferSpace, **cols: object) -> dict[str, np.ndarray]:
-    """Operand columns: buffers given as (field name, rank array), the rest as arrays;
-    unnamed buffers are -1 (absent), unnamed numbers 0."""
+    """Operand columns: buffers given as (field name, rank array) or as buffer ids, the
+    rest as arrays; unnamed buffers are -1 (absent), unnamed numbers 0."""
     n = len(t.rank)
     out = {c: np.full(n, -1 if c.endswith("_buf") else 0, np.int64) for c in COLUMNS}
     out["op"] = np.full(n, int(op), np.int64)
     for name, value in cols.items():
         if name.endswith("_buf"):
-            field, rank = value
-            out[name] = sp.ids(field, rank)
+            out[name] = value if isinstance(value, np.ndarray) else sp.ids(*value)
         else:
             out[name] = np.broadcast_to(np.asarray(value, np.int64), (n,))
     return out
@@ -121,12 +120,17 @@ def _put(src: str, dst: str) -> Describe:
     return describe
 
 
+def _read_row(t: Tasks, sp: BufferSpace) -> np.ndarray:
+    """The expert row of its rank's weight buffer each task's expert reads (``BufferSpace.read``)."""
+    return sp.read[t.rank, t.expert]
+
+
 def _gemm_nt(a: str, w: str, c: str, depth: int, weight_rows: int | None) -> Describe:
-    """C[rows, cols] = A[rows] @ W[e][cols].T (W rows of expert e start at e * weight_rows;
-    None: a shared weight)."""
+    """C[rows, cols] = A[rows] @ W[e][cols].T (W rows of expert e start at its read row
+    times weight_rows; None: a shared weight)."""
     def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
-        wrow = t.col0 if weight_rows is None else t.expert * _size(d, weight_rows) + t.col0
+        wrow = t.col0 if weight_rows is None else _read_row(t, sp) * _size(d, weight_rows) + t.col0
         return _op(Op.GEMM, t, sp, variant=Gemm.NT, m=t.rows, n=t.cols, k=_size(d, depth),
                    a_buf=(a, t.rank), a_row=t.row0, b_buf=(w, t.rank), b_row=wrow,
                    c_buf=(c, t.rank), c_row=t.row0, c_col=t.col0)
@@ -169,10 +173,11 @@ def _grad_permute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
 
 
 def _gemm_nn(a: str, w: str, c: str, depth: str, weight_rows: str | None) -> Describe:
-    """C[rows, cols] = A[rows] @ W[e][:, cols] (W of expert e starts at row e * weight_rows)."""
+    """C[rows, cols] = A[rows] @ W[e][:, cols] (W of expert e starts at its read row times
+    weight_rows)."""
     def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
-        wrow = 0 if weight_rows is None else t.expert * _size(d, weight_rows)
+        wrow = 0 if weight_rows is None else _read_row(t, sp) * _size(d, weight_rows)
         return _op(Op.GEMM, t, sp, variant=Gemm.NN, m=t.rows, n=t.cols, k=_size(d, depth),
                    a_buf=(a, t.rank), a_row=t.row0, b_buf=(w, t.rank), b_row=wrow, b_col=t.col0,
                    c_buf=(c, t.rank), c_row=t.row0, c_col=t.col0)
@@ -180,13 +185,17 @@ def _gemm_nn(a: str, w: str, c: str, depth: str, weight_rows: str | None) -> Des
 
 
 def _wgrad(g: str, x: str, c: str, width: str, weight_rows: str | None) -> Describe:
-    """C[e][cols] = G[rows, cols].T @ X[rows] (one task holds the full reduction)."""
+    """C[e][cols] = G[rows, cols].T @ X[rows] (one task holds the full reduction); C of
+    expert e: its write row of C, or of the scratch ``C + "x"`` (``BufferSpace.write``)."""
     def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
-        crow = t.col0 if weight_rows is None else t.expert * _size(d, weight_rows) + t.col0
+        crow, cbuf = t.col0, sp.ids(c, t.rank)
+        if weight_rows is not None:
+            crow = sp.write[t.rank, t.expert] * _size(d, weight_rows) + t.col0
+            cbuf = np.where(sp.scratch[t.rank, t.expert], sp.ids(c + "x", t.rank), cbuf)
         return _op(Op.GEMM, t, sp, variant=Gemm.TN, m=t.cols, n=_size(d, width), k=t.rows,
                    a_buf=(g, t.rank), a_row=t.row0, a_col=t.col0, b_buf=(x, t.rank), b_row=t.row0,
-                   c_buf=(c, t.rank), c_row=crow)
+                   c_buf=cbuf, c_row=crow)
     return describe
 
 
