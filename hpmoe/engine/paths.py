@@ -77,6 +77,7 @@ class RegionState:
     routing: Routing | None
     saved_kind: type
     nbytes: int = 0
+    slot_rows: tuple[int, ...] | None = None  # the weights' while they are packed away
 
     def saved_bytes(self) -> int:
         """Bytes of the saved activations (the input x excluded)."""
@@ -89,7 +90,7 @@ class RegionState:
         tensors += [w.router, w.router_bias, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
                     self.routing.ids, self.routing.weights]
         bare = replace(self, saved=[None] * len(self.saved), weights=None, routing=None,
-                       nbytes=self.saved_bytes())
+                       nbytes=self.saved_bytes(), slot_rows=w.slot_rows)
         return tensors, bare
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
@@ -97,7 +98,7 @@ class RegionState:
         n, ranks = len(fields(self.saved_kind)), len(self.saved)
         saved = [self.saved_kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
         *weight_tensors, ids, topk = tensors[ranks * n:]
-        weights = ExpertWeights(self.plan.moe, *weight_tensors)
+        weights = ExpertWeights(self.plan.moe, *weight_tensors, slot_rows=self.slot_rows)
         return replace(self, saved=saved, weights=weights, routing=Routing(ids, topk))
 
 
@@ -106,7 +107,7 @@ class ExactPath:
     """``ep`` virtual ranks in one process; ``order``: None (task-id order), a seed of a
     random valid order, or task ids (every order gives the same bits)."""
 
-    reads_slots: ClassVar[bool] = False
+    reads_slots: ClassVar[bool] = True
 
     ep: int
     tiles: TileSpec
@@ -134,7 +135,7 @@ class RuntimePath:
     ``policy`` on ``hardware``'s workers.  Expert gradients are full-size [E, ...] with
     this rank's experts filled in and zeros elsewhere."""
 
-    reads_slots: ClassVar[bool] = False
+    reads_slots: ClassVar[bool] = True
 
     session: Session
     tiles: TileSpec
@@ -183,7 +184,7 @@ class TritonState:
 class TritonPath:
     """One persistent Triton kernel per region on the input's device (``hpmoe.gpu``)."""
 
-    reads_slots: ClassVar[bool] = False
+    reads_slots: ClassVar[bool] = True
 
     ep: int
     tiles: TileSpec
