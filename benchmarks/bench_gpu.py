@@ -16,10 +16,24 @@ the single-GPU training case), forward and forward+backward:
                           GPU in bf16 its GEMMs are grouped GEMMs), backward without autograd
   hpmoe-default           the same path through the front door a user calls: ``hpmoe.MoE``
                           on these weights, ``layer.region(x, ids, weights)``, autograd
+  hpmoe-default+cudagraph the same step captured in a CUDA graph (replayed)
   torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
                           fixed-order top-k sum; backward by autograd
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
   *+cudagraph             the two torch variants captured in CUDA graphs
+  hf-grouped-mm, hf-eager transformers' MoE block of the shape's family (router included)
+                          with ``experts_implementation`` "grouped_mm" (transformers' default)
+                          and "eager"
+  hpmoe-from-hf           that very block replaced by ``hpmoe.MoE.from_hf`` (its router,
+                          the region on hpmoe's default path)
+
+Every hpmoe and peer row also carries ``host_syncs`` (synchronizing CUDA calls in one
+call, counted under ``torch.cuda.set_sync_debug_mode("warn")``), ``peak_mib`` (peak
+memory allocated during one call above what was allocated before it) and, for eager
+rows, ``saved_mib`` (bytes autograd saved for the backward, parameters excluded, each
+storage once); hpmoe-default rows ``host_us`` (the host's time to issue one call, the
+device idle before it) beside hpmoe-kernel-by-kernel's: the front door's host cost.
+``--routing`` runs the peers on balanced and/or zipf routing.
 
 The stamped HYPERPARALLEL forward run is fitted to a GPU hardware model
 (hpmoe.gpu.calibrate: per-task overhead, matrix rate, copy bandwidth per worker,
@@ -33,6 +47,7 @@ device copy as the memory bandwidth; a variant's roofline fraction is
 graph.  Medians over ``--reps`` after ``--warmup`` runs, CUDA events.
 
     python benchmarks/bench_gpu.py --out benchmarks/results [--shapes small qwen3 ...] [--ep 1] [--peers-only]
+        [--routing balanced zipf]
 
 ``--peers-only``: no persistent-kernel rows, only the default path against the torch variants.
 
@@ -49,7 +64,9 @@ import dataclasses
 import json
 import platform
 import sys
+import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,9 +75,11 @@ import torch
 
 from hpmoe.bench.torch_peers import (
     Peer,
+    block_step,
     eager_forward,
     fit_experts,
     grouped_forward,
+    hf_block,
     layer_step,
     torch_step,
 )
@@ -87,6 +106,8 @@ from hpmoe.weights import ExpertWeights
 
 TOKENS = 4096
 TILES = TileSpec(rows=128, gemm_rows=128, gemm_cols=512)
+FAMILIES = {"deepseek-v3-fit": "deepseek_v3", "qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral",
+            "small": "qwen3_moe"}  # the transformers block each shape is timed against
 
 
 def base_shapes() -> dict[str, MoESpec]:
@@ -174,18 +195,19 @@ def phase_programs(region, queues: int) -> list[Phase]:
     return out
 
 
-def shape_routing(spec: MoESpec, ep: int) -> Routing:
-    """The balanced routing of ``TOKENS`` tokens every variant runs (on the CPU)."""
-    return synthetic_routing(RoutingKind.BALANCED, spec, ParallelSpec(ep, TOKENS // ep), 0)
+def shape_routing(spec: MoESpec, ep: int, kind: RoutingKind = RoutingKind.BALANCED) -> Routing:
+    """The routing of ``TOKENS`` tokens every variant runs (on the CPU)."""
+    return synthetic_routing(kind, spec, ParallelSpec(ep, TOKENS // ep), 0)
 
 
-def shape_inputs(spec: MoESpec, ep: int) -> tuple[torch.Tensor, ExpertWeights, Routing, torch.Tensor]:
-    """(x, weights, balanced routing, dy) of ``TOKENS`` tokens on the GPU."""
+def shape_inputs(spec: MoESpec, ep: int, kind: RoutingKind = RoutingKind.BALANCED
+                 ) -> tuple[torch.Tensor, ExpertWeights, Routing, torch.Tensor]:
+    """(x, weights, the routing of ``kind``, dy) of ``TOKENS`` tokens on the GPU."""
     dev = torch.device("cuda")
     w = ExpertWeights.random(spec, 0)
     w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
                                   if isinstance(getattr(w, f.name), torch.Tensor)})
-    routing = shape_routing(spec, ep)
+    routing = shape_routing(spec, ep, kind)
     routing = Routing(ids=routing.ids.to(dev), weights=routing.weights.to(dev))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
@@ -243,13 +265,15 @@ def persistent_rows(name: str, spec: MoESpec, ep: int, inputs: tuple, record: Ca
 
 
 def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
-              out_dir: Path, details: dict, persistent: bool = True) -> list[dict]:
-    x, w, routing, dy = shape_inputs(spec, ep)
+              out_dir: Path, details: dict, persistent: bool = True,
+              kind: RoutingKind = RoutingKind.BALANCED) -> list[dict]:
+    x, w, routing, dy = shape_inputs(spec, ep, kind)
     rows: list[dict] = []
     work = region_work(spec, ep, routing)
 
     def record(region: str, variant: str, fn: Callable[[], object] | None, error: str = "",
-               launchers: tuple = (), phase_work: tuple[float, float] | None = None) -> None:
+               launchers: tuple = (), phase_work: tuple[float, float] | None = None,
+               measured: dict | None = None) -> None:
         ms = float("nan")
         if fn is not None:
             try:
@@ -261,33 +285,132 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
                 ms = float("nan")  # a run that hit its deadline is no timing
         flops, nbytes = phase_work or work.get(region, (float("nan"), float("nan")))
         roof = max(flops / peaks[0], nbytes / peaks[1]) * 1e3
-        rows.append({"shape": name, "experts": spec.experts, "ep": ep, "region": region, "variant": variant,
-                     "ms": ms, "tflops": flops / (ms / 1e3) / 1e12, "roofline_fraction": roof / ms,
-                     "error": error})
-        print(f"{name:>16} {region:>8} {variant:>32} {ms:9.3f} ms  {error}", flush=True)
+        rows.append({"shape": name, "experts": spec.experts, "ep": ep, "routing": kind.value,
+                     "region": region, "variant": variant, "ms": ms, "tflops": flops / (ms / 1e3) / 1e12,
+                     "roofline_fraction": roof / ms, "error": error, **(measured or {})})
+        print(f"{name:>16} {kind.value:>8} {region:>8} {variant:>32} {ms:9.3f} ms  {measured or ''} {error}",
+              flush=True)
 
-    if persistent:
+    if persistent and kind is RoutingKind.BALANCED:
         persistent_rows(name, spec, ep, (x, w, routing, dy), record, rows, out_dir, details)
+    default_and_torch_rows(spec, (x, w, routing, dy), reps, record)
+    del w  # the hf block's weights take its place
+    torch.cuda.empty_cache()
+    hf_rows(name, spec, x, dy, record)
+    return rows
+
+
+def default_and_torch_rows(spec: MoESpec, inputs: tuple, reps: int, record: Callable) -> None:
+    """hpmoe's default path (called bare and through the layer, eager and graphed) and
+    the torch variants, forward and forward+backward."""
+    x, w, routing, dy = inputs
     pool = ArenaPool()
-    record("fwd", "hpmoe-kernel-by-kernel", lambda: kbk_forward(x, routing, w, pool=pool))
-    record("fwd+bwd", "hpmoe-kernel-by-kernel",
-           lambda: kbk_backward(kbk_forward(x, routing, w, pool=pool, save=True)[1], dy, pool))
+
+    def kbk(save: bool) -> Callable[[], object]:
+        if not save:
+            return lambda: kbk_forward(x, routing, w, pool=pool)
+        return lambda: kbk_backward(kbk_forward(x, routing, w, pool=pool, save=True)[1], dy, pool)
+
+    for region, save in (("fwd", False), ("fwd+bwd", True)):
+        step = kbk(save)
+        record(region, "hpmoe-kernel-by-kernel", step, measured={"host_us": host_us(step, reps)})
     layer = MoE(spec, w)  # a copy of the same weights
+    params = list(layer.parameters())
     for region, backward in (("fwd", False), ("fwd+bwd", True)):
-        record(region, "hpmoe-default", layer_step(layer, x, routing, dy, backward))
-    del layer
+        step = layer_step(layer, x, routing, dy, backward)
+        measured = {**measure(step, params), "host_us": host_us(step, reps)}
+        record(region, "hpmoe-default", step, measured=measured)
+        record_graphed(record, region, "hpmoe-default", step)
     peer = Peer.of(routing, spec)
-    for kind, gemm in grouped_gemms(x, w, peer, spec).items():
-        record("fwd", f"grouped-mm/{kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))
+    for gemm_kind, gemm in grouped_gemms(x, w, peer, spec).items():
+        record("fwd", f"grouped-mm/{gemm_kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))
     for label, forward in (("torch-eager", eager_forward), ("torch-grouped-mm", grouped_forward)):
         for region, backward in (("fwd", False), ("fwd+bwd", True)):
             step = torch_step(forward, x, w, routing, dy, peer, backward)
-            record(region, label, step)
-            try:
-                record(region, f"{label}+cudagraph", graphed(step))
-            except Exception as e:
-                record(region, f"{label}+cudagraph", None, f"{type(e).__name__}: {e}")
-    return rows
+            record(region, label, step, measured=measure(step, [w.w13, w.w2, w.shared_w13, w.shared_w2]))
+            record_graphed(record, region, label, step)
+
+
+def hf_rows(name: str, spec: MoESpec, x: torch.Tensor, dy: torch.Tensor, record: Callable) -> None:
+    """transformers' block of the shape's family under "grouped_mm" and "eager", and the
+    same block replaced by ``hpmoe.MoE.from_hf``, forward and forward+backward."""
+    try:
+        block = hf_block(FAMILIES[name], spec, x.device)
+    except Exception as e:  # a transformers without this block is reported, not fatal
+        record("fwd", "hf-grouped-mm", None, f"{type(e).__name__}: {e}")
+        return
+    layer = MoE.from_hf(block)
+    params = list(block.parameters())
+    for region, backward in (("fwd", False), ("fwd+bwd", True)):
+        for label, module, impl in (("hf-grouped-mm", block, "grouped_mm"), ("hf-eager", block, "eager"),
+                                    ("hpmoe-from-hf", layer, "hpmoe")):
+            step = block_step(module, block, impl, x, dy, backward)
+            record(region, label, step, measured=measure(step, params))
+    del layer, block, params
+    torch.cuda.empty_cache()
+
+
+def record_graphed(record: Callable, region: str, label: str, step: Callable[[], object]) -> None:
+    """``label``'s step captured in a CUDA graph, timed by its replays (peak memory of one)."""
+    try:
+        replay = graphed(step)
+    except Exception as e:
+        record(region, f"{label}+cudagraph", None, f"{type(e).__name__}: {e}")
+        return
+    record(region, f"{label}+cudagraph", replay, measured={"peak_mib": measure(replay, [])["peak_mib"]})
+
+
+def host_syncs(fn: Callable[[], object]) -> int:
+    """Synchronizing CUDA calls one call of ``fn`` makes (torch's sync debug mode warns
+    at each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def measure(fn: Callable[[], object], params: list) -> dict:
+    """One call of ``fn``: its host syncs, its peak memory above what was allocated before
+    (MiB) and the bytes autograd saved for the backward in it (MiB; each storage once,
+    the ``params``' storages excluded)."""
+    syncs = host_syncs(fn)
+    skip = {p.untyped_storage().data_ptr() for p in params if p is not None}
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip and ptr not in seen:
+            seen.add(ptr)
+            sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    sizes: list[int] = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    torch.cuda.synchronize()
+    return {"host_syncs": syncs, "peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20,
+            "saved_mib": sum(sizes) / 2**20}
+
+
+def host_us(fn: Callable[[], object], reps: int) -> float:
+    """Median microseconds the host takes to issue one call of ``fn``, the device idle
+    before each (the call's Python and launches, without waiting for its kernels)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return float(np.median(times))
 
 
 def calibrated_critical_path(x, w: ExpertWeights, routing: Routing, dy, ep: int,
@@ -352,13 +475,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"GPU: {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; "
              f"bf16 GEMM peak {meta['peak_tflops']:.0f} TFLOP/s; copy {meta['copy_gbs']:.0f} GB/s (measured)",
              "",
-             "| shape | region | variant | ms | predicted ms | TFLOP/s | roofline | note |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | routing | region | variant | ms | predicted ms | TFLOP/s | roofline | syncs "
+             "| peak MiB | saved MiB | host us | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in rows:
-        pred = r.get("predicted_ms", float("nan"))
-        lines.append(f"| {r['shape']} (E {r['experts']}, EP {r['ep']}) | {r['region']} | {r['variant']} | "
-                     f"{r['ms']:.3f} | {pred:.3f} | {r['tflops']:.1f} | {r['roofline_fraction']:.2f} | "
-                     f"{r['error'][:60]} |")
+        pred = r.get("predicted_ms", nan)
+        lines.append(f"| {r['shape']} (E {r['experts']}, EP {r['ep']}) | {r.get('routing', '-')} | "
+                     f"{r['region']} | {r['variant']} | {r['ms']:.3f} | {pred:.3f} | {r['tflops']:.1f} | "
+                     f"{r['roofline_fraction']:.2f} | {r.get('host_syncs', '-')} | "
+                     f"{r.get('peak_mib', nan):.0f} | {r.get('saved_mib', nan):.0f} | "
+                     f"{r.get('host_us', nan):.0f} | {r['error'][:60]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -371,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--peers-only", action="store_true",
                    help="no persistent-kernel rows: the default path against the torch variants")
+    p.add_argument("--routing", nargs="*", default=["balanced"], choices=[k.value for k in RoutingKind],
+                   help="routings the peers run (the persistent rows: balanced only)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA device; none is available", file=sys.stderr)
@@ -389,20 +518,27 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec in shapes(dev).items():
         if a.shapes and name not in a.shapes:
             continue
-        try:
-            rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details,
-                              persistent=not a.peers_only)
-        except Exception:
-            traceback.print_exc()
-            rows.append({"shape": name, "experts": spec.experts, "ep": a.ep, "region": "-", "variant": "-",
-                         "ms": float("nan"), "tflops": float("nan"), "roofline_fraction": float("nan"),
-                         "error": traceback.format_exc(limit=1)})
-        torch.cuda.empty_cache()
-    (a.out / "bench_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows, "calibration": details},
-                                                     indent=1, default=lambda o: getattr(o, "value", str(o))))
-    (a.out / "bench_gpu.md").write_text(markdown(meta, rows))
+        for kind in map(RoutingKind, a.routing):
+            try:
+                rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details,
+                                  persistent=not a.peers_only, kind=kind)
+            except Exception:
+                traceback.print_exc()
+                rows.append({"shape": name, "experts": spec.experts, "ep": a.ep, "routing": kind.value,
+                             "region": "-", "variant": "-", "ms": float("nan"), "tflops": float("nan"),
+                             "roofline_fraction": float("nan"), "error": traceback.format_exc(limit=1)})
+            torch.cuda.empty_cache()
+            write(a.out, meta, rows, details)  # each shape's rows as soon as they are measured
+    write(a.out, meta, rows, details)
     print(markdown(meta, rows))
     return 0
+
+
+def write(out: Path, meta: dict, rows: list[dict], details: dict) -> None:
+    """bench_gpu.json and bench_gpu.md under ``out``."""
+    (out / "bench_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows, "calibration": details},
+                                                   indent=1, default=lambda o: getattr(o, "value", str(o))))
+    (out / "bench_gpu.md").write_text(markdown(meta, rows))
 
 
 if __name__ == "__main__":

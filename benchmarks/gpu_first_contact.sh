@@ -9,13 +9,18 @@
 #                                                (--peers-only), on all four shapes
 #   benchmarks/gpu_first_contact.sh profile-ds   benchmarks/gpu_profile.py there: the default path's kernels
 #                                                and idle time against torch's grouped-GEMM layer
+#   benchmarks/gpu_first_contact.sh default      the default path's GPU tests (tests/test_gpu_default.py: no host
+#                                                sync, the graph-captured step, NCCL), then bench-default with the
+#                                                transformers blocks, host syncs, memory, host time (balanced)
+#   benchmarks/gpu_first_contact.sh default-zipf the same bench on zipf routing, then profile-ds
 #
 # Writes under $OUT (default benchmarks/results/first-contact), each file as soon as its step
 # ends: env.txt, check.log, smoke.json (resources compiled on the device, a smoke run with a
 # 2 s deadline against moe_forward, the layer on CUDA), gpu-tests.xml (JUnit); bench.log,
 # bench-SHAPE.json, one timeline PNG; gpu_profile.json (its log goes to bench.log): at
 # most 8 files for check, bench-ds and profile-ds, or check and two benches, in one
-# folder.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
+# folder; default writes default-tests.xml, default.log and bench-default.json, default-zipf
+# bench-default-zipf.json and gpu_profile.json.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
 # Without a CUDA device it exits 2 at once.
 set -u
 mode=${1:-check}
@@ -24,8 +29,8 @@ out=${OUT:-$here/benchmarks/results/first-contact}
 py=${PYTHON:-python3}
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-case $mode in check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds) ;;
-    *) echo "usage: $0 {check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds}" >&2; exit 64;; esac
+modes="check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds|default|default-zipf"
+case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: $0 {$modes}" >&2; exit 64;; esac
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_first_contact.sh: no CUDA device here (nvidia-smi finds none)" >&2
     exit 2
@@ -72,5 +77,19 @@ bench-qwen3) bench qwen3-30b-a3b qwen3-30b-a3b ;;
 bench-mixtral) bench mixtral-8x7b mixtral-8x7b ;;
 bench-default) bench default qwen3-30b-a3b small mixtral-8x7b deepseek-v3-fit --peers-only ;;
 profile-ds) step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/gpu_profile.py --out "$out" ;;
+default)
+    { nvidia-smi; "$py" -c 'import torch, triton, transformers, platform; print("torch", torch.__version__,
+"triton", triton.__version__, "transformers", transformers.__version__, "python", platform.python_version())'
+    } >"$out/env.txt" 2>&1
+    step "${FC_LIMIT_TESTS:-150}" "$out/default.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
+        $(timeout_opt) --junitxml "$out/default-tests.xml" tests/test_gpu_default.py
+    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-300} bench default small qwen3-30b-a3b mixtral-8x7b deepseek-v3-fit \
+        --peers-only --routing balanced
+    ;;
+default-zipf)
+    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-300} bench default-zipf small qwen3-30b-a3b mixtral-8x7b deepseek-v3-fit \
+        --peers-only --routing zipf
+    step "${FC_LIMIT_PROFILE:-120}" "$out/bench.log" "$py" benchmarks/gpu_profile.py --out "$out"
+    ;;
 esac
 exit $status

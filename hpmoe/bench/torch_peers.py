@@ -209,3 +209,73 @@ def _call_ms(call: Callable[[], object], device: torch.device) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
+
+
+# ---------------------------------------------------------------------------- transformers' blocks
+
+
+def hf_block(family: str, spec: MoESpec, device: torch.device) -> torch.nn.Module:
+    """transformers' MoE block of ``family`` (``deepseek_v3``, ``qwen3_moe`` or
+    ``mixtral``) in the layer shape ``spec``, built on ``device`` in ``spec.dtype`` with
+    every parameter drawn N(0, 1/fan_in) there (a large block is not made on the host
+    first; transformers leaves a bare block's expert tensors unfilled)."""
+    h, f, e, k = spec.hidden, spec.ffn, spec.experts, spec.top_k
+    if family == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        from ..nn.hf import tiny_deepseek_v3_config
+
+        cls, config = DeepseekV3MoE, tiny_deepseek_v3_config(
+            hidden_size=h, moe_intermediate_size=f, n_routed_experts=e, num_experts_per_tok=k,
+            n_shared_experts=spec.shared_experts, n_group=spec.groups, topk_group=spec.top_groups,
+            routed_scaling_factor=spec.routed_scaling, norm_topk_prob=spec.norm_topk)
+    elif family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        from ..nn.hf import tiny_qwen3_moe_config
+
+        cls, config = Qwen3MoeSparseMoeBlock, tiny_qwen3_moe_config(
+            hidden_size=h, moe_intermediate_size=f, num_experts=e, num_experts_per_tok=k,
+            norm_topk_prob=spec.norm_topk)
+    elif family == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        cls, config = MixtralSparseMoeBlock, MixtralConfig(
+            hidden_size=h, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    else:
+        raise ValueError(f"family={family!r} is not one of ['deepseek_v3', 'mixtral', 'qwen3_moe']")
+    with torch.device(device):
+        block = cls(config)
+    g = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for _, p in sorted(block.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g, device=device) / p.shape[-1] ** 0.5)
+    return block.to(spec.dtype)
+
+
+def experts_configs(block: torch.nn.Module) -> list:
+    """The configs whose ``_experts_implementation`` picks ``block``'s experts' forward."""
+    configs = (getattr(m, "config", None) for m in block.modules())
+    return [c for c in configs if hasattr(c, "_experts_implementation")]
+
+
+def block_step(module: torch.nn.Module, block: torch.nn.Module, impl: str, x: torch.Tensor, dy: torch.Tensor,
+               backward: bool) -> Callable[[], object]:
+    """A step of ``module`` (``block`` itself, or an ``hpmoe.MoE`` over it sharing its
+    submodules and config) with the block's experts implementation set to ``impl``
+    (``"hpmoe"`` runs the region): forward on x [N, H] as one sequence [1, N, H], and the
+    gradients of x and every parameter."""
+    xl = x.detach().view(1, *x.shape).requires_grad_(backward)
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> object:
+        for c in experts_configs(block):
+            c._experts_implementation = impl
+        out = module(xl)
+        out = out[0] if isinstance(out, tuple) else out
+        if backward:
+            return torch.autograd.grad(out, [xl, *params], dy.view_as(out), allow_unused=True)
+        return out
+    return step
