@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hpmoe.ir.schedule import SchedulePolicy, WorkerCounts
 from hpmoe.machine import machine
 from hpmoe.nn.layer import MoE
+from hpmoe.placement import Placement
 from hpmoe.schedule.auto import Path
 from hpmoe.schedule.tune import (
     KERNEL_BY_KERNEL_KNOBS,
@@ -185,6 +186,18 @@ def test_the_cache_returns_its_entry_and_ignores_stale_ones_with_a_note(tmp_path
     assert len(cache.entries()) == 1
 
 
+def test_a_placement_is_part_of_the_key_and_entries_saved_before_it_read_as_none(tmp_path):
+    assert _key(placement=5) != _key() and _key().placement == 0
+    assert TuneKey.of("m", preset("tiny"), 2, 1, "shm", 300, True, 5) == _key(machine="m", placement=5)
+    path = tmp_path / "tune.json"
+    TuneCache(path).store(_key(), VERSIONS, RESULT)
+    doc = json.loads(path.read_text())
+    del doc["entries"][0]["key"]["placement"]  # an entry saved before the key had one
+    path.write_text(json.dumps(doc))
+    assert TuneCache(path).lookup(_key(), VERSIONS).result.winner == RESULT.winner
+    assert TuneCache(path).lookup(_key(placement=5), VERSIONS).result is None
+
+
 def test_a_damaged_cache_file_is_named(tmp_path):
     path = tmp_path / "tune.json"
     path.write_text('{"format": 1, "entries": [{"key": {}}]}')
@@ -245,6 +258,40 @@ def test_a_stale_entry_is_ignored_and_a_second_process_reuses_the_cache(tmp_path
     assert len(entry) == 1 and entry[0].key == key and len(TuneCache().entries()) == 2
     again, history, _ = spawn_gloo(_layer_steps, 2, 2, False, timeout=300)[0]
     assert again.source == "cache" and again.winner == first.winner and history == {}
+
+
+PLACEMENTS = (Placement((0, 3, 4, 5, 7, 0, 1, 2, 6, 7), 8, 2),  # experts 0 and 7 on both ranks
+              Placement((0, 1, 2, 3, 7, 4, 5, 6, 0, 7), 8, 2))
+
+
+def _placed_paths(rank, world, path):
+    """The path of an AUTO layer's first training call under each of ``PLACEMENTS``
+    (ten slots each), its tuning cache at ``path``."""
+    os.environ[CACHE_ENV] = path
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)
+    x = torch.randn(TOKENS, spec.hidden, generator=torch.Generator().manual_seed(rank))
+    paths = []
+    for placement in PLACEMENTS:
+        layer.placement = placement
+        layer(x.clone().requires_grad_()).sum().backward()
+        paths.append(type(layer._door.last.path).__name__)
+    layer.close()
+    return paths
+
+
+def test_a_rebalanced_layer_is_tuned_under_its_own_placement(tmp_path):
+    """The tuning key carries the placement the call agreed on: the cache names kernel by
+    kernel for one placement of ten slots and the taskflow for another, and the layer
+    runs each under its own (a key without the placement would give both one choice)."""
+    path = str(tmp_path / "tune.json")
+    slots = dataclasses.replace(preset("tiny"), experts=10, groups=1, top_groups=1)
+    taskflow = next(k for k in SPACE.every() if k.path is Path.TASKFLOW)
+    for placement, winner in zip(PLACEMENTS, (KERNEL_BY_KERNEL_KNOBS, taskflow), strict=True):
+        key = Tuner().key(slots, 2, 1, "shm", TOKENS, True, placement.digest())
+        TuneCache(path).store(key, machine().versions(), TuneResult(winner, 1.0, None, None, None, 0, 0.0))
+    for paths in spawn_gloo(_placed_paths, 2, path, timeout=120):
+        assert paths == ["KernelByKernelPath", "RuntimePath"]
 
 
 def _pinned_steps(rank, world, knobs_docs, folder):

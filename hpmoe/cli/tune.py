@@ -130,6 +130,7 @@ def _show(as_json: bool) -> int:
         current = "yes" if k.machine == here.fingerprint() and e.versions == here.versions() else "stale"
         up = f"{r.runner_up.name}, {r.gain_over_runner_up:.2f}x" if r.runner_up else "-"
         kbk = f"{r.kernel_by_kernel_s * 1e3:.3f}" if r.kernel_by_kernel_s is not None else "-"
-        print(f"| {k.moe} | {k.ep} | {k.transport} | {k.dtype} | {k.tokens} | {k.backward} | {r.winner.name} "
+        layer = f"{k.moe}, placement {k.placement:08x}" if k.placement else k.moe
+        print(f"| {layer} | {k.ep} | {k.transport} | {k.dtype} | {k.tokens} | {k.backward} | {r.winner.name} "
               f"| {r.winner_s * 1e3:.3f} | {up} | {kbk} | {r.steps} ({r.seconds:.2f}) | {current} |")
     return 0

@@ -135,9 +135,10 @@ def decision(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto:
 def tune_key(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,
              session: Session) -> TuneKey:
     """The tuning key of a distributed call (machine, layer, EP group, network, dtype,
-    token bucket, direction)."""
+    token bucket, direction, and the expert placement its agreement carried:
+    ``Session.placement``, so that a rebalanced layer is tuned as it now is)."""
     network = session.config.tuning_network
-    return auto.tuner.key(spec, o.ranks, o.nodes, network, tokens, backward)
+    return auto.tuner.key(spec, o.ranks, o.nodes, network, tokens, backward, session.placement)
 
 
 def device_key(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto: Auto,

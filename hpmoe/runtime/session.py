@@ -88,7 +88,9 @@ class Session:
 
     Collective at construction (every rank of the group must create one, within
     ``deadline_s`` of each other).  Until ``close``, SIGTERM and SIGINT first unlink
-    the shared segments this rank still holds, then act as before."""
+    the shared segments this rank still holds, then act as before.  ``placement``: the
+    expert placement's digest the last opened call agreed on (0: none; part of AUTO's
+    tuning key, ``engine.selection.tune_key``)."""
 
     def __init__(self, config: RuntimeConfig | None = None, group: dist.ProcessGroup | None = None):
         if not dist.is_available() or not dist.is_initialized():
@@ -98,7 +100,7 @@ class Session:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         store = dist.distributed_c10d._get_default_store()
         hello = _hello(store, group, self.rank, self.world, self.config.deadline_s)
-        self.session, self.regions, self.calls = hello.token, 0, 0
+        self.session, self.regions, self.calls, self.placement = hello.token, 0, 0, 0
         beat = min(BEAT_S, self.config.deadline_s / 4)  # a stopped peer looks silent before any deadline
         self.board = Board(store, hello.prefix, self.rank, self.world, beat)
         self.collectives = Collectives(group, self.board, self.config.deadline_s)
@@ -140,6 +142,7 @@ class Session:
         mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning, placement)
         what = f"{kind.name.lower()} call {self.calls}: agreement"
         table = agree(self.collectives, what, mine, error, (tokens, *figures, *carried))
+        self.placement = placement  # every rank's, the agreement checked
         m = 1 + len(figures)
         received = None
         if fits:

@@ -260,7 +260,9 @@ class Budget:
 class TuneKey:
     """What a tuned choice depends on: the machine (``Machine.fingerprint``), the layer,
     the EP group (size, nodes, transport), the compute dtype, the tokens per rank rounded
-    up to a power of two, and whether the backward runs too."""
+    up to a power of two, whether the backward runs too, and the digest of the expert
+    placement the layer runs under (``Placement.digest``; 0: none), so that a rebalance,
+    which changes the work each rank does, is tuned anew."""
 
     machine: str
     moe: str
@@ -270,14 +272,15 @@ class TuneKey:
     dtype: str
     tokens: int
     backward: bool
+    placement: int = 0
 
     @staticmethod
     def of(machine: str, moe: MoESpec, ep: int, nodes: int, transport: str, tokens: int,
-           backward: bool) -> TuneKey:
+           backward: bool, placement: int = 0) -> TuneKey:
         layer = (f"H{moe.hidden} F{moe.ffn} E{moe.experts} k{moe.top_k} S{moe.shared_ffn} "
                  f"{moe.activation.value} {moe.gate.value}")
         return TuneKey(machine, layer, ep, nodes, transport, str(moe.dtype).removeprefix("torch."),
-                       bucket(tokens), backward)
+                       bucket(tokens), backward, placement)
 
     def to_json(self) -> dict:
         return dict(vars(self))
