@@ -7,10 +7,11 @@ A ``Placement`` turns a logical layer into a physical one that every stage reads
 unchanged: ``physical_spec`` (``experts`` = slots), ``physical_ids`` (each (token,
 expert) pair mapped to one replica) and ``slot_weights`` (each slot reads its logical
 expert's weights in place, and a path's gradients of a slot land on its logical
-expert's rows, replicas summed), or, for paths that read no slot rows,
+expert's rows, replicas summed: every path reads them so, kernel by kernel, the
+taskflows and the persistent kernel; ``weights.SlotGradients``), or
 ``physical_weights`` (the same gathered differentiably, so autograd sums the replicas'
-gradients into the logical expert's; ``ExpertWeights.gathered`` fills one rank's slots
-alone).  Rank ``r`` holds slots ``[r * S, (r + 1) * S)``, as it holds experts without a
+gradients into the logical expert's: a physical layer built once; ``ExpertWeights.gathered``
+fills one rank's slots alone).  Rank ``r`` holds slots ``[r * S, (r + 1) * S)``, as it holds experts without a
 placement.  The identity placement is today's layout.
 
 A token's replica: one on the token's own rank if there is one; else one on its node
