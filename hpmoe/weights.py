@@ -7,6 +7,7 @@ Routed experts are stored fused, as in transformers' ``DeepseekV3Experts`` and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,7 +134,7 @@ class ExpertWeights:
                b2: torch.Tensor | None = None, slot_rows: tuple[int, ...] | None = None) -> ExpertWeights:
         """The region's weights once routing is done (a region never reads the router):
         router and bias are zero placeholders that allocate nothing."""
-        zero = torch.zeros((), dtype=torch.float32, device=w13.device)
+        zero = placeholder(torch.float32, w13.device)
         return ExpertWeights(spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
                              shared_w13, shared_w2, b13, b2, slot_rows)
 
@@ -141,7 +142,7 @@ class ExpertWeights:
     def gate_only(spec: MoESpec, router: torch.Tensor, router_bias: torch.Tensor) -> ExpertWeights:
         """The router of a layer whose expert tensors the caller does not read (routing):
         every expert tensor a zero placeholder that allocates nothing."""
-        zero = torch.zeros((), dtype=spec.dtype, device=router.device)
+        zero = placeholder(spec.dtype, router.device)
         fs, e, f, h = spec.shared_ffn, spec.experts, spec.ffn, spec.hidden
         shared = (zero.expand(2 * fs, h), zero.expand(h, fs)) if fs else (None, None)
         biases = (zero.expand(e, 2 * f), zero.expand(e, h)) if spec.expert_bias else (None, None)
@@ -292,6 +293,13 @@ class SlotGradients:
                     acc += scratch[j]
                 if acc.dtype != full.dtype:
                     full[row] = acc
+
+
+@functools.cache
+def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d zero of ``dtype`` on ``device``, made once: its expansions stand for tensors
+    a caller never reads (no memory, no kernel a call)."""
+    return torch.zeros((), dtype=dtype, device=device)
 
 
 class _RowGather(torch.autograd.Function):

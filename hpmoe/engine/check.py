@@ -79,7 +79,8 @@ class InputCheck:
             self._host.copy_(self._held, non_blocking=True)
             return scanned.ids, scanned.counts
         self._late = self.error(x, ids, weights)
-        ids = ids.clamp(0, self.experts - 1)
+        if self._late is not None:  # read already: only a faulty call's ids need clamping
+            ids = ids.clamp(0, self.experts - 1)
         return ids, expert_counts(ids, self.experts)
 
     def check(self) -> None:

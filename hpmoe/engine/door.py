@@ -100,7 +100,7 @@ class Door:
         o = self.options
         if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
             return self._compiled(xc, routing, w).to(x.dtype)
-        logical = self._logical(dtype)
+        logical = self.logical(dtype)
         if o.distributed:
             routing, opened = self._agreed(xc, routing, w, logical)
             received, tokens = opened.received, opened.tokens
@@ -120,7 +120,7 @@ class Door:
         reported yet (``CheckMode.DEFERRED``); waits for the device."""
         self.inputs.check()
 
-    def _logical(self, dtype: torch.dtype) -> MoESpec:
+    def logical(self, dtype: torch.dtype) -> MoESpec:
         """The layer's logical spec in ``dtype`` (made once per dtype)."""
         spec = self._specs.get(dtype)
         if spec is None:

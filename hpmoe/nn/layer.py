@@ -32,7 +32,6 @@ Execution:
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,7 +52,7 @@ from ..schedule.auto import AutoDecision
 from ..schedule.tune import TuneResult
 from ..sim.hardware import HardwareModel
 from ..spec import GateKind, MoESpec, ParallelSpec, TileSpec
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, placeholder
 from .experts_impl import register, runs_region
 from .experts_impl import select as select_experts
 from .families import FAMILIES, computing_experts, family_of, read_block
@@ -249,7 +248,7 @@ class MoE(nn.Module):
         With ``shard_experts``: the physical layer of this rank's stored slots (router
         placeholders; ``Balance.stored_slots``)."""
         t = self._expert_tensors()
-        spec = replace(self.spec, dtype=t.w13.dtype)
+        spec = self._door.logical(t.w13.dtype)
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
         shared = (None, None) if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
                                                   sh.down_proj.weight)
@@ -264,16 +263,16 @@ class MoE(nn.Module):
         """(router [E, H], score-correction bias [E]) float32: hpmoe's own, or zeros for a
         transformers block (its router module routes)."""
         e, h = self.spec.experts, self.spec.hidden
-        bias = torch.zeros(e, dtype=torch.float32, device=device)
+        zero = placeholder(torch.float32, device)
+        bias = zero.expand(e)
         if self.family is not None:
-            return torch.zeros((), dtype=torch.float32, device=device).expand(e, h), bias
+            return zero.expand(e, h), bias
         b = getattr(self.gate, "e_score_correction_bias", None)
         return self.gate.weight.float(), bias if b is None else b.float()
 
     def _gate_weights(self, dtype: torch.dtype) -> ExpertWeights:
         """hpmoe's own router for routing in ``dtype`` (expert tensors: placeholders)."""
-        spec = replace(self.spec, dtype=dtype)
-        return ExpertWeights.gate_only(spec, *self._router(self.gate.weight.device))
+        return ExpertWeights.gate_only(self._door.logical(dtype), *self._router(self.gate.weight.device))
 
     def forward(self, hidden_states: torch.Tensor, *args: Any,
                 **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
@@ -412,7 +411,7 @@ class MoE(nn.Module):
         return self._door.balance.rebalance(redundant, stored, min_gain, optimizer, steps)
 
     def _spec(self, dtype: torch.dtype | None) -> MoESpec:
-        return replace(self.spec, dtype=dtype or experts_dtype(self, self._layout))
+        return self._door.logical(dtype or experts_dtype(self, self._layout))
 
     def decision(self, tokens: int, backward: bool | None = None,
                  dtype: torch.dtype | None = None) -> AutoDecision:

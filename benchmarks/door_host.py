@@ -1,0 +1,118 @@
+"""What the front door costs a call in one process (EP 1): ``hpmoe.MoE.region`` against
+the path it runs called bare (``exec.kernel_by_kernel.kbk_forward``, and its backward),
+on a small layer whose kernels take little time, so that the difference is the door's
+host work: the input's form and scan, the load's average, the path's lookup, the
+autograd node.  Calls alternate (door, bare, door, ...); medians and fastest calls of
+each, and their difference; also the aten ops each call dispatches (a count that no
+load on the machine changes) and which the door adds.
+
+    .venv/bin/python benchmarks/door_host.py [--preset tiny] [--tokens 64] [--calls 2000]
+
+On a GPU (``--device cuda``) each call is issued with the device idle and timed on the
+host only (the kernels run after it returns): the host's time to issue a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hpmoe import MoE
+from hpmoe.exec.arena import ArenaPool
+from hpmoe.exec.kernel_by_kernel import kbk_backward, kbk_forward
+from hpmoe.machine import record
+from hpmoe.routing import Routing, route
+from hpmoe.spec import preset
+from hpmoe.weights import ExpertWeights
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops(fn: Callable[[], object]) -> collections.Counter:
+    with _Ops() as mode:
+        fn()
+    return mode.counts
+
+
+def calls(spec_name: str, tokens: int, device: torch.device, backward: bool) -> dict[str, Callable]:
+    """The door's call and the bare path's, on the same inputs."""
+    spec = preset(spec_name)
+    w = ExpertWeights.random(spec, 0)
+    layer = MoE(spec, w).to(device)
+    x = torch.randn(tokens, spec.hidden, generator=torch.Generator().manual_seed(1))
+    r = route(x, w)
+    x, ids, tw = x.to(device), r.ids.to(device), r.weights.detach().to(device)
+    wd = ExpertWeights.routed(spec, *(t.detach() if t is not None else None for t in (
+        w.w13.to(device), w.w2.to(device), *((w.shared_w13.to(device), w.shared_w2.to(device))
+                                             if w.has_shared else (None, None)))))
+    pool, dy = ArenaPool(), torch.ones_like(x)
+    xl = x.clone().requires_grad_(backward)
+
+    def door() -> object:
+        out = layer.region(xl, ids, tw)
+        return out.backward(dy) if backward else out
+
+    def bare() -> object:
+        out, state = kbk_forward(x, Routing(ids, tw), wd, None, pool, save=backward, checked=True)
+        return kbk_backward(state, dy, pool) if backward else out
+
+    return {"door": door, "bare": bare}
+
+
+def timed(fns: dict[str, Callable], n: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds of ``n`` calls of each, alternating, with the device idle before each."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(n):
+        for name in list(fns)[i % 2:] + list(fns)[:i % 2]:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fns[name]()
+            out[name].append(time.perf_counter() - start)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    record()
+    device = torch.device(args.device)
+    torch.set_num_threads(1)
+    for backward in (False, True):
+        fns = calls(args.preset, args.tokens, device, backward)
+        with torch.set_grad_enabled(backward):
+            timed(fns, 100, device)  # warm: the path chosen, arenas grown
+            us = {k: np.array(v) * 1e6 for k, v in timed(fns, args.calls, device).items()}
+            counted = {k: ops(f) for k, f in fns.items()}
+        added = counted["door"] - counted["bare"]
+        print(json.dumps({
+            "args": vars(args), "backward": backward,
+            "median_us": {k: round(float(np.median(v)), 1) for k, v in us.items()},
+            "fastest_us": {k: round(float(v.min()), 1) for k, v in us.items()},
+            "door_minus_bare_us": {"median": round(float(np.median(us["door"]) - np.median(us["bare"])), 1),
+                                   "fastest": round(float(us["door"].min() - us["bare"].min()), 1)},
+            "aten_ops": {k: sum(c.values()) for k, c in counted.items()},
+            "door_adds": dict(added.most_common())}))
+
+
+if __name__ == "__main__":
+    main()
