@@ -266,7 +266,7 @@ PLACEMENTS = (Placement((0, 3, 4, 5, 7, 0, 1, 2, 6, 7), 8, 2),  # experts 0 and 
 
 def _placed_paths(rank, world, path):
     """The path of an AUTO layer's first training call under each of ``PLACEMENTS``
-    (ten slots each), its tuning cache at ``path``."""
+    (ten slots each), its tuning cache at ``path``, and what ``tuned`` says after it."""
     os.environ[CACHE_ENV] = path
     spec = preset("tiny")
     layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)
@@ -275,7 +275,7 @@ def _placed_paths(rank, world, path):
     for placement in PLACEMENTS:
         layer.placement = placement
         layer(x.clone().requires_grad_()).sum().backward()
-        paths.append(type(layer._door.last.path).__name__)
+        paths += [type(layer._door.last.path).__name__, layer.tuned(TOKENS, backward=True).winner.path.name]
     layer.close()
     return paths
 
@@ -291,7 +291,7 @@ def test_a_rebalanced_layer_is_tuned_under_its_own_placement(tmp_path):
         key = Tuner().key(slots, 2, 1, "shm", TOKENS, True, placement.digest())
         TuneCache(path).store(key, machine().versions(), TuneResult(winner, 1.0, None, None, None, 0, 0.0))
     for paths in spawn_gloo(_placed_paths, 2, path, timeout=120):
-        assert paths == ["KernelByKernelPath", "RuntimePath"]
+        assert paths == ["KernelByKernelPath", "KERNEL_BY_KERNEL", "RuntimePath", "TASKFLOW"]
 
 
 def _pinned_steps(rank, world, knobs_docs, folder):

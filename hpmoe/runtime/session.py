@@ -33,6 +33,7 @@ JOB_ENV = "HPMOE_JOB"  # set by the launcher: prefix of every shared segment of 
 AGREED_COUNTS = 256  # rows per expert a call's agreement carries: a fixed length (rows of unequal
 # length would end the all-gather before the ranks' expert counts could be compared); a
 # layer with more experts runs kernel by kernel's own count exchange
+_OPENS_A_CALL = (RegionKind.FORWARD, RegionKind.FORWARD_DEDUP)  # a backward's agreement follows one
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ class Session:
     Collective at construction (every rank of the group must create one, within
     ``deadline_s`` of each other).  Until ``close``, SIGTERM and SIGINT first unlink
     the shared segments this rank still holds, then act as before.  ``placement``: the
-    expert placement's digest the last opened call agreed on (0: none; part of AUTO's
-    tuning key, ``engine.selection.tune_key``)."""
+    expert placement's digest the last layer call agreed on as it opened (0: none; a
+    backward's agreement carries none and keeps it): part of AUTO's tuning key
+    (``engine.selection.tune_key``)."""
 
     def __init__(self, config: RuntimeConfig | None = None, group: dist.ProcessGroup | None = None):
         if not dist.is_available() or not dist.is_initialized():
@@ -142,7 +144,8 @@ class Session:
         mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning, placement)
         what = f"{kind.name.lower()} call {self.calls}: agreement"
         table = agree(self.collectives, what, mine, error, (tokens, *figures, *carried))
-        self.placement = placement  # every rank's, the agreement checked
+        if kind in _OPENS_A_CALL:
+            self.placement = placement  # every rank's, the agreement checked
         m = 1 + len(figures)
         received = None
         if fits:
