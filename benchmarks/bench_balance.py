@@ -1,18 +1,22 @@
-"""What a user's balanced layer gains: training steps (forward + backward) of
-``hpmoe.MoE`` on 2 gloo ranks under skewed routing, the plain layer against the same
-layer after ``layer.rebalance(redundant)`` (its own measured load, its own per-call
-gather of this rank's slots), alternating call by call after a barrier; the slowest
-rank's time per step.  This is the path ``rebalance`` and ``rebalance_every`` give; a
-third layer, ``prepared``, is the same placement as a physical layer built once (what
-``hpmoe bench --balance`` times), so the difference is the balanced layer's per-call
-gather.  ``--shard``: both layers store only their own slots (``shard_experts``; the
-balanced one holds ``redundant`` extra slots and its rebalance moves rows), and there
-is no prepared layer.
+"""What a user's balanced layer gains, on each path: training steps (forward +
+backward) of ``hpmoe.MoE`` on 2 gloo ranks under skewed routing.  Per path (``--paths``:
+kernel by kernel pinned, the taskflow pinned to hyperparallel on the layer's default
+workers, and AUTO, tuned to its end before timing) three layers: ``plain``; ``balanced``,
+the same layer after ``layer.rebalance(redundant)`` (its own measured load; its slots
+read their experts' rows in place); and ``prepared``, the same placement as a physical
+layer built once (what ``hpmoe bench --balance`` times), so balanced against prepared is
+what balancing a live layer costs on that path.  Every layer's steps alternate call by
+call after a barrier (``iteration_order``); the slowest rank's time per step.  ``ideal``:
+the busiest rank's routed rows without the placement over with it (each token on its
+replica, the shared experts' rows counted at their width), the most balancing can gain.
+``--shard``: the layers store only their own slots (``shard_experts``; the balanced one
+holds ``redundant`` extra slots and its rebalance moves rows), and there is no prepared
+layer.
 
-    HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_balance.py \
-        [--preset small] [--hidden H --ffn F] [--tokens 1024] [--routing hot] \
-        [--redundant 2] [--iters 30] [--backend exact|kernel_by_kernel] [--forward-only] [--shard] \
-        [--sync]
+    HPMOE_PROFILE=/nonexistent .venv/bin/python benchmarks/bench_balance.py \\
+        [--preset small] [--hidden H --ffn F] [--tokens 1024] [--routing hot] \\
+        [--redundant 2] [--iters 30] [--paths auto,kernel_by_kernel,taskflow] [--forward-only] \\
+        [--shard] [--sync]
 
 ``--hidden``/``--ffn`` scale a preset's width (its routing kept: experts, top-k,
 shared experts), e.g. Mixtral's top-2 of 8 at a quarter of its width on a CPU.
@@ -28,36 +32,57 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from hpmoe.bench.order import iteration_order
+from hpmoe.ir.schedule import SchedulePolicy
 from hpmoe.machine import record
 from hpmoe.routing import RoutingKind
 from hpmoe.testing import spawn_gloo
+
+PATHS = {"auto": {}, "kernel_by_kernel": {"backend": "kernel_by_kernel"},
+         "taskflow": {"schedule": SchedulePolicy.HYPERPARALLEL}}
+ROLES = ("plain", "balanced", "prepared")
+
+
+def _spec(args: argparse.Namespace):
+    from hpmoe.spec import preset
+
+    spec = preset(args.preset, torch.float32)
+    return dataclasses.replace(spec, hidden=args.hidden or spec.hidden, ffn=args.ffn or spec.ffn)
+
+
+def _routing(args: argparse.Namespace, spec, world: int):
+    from hpmoe.routing import synthetic_routing
+    from hpmoe.spec import ParallelSpec
+
+    par = ParallelSpec(ep=world, tokens_per_rank=args.tokens)
+    return synthetic_routing(RoutingKind(args.routing), spec, par, seed=0)
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from hpmoe import MoE
-    from hpmoe.routing import synthetic_routing
-    from hpmoe.spec import ParallelSpec, preset
     from hpmoe.weights import ExpertWeights
 
     torch.set_num_threads(1)
-    spec = preset(args.preset, torch.float32)
-    spec = dataclasses.replace(spec, hidden=args.hidden or spec.hidden, ffn=args.ffn or spec.ffn)
-    par = ParallelSpec(ep=world, tokens_per_rank=args.tokens)
-    r = synthetic_routing(RoutingKind(args.routing), spec, par, seed=0)
+    spec = _spec(args)
+    r = _routing(args, spec, world)
     mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
     ids, topk = r.ids[mine].contiguous(), r.weights[mine].contiguous()
     g = torch.Generator().manual_seed(rank)
     x, dy = (torch.randn(args.tokens, spec.hidden, generator=g) for _ in range(2))
     w = ExpertWeights.random(spec, seed=0)
     shard = {"shard_experts": True} if args.shard else {}
-    layers = {"plain": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend, **shard),
-              "balanced": MoE(spec, w, ep_group=dist.group.WORLD, backend=args.backend,
-                              redundant=args.redundant if args.shard else 0, **shard)}
+    extra = {"redundant": args.redundant} if args.shard else {}  # sharded: its slots stored from the start
+    group = dist.group.WORLD
+    paths = args.paths.split(",")
+    layers = {}
+    for path in paths:
+        layers[f"{path}:plain"] = MoE(spec, w, ep_group=group, **PATHS[path], **shard)
+        layers[f"{path}:balanced"] = MoE(spec, w, ep_group=group, **PATHS[path], **shard, **extra)
     routed = dict.fromkeys(layers, ids)
     backward = not args.forward_only
 
@@ -76,18 +101,23 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
                 p.grad = None
         return time.perf_counter() - t0, out.detach()
 
-    for _ in range(3):
-        step("balanced")  # its measured load
-    placement = layers["balanced"].rebalance(args.redundant)
+    placements = {}
+    for path in paths:
+        for _ in range(3):
+            step(f"{path}:balanced")  # its measured load
+        placements[path] = layers[f"{path}:balanced"].rebalance(args.redundant)
+    placement = placements[paths[0]]
     if placement is not None and not args.shard:  # the placement as a physical layer built once
         tokens = torch.arange(args.tokens) + rank * args.tokens
-        routed["prepared"] = placement.physical_ids(ids, torch.full_like(tokens, rank), tokens)
+        physical = placement.physical_ids(ids, torch.full_like(tokens, rank), tokens)
         pw = placement.physical_weights(w)
-        layers["prepared"] = MoE(pw.spec, pw, ep_group=dist.group.WORLD, backend=args.backend)
+        for path in paths:
+            layers[f"{path}:prepared"] = MoE(pw.spec, pw, ep_group=group, **PATHS[path])
+            routed[f"{path}:prepared"] = physical
     for name, layer in layers.items():  # warm-up, and AUTO's tuning to its end
         for call in range(args.warmup + 200):
             step(name)
-            settled = args.backend != "exact" or layer.tuned(args.tokens, backward=backward) is not None
+            settled = not name.startswith("auto:") or layer.tuned(args.tokens, backward=backward) is not None
             if settled and call + 1 >= args.warmup:
                 break
     seconds: dict[str, list[float]] = {n: [] for n in layers}
@@ -96,12 +126,67 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         for name in iteration_order(list(layers), i):
             s, outs[name] = step(name)
             seconds[name].append(s)
-    tuned = {n: layer.tuned(args.tokens, backward=backward) for n, layer in layers.items()}
-    chosen = {n: t.winner.name if t else args.backend for n, t in tuned.items()}
+    chosen = {n: _ran(n, layer, args.tokens, backward) for n, layer in layers.items()}
     for layer in layers.values():
         layer.close()
-    return {"seconds": seconds, "diff": max((outs["plain"] - o).abs().max().item() for o in outs.values()),
-            "placement": None if placement is None else list(placement.phy2log), "chosen": chosen}
+    first = next(iter(outs.values()))
+    return {"seconds": seconds, "diff": max((first - o).abs().max().item() for o in outs.values()),
+            "placements": {p: None if q is None else list(q.phy2log) for p, q in placements.items()},
+            "chosen": chosen}
+
+
+def _ran(name: str, layer, tokens: int, backward: bool) -> str:
+    """What layer ``name`` ran: AUTO's settled winner, else its pinned path."""
+    tuned = layer.tuned(tokens, backward=backward)
+    return tuned.winner.name if tuned is not None else name.split(":")[0]
+
+
+def ideal_gain(args: argparse.Namespace, phy2log: list[int] | None, world: int = 2) -> dict:
+    """The busiest rank's routed rows without and with the placement (each token on the
+    replica ``Placement.physical_ids`` gives it; shared experts' rows at their width, equal
+    on every rank) and their ratio: what balancing can gain at most."""
+    from hpmoe.placement import Placement
+
+    spec = _spec(args)
+    ids = _routing(args, spec, world).ids
+    tokens = torch.arange(ids.shape[0])
+    shared = args.tokens * spec.shared_ffn / spec.ffn
+
+    def rows(p: Placement) -> np.ndarray:
+        slots = p.physical_ids(ids, tokens // args.tokens, tokens).flatten().numpy()
+        return np.bincount(p.slot_rank()[slots], minlength=world) + shared
+
+    before = rows(Placement.identity(spec.experts, world))
+    after = rows(Placement(tuple(phy2log), spec.experts, world)) if phy2log else before
+    return {"rank_rows": {"plain": before.tolist(), "balanced": after.tolist()},
+            "ideal": float(before.max() / after.max())}
+
+
+def _figures(ranks: list[dict]) -> dict[str, dict[str, float]]:
+    """Per layer: median and fastest of the slowest rank's step, ms."""
+    out = {}
+    for name in ranks[0]["seconds"]:
+        slowest = [max(t) for t in zip(*(r["seconds"][name] for r in ranks), strict=True)]
+        out[name] = {"median_ms": statistics.median(slowest) * 1e3, "min_ms": min(slowest) * 1e3}
+    return out
+
+
+def _ratio(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {"median": a["median_ms"] / b["median_ms"], "fastest": a["min_ms"] / b["min_ms"]}
+
+
+def _per_path(figures: dict[str, dict[str, float]], paths: list[str]) -> dict[str, dict]:
+    """Per path: the balanced layer's gain over the plain one, the prepared layer's, and
+    the balanced layer's step over the prepared one's (1.0: balancing a live layer costs
+    nothing more)."""
+    out = {}
+    for path in paths:
+        f = {role: figures.get(f"{path}:{role}") for role in ROLES}
+        out[path] = {"gain": _ratio(f["plain"], f["balanced"])}
+        if f["prepared"] is not None:
+            out[path] |= {"prepared_gain": _ratio(f["plain"], f["prepared"]),
+                          "balanced_over_prepared": _ratio(f["balanced"], f["prepared"])}
+    return out
 
 
 def main() -> None:
@@ -112,8 +197,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--routing", default="hot", choices=[k.value for k in RoutingKind])
     p.add_argument("--redundant", type=int, default=2)
-    p.add_argument("--backend", default="exact", choices=["exact", "kernel_by_kernel"],
-                   help="exact: AUTO's choice, tuned before timing (the default layer)")
+    p.add_argument("--paths", default="auto,kernel_by_kernel,taskflow",
+                   help=f"comma-separated, of {sorted(PATHS)}: auto is AUTO's choice, tuned before timing")
     p.add_argument("--shard", action="store_true",
                    help="layers that store only their own slots (shard_experts): the balanced one moves rows")
     p.add_argument("--sync", action="store_true",
@@ -124,18 +209,18 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
+    paths = args.paths.split(",")
+    if not paths or any(path not in PATHS for path in paths):
+        p.error(f"--paths={args.paths!r}: a comma-separated list of {sorted(PATHS)}")
     record()
     with tempfile.TemporaryDirectory() as tmp:  # an empty tuning cache: each layer tunes
         os.environ["HPMOE_TUNE_CACHE"] = f"{tmp}/tune.json"
-        ranks = spawn_gloo(_rank, 2, args, timeout=3600)
-    figures = {}
-    for name in ranks[0]["seconds"]:
-        slowest = [max(t) for t in zip(*(r["seconds"][name] for r in ranks), strict=True)]
-        figures[name] = {"median_ms": statistics.median(slowest) * 1e3, "min_ms": min(slowest) * 1e3}
-    gain = {"median": figures["plain"]["median_ms"] / figures["balanced"]["median_ms"],
-            "fastest": figures["plain"]["min_ms"] / figures["balanced"]["min_ms"]}
-    print(json.dumps({"args": vars(args), "placement": ranks[0]["placement"], "chosen": ranks[0]["chosen"],
-                      "max_abs_diff": max(r["diff"] for r in ranks), "steps": figures, "gain": gain}))
+        ranks = spawn_gloo(_rank, 2, args, timeout=7200)
+    figures = _figures(ranks)
+    placement = ranks[0]["placements"][paths[0]]
+    print(json.dumps({"args": vars(args), "placements": ranks[0]["placements"], **ideal_gain(args, placement),
+                      "chosen": ranks[0]["chosen"], "max_abs_diff": max(r["diff"] for r in ranks),
+                      "steps": figures, "paths": _per_path(figures, paths)}))
 
 
 if __name__ == "__main__":
