@@ -3,7 +3,8 @@ enabled hands autograd to save (counted with ``torch.autograd.graph.saved_tensor
 then the backward, for each variant of one layer on the same tokens and weights.
 
     .venv/bin/python benchmarks/bench_memory.py [--shapes deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,small]
-        [--tokens 64] [--dtype fp32,bf16] [--skip-transformers] [--skip-persistent] [--json]
+        [--tokens 64] [--dtype fp32,bf16] [--scaling-shape small] [--weight-budget-mib 1536]
+        [--skip-transformers] [--skip-persistent] [--skip-runtime] [--json]
 
 Variants (N tokens, balanced routing made outside the layer for hpmoe and the peer):
   hpmoe-default     ``hpmoe.MoE(spec, weights).region(x, ids, topk_weights)``: one process,
@@ -18,23 +19,25 @@ Variants (N tokens, balanced routing made outside the layer for hpmoe and the pe
   hf-grouped_mm,    transformers' MoE block of the family (its router included, the hook around
   hf-eager          the block call), ``experts_implementation`` grouped_mm / eager
 
-What is counted: every tensor handed to the pack hook during the forward, parameters
-excluded (their storage is the model's), plus the tensors a Python autograd node holds as
-attributes instead (hpmoe's node keeps the routing ids; the Triton path keeps its arena),
-found by walking the output's graph.
+What is counted: every tensor handed to the pack hook during the forward that is still
+held when the forward returns (a node the graph drops, as a router's, frees its own), its
+parameters excluded (their storage is the model's), plus the tensors a Python autograd node
+holds as attributes instead (hpmoe's node keeps the routing ids; the Triton path keeps its
+arena), found by walking the output's graph.
   saved   the headline: bytes of distinct storages (``untyped_storage().nbytes()``, each
           storage once by ``data_ptr()``): what stays allocated until the backward, since a
           small view keeps its whole buffer alive.
   views   the saved tensors' own ``numel * element_size``, each save counted: below ``saved``
           where views of big buffers are kept, above it where one tensor is saved twice.
-  w-copy  the part of ``saved`` shaped like a weight (a copy made per call; no token term).
+  w-copy  the part of ``saved`` equal to a weight in another storage (a copy made per call,
+          e.g. the shared experts' gate and up fused; no token term).
   minimal N*H (layer input) + N*k*(8 + 4) (int64 ids, fp32 weights) + N*k*2F (pre-activation)
           bytes in the compute dtype (the shared experts' own pre-activation is not in it).
 Bytes grow linearly with N (weight copies aside): ``--scaling-shape`` reruns one shape at 2N.
 On CUDA ``peak`` is ``max_memory_allocated`` minus what was allocated before, over the forward
 and backward of a second call (the first allocates a layer's persistent scratch); on a CPU
 there is none.  DeepSeek-V3, Qwen3 and Mixtral keep fewer experts (``experts`` column): the
-largest power-of-two count >= top-k whose weights fit ``--weight-budget-mib``.
+count halved until the weights fit ``--weight-budget-mib`` (never below top-k).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import gc
 import importlib
 import importlib.util
 import json
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -131,7 +135,8 @@ class SavedTensor:
 class SavedBytes:
     """What one call keeps (see the module doc): ``saved`` (distinct storages), ``views``
     (each saved tensor's own bytes), ``weight_copies`` and ``held`` (kept outside the
-    hooks), parts of ``saved``; ``saves``: pack-hook calls, parameters included;
+    hooks), parts of ``saved``; ``saves``: pack-hook calls, parameters included, of which
+    ``dropped`` were freed with their node before the forward returned (not counted);
     ``tensors``: the storages, largest first."""
 
     saved: int
@@ -139,37 +144,64 @@ class SavedBytes:
     weight_copies: int
     held: int
     saves: int
+    dropped: int
     tensors: tuple[SavedTensor, ...]
 
 
+class _Packed:
+    """What the pack hook hands autograd: the saved tensor in a box whose life is the
+    node's (a node the graph drops frees it before the forward returns)."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
 class SavedCounter:
-    """Pack hooks that note every saved tensor's storage without keeping it alive;
-    ``params``' storages are skipped, ``x``'s is marked ``input``, a tensor equal to one of
-    ``weights`` (same shape and values, another storage) ``weight copy``."""
+    """Pack hooks that box every saved tensor and keep only a weak reference to the box;
+    ``count`` reads the boxes still alive when the forward has returned.  ``params``'
+    storages are skipped, ``x``'s is marked ``input``, a tensor equal to one of ``weights``
+    (same shape and values, another storage) ``weight copy``."""
 
     def __init__(self, params: Iterable[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor]):
         self.skip = {p.untyped_storage().data_ptr() for p in params}
         self.x_ptr, self.weights = x.untyped_storage().data_ptr(), weights
-        self.storages: dict[int, SavedTensor] = {}
-        self.views = self.saves = 0
+        self.packs: list[weakref.ref[_Packed]] = []
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.saves += 1
-        if t.untyped_storage().data_ptr() not in self.skip:
-            self.views += t.numel() * t.element_size()
-            self.note(t, held=False)
-        return t
+    def pack(self, t: torch.Tensor) -> _Packed:
+        box = _Packed(t)
+        self.packs.append(weakref.ref(box))
+        return box
 
-    def note(self, t: torch.Tensor, held: bool) -> None:
-        ptr = t.untyped_storage().data_ptr()
-        old, kind = self.storages.get(ptr), self._kind(t, ptr)
-        if old is None or old.nbytes < t.numel() * t.element_size():
-            self.storages[ptr] = SavedTensor(tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                                             t.numel() * t.element_size(), t.untyped_storage().nbytes(),
-                                             kind, held and old is None)
+    def count(self, out: torch.Tensor) -> SavedBytes:
+        """What ``out``'s graph keeps: the saved tensors still boxed (parameters skipped),
+        then the tensors its Python nodes hold as attributes (not ``out`` itself)."""
+        kept = [box.t for ref in self.packs if (box := ref()) is not None]
+        storages: dict[int, SavedTensor] = {}
+        views = sum(self._note(storages, t, held=False) for t in kept)
+        self.skip.add(out.untyped_storage().data_ptr())
+        views += sum(self._note(storages, t, held=True) for t in held_tensors(out)
+                     if t.untyped_storage().data_ptr() not in storages)
+        ts = sorted(storages.values(), key=lambda v: -v.storage_nbytes)
+        return SavedBytes(saved=sum(v.storage_nbytes for v in ts), views=views,
+                          weight_copies=sum(v.storage_nbytes for v in ts if v.kind == "weight copy"),
+                          held=sum(v.storage_nbytes for v in ts if v.held), saves=len(self.packs),
+                          dropped=len(self.packs) - len(kept), tensors=tuple(ts))
+
+    def _note(self, storages: dict[int, SavedTensor], t: torch.Tensor, held: bool) -> int:
+        """Note ``t``'s storage (by its largest tensor); ``t``'s own bytes (0 if skipped)."""
+        ptr, nbytes = t.untyped_storage().data_ptr(), t.numel() * t.element_size()
+        if ptr in self.skip:
+            return 0
+        old = storages.get(ptr)
+        if old is None or old.nbytes < nbytes:
+            storages[ptr] = SavedTensor(tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes,
+                                        t.untyped_storage().nbytes(), self._kind(t, ptr), held)
+        return nbytes
 
     def _kind(self, t: torch.Tensor, ptr: int) -> str:
         if ptr == self.x_ptr:
@@ -177,21 +209,9 @@ class SavedCounter:
         same = (w for w in self.weights if w.shape == t.shape and w.dtype == t.dtype)
         return "weight copy" if any(torch.equal(w, t) for w in same) else "activation"
 
-    def add_held(self, out: torch.Tensor) -> None:
-        """The tensors ``out``'s Python autograd nodes hold as attributes (not the output)."""
-        self.skip.add(out.untyped_storage().data_ptr())
-        for t in held_tensors(out):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.skip and ptr not in self.storages:
-                self.views += t.numel() * t.element_size()
-                self.note(t, held=True)
 
-    def result(self) -> SavedBytes:
-        ts = sorted(self.storages.values(), key=lambda s: -s.storage_nbytes)
-        return SavedBytes(saved=sum(s.storage_nbytes for s in ts), views=self.views,
-                          weight_copies=sum(s.storage_nbytes for s in ts if s.kind == "weight copy"),
-                          held=sum(s.storage_nbytes for s in ts if s.held), saves=self.saves,
-                          tensors=tuple(ts))
+def _unpack(box: _Packed) -> torch.Tensor:
+    return box.t
 
 
 def held_tensors(out: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -249,24 +269,26 @@ def measure(call: Call, dy: torch.Tensor, weights: list[torch.Tensor]) -> tuple[
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if cuda else 0
-    counter = SavedCounter(call.params, call.x, weights)
-    _step(call, dy, counter)
+    got = _step(call, dy, SavedCounter(call.params, call.x, weights))
+    assert got is not None
     if not cuda:
-        return counter.result(), None
+        return got, None
     torch.cuda.synchronize()
-    return counter.result(), torch.cuda.max_memory_allocated() - before
+    return got, torch.cuda.max_memory_allocated() - before
 
 
-def _step(call: Call, dy: torch.Tensor, counter: SavedCounter | None) -> None:
+def _step(call: Call, dy: torch.Tensor, counter: SavedCounter | None) -> SavedBytes | None:
+    """Forward (under ``counter``'s hooks, counted once it returns), backward."""
     if counter is None:
-        out = call.forward()
+        out, got = call.forward(), None
     else:
         with counter.hooks():
             out = call.forward()
-        counter.add_held(out)
+        got = counter.count(out)
     out.backward(dy.view_as(out))
     for t in (call.x, *call.params):
         t.grad = None
+    return got
 
 
 # ---------------------------------------------------------------------------- variants
@@ -278,9 +300,15 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 def hpmoe_call(layer: MoE, x: torch.Tensor, routing: Routing) -> Call:
     xl, tw = leaf(x), leaf(routing.weights)
-    last = layer.last_call
     return Call(lambda: layer.region(xl, routing.ids, tw), list(layer.parameters()), xl,
-                lambda: type(layer.last_call.path).__name__ if layer.last_call is not last else "-")
+                lambda: path_name(layer))
+
+
+def path_name(layer: MoE) -> str:
+    """The path the layer's last call ran, with its schedule policy where it has one."""
+    path = layer.last_call.path if layer.last_call is not None else None
+    policy = getattr(path, "policy", None)
+    return type(path).__name__ + (f"({policy.value})" if isinstance(policy, SchedulePolicy) else "")
 
 
 def grouped_call(w: ExpertWeights, x: torch.Tensor, routing: Routing) -> Call:
@@ -361,7 +389,7 @@ def row(name: str, spec: MoESpec, tokens: int, variant: str, path: str, got: Sav
     if got is None:
         return r | {"skipped": skipped}
     return r | {"saved_bytes": got.saved, "view_bytes": got.views, "weight_copy_bytes": got.weight_copies,
-                "held_bytes": got.held, "saves": got.saves,
+                "held_bytes": got.held, "saves": got.saves, "dropped_saves": got.dropped,
                 "x_minimal": round(got.saved / r["minimal_bytes"], 3),
                 "top": [t.to_json() for t in got.tensors[:12]]}
 
@@ -476,11 +504,11 @@ def runtime_rows(name: str, spec: MoESpec, o: Options, tokens: int) -> list[dict
         why = "--skip-runtime" if not o.runtime else "the runtime runs on the host (gloo, shared memory)"
         return [row(name, spec, tokens, "hpmoe-runtime", "-", None, None, why)]
     ranks = spawn_gloo(_runtime_rank, 2, spec, tokens, timeout=1800)
-    return [row(name, spec, tokens, f"hpmoe-runtime-r{rank}", "RuntimePath(hyperparallel)", got, None)
-            for rank, got in enumerate(ranks)]
+    return [row(name, spec, tokens, f"hpmoe-runtime-r{rank}", path, got, None)
+            for rank, (got, path) in enumerate(ranks)]
 
 
-def _runtime_rank(rank: int, world: int, spec: MoESpec, tokens: int) -> SavedBytes:
+def _runtime_rank(rank: int, world: int, spec: MoESpec, tokens: int) -> tuple[SavedBytes, str]:
     from hpmoe.runtime import RuntimeConfig, Session
 
     x, w, routing, dy = device_inputs(spec, world * tokens, torch.device("cpu"))
@@ -489,31 +517,34 @@ def _runtime_rank(rank: int, world: int, spec: MoESpec, tokens: int) -> SavedByt
     with Session(RuntimeConfig(deadline_s=600.0)) as session:
         layer = MoE(spec, w, ep_group=session, schedule=SchedulePolicy.HYPERPARALLEL)
         del w
-        got, _ = measure(hpmoe_call(layer, x[mine], routing), dy[mine], weight_refs(layer.expert_weights()))
+        call = hpmoe_call(layer, x[mine], routing)
+        got, _ = measure(call, dy[mine], weight_refs(layer.expert_weights()))
         layer.close()
-    return got
+    return got, call.path()
 
 
 # ---------------------------------------------------------------------------- output
 
 
 def table(rows: list[dict]) -> str:
+    """The rows, one a line; the CUDA peak column only where a row has one."""
+    cuda = any(r["cuda_peak_bytes"] is not None for r in rows)
     head = (f"{'shape':14} {'E':>4} {'N':>4} {'dtype':5} {'variant':18} {'path':27} {'saved MiB':>9} "
-            f"{'views MiB':>9} {'w-copy':>7} {'B/token':>8} {'/minimal':>8} {'/grouped':>8} {'peak MiB':>8}")
-    return "\n".join([head, *(_line(r) for r in rows)])
+            f"{'views MiB':>9} {'w-copy':>7} {'B/token':>8} {'/minimal':>8} {'/grouped':>8}")
+    return "\n".join([head + (f" {'peak MiB':>8}" if cuda else ""), *(_line(r, cuda) for r in rows)])
 
 
-def _line(r: dict) -> str:
+def _line(r: dict, cuda: bool) -> str:
     lead = (f"{r['shape']:14} {r['experts']:4} {r['tokens']:4} {r['dtype']:5} {r['variant']:18} "
             f"{r['path'][:27]:27}")
     if "saved_bytes" not in r:
         return f"{lead} skipped: {r['skipped']}"
     mib = 2**20
-    peak = f"{r['cuda_peak_bytes'] / mib:8.1f}" if r["cuda_peak_bytes"] is not None else f"{'-':>8}"
+    peak = f" {r['cuda_peak_bytes'] / mib:8.1f}" if r["cuda_peak_bytes"] is not None else f" {'-':>8}"
     grouped = f"{r['x_grouped_mm']:8.2f}" if r["x_grouped_mm"] is not None else f"{'-':>8}"
     return (f"{lead} {r['saved_bytes'] / mib:9.3f} {r['view_bytes'] / mib:9.3f} "
             f"{r['weight_copy_bytes'] / mib:7.3f} {r['saved_bytes'] // r['tokens']:8d} "
-            f"{r['x_minimal']:8.2f} {grouped} {peak}")
+            f"{r['x_minimal']:8.2f} {grouped}{peak if cuda else ''}")
 
 
 def minimal_lines(specs: dict[str, MoESpec], tokens: int) -> str:
@@ -555,7 +586,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     record()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    budget = args.weight_budget_mib * 2**20
+    budget = weight_budget(args.weight_budget_mib, device)
     o = Options(args.tokens, budget, device, not args.skip_transformers, not args.skip_persistent,
                 not args.skip_runtime)
     rows: list[dict] = []
@@ -589,6 +620,16 @@ def scaling(args: argparse.Namespace, o: Options, rows: list[dict]) -> None:
     print(scaling_lines(first[:2], twice))
 
 
+def weight_budget(mib: int | None, device: torch.device) -> int:
+    """Bytes the experts' weights may take: ``mib``, else a sixth of the GPU's memory
+    (weights, the layer's copy, gradients and a peer's) or 1.5 GiB on a host."""
+    if mib is not None:
+        return mib * 2**20
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 6
+    return 1536 * 2**20
+
+
 def dtypes(arg: str, device: torch.device) -> list[torch.dtype]:
     if arg == "auto":
         return [torch.bfloat16 if device.type == "cuda" else default_cpu_dtype()[0]]
@@ -601,7 +642,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--dtype", default="auto", help="fp32, bf16 or both (comma); auto: bf16 on a GPU or "
                    "a CPU computing it natively, else fp32")
-    p.add_argument("--weight-budget-mib", type=int, default=1536)
+    p.add_argument("--weight-budget-mib", type=int, default=None,
+                   help="default: 1536 on a host, a sixth of the GPU's memory on CUDA")
     p.add_argument("--scaling-shape", default="small", help="rerun at 2x tokens ('' for none)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-persistent", action="store_true")
