@@ -28,7 +28,7 @@ from hpmoe.machine import record
 from hpmoe.regions import RegionKind, region
 from hpmoe.routing import RoutingKind, plan_routing, ranks_per_token, synthetic_routing
 from hpmoe.schedule import SchedulePolicy, WorkerCounts, schedule, serial_schedule
-from hpmoe.sim.baseline import strongest_baseline, with_free_kinds
+from hpmoe.schedule.baseline import strongest_baseline, with_free_kinds
 from hpmoe.sim.bounds import graph_bounds
 from hpmoe.sim.cost import tier_link_bytes
 from hpmoe.sim.presets import hardware_preset
@@ -61,7 +61,7 @@ def row(ep: int, tokens: int, hw_name: str, rpn: int, seed: int) -> dict:
     ids = synthetic_routing(RoutingKind.GROUPED, moe, par, seed=seed).ids
     plan = plan_routing(ids, moe, par)
     hw = hardware_preset(hw_name)
-    workers = WorkerCounts.from_hardware(hw)
+    workers = hw.workers
     out = {"hardware": hw_name, "ep": ep, "nodes": par.nodes, "tokens_per_rank": tokens,
            "ranks_per_token": round(ranks_per_token(ids, moe, par), 3)}
     graphs = {name: region(kind).lower(plan, tiles, None) for name, (kind, tiles) in VARIANTS.items()}

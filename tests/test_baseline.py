@@ -9,8 +9,8 @@ import torch
 from hpmoe.ir.graph import TaskKind
 from hpmoe.regions.forward import lower_forward
 from hpmoe.routing import RoutingKind, plan_routing
-from hpmoe.schedule import WorkerCounts, serial_schedule, verify_schedule
-from hpmoe.sim.baseline import dedup_puts, dedup_ratio, paper_region, strongest_baseline
+from hpmoe.schedule import serial_schedule, verify_schedule
+from hpmoe.schedule.baseline import dedup_puts, dedup_ratio, paper_region, strongest_baseline
 from hpmoe.sim.cost import task_costs
 from hpmoe.sim.presets import hardware_preset
 from hpmoe.sim.simulate import simulate
@@ -45,7 +45,7 @@ def test_strongest_baseline_overlaps_shared_experts_and_frees_the_permute():
     plan = tiny_plan(RoutingKind.GROUPED, ep=4, tokens=64)
     g = lower_forward(plan, TileSpec(8, 8, 8))
     hw = hardware_preset("ascend-a3")
-    workers = WorkerCounts.from_hardware(hw)
+    workers = hw.workers
     s = strongest_baseline(g, plan, workers)
     verify_schedule(s)
     r, serial = simulate(s, hw), simulate(serial_schedule(g, workers), hw)

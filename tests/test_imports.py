@@ -1,6 +1,9 @@
 """hpmoe's modules import one another without a circle: every import counts, also one
 inside a function and a package's ``__init__`` that importing a submodule runs; only
-imports under ``if TYPE_CHECKING:`` are left out.  And ``import hpmoe`` loads no runtime."""
+imports under ``if TYPE_CHECKING:`` are left out.  Its packages (``exec``, ``runtime``,
+``sim``, ...; a top-level module is one of its own) stand in floors: no import runs back
+up from a package to one that imports it, the type-only ones included.  And
+``import hpmoe`` loads no runtime."""
 
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom, modules: dict[str, 
     return sorted(t for t in out if not module.startswith(t + "."))  # a module's own packages run first
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the hpmoe modules it imports (``typing``: type-only imports too)."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
@@ -47,9 +51,21 @@ def import_graph() -> dict[str, set[str]]:
         typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                        and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in typing_only:
+            if isinstance(node, ast.Import | ast.ImportFrom) and (typing or id(node) not in typing_only):
                 graph[module] |= set(_targets(module, node, modules))
     return graph
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same imports between packages (``hpmoe.exec``, ...; a top-level module is its own)."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        mine = package(module)
+        out.setdefault(mine, set()).update(package(t) for t in targets if package(t) != mine)
+    return out
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -104,6 +120,16 @@ def test_hpmoe_has_no_import_circle() -> None:
     graph = import_graph()
     assert "hpmoe.gpu.backend" in graph["hpmoe.engine.paths"]  # an import inside a function counts
     assert circles(graph) == []
+
+
+def test_no_import_runs_back_up_between_packages() -> None:
+    """Packages stand in floors: a circle of packages (exec importing runtime, which
+    imports exec, say), counting type-only and in-function imports, names where one
+    runs back up."""
+    assert circles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    packages = package_graph(import_graph(typing=True))
+    assert "hpmoe.runtime" in packages["hpmoe.engine"] and "hpmoe.comm" in packages["hpmoe.exec"]
+    assert circles(packages) == []
 
 
 def test_import_hpmoe_loads_no_runtime() -> None:

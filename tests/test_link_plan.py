@@ -9,7 +9,6 @@ import dataclasses
 import numpy as np
 
 from hpmoe.ir.graph import TaskKind
-from hpmoe.schedule import WorkerCounts
 from hpmoe.schedule import critical_path as cp
 from hpmoe.schedule.link_plan import mirror_puts, planned_put_order
 from hpmoe.sim.cost import task_costs
@@ -54,7 +53,7 @@ def test_a_skewed_exchange_keeps_the_busiest_port_busy():
     pair = np.array([[0, 15, 15, 10], [5, 0, 15, 10], [5, 5, 0, 10], [5, 15, 5, 0]])
     g = build(4, [put(s, d, float(pair[s, d])) for s in range(4) for d in range(4) if d != s
                   for _ in range(2)], {})
-    costs, workers = task_costs(g, HW), WorkerCounts.from_hardware(HW)
+    costs, workers = task_costs(g, HW), HW.workers
     assert cp.link_workers(workers, costs) == 2
     made = {o: simulate(cp.list_schedule(g, costs, workers, o), HW) for o in cp.PutOrder}
     bound = made[cp.PutOrder.PLANNED].bounds.link

@@ -154,7 +154,7 @@ def test_reuse_aware_order_keeps_weights_hot():
     for l2_mb in (2 * expert_mb, 100.0):
         hw = dataclasses.replace(hardware_preset("ascend-a3"), l2_mb=l2_mb, matrix_workers=4,
                                  vector_workers=4)
-        costs, workers = task_costs(g, hw), WorkerCounts.from_hardware(hw)
+        costs, workers = task_costs(g, hw), hw.workers
         miss = {o: simulate(cp.list_schedule(g, costs, workers, o), hw).memory.l2_miss_bytes.sum()
                 for o in cp.PutOrder}
         if l2_mb == 100.0:

@@ -18,7 +18,6 @@ from hpmoe.routing import RoutingKind
 from hpmoe.schedule import (
     QUEUE_POLICIES,
     SchedulePolicy,
-    WorkerCounts,
     critical_path_candidates,
     paper_tiles,
     schedule,
@@ -128,7 +127,7 @@ def test_replay_reproduces_the_list_schedule(order, hw_name):
     (L2 and shared HBM) or without."""
     g = lower_forward(tiny_plan(RoutingKind.ZIPF, ep=4, tokens=24), TileSpec(4, 4, 8))
     hw = hardware_preset(hw_name)
-    workers, costs = WorkerCounts.from_hardware(hw), task_costs(g, hw)
+    workers, costs = hw.workers, task_costs(g, hw)
     puts = cp_module.put_order(g, costs, workers, order)
     prio = cp_module.priority_rank(g, costs, workers, order, puts)
     by_prio = order in (cp_module.PutOrder.PRIORITY, cp_module.PutOrder.EXPERT)
@@ -149,7 +148,7 @@ def test_the_list_starts_an_instant_s_tasks_as_the_queue_replay_does():
     hw = dataclasses.replace(UNIT_HW, matrix_workers=2, mem_bw=1e12, l2_mb=64.0)
     g = build(1, [vec(1, signals=[(0, 0)]), vec(1, signals=[(0, 1)]),
                   gemm(2, wait=1, signals=[(0, 2)]), gemm(2, wait=0), vec(5, wait=2)], {0: [1, 1, 1]})
-    workers, costs, memory = WorkerCounts.from_hardware(hw), task_costs(g, hw), MemorySystem.of(g, hw)
+    workers, costs, memory = hw.workers, task_costs(g, hw), MemorySystem.of(g, hw)
     s = cp_module.list_schedule(g, costs, workers, cp_module.PutOrder.STAGES, memory)
     start, end = replay(s, costs, memory)[:2]
     assert start[3] == start[2] == 1 * US and end[3] > end[2]  # Y started first and missed
@@ -266,4 +265,4 @@ def test_infinitely_fast_links_leave_only_the_compute_overlap_gain():
     # what is left is overlapping matrix with vector work: at most serial over the work bound
     assert 1.0 <= ratio["fast"] <= serial.makespan / max(bound.work, bound.critical_path) + 1e-9
     assert ratio["fast"] < ratio["real"]
-    assert WorkerCounts.from_hardware(fast).vector == real.vector_workers
+    assert fast.workers.vector == real.vector_workers

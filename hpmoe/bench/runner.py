@@ -243,7 +243,7 @@ def make_calls(config: BenchConfig, session: Session, data: Inputs, hardware: Ha
     """The baseline, kernel by kernel (a layer pinned to it: the front door, as a user
     runs it), the serial schedule, and one bare runtime call per candidate policy."""
     def runtime(policy: SchedulePolicy) -> Callable[[], object]:
-        knobs = Knobs(Path.TASKFLOW, policy, WorkerCounts.from_hardware(hardware), config.tiles)
+        knobs = Knobs(Path.TASKFLOW, policy, hardware.workers, config.tiles)
         return runtime_call(config, session, data, knobs, hardware)
 
     group, pinned = session.group, RegionOptions(ep_group=session, backend=Backend.KERNEL_BY_KERNEL)

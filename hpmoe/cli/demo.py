@@ -33,8 +33,8 @@ from ..launch.netns import LinkSpec, TopologyError, link_unavailable
 from ..machine import default_cpu_dtype, machine
 from ..regions.forward import lower_forward
 from ..routing import RoutingKind, plan_routing, route, synthetic_routing
-from ..schedule import QUEUE_POLICIES, SchedulePolicy, WorkerCounts, paper_tiles, schedule
-from ..sim.baseline import strongest_baseline
+from ..schedule import QUEUE_POLICIES, SchedulePolicy, paper_tiles, schedule
+from ..schedule.baseline import strongest_baseline
 from ..sim.presets import hardware_preset
 from ..sim.simulate import simulate
 from ..sim.trace import write_gantt, write_trace
@@ -142,7 +142,7 @@ def simulated_a3(out: Path, scale: Scale) -> Row:
         if policy is SchedulePolicy.CRITICAL_PATH:
             bound, timeline = result.bounds.lower_bound, result.timeline
     serial = spans[SchedulePolicy.SERIAL]
-    strongest = simulate(strongest_baseline(default, plan, WorkerCounts.from_hardware(hw)), hw).makespan
+    strongest = simulate(strongest_baseline(default, plan, hw.workers), hw).makespan
     print(f"{'serial-dedup':>14}: {strongest * 1e6:9.0f} us  (the strongest kernel-by-kernel baseline: "
           f"deduplicated all-to-alls, permute fused)")
     for policy, span in spans.items():

@@ -24,8 +24,8 @@ import torch
 from ..ir.graph import TaskGraph
 from ..regions import RegionKind, region
 from ..routing import RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
-from ..schedule import WorkerCounts, critical_path_candidates, hyperparallel_schedule, paper_tiles
-from ..sim.baseline import paper_region, strongest_baseline
+from ..schedule import critical_path_candidates, hyperparallel_schedule, paper_tiles
+from ..schedule.baseline import paper_region, strongest_baseline
 from ..sim.bounds import graph_bounds
 from ..sim.hardware import HardwareModel
 from ..sim.presets import HARDWARE_PRESETS
@@ -79,7 +79,7 @@ def reproduce_rows(args: argparse.Namespace, direction: RegionKind, ep: int, rou
 def _row(graph: TaskGraph, paper: TaskGraph, plan: RoutingPlan, hardware: HardwareModel,
          direction: RegionKind, routing: RoutingKind, cut: str) -> dict:
     """One row's figures (see the module docstring)."""
-    workers = WorkerCounts.from_hardware(hardware)
+    workers = hardware.workers
     candidates = critical_path_candidates(graph, hardware)
     best = min(candidates, key=lambda c: c.makespan)
     ours = simulate(best.schedule, hardware)

@@ -18,7 +18,7 @@ from ..exec.arena import ArenaPool
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..exec.phases import TORCH, Phases
-from ..ir.schedule import SchedulePolicy, WorkerCounts
+from ..ir.schedule import SchedulePolicy
 from ..schedule.auto import PROCESS_DECISIONS, AutoDecision, DecisionCache, Path, RoutingShape, saved_profile
 from ..schedule.tune import DeviceSpace, Knobs, Space, TuneKey, TuneResult
 from ..schedule.tuner import OneProcess, Trial, Tuner
@@ -128,7 +128,7 @@ def decision(o: RegionOptions, spec: MoESpec, tokens: int, backward: bool, auto:
         shape = RoutingShape.one_process(spec, o.virtual_ep, tokens, backward)
         return auto.decisions.decide(shape, o.tiles, o.hardware)
     shape = RoutingShape(spec, o.ranks, tokens, backward)
-    workers = WorkerCounts.from_hardware(o.rank_hardware)
+    workers = o.rank_hardware.workers
     return auto.decisions.decide(shape, o.tiles, o.hardware, workers, session.collectives)
 
 

@@ -39,11 +39,11 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from ..comm import Collectives
 from ..refs import inverse_permutation
 from ..regions.kernels import gemm_bias
 from ..routing import Routing, check_input, expert_counts
@@ -52,9 +52,6 @@ from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
 from .exact_backward import Gradients
 from .phases import TORCH, Phases
-
-if TYPE_CHECKING:  # the runtime loads on first distributed use, never by ``import hpmoe``
-    from ..runtime.collective import Collectives
 
 Segments = list[tuple[int, int, int]]  # (local expert, first row, end row) of non-empty experts
 

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .graph import TaskGraph, Unit
-
-if TYPE_CHECKING:
-    from ..sim.hardware import HardwareModel
 
 
 class SchedulePolicy(enum.Enum):
@@ -43,11 +39,6 @@ class WorkerCounts:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"WorkerCounts.{name} must be a positive int, got {value!r}")
-
-    @staticmethod
-    def from_hardware(hardware: HardwareModel) -> WorkerCounts:
-        """The worker queues per rank of ``hardware``: the one place worker counts come from."""
-        return WorkerCounts(matrix=hardware.matrix_workers, vector=hardware.vector_workers)
 
     def of(self, unit: Unit) -> int:
         return self.matrix if unit == Unit.MATRIX else self.vector

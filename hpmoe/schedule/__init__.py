@@ -25,7 +25,7 @@ def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) 
     if policy is SchedulePolicy.AUTO:
         raise ValueError("policy=AUTO chooses how a region runs (schedule.auto), not a queue order: "
                          f"pass one of {[p.value for p in QUEUE_POLICIES]}")
-    workers = WorkerCounts.from_hardware(hardware)
+    workers = hardware.workers
     if policy is SchedulePolicy.SERIAL:
         return serial_schedule(graph, workers)
     if policy is SchedulePolicy.HYPERPARALLEL:

@@ -24,8 +24,8 @@ import pickle
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from ..comm import Collectives
 from ..ir.schedule import SchedulePolicy, WorkerCounts
 from ..regions.family import region_family
 from ..routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
@@ -35,9 +35,6 @@ from ..sim.profile import load_profile
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from .hyperparallel import hyperparallel_schedule
 from .serial import serial_schedule
-
-if TYPE_CHECKING:  # the runtime loads on first distributed use
-    from ..runtime.collective import Collectives
 
 MIN_GAIN = 1.05  # a taskflow must be forecast this much faster than the fallback
 

@@ -81,7 +81,7 @@ def critical_path_candidates(graph: TaskGraph, hardware: HardwareModel) -> tuple
     orders of ``graph``, each with its simulated makespan on ``hardware`` (the replay
     ``simulate`` runs: memory system and shared host cores)."""
     require_all_ranks(graph)
-    workers = WorkerCounts.from_hardware(hardware)
+    workers = hardware.workers
     costs = task_costs(graph, hardware)
     memory, cores = MemorySystem.of(graph, hardware), HostCores.of(graph, hardware)
     listed = []

@@ -19,16 +19,13 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..comm import Collectives
 from ..machine import Machine, machine
 from .tune import Budget, Knobs, Space, TuneKey, TuneResult, Tuning
 from .tune_cache import TuneCache
-
-if TYPE_CHECKING:
-    from ..runtime.collective import Collectives
 
 LOG = logging.getLogger("hpmoe.tune")
 

@@ -97,7 +97,7 @@ def task_costs(graph: TaskGraph, hardware: HardwareModel, dtype: torch.dtype | N
 
 def free_tasks(graph: TaskGraph) -> np.ndarray:
     """[n] bool: tasks with no flops, no bytes and no link bytes, which cost nothing (as
-    the paper's runtime turns empty tasks into no-ops; ``hpmoe.sim.baseline`` empties
+    the paper's runtime turns empty tasks into no-ops; ``hpmoe.schedule.baseline`` empties
     the tasks a region leaves out or fuses elsewhere)."""
     return (graph.flops == 0) & (graph.bytes == 0) & (graph.link_bytes == 0)
 

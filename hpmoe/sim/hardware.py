@@ -25,6 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ..ir.schedule import WorkerCounts
+
 MAX_LANES = 1 << 16  # streams a port serves at once, at most (an infinitely fast port)
 SWIGLU_FLOPS_PER_ELEMENT = 5.0  # silu(g) * u: exp, add, divide, two multiplies (as lower/ counts)
 
@@ -248,6 +250,11 @@ class HardwareModel:
             raise ValueError(f"HardwareModel.link EP sizes must be unique and increasing, got {eps}")
 
     # --- rates -------------------------------------------------------------------------
+    @property
+    def workers(self) -> WorkerCounts:
+        """The worker queues per rank: the one place worker counts come from."""
+        return WorkerCounts(matrix=self.matrix_workers, vector=self.vector_workers)
+
     def matrix_flops(self, dtype: torch.dtype) -> float:
         """FLOP/s of one matrix worker for GEMMs in ``dtype`` (torch.bfloat16 or torch.float32)."""
         if dtype == torch.bfloat16:

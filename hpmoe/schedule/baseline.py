@@ -22,7 +22,7 @@ import numpy as np
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind
 from ..ir.schedule import Schedule, WorkerCounts
 from ..routing import RoutingPlan
-from ..schedule.serial import serial_schedule
+from .serial import serial_schedule
 
 PAPER_OUTSIDE = frozenset({TaskKind.PERMUTE, TaskKind.UNPERMUTE, TaskKind.SHARED_UP,
                            TaskKind.SHARED_SWIGLU, TaskKind.SHARED_DOWN})
