@@ -12,7 +12,7 @@ import torch
 from ..exec.backend import Backend, as_backend
 from ..exec.exact import DEFAULT_TILES, Order
 from ..ir.schedule import SchedulePolicy
-from ..routing import Routing, check_hidden
+from ..routing import Routing, check_input
 from ..schedule.auto import DecisionCache
 from ..sim.hardware import HardwareModel
 from ..spec import TileSpec, require_per_expert
@@ -64,10 +64,9 @@ def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: i
     if policy not in (SchedulePolicy.AUTO, SchedulePolicy.SERIAL):
         raise ValueError(f"policy={policy!r}: in one process, AUTO or SERIAL (the task graph)")
     auto = policy is SchedulePolicy.AUTO and order is None
-    if auto and backend is Backend.EXACT:
-        check_hidden(x, weights.spec)
+    check_input(x, routing, weights.spec)  # the one check of the call: no path checks again
     options = RegionOptions(virtual_ep=ep, schedule=SchedulePolicy.AUTO if auto else order, tiles=tiles,
                             hardware=hardware if auto else None, backend=backend)
     memory = PROCESS_AUTO if decisions is None else Auto(decisions)
-    path, _ = select(options, weights.spec, x.shape[0], memory)
+    path, _ = select(options, weights.spec, x.shape[0], memory, device=x.device)
     return path.forward(x, routing, weights, False)[0]
