@@ -68,6 +68,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRITON_MAX_MACS = 2**20  # routed rows x H x 3F: the interpreter takes ~8 min on 12 Mi (small, 8 tokens)
 HF_FAMILIES = {"deepseek-v3": "deepseek_v3", "small": "deepseek_v3", "tiny": "deepseek_v3",
                "qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral"}
+HF_IMPLS = ("grouped_mm", "eager")
 SKIP_ATTRS = frozenset({"path", "session", "pool", "trial", "clock"})  # a layer's, not a call's
 
 # ---------------------------------------------------------------------------- shapes
@@ -421,38 +422,45 @@ class Options:
     runtime: bool = True
 
 
+Inputs = Callable[[], tuple[torch.Tensor, ExpertWeights, Routing, torch.Tensor]]
+
+
 def one_process_rows(name: str, spec: MoESpec, o: Options, tokens: int) -> list[dict]:
-    """Every one-process variant of one shape, one after the other (each freed before the next)."""
-    x, w, routing, dy = device_inputs(spec, tokens, o.device)
-    rows = [_layer_row(name, spec, tokens, "hpmoe-default", lambda: MoE(spec, w), x, routing, dy),
-            _layer_row(name, spec, tokens, "hpmoe-exact-vep2",
-                       lambda: MoE(spec, w, virtual_ep=2, schedule=None), x, routing, dy)]
-    rows.append(_triton_row(name, spec, tokens, o, w, x, routing, dy))
-    rows.append(_grouped_row(name, spec, tokens, w, x, routing, dy))
-    for impl in ("grouped_mm", "eager"):
-        rows.append(_hf_row(name, spec, tokens, o, impl, w, x, dy))
-    return rows
+    """Every one-process variant of one shape, one after the other; each draws the same
+    inputs anew (seed 0) and frees them before the next, so that at most two copies of the
+    weights (the variant's and their gradients) are alive at a time."""
+    def make() -> tuple[torch.Tensor, ExpertWeights, Routing, torch.Tensor]:
+        gc.collect()  # the last variant's layer, before the next one's weights
+        return device_inputs(spec, tokens, o.device)
+
+    case = (name, spec, tokens)
+    rows = [_layer_row(case, "hpmoe-default", {}, make),
+            _layer_row(case, "hpmoe-exact-vep2", dict(virtual_ep=2, schedule=None), make)]
+    why = triton_skip(spec, tokens, o)
+    skipped = row(*case, "hpmoe-triton", "-", None, None, why)
+    rows.append(skipped if why is not None else
+                _guarded(lambda: _layer_row(case, "hpmoe-triton", dict(backend="triton"), make), skipped))
+    rows.append(_grouped_row(case, make))
+    return rows + _hf_rows(case, o, make)
 
 
-def _layer_row(name: str, spec: MoESpec, tokens: int, variant: str, make: Callable[[], MoE],
-               x: torch.Tensor, routing: Routing, dy: torch.Tensor) -> dict:
-    layer = make()
+def _guarded(make_row: Callable[[], dict], skipped: dict) -> dict:
+    """``make_row()``, or ``skipped`` naming the error where a kernel this device lacks raises."""
+    try:
+        return make_row()
+    except (RuntimeError, NotImplementedError) as err:
+        return skipped | {"skipped": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"}
+
+
+def _layer_row(case: tuple[str, MoESpec, int], variant: str, options: dict, make: Inputs) -> dict:
+    x, w, routing, dy = make()
+    layer = MoE(case[1], w, **options)
+    del w
     call = hpmoe_call(layer, x, routing)
     got, peak = measure(call, dy, weight_refs(layer.expert_weights()))
-    r = row(name, spec, tokens, variant, call.path(), got, peak)
+    r = row(*case, variant, call.path(), got, peak)
     layer.close()
-    del layer, call
-    gc.collect()
     return r
-
-
-def _triton_row(name: str, spec: MoESpec, tokens: int, o: Options, w: ExpertWeights, x: torch.Tensor,
-                routing: Routing, dy: torch.Tensor) -> dict:
-    why = triton_skip(spec, tokens, o)
-    if why is not None:
-        return row(name, spec, tokens, "hpmoe-triton", "-", None, None, why)
-    return _layer_row(name, spec, tokens, "hpmoe-triton", lambda: MoE(spec, w, backend="triton"), x,
-                      routing, dy)
 
 
 def triton_skip(spec: MoESpec, tokens: int, o: Options) -> str | None:
@@ -468,31 +476,38 @@ def triton_skip(spec: MoESpec, tokens: int, o: Options) -> str | None:
     return None
 
 
-def _grouped_row(name: str, spec: MoESpec, tokens: int, w: ExpertWeights, x: torch.Tensor,
-                 routing: Routing, dy: torch.Tensor) -> dict:
-    why = grouped_mm_unavailable(x.device, spec.dtype)
+def _grouped_row(case: tuple[str, MoESpec, int], make: Inputs) -> dict:
+    x, w, routing, dy = make()
+    why = grouped_mm_unavailable(x.device, case[1].dtype)
     if why is not None:
-        return row(name, spec, tokens, "grouped_mm", "-", None, None, why)
+        return row(*case, "grouped_mm", "-", None, None, why)
     call = grouped_call(w, x, routing)
     got, peak = measure(call, dy, weight_refs(w))
-    return row(name, spec, tokens, "grouped_mm", call.path(), got, peak)
+    return row(*case, "grouped_mm", call.path(), got, peak)
 
 
-def _hf_row(name: str, spec: MoESpec, tokens: int, o: Options, impl: str, w: ExpertWeights,
+def _hf_rows(case: tuple[str, MoESpec, int], o: Options, make: Inputs) -> list[dict]:
+    """transformers' block under each experts implementation (one block, the weights drawn
+    for it freed once copied in)."""
+    variants = [f"hf-{impl}" for impl in HF_IMPLS]
+    why = None if o.transformers else "--skip-transformers"
+    if why is None and (importlib.util.find_spec("transformers") is None or case[0] not in HF_FAMILIES):
+        why = "no transformers block for this shape"
+    if why is not None:
+        return [row(*case, v, "-", None, None, why) for v in variants]
+    x, w, _, dy = make()
+    block, config = hf_block(case[0], case[1], w, o.device)
+    del w
+    return [_guarded(lambda impl=impl: _hf_row(case, block, config, impl, x, dy),
+                     row(*case, f"hf-{impl}", "-", None, None)) for impl in HF_IMPLS]
+
+
+def _hf_row(case: tuple[str, MoESpec, int], block: torch.nn.Module, config: object, impl: str,
             x: torch.Tensor, dy: torch.Tensor) -> dict:
-    variant = f"hf-{impl}"
-    if not o.transformers:
-        return row(name, spec, tokens, variant, "-", None, None, "--skip-transformers")
-    if importlib.util.find_spec("transformers") is None or name not in HF_FAMILIES:
-        return row(name, spec, tokens, variant, "-", None, None, "no transformers block for this shape")
-    block, config = hf_block(name, spec, w, o.device)
     config._experts_implementation = impl
     call = hf_call(block, x)
-    got, peak = measure(call, dy, weight_refs(w))
-    r = row(name, spec, tokens, variant, call.path(), got, peak)
-    del block, call
-    gc.collect()
-    return r
+    got, peak = measure(call, dy, list(block.parameters()))
+    return row(*case, f"hf-{impl}", call.path(), got, peak)
 
 
 # ---------------------------------------------------------------------------- the runtime

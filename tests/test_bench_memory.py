@@ -82,8 +82,8 @@ def test_the_grouped_mm_peer_keeps_what_its_ops_save() -> None:
 
 def test_hpmoe_default_path_is_counted_and_names_its_path() -> None:
     spec = preset("tiny")
-    x, w, routing, dy = bm.device_inputs(spec, N, torch.device("cpu"))
-    r = bm._layer_row("tiny", spec, N, "hpmoe-default", lambda: bm.MoE(spec, w), x, routing, dy)
+    r = bm._layer_row(("tiny", spec, N), "hpmoe-default", {},
+                      lambda: bm.device_inputs(spec, N, torch.device("cpu")))
     assert r["path"].endswith("Path")
     assert r["saved_bytes"] > N * spec.hidden * 4
     assert r["x_minimal"] == pytest.approx(r["saved_bytes"] / (408 * N), abs=1e-3)
