@@ -5,8 +5,10 @@ workers, and AUTO, tuned to its end before timing) three layers: ``plain``; ``ba
 the same layer after ``layer.rebalance(redundant)`` (its own measured load; its slots
 read their experts' rows in place); and ``prepared``, the same placement as a physical
 layer built once (what ``hpmoe bench --balance`` times), so balanced against prepared is
-what balancing a live layer costs on that path.  Every layer's steps alternate call by
-call after a barrier (``iteration_order``); the slowest rank's time per step.  ``ideal``:
+what balancing a live layer costs on that path.  The paths run one after another (one
+path's layers in memory at a time); a path's layers alternate call by call after a
+barrier (``iteration_order``), their expert gradients dropped after each step as an
+optimizer's ``zero_grad`` does; the slowest rank's time per step.  ``ideal``:
 the busiest rank's routed rows without the placement over with it (each token on its
 replica, the shared experts' rows counted at their width), the most balancing can gain.
 ``--shard``: the layers store only their own slots (``shard_experts``; the balanced one
@@ -61,78 +63,113 @@ def _routing(args: argparse.Namespace, spec, world: int):
     return synthetic_routing(RoutingKind(args.routing), spec, par, seed=0)
 
 
-def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
-    import torch.distributed as dist
+@dataclasses.dataclass
+class Rank:
+    """One rank's inputs: its tokens x and output gradient dy [T, H], routing ids and
+    weights [T, k], and the layer's logical weights."""
 
-    from hpmoe import MoE
+    rank: int
+    spec: object
+    weights: object
+    x: torch.Tensor
+    dy: torch.Tensor
+    ids: torch.Tensor
+    topk: torch.Tensor
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """Each path's three layers, timed path after path (one path's layers alive at a
+    time: nine full-size layers do not fit a small host's memory)."""
     from hpmoe.weights import ExpertWeights
 
     torch.set_num_threads(1)
     spec = _spec(args)
     r = _routing(args, spec, world)
     mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
-    ids, topk = r.ids[mine].contiguous(), r.weights[mine].contiguous()
     g = torch.Generator().manual_seed(rank)
     x, dy = (torch.randn(args.tokens, spec.hidden, generator=g) for _ in range(2))
-    w = ExpertWeights.random(spec, seed=0)
-    shard = {"shard_experts": True} if args.shard else {}
-    extra = {"redundant": args.redundant} if args.shard else {}  # sharded: its slots stored from the start
-    group = dist.group.WORLD
-    paths = args.paths.split(",")
-    layers = {}
-    for path in paths:
-        layers[f"{path}:plain"] = MoE(spec, w, ep_group=group, **PATHS[path], **shard)
-        layers[f"{path}:balanced"] = MoE(spec, w, ep_group=group, **PATHS[path], **shard, **extra)
-    routed = dict.fromkeys(layers, ids)
+    me = Rank(rank, spec, ExpertWeights.random(spec, seed=0), x, dy, r.ids[mine].contiguous(),
+              r.weights[mine].contiguous())
+    out: dict = {"seconds": {}, "placements": {}, "chosen": {}, "diff": 0.0}
+    first = None
+    for path in args.paths.split(","):
+        timed = _time_path(path, me, args)
+        last = timed.pop("out")
+        first = last if first is None else first
+        out["diff"] = max(out["diff"], (first - last).abs().max().item())
+        for name, value in timed.items():
+            out[name] |= value
+    return out
+
+
+def _time_path(path: str, me: Rank, args: argparse.Namespace) -> dict:
+    """The plain, balanced and prepared layers of ``path``: warmed up (AUTO tuned to its
+    end), then ``args.iters`` steps each, alternating call by call."""
+    layers, routed, placement = _layers(path, me, args)
     backward = not args.forward_only
-
-    def step(name: str) -> tuple[float, torch.Tensor]:
-        layer = layers[name]
-        dist.barrier()
-        t0 = time.perf_counter()
-        with torch.set_grad_enabled(backward):
-            xg = x.clone().requires_grad_(backward)
-            out = layer.region(xg, routed[name], topk.clone().requires_grad_(backward))
-            if backward:
-                out.backward(dy)
-        if args.sync and not args.shard:  # expert gradients all-reduced, as DDP would
-            for p in layer.experts.parameters():
-                dist.all_reduce(p.grad)
-                p.grad = None
-        return time.perf_counter() - t0, out.detach()
-
-    placements = {}
-    for path in paths:
-        for _ in range(3):
-            step(f"{path}:balanced")  # its measured load
-        placements[path] = layers[f"{path}:balanced"].rebalance(args.redundant)
-    placement = placements[paths[0]]
-    if placement is not None and not args.shard:  # the placement as a physical layer built once
-        tokens = torch.arange(args.tokens) + rank * args.tokens
-        physical = placement.physical_ids(ids, torch.full_like(tokens, rank), tokens)
-        pw = placement.physical_weights(w)
-        for path in paths:
-            layers[f"{path}:prepared"] = MoE(pw.spec, pw, ep_group=group, **PATHS[path])
-            routed[f"{path}:prepared"] = physical
     for name, layer in layers.items():  # warm-up, and AUTO's tuning to its end
         for call in range(args.warmup + 200):
-            step(name)
-            settled = not name.startswith("auto:") or layer.tuned(args.tokens, backward=backward) is not None
+            _step(layer, routed[name], me, args)
+            settled = path != "auto" or layer.tuned(args.tokens, backward=backward) is not None
             if settled and call + 1 >= args.warmup:
                 break
     seconds: dict[str, list[float]] = {n: [] for n in layers}
-    outs = {}
     for i in range(args.iters):
         for name in iteration_order(list(layers), i):
-            s, outs[name] = step(name)
+            s, out = _step(layers[name], routed[name], me, args)
             seconds[name].append(s)
     chosen = {n: _ran(n, layer, args.tokens, backward) for n, layer in layers.items()}
     for layer in layers.values():
         layer.close()
-    first = next(iter(outs.values()))
-    return {"seconds": seconds, "diff": max((first - o).abs().max().item() for o in outs.values()),
-            "placements": {p: None if q is None else list(q.phy2log) for p, q in placements.items()},
-            "chosen": chosen}
+    return {"seconds": seconds, "placements": {path: None if placement is None else list(placement.phy2log)},
+            "chosen": chosen, "out": out}
+
+
+def _layers(path: str, me: Rank, args: argparse.Namespace) -> tuple[dict, dict, object]:
+    """``path``'s layers and the routing ids each is called with: plain, balanced (its own
+    load measured over three steps, then ``rebalance``) and, unless sharded, the balanced
+    placement as a physical layer built once."""
+    import torch.distributed as dist
+
+    from hpmoe import MoE
+
+    group = dist.group.WORLD
+    shard = {"shard_experts": True} if args.shard else {}
+    extra = {"redundant": args.redundant} if args.shard else {}  # sharded: its slots stored from the start
+    plain = MoE(me.spec, me.weights, ep_group=group, **PATHS[path], **shard)
+    balanced = MoE(me.spec, me.weights, ep_group=group, **PATHS[path], **shard, **extra)
+    for _ in range(3):
+        _step(balanced, me.ids, me, args)  # its measured load
+    placement = balanced.rebalance(args.redundant)
+    layers, routed = {f"{path}:plain": plain, f"{path}:balanced": balanced}, {}
+    if placement is not None and not args.shard:
+        tokens = torch.arange(args.tokens) + me.rank * args.tokens
+        routed[f"{path}:prepared"] = placement.physical_ids(me.ids, torch.full_like(tokens, me.rank), tokens)
+        pw = placement.physical_weights(me.weights)
+        layers[f"{path}:prepared"] = MoE(pw.spec, pw, ep_group=group, **PATHS[path])
+    return layers, {n: routed.get(n, me.ids) for n in layers}, placement
+
+
+def _step(layer, ids: torch.Tensor, me: Rank, args: argparse.Namespace) -> tuple[float, torch.Tensor]:
+    """One call (forward and backward unless ``--forward-only``) after a barrier: its
+    seconds and output.  Expert gradients are dropped after it (``zero_grad``), as a
+    training step's optimizer does, or first all-reduced (``--sync``, as DDP would)."""
+    import torch.distributed as dist
+
+    backward = not args.forward_only
+    dist.barrier()
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        xg = me.x.clone().requires_grad_(backward)
+        out = layer.region(xg, ids, me.topk.clone().requires_grad_(backward))
+        if backward:
+            out.backward(me.dy)
+    if args.sync and not args.shard:
+        for p in layer.experts.parameters():
+            dist.all_reduce(p.grad)
+    seconds = time.perf_counter() - t0
+    layer.zero_grad(set_to_none=True)
+    return seconds, out.detach()
 
 
 def _ran(name: str, layer, tokens: int, backward: bool) -> str:
