@@ -1,10 +1,13 @@
 """Family conformance: every family of ``hpmoe.nn.families`` against transformers itself.
 
 For each family a tiny random causal LM (2 MoE layers, H 32, F 16, 8 experts, top-2, fp32)
-is built twice; one copy gets its MoE blocks replaced by hpmoe (``virtual_ep`` ranks, small
-tiles so every tile path runs).  Both run the same batch with ``labels`` and, where the
-family has one, ``output_router_logits=True``; the check reports the largest difference of
-the logits, of the auxiliary (load-balancing) loss and of every parameter's gradient.
+is built twice; one copy gets its MoE blocks replaced by hpmoe, pinned to one path
+(``PATHS``): the taskflow of ``virtual_ep`` ranks in one process (small tiles so every tile
+path runs), kernel by kernel, or the persistent kernel (the Triton interpreter on the CPU).
+Both run the same batch with ``labels`` and, where the family has one,
+``output_router_logits=True``; the check reports the largest difference of the logits, of
+the auxiliary (load-balancing) loss and of every parameter's gradient, and what each
+replaced block's last call ran (``CallRecord``: it raises if that is not the path asked for).
 Refused families report the reason instead.  In bf16 (``dtype=torch.bfloat16``) both
 models run in bf16 and each is compared with the fp32 run of transformers' model: hpmoe's
 errors sit beside transformers' own (``reference``), the bf16 parity being that hpmoe is
@@ -22,11 +25,24 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..engine import ExactPath, KernelByKernelPath, TritonPath
+from ..engine.door import CallRecord
+from ..schedule.auto import Path
 from ..spec import TileSpec
 from .families import FAMILIES, Family
+from .layer import MoE
 from .replace import replace_moe_blocks
 
 CHECK_TILES = TileSpec(rows=3, gemm_rows=4, gemm_cols=8)
+# the interpreter runs each task in Python: fewer, larger tiles (every block still partial)
+PERSISTENT_TILES = TileSpec(rows=8, gemm_rows=16, gemm_cols=32)
+# each path the check can pin: the layer options that pin it, and the path object it runs
+PATHS: dict[Path, tuple[dict, type]] = {
+    Path.TASKFLOW: ({"schedule": None, "tiles": CHECK_TILES}, ExactPath),  # exact executors, task-id order
+    Path.KERNEL_BY_KERNEL: ({"backend": "kernel_by_kernel", "tiles": CHECK_TILES}, KernelByKernelPath),
+    # one persistent Triton kernel (on the CPU, the interpreter); plain GLU, no expert biases
+    Path.PERSISTENT: ({"backend": "triton", "tiles": PERSISTENT_TILES}, TritonPath),
+}
 
 
 @dataclass(frozen=True)
@@ -34,7 +50,7 @@ class FamilyCheck:
     """One row of the families table.  Errors are max |hpmoe - transformers| (fp32; in bf16
     against transformers' fp32 run, with ``reference`` the same errors of transformers' own
     bf16 run); aux_err is None when the family has no auxiliary loss; refused: the reason,
-    or ''."""
+    or ''; calls: the last region call of each replaced block that ran one."""
 
     family: str
     block: str
@@ -44,6 +60,7 @@ class FamilyCheck:
     aux_err: float | None = None
     grad_err: float = 0.0
     reference: FamilyCheck | None = None
+    calls: tuple[CallRecord, ...] = ()
 
 
 def tiny_model(family: Family, seed: int = 0, **overrides) -> nn.Module:
@@ -88,13 +105,14 @@ def run_model(model: nn.Module, ids: torch.Tensor, seed: int = 5) -> tuple[torch
 
 
 def check_family(family: Family, seed: int = 0, virtual_ep: int = 2, dtype: torch.dtype = torch.float32,
-                 **overrides) -> FamilyCheck:
-    """Build, replace, run and compare one family (see the module docstring);
-    ``overrides``: config fields (e.g. ``hidden_act``)."""
+                 path: Path = Path.TASKFLOW, **overrides) -> FamilyCheck:
+    """Build, replace (pinned to ``path``, see ``PATHS``), run and compare one family (see
+    the module docstring); ``overrides``: config fields (e.g. ``hidden_act``)."""
     model = tiny_model(family, seed, **overrides)
     original = copy.deepcopy(model)
+    options, ran = PATHS[path]
     try:
-        replaced = replace_moe_blocks(model, virtual_ep=virtual_ep, tiles=CHECK_TILES)
+        replaced = replace_moe_blocks(model, virtual_ep=virtual_ep, **options)
     except ValueError as err:
         return FamilyCheck(family.name, family.block, refused=str(err))
     ids = torch.arange(24, device="cpu").view(2, 12) % 61 + 2
@@ -102,10 +120,23 @@ def check_family(family: Family, seed: int = 0, virtual_ep: int = 2, dtype: torc
     got = run_model(model.to(dtype), ids)
     if list(want[2]) != list(got[2]):
         raise AssertionError(f"{family.name}: parameter names changed")
-    row = _compare(family, len(replaced.names), got, want)
+    calls = _calls(family, model, replaced.names, ran)
+    row = replace(_compare(family, len(replaced.names), got, want), calls=calls)
     if dtype == torch.float32:
         return row
     return replace(row, reference=_compare(family, 0, run_model(original.to(dtype), ids), want))
+
+
+def _calls(family: Family, model: nn.Module, names: list[str], ran: type) -> tuple[CallRecord, ...]:
+    """The last call of each replaced block that ran a region call (one at least), each
+    checked to have run a ``ran`` path."""
+    layers = [m for n in names for m in model.get_submodule(n).modules() if isinstance(m, MoE)]
+    calls = tuple(m.last_call for m in layers if m.last_call is not None)
+    wrong = [type(c.path).__name__ for c in calls if not isinstance(c.path, ran)]
+    if not calls or wrong:
+        raise AssertionError(f"{family.name}: the replaced blocks ran {wrong or 'no region call'}, "
+                             f"not {ran.__name__}")
+    return calls
 
 
 def _compare(family: Family, blocks: int, got: tuple, want: tuple) -> FamilyCheck:
