@@ -5,13 +5,19 @@ from __future__ import annotations
 import threading
 import time
 import types
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from hpmoe.engine import ExactPath, KernelByKernelPath, TritonPath
+from hpmoe.engine.door import CallRecord
 from hpmoe.ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from hpmoe.nn.conformance import PERSISTENT_TILES
+from hpmoe.nn.layer import MoE
 from hpmoe.routing import RoutingKind, RoutingPlan, plan_routing, synthetic_routing
 from hpmoe.schedule import Schedule, SchedulePolicy, schedule, verify_schedule
+from hpmoe.schedule.auto import Path
 from hpmoe.sim.hardware import HardwareModel
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import GateKind, GluForm, MoESpec, ParallelSpec, TileSpec, preset
@@ -106,3 +112,69 @@ class KernelClock:
         return types.SimpleNamespace(perf_counter=self.perf_counter, perf_counter_ns=self.perf_counter_ns,
                                      thread_time=self.thread_time, thread_time_ns=self.thread_time_ns,
                                      monotonic=time.monotonic, sleep=time.sleep, strftime=time.strftime)
+
+
+def ran(where: object, path: type | tuple[type, ...], tokens: int | None = None, trial: bool | None = None,
+        **fields: object) -> list[CallRecord]:
+    """Assert that the last region call of ``where`` ran ``path`` (``hpmoe.engine.ExactPath``,
+    ``RuntimePath``, ``TritonPath``, ``KernelByKernelPath``; a tuple of them: any one, as a
+    tuning trial may run) with the path object's ``fields`` (``ep=2``, ``tiles=...``,
+    ``policy=...``) and, where given, ``tokens`` per (virtual) rank after padding and
+    ``trial`` (a tuning trial or not).  ``where``: an ``hpmoe.MoE``, a model holding some
+    (every one that has run; one at least), a ``CallRecord``, or a sequence of any of
+    these.  Returns the records; raises AssertionError naming what ran instead."""
+    records = _records(where)
+    if not records:
+        raise AssertionError(f"no hpmoe.MoE in {type(where).__name__} has run a region call")
+    for record in records:
+        got = record.path
+        if not isinstance(got, path):
+            names = " or ".join(p.__name__ for p in (path if isinstance(path, tuple) else (path,)))
+            raise AssertionError(f"ran {type(got).__name__}, not {names}: {record}")
+        wrong = {k: getattr(got, k, "(no such field)") for k, v in fields.items()
+                 if getattr(got, k, object()) != v}
+        mine = {k: v for k, v in (("tokens", tokens), ("trial", trial)) if v is not None}
+        wrong |= {k: getattr(record, k) for k, v in mine.items() if getattr(record, k) != v}
+        if wrong:
+            want = {k: {**fields, **mine}[k] for k in wrong}
+            raise AssertionError(f"ran {type(got).__name__} with {wrong}, not {want}")
+    return records
+
+
+def _records(where: object) -> list[CallRecord]:
+    """The last call of each hpmoe.MoE in ``where`` that has run (see ``ran``)."""
+    if isinstance(where, CallRecord):
+        return [where]
+    if isinstance(where, MoE):
+        if where.last_call is None:
+            raise AssertionError("the layer has run no region call")
+        return [where.last_call]
+    if isinstance(where, torch.nn.Module):
+        return [m.last_call for m in where.modules() if isinstance(m, MoE) and m.last_call is not None]
+    return [r for item in where for r in _records(item)]
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A one-process path pinned: the ``hpmoe.MoE`` options that pin it, and the path
+    object's class and fields that ``ran`` then expects of a call."""
+
+    options: dict
+    kind: type
+    fields: dict
+
+
+def pin(path: Path, ep: int = 1, tiles: TileSpec | None = None) -> Pin:
+    """``path`` pinned on ``ep`` virtual ranks: TASKFLOW (the exact executors in task-id
+    order), KERNEL_BY_KERNEL or PERSISTENT (``backend="triton"``: on the CPU, the Triton
+    interpreter); ``tiles``: default TINY_TILES, PERSISTENT_TILES for PERSISTENT."""
+    if tiles is None:
+        tiles = PERSISTENT_TILES if path is Path.PERSISTENT else TINY_TILES
+    where = dict(virtual_ep=ep, tiles=tiles)
+    if path is Path.TASKFLOW:
+        return Pin(dict(schedule=None, **where), ExactPath, dict(ep=ep, tiles=tiles, order=None))
+    if path is Path.KERNEL_BY_KERNEL:
+        return Pin(dict(backend="kernel_by_kernel", **where), KernelByKernelPath, dict(session=None))
+    if path is Path.PERSISTENT:
+        return Pin(dict(backend="triton", **where), TritonPath, dict(ep=ep, tiles=tiles))
+    raise ValueError(f"path={path!r}: TASKFLOW, KERNEL_BY_KERNEL or PERSISTENT")
