@@ -1,19 +1,24 @@
 """Drop-in replacement of transformers MoE blocks: MoE.from_hf, replace_moe_blocks and a
-short run of examples/train_tiny.py (loss curves of the original and hpmoe models agree)."""
+short run of examples/train_tiny.py (loss curves of the original and hpmoe models agree),
+each pinned to a path that it asserts ran (``helpers.ran``)."""
 
 import copy
+import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hpmoe.engine import ExactPath, RuntimePath
 from hpmoe.nn.hf import randomize_moe_, tiny_deepseek_v3_config, tiny_qwen3_moe_config
 from hpmoe.nn.layer import MoE
 from hpmoe.nn.replace import replace_moe_blocks
+from hpmoe.schedule import SchedulePolicy
+from hpmoe.schedule.auto import Path as Run
 from hpmoe.testing import spawn_gloo
 
-from .helpers import TINY_TILES
+from .helpers import TINY_TILES, pin, ran
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -39,15 +44,20 @@ def _step(module, x, dy):
     return out.detach(), x.grad, {n: p.grad for n, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("virtual_ep", [1, 2, 4])
+# the taskflow of 1, 2 and 4 virtual ranks and kernel by kernel (which has no virtual ranks)
+PATH_EPS = [(Run.TASKFLOW, 1), (Run.TASKFLOW, 2), (Run.TASKFLOW, 4), (Run.KERNEL_BY_KERNEL, 1)]
+
+
+@pytest.mark.parametrize("path,virtual_ep", PATH_EPS, ids=[f"{p.value}-ep{ep}" for p, ep in PATH_EPS])
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
-def test_from_hf_forward_and_backward_equal_the_transformers_block(family, virtual_ep):
-    block = _block(family)
+def test_from_hf_forward_and_backward_equal_the_transformers_block(family, path, virtual_ep):
+    block, pinned = _block(family), pin(path, virtual_ep)
     original = copy.deepcopy(block)
-    layer = MoE.from_hf(block, virtual_ep=virtual_ep, tiles=TINY_TILES)
+    layer = MoE.from_hf(block, **pinned.options)
     g = torch.Generator().manual_seed(2)
     x, dy = torch.randn(2, 6, 32, generator=g), torch.randn(2, 6, 32, generator=g)
     want, got = _step(original, x, dy), _step(layer, x, dy)
+    ran(layer, pinned.kind, tokens=12, **pinned.fields)
     torch.testing.assert_close(got[0], want[0], **FP32)
     torch.testing.assert_close(got[1], want[1], **FP32)
     assert list(got[2]) == list(want[2])
@@ -80,7 +90,7 @@ def test_replace_moe_blocks_leaves_the_state_dict_unchanged(family):
     ids = torch.arange(24).view(2, 12) % 64
     logits = model(input_ids=ids).logits
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built before the swap
-    replaced = replace_moe_blocks(model, virtual_ep=2, tiles=TINY_TILES)
+    replaced = replace_moe_blocks(model, virtual_ep=2, tiles=TINY_TILES, schedule=None)
     names = replaced.names
     assert names == ["model.layers.0.mlp", "model.layers.1.mlp"] and replaced.session is None
     assert all(isinstance(model.get_submodule(n), MoE) for n in names)
@@ -90,6 +100,7 @@ def test_replace_moe_blocks_leaves_the_state_dict_unchanged(family):
     assert [id(p) for p in model.parameters()] == params
     out = model(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, logits, **FP32)
+    assert len(ran(model, ExactPath, ep=2, tiles=TINY_TILES)) == 2
     out.loss.backward()
     opt.step()
     key = "model.layers.0.mlp.experts.down_proj"
@@ -123,13 +134,36 @@ SHORT = train_tiny.TrainConfig(steps=6, batch=4, seq=8, layers=1)
 
 
 def test_example_loss_curves_agree_with_virtual_ranks():
-    original, hp = train_tiny.run_original(SHORT), train_tiny.run_virtual(SHORT, virtual_ep=2)
+    """The example's model and training loop (``run_virtual``'s steps) with its blocks
+    pinned to the taskflow of 2 virtual ranks."""
+    model = train_tiny.make_model(SHORT)
+    replace_moe_blocks(model, virtual_ep=2, tiles=train_tiny.TILES, schedule=None)
+    hp = train_tiny.train(model, train_tiny.synthetic_batches(SHORT), SHORT)
+    ran(model, ExactPath, ep=2, tiles=train_tiny.TILES)
+    original = train_tiny.run_original(SHORT)
     assert len(original) == len(hp) == SHORT.steps
     assert train_tiny.Curves(original, hp).max_abs_diff() <= LOSS_ATOL
     assert hp[-1] < hp[0]
 
 
+def _example_rank(rank: int, world: int, cfg: train_tiny.TrainConfig) -> list[float]:
+    """``train_tiny.run_rank``'s steps with the blocks pinned to the runtime taskflow under
+    HYPERPARALLEL, asserted to have run it."""
+    import torch.distributed as dist
+
+    model = train_tiny.make_model(cfg)
+    replaced = replace_moe_blocks(model, ep_group=dist.group.WORLD, tiles=train_tiny.TILES,
+                                  schedule=SchedulePolicy.HYPERPARALLEL)
+    share = train_tiny.synthetic_batches(cfg).chunk(world, dim=1)[rank]
+    losses = train_tiny.train(model, share, cfg, group=dist.group.WORLD)
+    ran(model, RuntimePath, policy=SchedulePolicy.HYPERPARALLEL, tiles=train_tiny.TILES)
+    replaced.close()  # as run_rank: the session's threads and shared memory, then every holder of the group
+    del model, replaced
+    gc.collect()
+    return losses
+
+
 def test_example_loss_curves_agree_at_ep2_on_gloo_ranks():
-    ranks = spawn_gloo(train_tiny.run_rank, 2, SHORT, timeout=120)
+    ranks = spawn_gloo(_example_rank, 2, SHORT, timeout=120)
     assert ranks[0] == ranks[1]  # the logged loss is the all-reduced mean
     assert train_tiny.Curves(train_tiny.run_original(SHORT), ranks[0]).max_abs_diff() <= LOSS_ATOL
