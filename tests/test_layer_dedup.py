@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpmoe.engine import ExactPath, KernelByKernelPath, RuntimePath
 from hpmoe.exec.exact_backward import moe_forward_backward
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
@@ -20,7 +21,7 @@ from hpmoe.spec import DispatchMode, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
-from .helpers import TINY_TILES
+from .helpers import TINY_TILES, ran
 from .test_layer import TOL, _assert_close_runs, _data, _reference, _run
 
 PER_RANK = replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
@@ -39,6 +40,7 @@ def test_one_process_equals_the_dedup_executors_and_autograd(mode, ep, nodes):
     layer = _layer(TILES[mode], ep, nodes, schedule=None)
     x, dy = _data(layer.spec, 16)
     got = _run(layer, x, dy)
+    ran(layer, ExactPath, ep=ep, tiles=TILES[mode], nodes=nodes, order=None)
     flat = x.reshape(-1, layer.spec.hidden)
     with torch.no_grad():
         w = layer.expert_weights()
@@ -49,8 +51,9 @@ def test_one_process_equals_the_dedup_executors_and_autograd(mode, ep, nodes):
     assert torch.equal(got[2]["experts.down_proj"], want.backward.grads.dw2)
     layer.zero_grad()
     _assert_close_runs(got, _reference(layer, x, dy), torch.float32)
-    per_expert = _run(_layer(TINY_TILES, ep, schedule=None), x, dy)
-    _assert_close_runs(got, per_expert, torch.float32)
+    per_expert = _layer(TINY_TILES, ep, schedule=None)
+    _assert_close_runs(got, _run(per_expert, x, dy), torch.float32)
+    ran(per_expert, ExactPath, ep=ep, tiles=TINY_TILES)
 
 
 @pytest.mark.parametrize("mode", list(TILES))
@@ -58,7 +61,10 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(mode):
     x, dy = _data(preset("tiny"), 24, seed=3)
     base = _run(_layer(TILES[mode], 4, 2, schedule=None), x, dy)
     for options in [dict(recompute=True, schedule=None), dict(schedule=7), dict(schedule=8, recompute=True)]:
-        got = _run(_layer(TILES[mode], 4, 2, **options), x, dy)
+        layer = _layer(TILES[mode], 4, 2, **options)
+        got = _run(layer, x, dy)
+        ran(layer, ExactPath, ep=4, nodes=2, tiles=TILES[mode], order=options["schedule"],
+            **{k: options[k] for k in ("recompute",) if k in options})  # as asked
         assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), options
         assert all(torch.equal(got[2][n], base[2][n]) for n in base[2]), options
 
@@ -69,7 +75,9 @@ def test_auto_still_picks_the_path(monkeypatch, tmp_path):
     auto = _layer(TILES["per-rank"], 2)
     got = _run(auto, x, dy)
     assert auto.decision(16).chosen.path is Path.KERNEL_BY_KERNEL  # no profile: tiles play no part
-    want = _run(_layer(TINY_TILES, 2), x, dy)
+    per_expert = _layer(TINY_TILES, 2)
+    want = _run(per_expert, x, dy)
+    ran([auto, per_expert], KernelByKernelPath)
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
     from hpmoe.schedule import auto as auto_module
@@ -77,8 +85,9 @@ def test_auto_still_picks_the_path(monkeypatch, tmp_path):
     flow = auto_module.Candidate(Path.TASKFLOW, SchedulePolicy.SERIAL)
     decision = auto_module.AutoDecision(flow, KERNEL_BY_KERNEL, (), Reason.FORECAST_GAIN, 2.0)
     monkeypatch.setattr(auto_module, "layer_decision", lambda *args: decision)
-    got = _run(_layer(TILES["per-rank"], 2), x, dy)  # the taskflow, deduplicated
-    want = _run(_layer(TILES["per-rank"], 2, schedule=None), x, dy)
+    forecast, fixed = _layer(TILES["per-rank"], 2), _layer(TILES["per-rank"], 2, schedule=None)
+    got, want = _run(forecast, x, dy), _run(fixed, x, dy)  # the taskflow, deduplicated
+    ran([forecast, fixed], ExactPath, ep=2, tiles=TILES["per-rank"], order=None)
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
 
@@ -109,6 +118,9 @@ def _rank_step(rank, world, mode, nodes, options):
     x, dy = _data(spec, 6 * world)
     shares = (t.reshape(world, -1, spec.hidden)[rank] for t in (x, dy))
     result = _run(layer, *shares)
+    policy = options["schedule"] or SchedulePolicy.HYPERPARALLEL  # None: HYPERPARALLEL
+    ran(layer, RuntimePath, tokens=6, policy=policy, tiles=TILES[mode], nodes=nodes,
+        **{k: options[k] for k in ("recompute",) if k in options})  # as asked
     layer.close()
     return result
 
@@ -129,8 +141,9 @@ def test_distributed_ranks_on_the_runtime_equal_virtual_ranks(run):
     results = spawn_gloo(_rank_step, world, mode, nodes, options, timeout=180)
     spec = preset("tiny")
     x, dy = _data(spec, 6 * world)
-    want = _run(_layer(TILES[mode], world, nodes, schedule=None),
-                x.reshape(world, -1, spec.hidden), dy.reshape(world, -1, spec.hidden))
+    virtual = _layer(TILES[mode], world, nodes, schedule=None)
+    want = _run(virtual, x.reshape(world, -1, spec.hidden), dy.reshape(world, -1, spec.hidden))
+    ran(virtual, ExactPath, ep=world, nodes=nodes, tiles=TILES[mode])
     assert torch.equal(torch.stack([r[0] for r in results]), want[0])
     assert torch.equal(torch.stack([r[1] for r in results]), want[1])
     for name, grad in want[2].items():
