@@ -19,11 +19,14 @@ import torch
 import torch.distributed as dist
 
 import hpmoe.engine.door as door_module
+from hpmoe.engine import KernelByKernelPath, RuntimePath
 from hpmoe.nn.layer import MoE
 from hpmoe.runtime import RuntimeConfig
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.spec import DispatchMode, TileSpec, preset
 from hpmoe.weights import ExpertWeights
+
+from .helpers import ran
 
 DEADLINE = 2.0
 TILES = TileSpec(rows=8, gemm_rows=8, gemm_cols=16)
@@ -36,6 +39,16 @@ def path_options(path: str, tiles: TileSpec) -> tuple[SchedulePolicy, TileSpec]:
     if path == "per-rank":
         return SchedulePolicy.HYPERPARALLEL, replace(tiles, dispatch=DispatchMode.PER_RANK)
     return SchedulePolicy(path), tiles
+
+
+def path_ran(path: str, tiles: TileSpec) -> tuple[type | tuple[type, ...], dict]:
+    """The path class (or classes) and the fields that ``helpers.ran`` expects of a clean
+    call of a layer of ``path_options(path, tiles)``: ``auto`` tunes on an EP group (each
+    call a trial of either path, the tuner's order), a policy runs the runtime."""
+    if path == "auto":
+        return (KernelByKernelPath, RuntimePath), dict(trial=True)
+    policy, tiles = path_options(path, tiles)
+    return RuntimePath, dict(policy=policy, tiles=tiles)
 
 
 def _stop() -> None:
@@ -57,6 +70,8 @@ def main(path: str, where: str, out: str | None = None) -> int:
     layer = MoE(weights.spec, weights, ep_group=dist.group.WORLD, tiles=tiles,
                 schedule=policy, runtime=RuntimeConfig(deadline_s=DEADLINE))
     y = layer(x)
+    kind, fields = path_ran(path, TILES)
+    ran(layer, kind, **fields)
     if out is not None:
         torch.save(y.detach().clone(), os.path.join(out, f"rank{rank}.pt"))
     if rank == 1 and where == "before-call":

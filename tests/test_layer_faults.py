@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpmoe import refs
+from hpmoe.engine import ExactPath
 from hpmoe.launch.launcher import LaunchSpec, launch
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
@@ -26,10 +27,10 @@ from hpmoe.spec import preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
-from .helpers import TINY_TILES
+from .helpers import TINY_TILES, ran
 from .layer_fault_rank import DEADLINE as STALL_DEADLINE
 from .layer_fault_rank import inputs as stall_inputs
-from .layer_fault_rank import path_options
+from .layer_fault_rank import path_options, path_ran
 
 DEADLINE = 3.0
 PATHS = ["auto", "serial", "hyperparallel", "critical-path", "per-rank"]  # auto: kernel by kernel
@@ -69,6 +70,8 @@ def _bad_inputs_then_a_clean_step(rank: int, world: int, path: str) -> dict:
     out = layer(mine)
     out.backward(torch.ones_like(out))
     got |= {"out": out.detach(), "dx": mine.grad}
+    kind, fields = path_ran(path, TINY_TILES)
+    ran(layer, kind, **fields)
     bf16 = _layer(path, torch.bfloat16 if rank == 1 else torch.float32)
     got["dtype"] = _error(lambda: bf16(mine.detach()))
     spec = replace(preset("tiny"), top_k=3 if rank == 1 else 2)
@@ -93,10 +96,11 @@ def test_bad_input_on_one_rank_is_named_on_every_rank_and_the_next_step_runs_in_
     assert ranks[0]["nan"].startswith("InputRejected") and ranks[0]["dtype"].startswith("MismatchError")
     assert ranks[0]["shape"].startswith("MismatchError")
     tiles = path_options(path, TINY_TILES)[1]
-    whole = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), tiles=tiles)
+    whole = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), tiles=tiles, schedule=None)
     x = _x(2).requires_grad_()
     out = whole(x)
     out.backward(torch.ones_like(out))
+    ran(whole, ExactPath, ep=1, tiles=tiles)
     torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), out.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([r["dx"] for r in ranks]), x.grad, atol=1e-5, rtol=1e-5)
 
