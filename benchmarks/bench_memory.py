@@ -162,12 +162,13 @@ class _Packed:
 class SavedCounter:
     """Pack hooks that box every saved tensor and keep only a weak reference to the box;
     ``count`` reads the boxes still alive when the forward has returned.  ``params``'
-    storages are skipped, ``x``'s is marked ``input``, a tensor equal to one of ``weights``
-    (same shape and values, another storage) ``weight copy``."""
+    storages are skipped, ``x``'s is marked ``input``.  It holds no tensor: a node that
+    outlives the call keeps its pack hook, so the counter, alive."""
 
-    def __init__(self, params: Iterable[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor]):
+    def __init__(self, params: Iterable[torch.Tensor], x: torch.Tensor):
         self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.x_ptr, self.weights = x.untyped_storage().data_ptr(), weights
+        self.x_ptr = x.untyped_storage().data_ptr()
+        self.weights: list[torch.Tensor] = []
         self.packs: list[weakref.ref[_Packed]] = []
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -178,9 +179,18 @@ class SavedCounter:
         self.packs.append(weakref.ref(box))
         return box
 
-    def count(self, out: torch.Tensor) -> SavedBytes:
+    def count(self, out: torch.Tensor, weights: list[torch.Tensor]) -> SavedBytes:
         """What ``out``'s graph keeps: the saved tensors still boxed (parameters skipped),
-        then the tensors its Python nodes hold as attributes (not ``out`` itself)."""
+        then the tensors its Python nodes hold as attributes (not ``out`` itself); a
+        tensor equal to one of ``weights`` (same shape and values, another storage) is a
+        ``weight copy``."""
+        self.weights = weights
+        try:
+            return self._count(out)
+        finally:
+            self.weights = []
+
+    def _count(self, out: torch.Tensor) -> SavedBytes:
         kept = [box.t for ref in self.packs if (box := ref()) is not None]
         storages: dict[int, SavedTensor] = {}
         views = sum(self._note(storages, t, held=False) for t in kept)
@@ -270,7 +280,7 @@ def measure(call: Call, dy: torch.Tensor, weights: list[torch.Tensor]) -> tuple[
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if cuda else 0
-    got = _step(call, dy, SavedCounter(call.params, call.x, weights))
+    got = _step(call, dy, SavedCounter(call.params, call.x), weights)
     assert got is not None
     if not cuda:
         return got, None
@@ -278,14 +288,15 @@ def measure(call: Call, dy: torch.Tensor, weights: list[torch.Tensor]) -> tuple[
     return got, torch.cuda.max_memory_allocated() - before
 
 
-def _step(call: Call, dy: torch.Tensor, counter: SavedCounter | None) -> SavedBytes | None:
+def _step(call: Call, dy: torch.Tensor, counter: SavedCounter | None,
+          weights: list[torch.Tensor] | None = None) -> SavedBytes | None:
     """Forward (under ``counter``'s hooks, counted once it returns), backward."""
     if counter is None:
         out, got = call.forward(), None
     else:
         with counter.hooks():
             out = call.forward()
-        got = counter.count(out)
+        got = counter.count(out, weights or [])
     out.backward(dy.view_as(out))
     for t in (call.x, *call.params):
         t.grad = None
