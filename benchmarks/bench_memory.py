@@ -31,8 +31,11 @@ arena), found by walking the output's graph.
           where views of big buffers are kept, above it where one tensor is saved twice.
   w-copy  the part of ``saved`` equal to a weight in another storage (a copy made per call,
           e.g. the shared experts' gate and up fused; no token term).
+  act     ``saved`` less the weight copies: the part that grows with tokens (``act B/tok``).
   minimal N*H (layer input) + N*k*(8 + 4) (int64 ids, fp32 weights) + N*k*2F (pre-activation)
-          bytes in the compute dtype (the shared experts' own pre-activation is not in it).
+          bytes in the compute dtype (the shared experts' own pre-activation is not in it);
+          ``/minimal`` and ``/grouped`` (over the grouped_mm peer's ``saved``) divide ``saved``,
+          ``act/min`` and ``act/grp`` divide ``act``.
 Bytes grow linearly with N (weight copies aside): ``--scaling-shape`` reruns one shape at 2N.
 On CUDA ``peak`` is ``max_memory_allocated`` minus what was allocated before, over the forward
 and backward of a second call (the first allocates a layer's persistent scratch); on a CPU
@@ -403,6 +406,7 @@ def row(name: str, spec: MoESpec, tokens: int, variant: str, path: str, got: Sav
     return r | {"saved_bytes": got.saved, "view_bytes": got.views, "weight_copy_bytes": got.weight_copies,
                 "held_bytes": got.held, "saves": got.saves, "dropped_saves": got.dropped,
                 "x_minimal": round(got.saved / r["minimal_bytes"], 3),
+                "x_minimal_activations": round((got.saved - got.weight_copies) / r["minimal_bytes"], 3),
                 "top": [t.to_json() for t in got.tensors[:12]]}
 
 
@@ -411,13 +415,21 @@ def _dtype(d: torch.dtype) -> str:
 
 
 def with_peer_ratio(rows: list[dict]) -> list[dict]:
-    """Each row with ``x_grouped_mm``: its bytes over the grouped_mm peer's of its case."""
-    peer = {(r["shape"], r["tokens"], r["dtype"]): r["saved_bytes"] for r in rows
+    """Each row with ``x_grouped_mm``: its bytes over the grouped_mm peer's of its case, and
+    ``x_grouped_mm_activations``: the same without weight copies."""
+    peer = {(r["shape"], r["tokens"], r["dtype"]): r for r in rows
             if r["variant"] == "grouped_mm" and "saved_bytes" in r}
     for r in rows:
         ref = peer.get((r["shape"], r["tokens"], r["dtype"]))
-        r["x_grouped_mm"] = round(r["saved_bytes"] / ref, 3) if ref and "saved_bytes" in r else None
+        both = ref is not None and "saved_bytes" in r
+        r["x_grouped_mm"] = round(r["saved_bytes"] / ref["saved_bytes"], 3) if both else None
+        r["x_grouped_mm_activations"] = round(_acts(r) / _acts(ref), 3) if both else None
     return rows
+
+
+def _acts(r: dict) -> int:
+    """A row's saved bytes less its weight copies: the part that grows with tokens."""
+    return r["saved_bytes"] - r["weight_copy_bytes"]
 
 
 # ---------------------------------------------------------------------------- one shape
@@ -543,8 +555,8 @@ def _runtime_rank(rank: int, world: int, spec: MoESpec, tokens: int) -> tuple[Sa
     with Session(RuntimeConfig(deadline_s=600.0)) as session:
         layer = MoE(spec, w, ep_group=session, schedule=SchedulePolicy.HYPERPARALLEL)
         del w
-        call = hpmoe_call(layer, x[mine], routing)
-        got, _ = measure(call, dy[mine], weight_refs(layer.expert_weights()))
+        call = hpmoe_call(layer, x[mine].clone(), routing)  # its own storage, as a rank's input has
+        got, _ = measure(call, dy[mine].clone(), weight_refs(layer.expert_weights()))
         layer.close()
     return got, call.path()
 
@@ -555,22 +567,24 @@ def _runtime_rank(rank: int, world: int, spec: MoESpec, tokens: int) -> tuple[Sa
 def table(rows: list[dict]) -> str:
     """The rows, one a line; the CUDA peak column only where a row has one."""
     cuda = any(r["cuda_peak_bytes"] is not None for r in rows)
-    head = (f"{'shape':14} {'E':>4} {'N':>4} {'dtype':5} {'variant':18} {'path':27} {'saved MiB':>9} "
-            f"{'views MiB':>9} {'w-copy':>7} {'B/token':>8} {'/minimal':>8} {'/grouped':>8}")
+    head = (f"{'shape':13} {'E':>3} {'N':>4} {'dtype':5} {'variant':17} {'path':26} {'saved MiB':>9} "
+            f"{'views MiB':>9} {'w-copy':>7} {'act B/tok':>9} {'/minimal':>8} {'act/min':>7} "
+            f"{'/grouped':>8} {'act/grp':>7}")
     return "\n".join([head + (f" {'peak MiB':>8}" if cuda else ""), *(_line(r, cuda) for r in rows)])
 
 
 def _line(r: dict, cuda: bool) -> str:
-    lead = (f"{r['shape']:14} {r['experts']:4} {r['tokens']:4} {r['dtype']:5} {r['variant']:18} "
-            f"{r['path'][:27]:27}")
+    lead = (f"{r['shape']:13} {r['experts']:3} {r['tokens']:4} {r['dtype']:5} {r['variant']:17} "
+            f"{r['path'][:26]:26}")
     if "saved_bytes" not in r:
         return f"{lead} skipped: {r['skipped']}"
     mib = 2**20
     peak = f" {r['cuda_peak_bytes'] / mib:8.1f}" if r["cuda_peak_bytes"] is not None else f" {'-':>8}"
-    grouped = f"{r['x_grouped_mm']:8.2f}" if r["x_grouped_mm"] is not None else f"{'-':>8}"
+    grouped = (f"{r['x_grouped_mm']:8.2f} {r['x_grouped_mm_activations']:7.2f}"
+               if r["x_grouped_mm"] is not None else f"{'-':>8} {'-':>7}")
     return (f"{lead} {r['saved_bytes'] / mib:9.3f} {r['view_bytes'] / mib:9.3f} "
-            f"{r['weight_copy_bytes'] / mib:7.3f} {r['saved_bytes'] // r['tokens']:8d} "
-            f"{r['x_minimal']:8.2f} {grouped}{peak if cuda else ''}")
+            f"{r['weight_copy_bytes'] / mib:7.3f} {_acts(r) // r['tokens']:9d} "
+            f"{r['x_minimal']:8.2f} {r['x_minimal_activations']:7.2f} {grouped}{peak if cuda else ''}")
 
 
 def minimal_lines(specs: dict[str, MoESpec], tokens: int) -> str:
