@@ -1,5 +1,6 @@
 """hpmoe.MoE: the autograd layer against autograd through the gate and refs.dense_moe,
-single process (virtual EP) and on gloo ranks of an EP group."""
+single process (virtual EP) and on gloo ranks of an EP group.  Every test that names a
+path, an EP degree or tiles pins the path and asserts (``helpers.ran``) that it ran."""
 
 import dataclasses
 import os
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpmoe import refs
-from hpmoe.engine import ExactPath, RegionState
+from hpmoe.engine import ExactPath, KernelByKernelPath, RegionState, RuntimePath
 from hpmoe.machine import machine
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import Routing, route
@@ -24,7 +25,7 @@ from hpmoe.spec import Activation, DispatchMode, GateKind, MoESpec, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
-from .helpers import GPT_OSS_FORM, TINY_TILES
+from .helpers import GPT_OSS_FORM, TINY_TILES, pin, ran
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -65,50 +66,86 @@ def _assert_close_runs(a, b, dtype):
         torch.testing.assert_close(a[2][name], b[2][name], **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
 
 
+# the taskflow of 1, 2 and 4 virtual ranks and kernel by kernel (which has no virtual ranks)
+PATH_EPS = [(Path.TASKFLOW, 1), (Path.TASKFLOW, 2), (Path.TASKFLOW, 4), (Path.KERNEL_BY_KERNEL, 1)]
+PATH_EP_IDS = [f"{p.value}-ep{ep}" for p, ep in PATH_EPS]
+ONE_PROCESS = [Path.TASKFLOW, Path.KERNEL_BY_KERNEL]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("path,ep", PATH_EPS, ids=PATH_EP_IDS)
 @pytest.mark.parametrize("spec", [preset("tiny"), SOFTMAX], ids=["sigmoid-shared", "softmax"])
-def test_gradients_match_autograd_through_gate_and_dense_reference(spec, ep, dtype):
-    spec = spec.with_dtype(dtype)
-    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=ep, tiles=TINY_TILES)
+def test_gradients_match_autograd_through_gate_and_dense_reference(spec, path, ep, dtype):
+    spec, pinned = spec.with_dtype(dtype), pin(path, ep)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
     x, dy = _data(spec, 16)
     got = _run(layer, x, dy)
+    ran(layer, pinned.kind, tokens=16, **pinned.fields)
     layer.zero_grad()
     _assert_close_runs(got, _reference(layer, x, dy), dtype)
     assert sorted(got[2]) == sorted(NAMES if spec.shared_experts else NAMES[:3])
     assert all(g.abs().sum() > 0 for g in got[2].values())
 
 
-@pytest.mark.parametrize("activation", list(Activation))
-def test_every_activation_matches_autograd_and_differs_from_silu(activation):
-    spec = MoESpec(**{**vars(preset("tiny")), "activation": activation})
-    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES, recompute=True)
+@pytest.mark.parametrize("spec", [preset("tiny"), SOFTMAX], ids=["sigmoid-shared", "softmax"])
+def test_the_persistent_kernel_matches_autograd(spec):
+    """``backend="triton"`` in the Triton interpreter on 2 virtual ranks: 16 tokens, every
+    expert's block partial (fp32 only: the interpreter takes seconds a call)."""
+    pytest.importorskip("triton")
+    pinned = pin(Path.PERSISTENT, 2)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
     x, dy = _data(spec, 16)
     got = _run(layer, x, dy)
+    ran(layer, pinned.kind, tokens=16, **pinned.fields)
+    layer.zero_grad()
+    _assert_close_runs(got, _reference(layer, x, dy), torch.float32)
+    assert all(g.abs().sum() > 0 for g in got[2].values())
+
+
+@pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])
+@pytest.mark.parametrize("activation", list(Activation))
+def test_every_activation_matches_autograd_and_differs_from_silu(activation, path):
+    spec, pinned = MoESpec(**{**vars(preset("tiny")), "activation": activation}), pin(path, 2)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), recompute=True, **pinned.options)
+    x, dy = _data(spec, 16)
+    got = _run(layer, x, dy)
+    ran(layer, pinned.kind, recompute=True, **pinned.fields)
     layer.zero_grad()
     _assert_close_runs(got, _reference(layer, x, dy), torch.float32)
     if activation is not Activation.SILU:  # a kernel that ignored the activation would fail here
-        silu = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), virtual_ep=2, tiles=TINY_TILES)
+        silu = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), **pinned.options)
         assert (silu(x) - got[0]).abs().max() > 1e-3
+        ran(silu, pinned.kind, **pinned.fields)
 
 
-def test_fp16_accumulates_in_fp32():
-    spec = SOFTMAX.with_dtype(torch.float16)
-    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES)
+@pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])
+def test_fp16_accumulates_in_fp32(path):
+    spec, pinned = SOFTMAX.with_dtype(torch.float16), pin(path, 2)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
     x, dy = _data(spec, 16)
     got = _run(layer, x, dy)
+    ran(layer, pinned.kind, **pinned.fields)
     layer.zero_grad()
     _assert_close_runs(got, _reference(layer, x, dy), torch.float16)
     assert got[0].dtype == torch.float16
 
 
-@pytest.mark.parametrize("tokens", [0, 1, 7])
-@pytest.mark.parametrize("ep", [2, 4])
-def test_any_token_count_at_any_virtual_ep(tokens, ep):
-    spec = preset("tiny")
-    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=ep, tiles=TINY_TILES)
+# kernel by kernel runs one rank (only 0 tokens pad, to 1); the persistent kernel at 7
+# tokens only (a partial block, a padding token; the interpreter takes seconds a call)
+TOKEN_CASES = [(p, ep, t) for p, ep in [(Path.TASKFLOW, 2), (Path.TASKFLOW, 4), (Path.KERNEL_BY_KERNEL, 1)]
+               for t in (0, 1, 7)] + [(Path.PERSISTENT, 2, 7)]
+TOKEN_IDS = [f"{p.value}-ep{e}-{t}" for p, e, t in TOKEN_CASES]
+
+
+@pytest.mark.parametrize("path,ep,tokens", TOKEN_CASES, ids=TOKEN_IDS)
+def test_any_token_count_at_any_virtual_ep(path, ep, tokens):
+    if path is Path.PERSISTENT:
+        pytest.importorskip("triton")
+    spec, pinned = preset("tiny"), pin(path, ep)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
     x, dy = _rows(spec, tokens)
     got = _run(layer, x, dy)
+    ran(layer, pinned.kind, tokens=max(-(-tokens // ep), 1) * ep, **pinned.fields)  # padded to ep ranks
     layer.zero_grad()
     out, dx, grads = _reference(layer, x, dy)
     zero = {n: torch.zeros_like(p) for n, p in layer.named_parameters()}  # autograd: None for no rows
@@ -130,7 +167,10 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(dtype):
     x, dy = _data(spec, 24, seed=3)
     base = _run(MoE(spec, w, virtual_ep=2, tiles=TINY_TILES, schedule=None), x, dy)
     for options in [dict(recompute=True, schedule=None), dict(schedule=7), dict(schedule=8, recompute=True)]:
-        got = _run(MoE(spec, w, virtual_ep=2, tiles=TINY_TILES, **options), x, dy)
+        layer = MoE(spec, w, virtual_ep=2, tiles=TINY_TILES, **options)
+        got = _run(layer, x, dy)
+        ran(layer, ExactPath, ep=2, tiles=TINY_TILES, order=options["schedule"],
+            **{k: options[k] for k in ("recompute",) if k in options})  # as asked
         assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), options
         assert all(torch.equal(got[2][n], base[2][n]) for n in base[2]), options
 
@@ -138,8 +178,10 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(dtype):
 def test_recompute_saves_the_swiglu_activations_memory():
     spec = preset("tiny")
     x, _ = _data(spec, 16)
-    kept, lean = (_saved_bytes(MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES, schedule=None)(x))
-                  for r in (False, True))
+    layers = [MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES, schedule=None) for r in (False, True)]
+    kept, lean = (_saved_bytes(layer(x)) for layer in layers)
+    for layer, recompute in zip(layers, (False, True), strict=True):
+        ran(layer, ExactPath, ep=2, tiles=TINY_TILES, recompute=recompute)
     rows = 16 * spec.top_k  # every routed row is held by exactly one rank
     assert kept - lean == (rows * spec.ffn + 16 * spec.shared_ffn) * 4
 
@@ -161,9 +203,10 @@ def test_the_taskflow_state_keeps_no_tensor_outside_save_for_backward():
     assert back.weights.w13 is w.w13
 
 
-def test_parameters_are_trained_through_an_optimizer():
-    spec = preset("tiny")
-    layer = MoE(spec, virtual_ep=2, tiles=TINY_TILES)
+@pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])
+def test_parameters_are_trained_through_an_optimizer(path):
+    spec, pinned = preset("tiny"), pin(path, 2)
+    layer = MoE(spec, **pinned.options)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x, target = _data(spec, 16, seed=4)
     losses = []
@@ -173,6 +216,7 @@ def test_parameters_are_trained_through_an_optimizer():
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    ran(layer, pinned.kind, **pinned.fields)
     assert losses[-1] < losses[0]
 
 
@@ -214,6 +258,8 @@ def _rank_step(rank, world, groups, tokens, options):
     me = group.index(rank)
     shares = (t.reshape(len(group), -1, spec.hidden)[me] for t in (x, dy))
     result = _run(layer, *shares)
+    ran(layer, RuntimePath, tokens=tokens, policy=options["schedule"], tiles=TINY_TILES,
+        **{k: options[k] for k in ("recompute",) if k in options})  # as asked
     layer.close()
     return result
 
@@ -237,6 +283,7 @@ def test_distributed_ranks_on_the_runtime_equal_virtual_ranks(run):
                       schedule=None)
         x, dy = _data(spec, 6 * len(group))
         want = _run(virtual, x.reshape(len(group), -1, spec.hidden), dy.reshape(len(group), -1, spec.hidden))
+        ran(virtual, ExactPath, ep=len(group), tiles=TINY_TILES)
         assert torch.equal(torch.stack([results[r][0] for r in group]), want[0])
         assert torch.equal(torch.stack([results[r][1] for r in group]), want[1])
         for name, grad in want[2].items():
@@ -257,11 +304,14 @@ def _share(rank, counts, spec):
     return tuple(t[sum(counts[:rank]):sum(counts[:rank + 1])] for t in _rows(spec, sum(counts)))
 
 
-def _assert_ranks_equal_one_process(got, counts, **options):
+def _assert_ranks_equal_one_process(got, counts, path):
     """Two ranks' steps (``_run``'s results, in rank order) against one process's step of
-    the same layer on every token: outputs and dx joined, parameter gradients summed."""
-    spec = preset("tiny")
-    want = _run(MoE(spec, ExpertWeights.random(spec, 1), **options), *_rows(spec, sum(counts)))
+    the same layer on every token, pinned to ``path``: outputs and dx joined, parameter
+    gradients summed."""
+    spec, pinned = preset("tiny"), pin(path)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
+    want = _run(layer, *_rows(spec, sum(counts)))
+    ran(layer, pinned.kind, **pinned.fields)
     torch.testing.assert_close(torch.cat([g[0] for g in got]), want[0], **TOL[torch.float32])
     torch.testing.assert_close(torch.cat([g[1] for g in got]), want[1], **TOL[torch.float32])
     for name, grad in want[2].items():
@@ -270,16 +320,20 @@ def _assert_ranks_equal_one_process(got, counts, **options):
 
 def _uneven_step(rank, world, counts):
     spec = preset("tiny")
-    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, tiles=TINY_TILES)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, tiles=TINY_TILES,
+                schedule=SchedulePolicy.HYPERPARALLEL)
     result = _run(layer, *_share(rank, counts, spec))
+    # every rank padded to the most tokens any holds
+    ran(layer, RuntimePath, tokens=max(counts), policy=SchedulePolicy.HYPERPARALLEL, tiles=TINY_TILES)
     layer.close()
     return result
 
 
 @pytest.mark.parametrize("counts", [(3, 4), (0, 5)])
 def test_distributed_ranks_may_hold_any_token_count(counts):
+    """The runtime taskflow on 2 ranks holding uneven token counts (one rank none)."""
     results = spawn_gloo(_uneven_step, 2, counts, timeout=120)
-    _assert_ranks_equal_one_process(results, counts, tiles=TINY_TILES)
+    _assert_ranks_equal_one_process(results, counts, Path.TASKFLOW)
 
 
 def _kbk_step(rank, world, counts, placed):
@@ -301,6 +355,7 @@ def _kbk_step(rank, world, counts, placed):
     finally:
         Collectives._wait = wait
     result = _run(layer, x, dy)
+    ran(layer, KernelByKernelPath, tokens=max(counts))
     layer.close()
     return result, names
 
@@ -316,7 +371,7 @@ def test_the_agreement_carries_kernel_by_kernels_counts(placed):
     for _, names in results:
         assert names[0].endswith("agreement") and len(names) == 3 + placed, names
         assert ("kernel by kernel: count exchange" in names) == placed, names
-    _assert_ranks_equal_one_process([r for r, _ in results], counts, backend="kernel_by_kernel")
+    _assert_ranks_equal_one_process([r for r, _ in results], counts, Path.KERNEL_BY_KERNEL)
 
 
 # ---------------------------------------------------------------------------- AUTO
@@ -332,6 +387,7 @@ def test_auto_runs_kernel_by_kernel_without_a_profile_and_caches_per_shape(monke
         layer(x)
     d = layer.decision(16)
     assert d.reason is Reason.NO_MODEL and d.chosen.path is Path.KERNEL_BY_KERNEL
+    ran(layer, KernelByKernelPath, tokens=16)
     assert len(layer._door.auto.decisions) == 2  # forward+backward and forward-only shapes
 
 
@@ -344,6 +400,7 @@ def test_auto_forecasts_on_a_given_model_and_runs_its_choice():
     d = layer.decision(16)
     assert {f.candidate.path for f in d.forecasts} == {Path.TASKFLOW, Path.KERNEL_BY_KERNEL}
     assert d.chosen == KERNEL_BY_KERNEL  # one thread: tiles cannot overlap, kernels are fewer
+    ran(layer, KernelByKernelPath)
     _assert_close_runs(got, _reference(layer, x, dy), spec.dtype)
 
 
@@ -367,13 +424,18 @@ def _auto_ranks(rank, world, steps):
     layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD)
     x, dy = _data(spec, 12)
     shares = [t.reshape(world, -1, spec.hidden)[rank] for t in (x, dy)]
-    results = []
+    results, kinds = [], set()
     for _ in range(steps):
         layer.zero_grad()
         results.append(_run(layer, *shares))
+        kinds.add(type(layer.last_call.path).__name__)
     tuned = layer.tuned(6, backward=True)
+    if tuned.winner.path is Path.KERNEL_BY_KERNEL:  # the last step: the winner, no trial
+        ran(layer, KernelByKernelPath, trial=False)
+    else:
+        ran(layer, RuntimePath, trial=False, policy=tuned.winner.policy)
     layer.close()
-    return results, tuned
+    return results, tuned, kinds
 
 
 def test_auto_on_an_ep_group_tunes_and_every_step_matches_one_process():
@@ -393,6 +455,7 @@ def test_auto_on_an_ep_group_tunes_and_every_step_matches_one_process():
             torch.testing.assert_close(sum(g[2][name] for g in got), grad, msg=name)
     tuned = [r[1] for r in results]
     assert tuned[0] is not None and tuned[0] == tuned[1]
+    assert results[0][2] == {"KernelByKernelPath", "RuntimePath"}  # both paths were tried
     assert 0 < tuned[0].steps <= Budget().max_steps and tuned[0].source == "measured"
 
 
@@ -409,28 +472,31 @@ def test_auto_runs_the_taskflow_when_it_is_forecast_to_pay(monkeypatch):
     assert layer.decision(16) is decision
     fixed = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, tiles=TINY_TILES, schedule=None)
     got, want = _run(layer, x, dy), _run(fixed, x, dy)
+    for m in (layer, fixed):  # AUTO's taskflow runs in task-id order
+        ran(m, ExactPath, ep=2, tiles=TINY_TILES, order=None)
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
 
 # ---------------------------------------------------------------------------- expert forms
 
-FORM_RUNS = {
-    "kernel-by-kernel": dict(),  # AUTO in one process without a model: kernel by kernel
-    "taskflow": dict(schedule=None),
-    "taskflow-per-rank": dict(schedule=None,
-                              tiles=dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)),
-    "taskflow-recompute": dict(schedule=None, recompute=True),
+PER_RANK = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
+FORM_RUNS = {  # options, and the path they run (its fields)
+    "kernel-by-kernel": (dict(backend="kernel_by_kernel"), KernelByKernelPath, {}),
+    "taskflow": (dict(schedule=None), ExactPath, dict(ep=2, tiles=TINY_TILES)),
+    "taskflow-per-rank": (dict(schedule=None, tiles=PER_RANK), ExactPath, dict(ep=2, tiles=PER_RANK)),
+    "taskflow-recompute": (dict(schedule=None, recompute=True), ExactPath,
+                           dict(ep=2, tiles=TINY_TILES, recompute=True)),
 }
 
 
 @pytest.mark.parametrize("run", list(FORM_RUNS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_expert_biases_and_the_clamped_glu_match_autograd_on_every_path(run, dtype):
-    spec = GPT_OSS_FORM.with_dtype(dtype)
-    options = {"tiles": TINY_TILES, **FORM_RUNS[run]}
-    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, **options)
+    spec, (options, kind, fields) = GPT_OSS_FORM.with_dtype(dtype), FORM_RUNS[run]
+    layer = MoE(spec, ExpertWeights.random(spec, 1), virtual_ep=2, **{"tiles": TINY_TILES, **options})
     x, dy = _data(spec, 16)
     got = _run(layer, x, dy)
+    ran(layer, kind, **fields)
     layer.zero_grad()
     _assert_close_runs(got, _reference(layer, x, dy), dtype)
     assert {"experts.gate_up_proj_bias", "experts.down_proj_bias"} <= set(got[2])
@@ -438,8 +504,9 @@ def test_expert_biases_and_the_clamped_glu_match_autograd_on_every_path(run, dty
 
 
 def _form_steps(rank, world, runs, cache):
-    """One step per run on the group; the last run is AUTO with a tuning cache naming
-    kernel by kernel the winner (so AUTO runs it without tuning)."""
+    """One step per run (options, the path class and fields it runs) on the group; the
+    last run is AUTO with a tuning cache naming kernel by kernel the winner (so AUTO runs
+    it without tuning)."""
     spec, out = GPT_OSS_FORM, []
     os.environ[CACHE_ENV] = cache
     if rank == 0:
@@ -447,12 +514,13 @@ def _form_steps(rank, world, runs, cache):
         pinned = TuneResult(KERNEL_BY_KERNEL_KNOBS, 1.0, None, None, None, 0, 0.0)
         TuneCache().store(key, machine().versions(), pinned)
     dist.barrier()
-    for options in runs:
+    for options, kind, fields in runs:
         options = {"tiles": TINY_TILES, **options}
         layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, **options)
         x, dy = _data(spec, 12)
         mine = slice(rank * 3, (rank + 1) * 3)
         out.append(_run(layer, x[:, mine], dy[:, mine]))
+        ran(layer, kind, **fields)
         if "schedule" not in options:
             out[-1] = (*out[-1], layer.tuned(6, backward=True).source)
         layer.close()
@@ -461,16 +529,17 @@ def _form_steps(rank, world, runs, cache):
 
 def test_expert_forms_on_two_ranks_equal_one_process(tmp_path):
     """The runtime's per-expert and per-rank taskflows, and kernel by kernel (AUTO)."""
-    runs = [dict(schedule=SchedulePolicy.HYPERPARALLEL),
-            dict(schedule=SchedulePolicy.HYPERPARALLEL,
-                 tiles=dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)),
-            dict()]
+    hyper = SchedulePolicy.HYPERPARALLEL
+    runs = [(dict(schedule=hyper), RuntimePath, dict(policy=hyper, tiles=TINY_TILES)),
+            (dict(schedule=hyper, tiles=PER_RANK), RuntimePath, dict(policy=hyper, tiles=PER_RANK)),
+            (dict(), KernelByKernelPath, {})]
     results = spawn_gloo(_form_steps, 2, runs, str(tmp_path / "tune.json"), timeout=180)
     assert results[0][-1][3] == "cache"  # AUTO ran the pinned kernel by kernel, untuned
     spec = GPT_OSS_FORM
-    whole = MoE(spec, ExpertWeights.random(spec, 1), tiles=TINY_TILES)
+    whole = MoE(spec, ExpertWeights.random(spec, 1), tiles=TINY_TILES, schedule=None)
     x, dy = _data(spec, 12)
     want = _run(whole, x, dy)
+    ran(whole, ExactPath, ep=1, tiles=TINY_TILES)
     for i in range(len(runs)):
         got = [results[r][i] for r in (0, 1)]
         torch.testing.assert_close(torch.cat([g[0] for g in got], 1), want[0], **TOL[torch.float32])
@@ -488,6 +557,7 @@ def test_region_on_a_routing_made_elsewhere_is_the_forward_on_that_routing() -> 
     x = torch.randn(24, spec.hidden, generator=torch.Generator().manual_seed(5))
     r = route(x, w)
     torch.testing.assert_close(layer.region(x, r.ids, r.weights), layer(x), atol=0, rtol=0)
+    ran(layer, ExactPath, ep=2, tokens=24)
     ids = torch.arange(24 * spec.top_k).reshape(24, spec.top_k) % spec.experts  # not the router's
     weights = torch.rand(24, spec.top_k, generator=torch.Generator().manual_seed(6))
     want = refs.dense_moe(x, w, Routing(ids, weights))
