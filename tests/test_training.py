@@ -1,6 +1,7 @@
 """Training with hpmoe blocks: DDP and FSDP2 on 2 gloo ranks (with and without an EP
-group, uneven token counts, one rank at 0 tokens) give the single-process full-batch
-gradients; non-reentrant checkpointing frees the region's activations."""
+group, uneven token counts, one rank at 0 tokens; each case pinned to a path that it
+asserts ran) give the single-process full-batch gradients; non-reentrant checkpointing
+frees the region's activations."""
 
 import dataclasses
 import gc
@@ -13,10 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpmoe.engine import ExactPath, KernelByKernelPath, RuntimePath
 from hpmoe.nn.conformance import CHECK_TILES
 from hpmoe.nn.families import FAMILIES
 from hpmoe.nn.replace import replace_moe_blocks
+from hpmoe.schedule import SchedulePolicy
+from hpmoe.schedule.auto import Path as Run
 from hpmoe.testing import spawn_gloo
+
+from .helpers import ran
 
 pytest.importorskip("transformers")
 DEEPSEEK_V3 = next(f for f in FAMILIES if f.name == "deepseek_v3")
@@ -51,10 +57,24 @@ def _grads(net: nn.Module, x: torch.Tensor, target: torch.Tensor, scale: float) 
     return full
 
 
-def _rank(rank, world, counts, wrap, ep, bf16, hpmoe=True):
+def _pinned(path: Run, ep: bool) -> tuple[dict, type, dict]:
+    """replace_moe_blocks' options that pin ``path`` (the taskflow: in one process the
+    exact executors, on the EP group the runtime under HYPERPARALLEL), the path class a
+    call then runs and its fields."""
+    group = dict(ep_group=dist.group.WORLD) if ep else {}
+    if path is Run.KERNEL_BY_KERNEL:
+        return dict(backend="kernel_by_kernel", **group), KernelByKernelPath, {}
+    if ep:
+        hyper = SchedulePolicy.HYPERPARALLEL
+        return dict(schedule=hyper, **group), RuntimePath, dict(policy=hyper, tiles=CHECK_TILES)
+    return dict(schedule=None), ExactPath, dict(ep=1, tiles=CHECK_TILES)
+
+
+def _rank(rank, world, counts, wrap, ep, bf16, path, hpmoe=True):
     net = _net()
+    options, kind, fields = _pinned(path, ep)
     if hpmoe:
-        replace_moe_blocks(net, tiles=CHECK_TILES, **(dict(ep_group=dist.group.WORLD) if ep else {}))
+        replace_moe_blocks(net, tiles=CHECK_TILES, **options)
     if wrap == "ddp":
         net = nn.parallel.DistributedDataParallel(net)
     else:
@@ -68,19 +88,25 @@ def _rank(rank, world, counts, wrap, ep, bf16, hpmoe=True):
     mine = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
     grads = _grads(net, x[mine], target[mine], world / sum(counts))  # DDP/FSDP average over ranks
     dist.barrier()
+    if hpmoe:
+        ran(net, kind, **fields)
     if bf16 and hpmoe:  # the reference: transformers' own block under the same mixed precision
-        return grads, _rank(rank, world, counts, wrap, ep, bf16, hpmoe=False)
+        return grads, _rank(rank, world, counts, wrap, ep, bf16, path, hpmoe=False)
     return grads
 
 
-CASES = {"ddp-3-4": ("ddp", (3, 4), False, False), "ddp-ep-0-5": ("ddp", (0, 5), True, False),
-         "fsdp2-0-5": ("fsdp", (0, 5), False, False), "fsdp2-ep-3-4": ("fsdp", (3, 4), True, False),
-         "fsdp2-ep-bf16-mixed-5-2": ("fsdp", (5, 2), True, True)}
+TASKFLOW, KBK = Run.TASKFLOW, Run.KERNEL_BY_KERNEL  # with an EP group, the taskflow is the runtime's
+CASES = {"ddp-3-4-taskflow": ("ddp", (3, 4), False, False, TASKFLOW),
+         "ddp-ep-0-5-runtime": ("ddp", (0, 5), True, False, TASKFLOW),
+         "fsdp2-0-5-kernel-by-kernel": ("fsdp", (0, 5), False, False, KBK),
+         "fsdp2-ep-3-4-kernel-by-kernel": ("fsdp", (3, 4), True, False, KBK),
+         "fsdp2-ep-bf16-mixed-5-2-runtime": ("fsdp", (5, 2), True, True, TASKFLOW)}
 
 
 def _all_cases(rank, world):
     """Every case on the same two ranks (one process start for all of them)."""
-    return {name: _rank(rank, world, c, wrap, ep, bf16) for name, (wrap, c, ep, bf16) in CASES.items()}
+    return {name: _rank(rank, world, counts, wrap, ep, bf16, path)
+            for name, (wrap, counts, ep, bf16, path) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +117,7 @@ def wrapped_runs():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_data_parallel_wrappers_give_the_full_batch_gradients(case, wrapped_runs):
-    wrap, counts, ep, bf16 = CASES[case]
+    wrap, counts, ep, bf16, _ = CASES[case]
     got = wrapped_runs[case]
     x, target = _batch(sum(counts))
     want = _grads(_net(), x, target, 1 / sum(counts))
@@ -108,7 +134,7 @@ def test_data_parallel_wrappers_give_the_full_batch_gradients(case, wrapped_runs
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
 
 
-def _spy_taskflow(monkeypatch, packed: list) -> dict:
+def _spy_taskflow(monkeypatch, packed: list) -> tuple:
     from hpmoe.engine import RegionState
     from hpmoe.regions.backward_kernels import SavedActivations
 
@@ -121,10 +147,10 @@ def _spy_taskflow(monkeypatch, packed: list) -> dict:
         return pack(state)
 
     monkeypatch.setattr(RegionState, "pack", spy)
-    return dict(schedule=None)
+    return dict(schedule=None), ExactPath
 
 
-def _spy_kernel_by_kernel(monkeypatch, packed: list) -> dict:
+def _spy_kernel_by_kernel(monkeypatch, packed: list) -> tuple:
     from hpmoe.exec.kernel_by_kernel import KernelByKernelState
 
     pack = KernelByKernelState.pack
@@ -135,7 +161,7 @@ def _spy_kernel_by_kernel(monkeypatch, packed: list) -> dict:
         return pack(state)
 
     monkeypatch.setattr(KernelByKernelState, "pack", spy)
-    return {}  # AUTO without a profile: the kernel-by-kernel path
+    return dict(backend="kernel_by_kernel"), KernelByKernelPath
 
 
 @pytest.mark.parametrize("spy", [_spy_taskflow, _spy_kernel_by_kernel])
@@ -143,7 +169,7 @@ def test_non_reentrant_checkpointing_frees_the_region_activations(monkeypatch, s
     from torch.utils.checkpoint import checkpoint
 
     packed = []  # weak references to every saved activation but the input x
-    options = spy(monkeypatch, packed)
+    options, kind = spy(monkeypatch, packed)
     net = _net()
     replace_moe_blocks(net, tiles=CHECK_TILES, **options)
     x = torch.randn(1, 64, H, requires_grad=True)
@@ -154,6 +180,7 @@ def test_non_reentrant_checkpointing_frees_the_region_activations(monkeypatch, s
         gc.collect()
         alive[mode] = sum(t().nbytes for t in packed if t() is not None)
         out.sum().backward()
+        ran(net, kind, tokens=64)
     # every routed row once: the dispatched rows, h, a, the expert outputs; shared h, a
     rows = 64 * net[1].spec.top_k
     assert alive["plain"] == 4 * (rows * (H + 2 * 16 + 16 + H) + 64 * (2 * 16 + 16))
