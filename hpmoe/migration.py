@@ -7,7 +7,11 @@ slot ``s`` reads logical expert ``new.phy2log[s]``: from its own rank's old rows
 of them holds that expert (no traffic), else from the lowest rank that holds it (that
 rank's first such row).  Every tensor keyed by the rows moves with them, in place —
 the weights, their gradients, and any optimizer state shaped like them (Adam's
-moments) — one all-to-all per tensor over the session's deadline-bounded collectives.
+moments) — one all-to-all per tensor over the session's deadline-bounded collectives,
+all or none: each stage (``MoveStage``: the agreement, the all-to-all, the commit) is a
+collective, and a rank writes its new rows only after every rank passed the commit, so
+a peer lost in any stage ends the move with a ``MoveError`` naming it and every
+surviving rank holding the rows of its old placement, still the layer's.
 Its model (``Moves.seconds``): the busiest rank's row copies at memory bandwidth, plus
 ``latency`` per message and ``max(bytes a rank sends or receives) / bandwidth`` on the
 link.  The planner keeps experts where they are (``plan_placement(current=...)``).
@@ -22,12 +26,15 @@ on its own rank) takes no tokens, sums nothing and is never a move's source.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
+from .comm import Collectives
 from .placement import Placement
 from .sim.hardware import HardwareModel, LinkDirection
 from .spec import MoESpec
@@ -100,27 +107,85 @@ def row_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
-def move_rows(tensors: list[torch.Tensor], moves: Moves, rank: int, coll: Any) -> None:
-    """Give every tensor in ``tensors`` ([S, ...] this rank's stored rows each) its new
-    rows in place: rows kept at their index are not touched, rows kept at another index
-    are copied there, rows peers need leave in one all-to-all per tensor over ``coll``
-    (``runtime.collective.Collectives``) and arrive into their rows.  Collective: every
-    rank calls it with the same ``moves`` and as many tensors."""
+class MoveStage(Enum):
+    """The stages of a move, each one collective over the group: the agreement on what
+    moves, the all-to-all of the rows, the commit after it.  A rank writes its new rows
+    only once every rank has passed the commit."""
+
+    AGREEMENT = "the agreement before the all-to-all"
+    EXCHANGE = "the all-to-all of the rows"
+    COMMIT = "the commit after the all-to-all"
+
+
+class MoveError(RuntimeError):
+    """A move that stopped in ``stage`` (a peer died, or missed the deadline): no row of
+    this rank was written, so its rows are still those of the placement it had before
+    the move, which stays the layer's placement."""
+
+    def __init__(self, stage: MoveStage, cause: BaseException):
+        super().__init__(f"move failed in {stage.value} ({stage.name}): no row was written, this rank keeps "
+                         f"the rows of the placement it had before the move, which stays in effect; "
+                         f"cause: {cause}")
+        self.stage = stage
+
+
+def _staged(stage: MoveStage, call: Callable[[], Any]) -> Any:
+    """``call()``, any failure of it raised as a ``MoveError`` naming ``stage``."""
+    try:
+        return call()
+    except RuntimeError as err:  # a CollectiveError, or the transport's own
+        raise MoveError(stage, err) from err
+
+
+def exchange_rows(tensors: list[torch.Tensor], moves: Moves, rank: int,
+                  coll: Collectives) -> list[torch.Tensor | None]:
+    """The rows rank ``rank`` receives for each tensor in ``tensors`` ([S, ...] its stored
+    rows each), in the order of its new rows that come from peers (``MoveStage.EXCHANGE``:
+    one all-to-all per tensor over ``coll``, nothing written); None for each when no row
+    crosses ranks (the same on every rank)."""
     peers, mine = range(moves.ranks), moves.source[rank]
+    if not moves.rows().any():
+        return [None] * len(tensors)
     send = torch.tensor([row for r in peers for row in moves.sent(rank, r)], dtype=torch.int64,
                         device=tensors[0].device)
     recv_counts = [len(moves.sent(q, rank)) for q in peers]
     send_counts = [len(moves.sent(rank, r)) for r in peers]
-    fetched = sorted((j for j, (q, _) in enumerate(mine) if q != rank), key=lambda j: mine[j][0])  # received
-    shifted = [j for j, (q, row) in enumerate(mine) if q == rank and row != j]
-    crossing = bool(moves.rows().any())  # the same on every rank: all exchange, or none
+    fetched = sum(q != rank for q, _ in mine)
+    out = []
     for t in tensors:
+        got = t.new_empty((fetched, *t.shape[1:]))
+        _staged(MoveStage.EXCHANGE, lambda t=t, got=got: coll.all_to_all(
+            got, t.index_select(0, send), recv_counts, send_counts, f"move: {MoveStage.EXCHANGE.value}"))
+        out.append(got)
+    return out
+
+
+def write_rows(tensors: list[torch.Tensor], received: list[torch.Tensor | None], moves: Moves,
+               rank: int) -> None:
+    """Give every tensor its new rows in place (local, after the commit): rows kept at
+    their index are not touched, rows kept at another index are copied there, rows from
+    peers (``received``, ``exchange_rows``) land in theirs."""
+    mine = moves.source[rank]
+    fetched = sorted((j for j, (q, _) in enumerate(mine) if q != rank), key=lambda j: mine[j][0])
+    shifted = [j for j, (q, row) in enumerate(mine) if q == rank and row != j]
+    for t, got in zip(tensors, received, strict=True):
         local = t[[mine[j][1] for j in shifted]]  # copied before any row is overwritten
-        if crossing:
-            got = t.new_empty((len(fetched), *t.shape[1:]))
-            coll.all_to_all(got, t.index_select(0, send), recv_counts, send_counts, "migrate: expert rows")
+        if got is not None:
             t[fetched] = got
         t[shifted] = local
+
+
+def move_rows(tensors: list[torch.Tensor], moves: Moves, rank: int, coll: Collectives) -> None:
+    """Give every tensor in ``tensors`` ([S, ...] this rank's stored rows each) its new
+    rows in place, all or none: the rows peers need leave in one all-to-all per tensor
+    (``exchange_rows``), every rank passes the commit, then each writes (``write_rows``).
+    A peer lost before the commit ends the move with a ``MoveError`` naming the stage and
+    nothing written.  Collective: every rank calls it with the same ``moves`` and as many
+    tensors."""
+    received = exchange_rows(tensors, moves, rank, coll)
+    commit = torch.ones(1, dtype=torch.int64, device="cpu")
+    _staged(MoveStage.COMMIT, lambda: coll.all_gather(commit, f"move: {MoveStage.COMMIT.value}"))
+    write_rows(tensors, received, moves, rank)
 
 
 @dataclass(frozen=True)
@@ -155,7 +220,8 @@ def migrate(params: list[torch.nn.Parameter], moves: Moves, optimizer: torch.opt
     tensors = keyed_by_rows(params, optimizer)
     width = row_bytes(tensors)
     mine = torch.tensor([width, len(tensors)], dtype=torch.int64, device="cpu")  # the session's gloo
-    every = coll.all_gather(mine, "migrate: what moves").tolist()
+    agreed = _staged(MoveStage.AGREEMENT, lambda: coll.all_gather(mine, f"move: {MoveStage.AGREEMENT.value}"))
+    every = agreed.tolist()
     if any(other != every[0] for other in every):
         raise ValueError(f"migrate: ranks carry different state per row ((bytes, tensors) per rank {every}): "
                          "every rank needs the same gradients and optimizer state")

@@ -158,9 +158,10 @@ class Balance:
         if slots != self.physical().slots:
             raise ValueError(f"a layer with shard_experts stores {self.physical().slots} slots (experts plus "
                              f"redundant={o.redundant}): the placement has {slots}")
-        old, self._placement = self.physical(), new
-        return migrate(stored, Moves.between(old, self.physical()), optimizer, self._session().collectives,
-                       o.rank_hardware)
+        moves = Moves.between(self.physical(), new or Placement.identity(self.spec.experts, o.ranks, o.nodes))
+        moved = migrate(stored, moves, optimizer, self._session().collectives, o.rank_hardware)
+        self._placement = new  # a failed move (``MoveError``) keeps the old placement and its rows
+        return moved
 
     def rebalance(self, redundant: int, stored: list[torch.Tensor], min_gain: float = MIN_REBALANCE_GAIN,
                   optimizer: torch.optim.Optimizer | None = None, steps: int = 0) -> Placement | None:
