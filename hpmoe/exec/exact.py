@@ -12,6 +12,7 @@ under every valid order.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,9 +25,11 @@ from ..ir.verify import random_order
 from ..regions.base import Region
 from ..regions.dedup_kernels import DedupBuffers
 from ..regions.family import region_family
-from ..regions.kernels import ForwardBuffers
+from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
+from ..regions.slot_routing import SlotRouting, live_rows, resolve_slots
+from ..regions.slots import SlotPlan
 from ..routing import Routing, RoutingPlan, check_input, plan_routing
-from ..spec import ParallelSpec, TileSpec
+from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
 from .program import PeerView, rank_program, task_calls
 
@@ -38,11 +41,12 @@ Order = Sequence[int] | np.ndarray | int | None
 class ForwardResult:
     """out: [N, H] spec.dtype.  buffers: each rank's buffers after the run
     (``recv`` holds dispatched rows, ``comb`` the combined expert outputs).
-    plan: the routing plan the region ran; graph: its task graph."""
+    plan: the routing plan the region ran (None: a per-shape plan's, ``prepare_slot_forward``);
+    graph: its task graph."""
 
     out: torch.Tensor
     buffers: list[ForwardBuffers] | list[DedupBuffers]
-    plan: RoutingPlan
+    plan: RoutingPlan | None
     graph: TaskGraph
 
 
@@ -80,9 +84,9 @@ def run_graph(graph: TaskGraph, region: Region, buffers: Sequence[object], conte
 @dataclass(frozen=True)
 class PreparedForward:
     """A forward region lowered for ``ep`` virtual ranks, with every rank's buffers and
-    contexts, ready for ``run_graph``."""
+    contexts, ready for ``run_graph`` (plan None: a per-shape plan's region)."""
 
-    plan: RoutingPlan
+    plan: RoutingPlan | None
     region: Region
     graph: TaskGraph
     buffers: list
@@ -132,3 +136,47 @@ def prepare_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
     contexts = [family.forward_context(weights, layout, family.rank_routing(routing, plan, r), r)
                 for r in range(ep)]
     return PreparedForward(plan=plan, region=region, graph=graph, buffers=buffers, contexts=contexts)
+
+
+def prepare_slot_forward(plan: SlotPlan, x: torch.Tensor, weights: ExpertWeights, routing: Routing,
+                         checked: bool = False) -> PreparedForward:
+    """The forward region of the per-shape ``plan`` for this call's ``routing``: the
+    plan's graph, its slot tasks resolved (``resolved_graph``), on one rank's buffers
+    of the slot layout.  x: [plan.shape.tokens, H] spec.dtype; checked: as in
+    ``prepare_forward``."""
+    spec, shape = weights.spec, plan.shape
+    if not checked:
+        check_input(x, routing, spec)
+    if spec != shape.moe or x.shape[0] != shape.tokens:
+        raise ValueError(f"the plan is for {shape.tokens} tokens of {shape.moe}, got {x.shape[0]} of {spec}")
+    slots = resolve_slots(routing.ids, routing.weights, shape)
+    mine = weights.local(slice(0, spec.experts))
+    ctx = RankContext(weights, mine.w13, mine.w2, slots.row_token, slots.pos, routing.weights, mine.b13,
+                      mine.b2)
+    return PreparedForward(plan=None, region=FORWARD, graph=resolved_graph(plan, slots),
+                           buffers=[slot_buffers(x, spec, shape.capacity)], contexts=[ctx])
+
+
+def resolved_graph(plan: SlotPlan, slots: SlotRouting) -> TaskGraph:
+    """``plan``'s graph with each slot task's rows cut to its live rows and its expert
+    the one its slot serves this call; waits, signals and thresholds unchanged."""
+    st, g = plan.slot_tasks, plan.graph
+    as_t = torch.from_numpy
+    m = live_rows(slots.slot_rows.cpu(), as_t(st.slot), as_t(st.offset), as_t(st.cap)).numpy()
+    row1, expert = g.row1.copy(), g.expert.copy()
+    row1[st.task] = g.row0[st.task] + m
+    expert[st.task] = slots.slot_expert.cpu().numpy()[st.slot]
+    return dataclasses.replace(g, row1=row1, expert=expert)
+
+
+def slot_buffers(x: torch.Tensor, spec: MoESpec, capacity: int) -> ForwardBuffers:
+    """One rank's forward buffers for ``x`` [T, H] whose permuted buffers hold the
+    ``capacity`` rows of a slot layout (uninitialised)."""
+    t, h, f, fs = x.shape[0], spec.hidden, spec.ffn, spec.shared_ffn
+
+    def new(rows: int, cols: int) -> torch.Tensor:
+        return torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+
+    return ForwardBuffers(x=x, send=new(capacity, h), recv=new(capacity, h), h=new(capacity, 2 * f),
+                          a=new(capacity, f), y=new(capacity, h), comb=new(capacity, h), out=new(t, h),
+                          sh=new(t, 2 * fs), sa=new(t, fs), so=new(t, h))

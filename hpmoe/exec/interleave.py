@@ -10,7 +10,9 @@ that moves this step (the head, if its wait is satisfied), so a task runs before
 producer whenever the waits allow it.  ``interleaved_forward`` runs a
 forward region in that order on buffers poisoned with NaN (a read of a row no task
 wrote yet shows in the output), optionally with one task's wait removed
-(``drop_wait``): the mutation a test must catch."""
+(``drop_wait``): the mutation a test must catch.  ``interleaved_slot_forward`` does the
+same for a per-shape plan (``regions.slots``): one schedule, made once, under every
+routing resolved onto it."""
 
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ import torch
 from ..ir.analysis import GraphError
 from ..ir.graph import TaskGraph
 from ..ir.schedule import Schedule, WorkerCounts
+from ..regions.slots import SlotPlan
 from ..routing import Routing
 from ..schedule import SchedulePolicy, schedule
 from ..sim.presets import hardware_preset
 from ..spec import TileSpec
 from ..weights import ExpertWeights
-from .exact import prepare_forward
+from .exact import PreparedForward, prepare_forward, prepare_slot_forward
 
 
 def device_order(sched: Schedule, graph: TaskGraph, rng: np.random.Generator) -> np.ndarray:
@@ -119,9 +122,28 @@ def interleaved_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routin
     """The forward output [N, H] of the region scheduled and interleaved as ``how`` says,
     every work buffer starting as NaN."""
     prepared = prepare_forward(x, weights, routing, ep, tiles)
+    return interleaved_run(prepared, interleaving_schedule(prepared.graph, how), how)
+
+
+def interleaved_slot_forward(plan: SlotPlan, sched: Schedule, x: torch.Tensor, weights: ExpertWeights,
+                             routing: Routing, how: Interleaving) -> torch.Tensor:
+    """The forward output [N, H] of the per-shape ``plan`` under its one schedule
+    ``sched`` (``interleaving_schedule(plan.graph, how)``, made once for every routing),
+    this call's ``routing`` resolved onto its slots, interleaved as ``how`` says on
+    NaN-poisoned buffers."""
+    return interleaved_run(prepare_slot_forward(plan, x, weights, routing), sched, how)
+
+
+def interleaving_schedule(graph: TaskGraph, how: Interleaving) -> Schedule:
+    """``graph`` scheduled under ``how``'s policy on its workers."""
     hw = dataclasses.replace(hardware_preset("h100"), matrix_workers=how.workers.matrix,
                              vector_workers=how.workers.vector)
-    sched = schedule(prepared.graph, how.policy, hw)
+    return schedule(graph, how.policy, hw)
+
+
+def interleaved_run(prepared: PreparedForward, sched: Schedule, how: Interleaving) -> torch.Tensor:
+    """Run ``prepared`` in a device order of ``sched`` drawn with ``how.seed`` (its
+    ``dropped`` task's wait removed), every floating work buffer but x NaN first."""
     graph = prepared.graph if how.dropped is None else drop_wait(prepared.graph, how.dropped)
     for buffers in prepared.buffers:
         for f in dataclasses.fields(buffers):

@@ -1,0 +1,307 @@
+"""The per-shape forward lowering: one task graph that serves every routing of a shape.
+
+A routing plan's graph (``forward.lower_forward``) has a task per row block of that
+routing's experts, and its waits count exactly the pieces that carry each token tile's
+rows: a new routing needs a new graph, schedule and packing.  This lowering sizes for
+the worst case instead, as the paper's graph and DeepGEMM's masked grouped layout do:
+the permuted rows are laid out in *slots* of ``G = tiles.gemm_rows`` rows, each
+expert's rows starting on a slot boundary, so ``slot_count`` slots (at most
+``E + N*k / G``) hold every routing of N tokens.  A task names a slot ("row chunk c of
+slot s", "column tile j of slot s"), not rows: which expert a slot serves and how many
+of its rows are live are resolved per call (``slot_routing.resolve_slots``); the part
+of a task beyond its slot's live rows does nothing, and a task with none still signals,
+so every threshold is static.
+
+Per slot s, in phase order (C = G / tiles.rows chunks a slot):
+  PERMUTE, DISPATCH  one per chunk: gather the chunk's token rows, put them in place;
+  GEMM_UP            one per column tile of 2F, after the slot's C dispatches;
+  SWIGLU             one per chunk, after the slot's GEMM_UP tiles;
+  GEMM_DOWN          one per column tile of H, after the slot's C SwiGLU chunks;
+  COMBINE            one per chunk, after the slot's GEMM_DOWN tiles.
+Shared-expert tiles run on the token rows as in ``forward``.  UNPERMUTE of a token tile
+waits on one event (``SlotEvent.OUT``) that every COMBINE and every shared output tile
+signals: which slots hold a token's rows depends on the routing, so the sum waits for
+all of them (the price of a static plan: the unpermute does not overlap the experts).
+Only EP = 1 (one device's region) is built here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir.events import EventLayout
+from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from ..spec import DispatchMode, MoESpec, TileSpec
+from .layout import ceil_div
+from .tiles import col_tiles, ntiles, row_chunks, task_block
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """What a per-shape plan depends on: the MoE shape (its dtype included), the tokens
+    of a call and the tiles.  ``tiles.gemm_rows`` (G) must be a positive multiple of
+    ``tiles.rows``; per-expert dispatch only; ``ep`` must be 1."""
+
+    moe: MoESpec
+    tokens: int
+    tiles: TileSpec
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ValueError(f"SlotShape.tokens must be a positive int, got {self.tokens!r}")
+        if self.ep != 1:
+            raise ValueError(f"SlotShape.ep={self.ep!r}: a per-shape plan is built for one rank (ep=1) only")
+        g, r = self.tiles.gemm_rows, self.tiles.rows
+        if g <= 0 or g % r:
+            raise ValueError(f"SlotShape.tiles: gemm_rows={g} must be a positive multiple of rows={r} "
+                             "(a slot is whole row chunks)")
+        if self.tiles.dispatch is not DispatchMode.PER_EXPERT:
+            raise ValueError(f"SlotShape.tiles.dispatch must be PER_EXPERT, got {self.tiles.dispatch}")
+
+    @property
+    def rows(self) -> int:
+        """Permuted rows of a call: tokens x top-k."""
+        return self.tokens * self.moe.top_k
+
+    @property
+    def slots(self) -> int:
+        return slot_count(self.rows, self.moe.experts, self.tiles.gemm_rows)
+
+    @property
+    def chunks(self) -> int:
+        """Row chunks of ``tiles.rows`` a slot holds."""
+        return self.tiles.gemm_rows // self.tiles.rows
+
+    @property
+    def capacity(self) -> int:
+        """Rows of the slot layout: slots x G."""
+        return self.slots * self.tiles.gemm_rows
+
+    @property
+    def token_tiles(self) -> int:
+        return int(ceil_div(self.tokens, self.tiles.rows))
+
+    @property
+    def shared_blocks(self) -> int:
+        return int(ceil_div(self.tokens, self.tiles.gemm_rows)) if self.moe.shared_experts else 0
+
+
+def slot_count(rows: int, experts: int, block: int) -> int:
+    """Slots of ``block`` rows that hold ``rows`` rows over ``experts`` experts in every
+    split: an expert with n > 0 rows takes ceil(n / block) <= (n + block - 1) / block
+    slots, at most min(experts, rows) experts have rows, so the sum is at most
+    floor((rows + (block - 1) * min(experts, rows)) / block) <= experts + rows / block,
+    and a split giving that many experts 1 + a multiple of ``block`` rows reaches it."""
+    return (rows + (block - 1) * min(experts, rows)) // block
+
+
+class SlotEvent(enum.IntEnum):
+    """Event categories of the per-shape forward, in local-id order: PERM one per
+    (slot, chunk); ROWS, H, A, Y one per slot; OUT one (every expert and shared output
+    is back); SH, SA one per shared block."""
+
+    PERM = 0
+    ROWS = 1
+    H = 2
+    A = 3
+    Y = 4
+    OUT = 5
+    SH = 6
+    SA = 7
+
+
+@dataclass(frozen=True)
+class SlotTasks:
+    """The tasks whose rows depend on the routing, as arrays [m] int64: task id, slot,
+    first row within the slot, rows at most (``tiles.rows`` or G); and whether each
+    reads its slot's expert's weights.  A call's live rows of task i are
+    ``clip(slot_rows[slot[i]] - offset[i], 0, cap[i])``."""
+
+    task: np.ndarray
+    slot: np.ndarray
+    offset: np.ndarray
+    cap: np.ndarray
+    expert_gemm: np.ndarray  # [m] bool
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """A forward region planned once per shape: its graph (slot tasks at capacity, their
+    expert -1 until resolved) and which tasks a routing resolves."""
+
+    shape: SlotShape
+    graph: TaskGraph
+    slot_tasks: SlotTasks
+
+
+def slot_events(shape: SlotShape) -> EventLayout:
+    s, b = shape.slots, shape.shared_blocks
+    return EventLayout.from_sizes(SlotEvent, np.array([[s * shape.chunks, s, s, s, s, 1, b, b]]))
+
+
+def slot_thresholds(shape: SlotShape) -> np.ndarray:
+    """Thresholds of the per-shape forward's events: the same for every routing."""
+    moe, tiles, s, c = shape.moe, shape.tiles, shape.slots, shape.chunks
+    blocks = shape.shared_blocks
+    shared_rows = np.minimum(np.arange(1, blocks + 1) * tiles.gemm_rows, shape.tokens) \
+        - np.arange(blocks) * tiles.gemm_rows
+    out = s * c + blocks * ntiles(moe.hidden, tiles)
+    parts = [np.ones(s * c), np.full(s, c), np.full(s, ntiles(2 * moe.ffn, tiles)), np.full(s, c),
+             np.full(s, ntiles(moe.hidden, tiles)), [out],
+             np.full(blocks, ntiles(2 * moe.shared_ffn, tiles)), ceil_div(shared_rows, tiles.rows)]
+    return np.concatenate([np.asarray(p, np.int64) for p in parts])
+
+
+def plan_slots(shape: SlotShape) -> SlotPlan:
+    """The per-shape forward plan of ``shape`` (a pure function of it)."""
+    ev = slot_events(shape)
+    builder = GraphBuilder(1, (0,))
+    blocks = [make(shape, ev) for make in _PHASES]
+    for blk in blocks:
+        builder.add(blk)
+    builder.set_events(0, slot_thresholds(shape))
+    graph = builder.freeze(dtype=shape.moe.dtype, events=ev)
+    return SlotPlan(shape=shape, graph=graph, slot_tasks=_slot_tasks(shape, graph))
+
+
+def _slot_tasks(shape: SlotShape, graph: TaskGraph) -> SlotTasks:
+    kinds = [TaskKind.PERMUTE, TaskKind.DISPATCH, TaskKind.GEMM_UP, TaskKind.SWIGLU, TaskKind.GEMM_DOWN,
+             TaskKind.COMBINE]
+    task = np.flatnonzero(np.isin(graph.kind, kinds))
+    g = shape.tiles.gemm_rows
+    slot = graph.row0[task] // g
+    return SlotTasks(task=task, slot=slot, offset=graph.row0[task] - slot * g,
+                     cap=graph.row1[task] - graph.row0[task],
+                     expert_gemm=np.isin(graph.kind[task], [TaskKind.GEMM_UP, TaskKind.GEMM_DOWN]))
+
+
+# ------------------------------------------------------------------ slot tasks
+
+def _chunks(shape: SlotShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot, row0, row1) of every row chunk of every slot, at capacity."""
+    g = shape.tiles.gemm_rows
+    slot = np.arange(shape.slots)
+    parent, r0, r1 = row_chunks(slot * g, (slot + 1) * g, shape.tiles.rows)
+    return slot[parent], r0, r1
+
+
+def _per_slot(shape: SlotShape, kind: TaskKind, ev: EventLayout, wait: SlotEvent, signal: SlotEvent,
+              chunk_events: bool = False) -> TaskBlock:
+    """One task per chunk of every slot, waiting on the slot's (or chunk's) ``wait``
+    and signalling the slot's ``signal`` (each of a COMBINE's: the one OUT event)."""
+    slot, r0, r1 = _chunks(shape)
+    n = len(slot)
+    chunk = np.arange(n)
+    on = slot if signal is not SlotEvent.OUT else np.zeros(n, np.int64)
+    cols = {"sig_event": ev.base(0, signal) + (chunk if signal is SlotEvent.PERM else on)}
+    if wait is not None:
+        cols["wait"] = ev.base(0, wait) + (chunk if chunk_events else slot)
+    moe = shape.moe
+    width = moe.ffn if kind is TaskKind.SWIGLU else moe.hidden
+    esize = moe.dtype.itemsize
+    return task_block(kind, np.zeros(n, np.int64), r0, r1, col1=np.full(n, width),
+                      bytes=2 * (r1 - r0) * width * esize, **cols)
+
+
+def _permute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    return _per_slot(shape, TaskKind.PERMUTE, ev, None, SlotEvent.PERM)
+
+
+def _dispatch(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    return _per_slot(shape, TaskKind.DISPATCH, ev, SlotEvent.PERM, SlotEvent.ROWS, chunk_events=True)
+
+
+def _swiglu(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    blk = _per_slot(shape, TaskKind.SWIGLU, ev, SlotEvent.H, SlotEvent.A)
+    blk.flops = 5.0 * (blk.row1 - blk.row0) * shape.moe.ffn
+    return blk
+
+
+def _combine(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    return _per_slot(shape, TaskKind.COMBINE, ev, SlotEvent.Y, SlotEvent.OUT)
+
+
+def _slot_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth: int, wait: SlotEvent,
+               signal: SlotEvent) -> TaskBlock:
+    """Column tiles of every slot's GEMM [G, depth] @ [depth, width-tile]."""
+    g = shape.tiles.gemm_rows
+    slot, col0, col1 = col_tiles(width, shape.tiles, shape.slots)
+    n = col1 - col0
+    esize = shape.moe.dtype.itemsize
+    return task_block(kind, np.zeros(len(slot), np.int64), slot * g, (slot + 1) * g, col0=col0, col1=col1,
+                      flops=2.0 * g * n * depth, bytes=(g * depth + g * n + n * depth) * esize,
+                      wait=ev.base(0, wait) + slot, sig_event=ev.base(0, signal) + slot)
+
+
+def _gemm_up(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    moe = shape.moe
+    return _slot_gemm(shape, ev, TaskKind.GEMM_UP, 2 * moe.ffn, moe.hidden, SlotEvent.ROWS, SlotEvent.H)
+
+
+def _gemm_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    moe = shape.moe
+    return _slot_gemm(shape, ev, TaskKind.GEMM_DOWN, moe.hidden, moe.ffn, SlotEvent.A, SlotEvent.Y)
+
+
+# ------------------------------------------------------------------ token side
+
+def _shared_rows(shape: SlotShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(block, row0, row1) of the shared-expert row blocks (G token rows each)."""
+    b = np.arange(shape.shared_blocks)
+    g = shape.tiles.gemm_rows
+    return b, b * g, np.minimum((b + 1) * g, shape.tokens)
+
+
+def _shared_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth: int,
+                 wait: SlotEvent | None, signal: SlotEvent) -> TaskBlock:
+    b, r0, r1 = _shared_rows(shape)
+    parent, col0, col1 = col_tiles(width, shape.tiles, len(b))
+    m, n = r1[parent] - r0[parent], col1 - col0
+    cols = {"col0": col0, "col1": col1, "flops": 2.0 * m * n * depth,
+            "bytes": (m * depth + m * n + n * depth) * shape.moe.dtype.itemsize,
+            "sig_event": ev.base(0, signal) + (0 * parent if signal is SlotEvent.OUT else b[parent])}
+    if wait is not None:
+        cols["wait"] = ev.base(0, wait) + b[parent]
+    return task_block(kind, np.zeros(len(parent), np.int64), r0[parent], r1[parent], **cols)
+
+
+def _shared_up(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    moe = shape.moe
+    return _shared_gemm(shape, ev, TaskKind.SHARED_UP, 2 * moe.shared_ffn, moe.hidden, None, SlotEvent.SH)
+
+
+def _shared_swiglu(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    b, r0, r1 = _shared_rows(shape)
+    parent, c0, c1 = row_chunks(r0, r1, shape.tiles.rows)
+    fs = shape.moe.shared_ffn
+    return task_block(TaskKind.SHARED_SWIGLU, np.zeros(len(parent), np.int64), c0, c1,
+                      col1=np.full(len(parent), fs), flops=5.0 * (c1 - c0) * fs,
+                      bytes=3 * (c1 - c0) * fs * shape.moe.dtype.itemsize,
+                      wait=ev.base(0, SlotEvent.SH) + b[parent],
+                      sig_event=ev.base(0, SlotEvent.SA) + b[parent])
+
+
+def _shared_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    moe = shape.moe
+    return _shared_gemm(shape, ev, TaskKind.SHARED_DOWN, moe.hidden, moe.shared_ffn, SlotEvent.SA,
+                        SlotEvent.OUT)
+
+
+def _unpermute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    t = np.arange(shape.token_tiles)
+    rows, moe = shape.tiles.rows, shape.moe
+    r0, r1 = t * rows, np.minimum((t + 1) * rows, shape.tokens)
+    terms = moe.top_k + (1 if moe.shared_experts else 0)
+    m = r1 - r0
+    return task_block(TaskKind.UNPERMUTE, np.zeros(len(t), np.int64), r0, r1,
+                      col1=np.full(len(t), moe.hidden), flops=2.0 * terms * m * moe.hidden,
+                      bytes=(terms + 1) * m * moe.hidden * moe.dtype.itemsize,
+                      wait=np.full(len(t), ev.base(0, SlotEvent.OUT)))
+
+
+_PHASES = (_permute, _dispatch, _gemm_up, _swiglu, _gemm_down, _combine, _shared_up, _shared_swiglu,
+           _shared_down, _unpermute)
