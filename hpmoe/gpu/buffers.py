@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .core import RoutingPlan, slot_targets
+from .core import MoESpec, RoutingPlan, SlotShape, slot_targets
 
 
 class Elem(enum.IntEnum):
@@ -105,19 +105,36 @@ def buffer_space(plan: RoutingPlan, slot_rows: tuple[int, ...] | None = None, st
     the row of the ``stored`` rows of the expert tensors each expert reads in place
     (None: each its own)."""
     moe, ep = plan.moe, plan.par.ep
-    t, k, h, f, fs, el = (plan.par.tokens_per_rank, moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn,
-                          plan.local_experts)
+    t = plan.par.tokens_per_rank
     recv = np.array([plan.recv_rows(r) for r in range(ep)], np.int64)
+    return _space(moe, ep, t, plan.local_experts, recv, np.full(ep, t * moe.top_k), slot_rows, stored)
+
+
+def slot_buffer_space(shape: SlotShape, slot_rows: tuple[int, ...] | None = None,
+                      stored: int = 0) -> BufferSpace:
+    """The buffers of the per-shape plan of ``shape`` (one rank): every permuted buffer
+    (send, recv, h, a, y, comb, the row indices and weights) holds the ``shape.capacity``
+    rows of the slot layout; ``slot_rows``, ``stored``: as in ``buffer_space``."""
+    rows = np.array([shape.capacity], np.int64)
+    return _space(shape.moe, 1, shape.tokens, shape.moe.experts, rows, rows, slot_rows, stored)
+
+
+def _space(moe: MoESpec, ep: int, t: int, el: int, recv: np.ndarray, permuted: np.ndarray,
+           slot_rows: tuple[int, ...] | None, stored: int) -> BufferSpace:
+    """Every field's [rows, ld] per rank: ``t`` tokens a rank, ``el`` local experts,
+    ``recv`` [ep] rows received, ``permuted`` [ep] rows of a rank's permuted buffers."""
+    k, h, f, fs = moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
     read, write, scratch, stored, extra = _expert_rows(slot_rows, stored, ep, el)
-    shapes = {"send": (t * k, h), "recv": (recv, h), "h": (recv, 2 * f), "a": (recv, f), "y": (recv, h),
-              "comb": (t * k, h), "sh": (t, 2 * fs), "sa": (t, fs), "so": (t, h), "gsend": (t * k, h),
+    p = permuted
+    shapes = {"send": (p, h), "recv": (recv, h), "h": (recv, 2 * f), "a": (recv, f), "y": (recv, h),
+              "comb": (p, h), "sh": (t, 2 * fs), "sa": (t, fs), "so": (t, h), "gsend": (p, h),
               "grecv": (recv, h), "da": (recv, f), "dh": (recv, 2 * f), "dxe": (recv, h),
-              "gcomb": (t * k, h), "sda": (t, fs), "sdh": (t, 2 * fs), "sdx": (t, h), "dsw13": (2 * fs, h),
+              "gcomb": (p, h), "sda": (t, fs), "sdh": (t, 2 * fs), "sdx": (t, h), "dsw13": (2 * fs, h),
               "dsw2": (h, fs), "x": (t, h), "out": (t, h), "dy": (t, h), "dx": (t, h),
               "w13": (stored * 2 * f, h), "w2": (stored * h, f), "sw13": (2 * fs, h), "sw2": (h, fs),
               "dw13": (stored * 2 * f, h), "dw2": (stored * h, f), "dw13x": (extra * 2 * f, h),
-              "dw2x": (extra * h, f), "roww": (t * k, 1), "topk": (t, k),
-              "dweights": (t, k), "tok": (t * k, 1), "pos": (t, k)}
+              "dw2x": (extra * h, f), "roww": (p, 1), "topk": (t, k),
+              "dweights": (t, k), "tok": (p, 1), "pos": (t, k)}
     rows = np.zeros((len(FIELDS), ep), np.int64)
     ld = np.zeros((len(FIELDS), ep), np.int64)
     for name, (r, c) in shapes.items():

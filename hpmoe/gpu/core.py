@@ -13,6 +13,8 @@ from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..ir.schedule import Schedule, WorkerCounts
 from ..regions.backward import lower_backward
 from ..regions.forward import lower_forward
+from ..regions.slot_routing import SlotRouting, live_rows, resolve_slots
+from ..regions.slots import SlotPlan, SlotShape, plan_slots
 from ..routing import Routing, RoutingPlan, check_input, plan_routing
 from ..runtime.forensics import HangReport, RegionError, WorkerReport, WorkerStatus
 from ..schedule import SchedulePolicy, schedule, verify_schedule
@@ -23,11 +25,10 @@ from ..sim.simulate import Timeline
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights, SlotGradients, slot_targets
 
-__all__ = ["DEFAULT_TILES", "IS_PUT", "ExpertWeights", "Gradients", "GraphError", "HangReport",
-           "HardwareModel",
-           "LinkEntry", "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan", "Schedule",
-           "SchedulePolicy", "SlotGradients", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit",
-           "WorkerCounts",
-           "WorkerReport", "WorkerStatus", "check_input", "gemm_dims", "hardware_preset",
-           "lower_backward", "lower_forward", "plan_routing", "schedule", "slot_targets", "task_costs",
-           "verify_schedule"]
+__all__ = ["DEFAULT_TILES", "ExpertWeights", "Gradients", "GraphError", "HangReport", "HardwareModel",
+           "IS_PUT", "LinkEntry", "MoESpec", "ParallelSpec", "RegionError", "Routing", "RoutingPlan",
+           "Schedule", "SchedulePolicy", "SlotGradients", "SlotPlan", "SlotRouting", "SlotShape",
+           "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts", "WorkerReport",
+           "WorkerStatus", "check_input", "gemm_dims", "hardware_preset", "live_rows", "lower_backward",
+           "lower_forward", "plan_routing", "plan_slots", "resolve_slots", "schedule", "slot_targets",
+           "task_costs", "verify_schedule"]

@@ -1,0 +1,86 @@
+"""The persistent kernel from one plan made per shape (``gpu.slots``), in the Triton
+interpreter: one program, built once, serves 20 routings of a shape with the bits of the
+per-routing kernel (``backend.triton_forward``) each time, its work buffers poisoned with
+NaN between calls; what a call writes into the device's task table is what ``describe``
+gives for the routing's resolved graph."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import hpmoe.gpu.slots as gpu_slots  # noqa: E402
+from hpmoe.exec.exact import resolved_graph  # noqa: E402
+from hpmoe.gpu.backend import TritonOptions, triton_forward  # noqa: E402
+from hpmoe.gpu.buffers import Elem  # noqa: E402
+from hpmoe.gpu.ops import COL, describe  # noqa: E402
+from hpmoe.gpu.slots import PlanCache, slot_forward  # noqa: E402
+from hpmoe.refs import dense_moe  # noqa: E402
+from hpmoe.regions.slot_routing import resolve_slots  # noqa: E402
+from hpmoe.schedule import SchedulePolicy  # noqa: E402
+from hpmoe.spec import GateKind, MoESpec, TileSpec  # noqa: E402
+from hpmoe.weights import ExpertWeights  # noqa: E402
+
+from .slot_routings import twenty_routings  # noqa: E402
+
+SPEC = MoESpec(hidden=32, ffn=16, experts=4, top_k=2, shared_experts=1, gate=GateKind.SOFTMAX,
+               dtype=torch.float32)
+TILES = TileSpec(rows=8, gemm_rows=8, gemm_cols=16)
+TOKENS = 16
+FULL = [[9, 9, 9, 5], [1, 9, 9, 13]]
+SKEWED = [[16, 16, 0, 0], [16, 8, 8, 0], [16, 1, 1, 14]]
+
+
+@pytest.fixture(scope="module")
+def case():
+    w = ExpertWeights.random(SPEC, 0)
+    x = torch.randn(TOKENS, SPEC.hidden, generator=torch.Generator().manual_seed(1))
+    return x, w, twenty_routings(SPEC, TOKENS, FULL, SKEWED)
+
+
+def test_one_program_built_once_serves_twenty_routings_bitwise(case, monkeypatch):
+    x, w, routings = case
+    lowered = []
+    real = gpu_slots.plan_slots
+    monkeypatch.setattr(gpu_slots, "plan_slots", lambda shape: lowered.append(shape) or real(shape))
+    cache = PlanCache()
+    options = TritonOptions(policy=SchedulePolicy.CRITICAL_PATH)
+    programs = set()
+    for i, r in enumerate(routings):
+        program = cache.program(x, w, r, TILES, options)
+        programs.add(id(program))
+        if i:  # a call reads nothing a previous call left behind
+            program.arena.flat[Elem.DATA].fill_(float("nan"))
+        run = slot_forward(x, w, r, cache, TILES, options)
+        want = triton_forward(x, w, r, 1, TILES, options)
+        assert torch.equal(run.out, want.out), i
+        torch.testing.assert_close(run.out, dense_moe(x, w, r), atol=1e-5, rtol=1e-5)
+        assert run.info.launches > 1  # rounds: waits did block
+    assert cache.builds == 1 and len(lowered) == 1 and len(programs) == 1
+
+
+def test_another_shape_or_policy_is_another_program(case):
+    x, w, routings = case
+    cache = PlanCache()
+    cache.program(x, w, routings[0], TILES, TritonOptions())
+    cache.program(x, w, routings[1], TILES, TritonOptions())
+    assert cache.builds == 1
+    cache.program(x[:8], w, routings[0].__class__(routings[0].ids[:8], routings[0].weights[:8]), TILES,
+                  TritonOptions())
+    cache.program(x, w, routings[0], TILES, TritonOptions(policy=SchedulePolicy.SERIAL))
+    assert cache.builds == 3
+
+
+def test_a_call_writes_the_operands_of_its_resolved_graph(case):
+    x, w, routings = case
+    cache = PlanCache()
+    for r in (routings[15], routings[10], routings[0]):
+        program = cache.program(x, w, r, TILES, TritonOptions())
+        _, slots = program.prepare(x, w, r)
+        got = program.program.arrays["tasks"].numpy()
+        assert torch.equal(slots.pos, resolve_slots(r.ids, r.weights, program.key.shape).pos)
+        want = describe(resolved_graph(program.plan, slots), program.arena.space)
+        assert np.array_equal(got, want)
+        st = program.plan.slot_tasks
+        assert got[st.task, COL["m"]].sum() > 0 and (got[st.task, COL["m"]] <= st.cap).all()
