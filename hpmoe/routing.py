@@ -104,6 +104,7 @@ def _check_values(spec: MoESpec, x: torch.Tensor | None = None, name: str = "x",
         raise error
 
 
+@torch.no_grad()  # a verdict, never differentiated: it keeps no history of x
 def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None, name: str = "x") -> ValueError | None:
     """The first fault of x (non-finite rows), ids (outside ``[0, experts)``) and weights
@@ -134,6 +135,7 @@ class InputFault(enum.IntEnum):
     WEIGHTS = 4  # a routing weight is NaN or inf
 
 
+@torch.no_grad()
 def input_status(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                  weights: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [3] on the inputs' device, computed there without a host read: (the first

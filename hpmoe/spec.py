@@ -233,6 +233,42 @@ class TileSpec:
         return -(-width // self.gemm_splits) if self.gemm_splits else self.gemm_cols
 
 
+class Recompute(enum.Enum):
+    """What a region's backward recomputes instead of keeping it from the forward (the
+    gated activation, at least, wherever the path recomputes anything):
+
+    NOTHING      keeps the experts' gathered input rows and their pre-activation (a
+                 taskflow also keeps the gated activation);
+    PERMUTATION  keeps the layer input and the pre-activation, and gathers the rows
+                 again (kernel by kernel; a taskflow recomputes the gated activation);
+    GEMM         keeps the layer input alone, gathers the rows again and recomputes the
+                 first GEMM (kernel by kernel; a taskflow: as PERMUTATION).
+    """
+
+    NOTHING = "nothing"
+    PERMUTATION = "permutation"
+    GEMM = "gemm"
+
+    @property
+    def activation(self) -> bool:
+        """Whether the gated activation is recomputed (a taskflow's recompute regions)."""
+        return self is not Recompute.NOTHING
+
+
+def as_recompute(value: Recompute | bool | str) -> Recompute:
+    """``value`` as a ``Recompute``: True (recompute the gated activation, as before) is
+    PERMUTATION, False NOTHING; ValueError naming it when it is none."""
+    if isinstance(value, Recompute):
+        return value
+    if isinstance(value, bool):
+        return Recompute.PERMUTATION if value else Recompute.NOTHING
+    try:
+        return Recompute(value)
+    except ValueError:
+        names = [r.value for r in Recompute]
+        raise ValueError(f"recompute={value!r} is not one of {names} or a bool") from None
+
+
 def require_per_expert(tiles: TileSpec, what: str) -> None:
     """ValueError unless ``tiles`` dispatch one row per (token, expert), the only mode ``what`` runs."""
     if tiles.dispatch is not DispatchMode.PER_EXPERT:

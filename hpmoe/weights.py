@@ -39,6 +39,9 @@ class ExpertWeights:
                  max(slot_rows) + 1; -1: not stored here, a rank holding only its own
                  slots); ``gathered`` copies them out.  Only paths that say
                  ``reads_slots`` take it.
+    shared_parts: None, or (gate [Fs, H], up [Fs, H]) whose concatenation shared_w13 is
+                 (a shared expert stored as two projections): a region keeps these for
+                 its backward and fuses them again there, not the call's fused copy.
     """
 
     spec: MoESpec
@@ -51,6 +54,7 @@ class ExpertWeights:
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     slot_rows: tuple[int, ...] | None = None
+    shared_parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         s = self.spec
@@ -117,7 +121,8 @@ class ExpertWeights:
             def gather(t: torch.Tensor) -> torch.Tensor:
                 return _RowGather.apply(t, index[experts], experts.start, self.spec.experts)
         return ExpertWeights.routed(self.spec, gather(self.w13), gather(self.w2), self.shared_w13,
-                                    self.shared_w2, *(gather(b) for b in self.biases))
+                                    self.shared_w2, *(gather(b) for b in self.biases),
+                                    shared_parts=self.shared_parts)
 
     @property
     def has_shared(self) -> bool:
@@ -131,12 +136,13 @@ class ExpertWeights:
     @staticmethod
     def routed(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None = None,
                shared_w2: torch.Tensor | None = None, b13: torch.Tensor | None = None,
-               b2: torch.Tensor | None = None, slot_rows: tuple[int, ...] | None = None) -> ExpertWeights:
+               b2: torch.Tensor | None = None, slot_rows: tuple[int, ...] | None = None,
+               shared_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertWeights:
         """The region's weights once routing is done (a region never reads the router):
         router and bias are zero placeholders that allocate nothing."""
         zero = placeholder(torch.float32, w13.device)
         return ExpertWeights(spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
-                             shared_w13, shared_w2, b13, b2, slot_rows)
+                             shared_w13, shared_w2, b13, b2, slot_rows, shared_parts)
 
     @staticmethod
     def gate_only(spec: MoESpec, router: torch.Tensor, router_bias: torch.Tensor) -> ExpertWeights:
@@ -295,10 +301,17 @@ class SlotGradients:
                     full[row] = acc
 
 
-@functools.cache
 def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 0-d zero of ``dtype`` on ``device``, made once: its expansions stand for tensors
-    a caller never reads (no memory, no kernel a call)."""
+    a caller never reads (no memory, no kernel a call); a fresh one inside a compiled
+    graph (which holds no tensor made outside it)."""
+    if torch.compiler.is_compiling():
+        return torch.zeros((), dtype=dtype, device=device)
+    return _placeholder(dtype, torch.device(device))
+
+
+@functools.cache
+def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device)
 
 

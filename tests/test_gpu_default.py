@@ -65,6 +65,13 @@ def test_the_one_launch_phases_against_torchs_on_the_device(dtype):
         p.glu_backward(hh, da, dh[p], Activation.SILU, None, GluForm())
     torch.testing.assert_close(out[TRITON], out[TORCH], **TOL[dtype])
     torch.testing.assert_close(dh[TRITON], dh[TORCH], **TOL[dtype])
+    wr = torch.rand(t * k, generator=g, device=CUDA)
+    router = {}
+    for p in (TORCH, TRITON):
+        dh_, aw = (torch.empty(t * k, n, dtype=dtype, device=CUDA) for n in (2 * f, f))
+        router[p] = (dh_, aw, p.glu_router_backward(hh, da, wr, dh_, aw, Activation.SILU, GluForm()))
+    for a, b in zip(router[TRITON], router[TORCH], strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype])
     pos, w = order.view(t, k), torch.rand(t, k, generator=g, device=CUDA)
     sums = {p: p.weighted_sum(rows[p], pos, w, None, Arena(CUDA)) for p in (TORCH, TRITON)}
     torch.testing.assert_close(sums[TRITON], sums[TORCH], **TOL[dtype])

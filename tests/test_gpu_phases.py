@@ -101,3 +101,32 @@ def test_an_empty_call_scans_clean():
     x, ids, w = torch.zeros(0, 4), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)
     got = scan(x, ids, w, 8, interpret=True)
     assert got.status.tolist()[0] == 0 and got.counts.tolist() == [0] * 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_the_router_gradient_backward_against_torch(dtype, weighted):
+    """``glu_router_backward`` in one launch: dh and w * a within an ulp of the torch
+    version's (the same roundings, but the interpreter's exp is numpy's and torch's CPU
+    one SLEEF's), ds within fp32 rounding (another order of the sum)."""
+    from hpmoe.exec.phases import glu_router_backward
+    from hpmoe.gpu.phases import triton_glu_router_backward
+
+    m, f = 37, 300
+    g = torch.Generator().manual_seed(f)
+    h = (torch.randn(m, 2 * f, generator=g) * 3).to(dtype)
+    d = torch.randn(m, f, generator=g).to(dtype)
+    w = torch.rand(m, generator=g) + 0.1 if weighted else None
+    out = {}
+    for name, fn in (("torch", glu_router_backward), ("triton", triton_glu_router_backward)):
+        dh, aw = (torch.full(shape, float("nan"), dtype=dtype) for shape in ((m, 2 * f), (m, f)))
+        extra = {"interpret": True} if name == "triton" else {}
+        ds = fn(h, d, w, dh, aw, Activation.SILU, GluForm(), **extra)
+        out[name] = (dh, aw, ds)
+    close = {"rtol": 2**-7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    for a, b in zip(out["triton"][:2], out["torch"][:2], strict=True):
+        torch.testing.assert_close(a, b, **close)
+    if weighted:
+        torch.testing.assert_close(out["triton"][2], out["torch"][2], rtol=1e-5, atol=1e-4)
+    else:
+        assert out["triton"][2] is None and out["torch"][2] is None

@@ -124,7 +124,11 @@ def test_kernel_by_kernels_other_phases_and_the_input_scan_build_for_sm90():
     grad = compile_phase("glu_backward_kernel", {"h": "*bf16", "da": "*bf16", "dh": "*bf16", **sizes,
                                                  "ld_h": "i32", "ld_da": "i32", "ld_dh": "i32"},
                          {"DT": bf16, **blocks, "EMULATE": False})
-    for ptx in (glu, grad):
+    args = {"h": "*bf16", "d": "*bf16", "w": "*fp32", "dh": "*bf16", "aw": "*bf16", "ds": "*fp32", **sizes,
+            "ld_h": "i32", "ld_d": "i32", "ld_dh": "i32", "ld_aw": "i32"}
+    router = compile_phase("glu_router_backward_kernel", args,
+                           {"WEIGHTED": True, "DT": bf16, **blocks, "EMULATE": False})
+    for ptx in (glu, grad, router):
         assert not re.search(r"\bfma\.rn\.f32", ptx)
         assert re.search(r"\bld\.global[.\w]*\.v", ptx)  # vector loads
     rows = {"x": "*bf16", "order": "*i64", "rows": "*bf16", "t": "i32", "n": "i32", "ld_x": "i32",

@@ -116,7 +116,8 @@ class Balance:
         return Routing(ids, routing.weights), w if self.options.shard_experts else p.slot_weights(w)
 
     def stored_slots(self, spec: MoESpec, tensors: list[torch.Tensor], shared_w13: torch.Tensor | None,
-                     shared_w2: torch.Tensor | None) -> ExpertWeights:
+                     shared_w2: torch.Tensor | None,
+                     shared_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertWeights:
         """A sharded layer's region weights (``tensors``: its stored w13, w2 and biases):
         the physical layer whose slots on this rank read its stored rows (the others -1);
         an expert replicated on several ranks sums its rows' gradients over them

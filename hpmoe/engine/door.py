@@ -121,7 +121,10 @@ class Door:
         self.inputs.check()
 
     def logical(self, dtype: torch.dtype) -> MoESpec:
-        """The layer's logical spec in ``dtype`` (made once per dtype)."""
+        """The layer's logical spec in ``dtype`` (made once per dtype in eager calls; a
+        compiled graph makes its own, reading no state a call would change)."""
+        if torch.compiler.is_compiling():
+            return replace(self.spec, dtype=dtype)
         spec = self._specs.get(dtype)
         if spec is None:
             spec = self._specs[dtype] = replace(self.spec, dtype=dtype)

@@ -16,7 +16,7 @@ from ..ir.schedule import SchedulePolicy
 from ..regions.family import RegionFamily, region_family
 from ..sim.hardware import HardwareModel
 from ..sim.presets import cpu_nominal
-from ..spec import TileSpec, require_per_expert
+from ..spec import Recompute, TileSpec, as_recompute, require_per_expert
 from .check import CheckMode, as_check_mode
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
@@ -51,7 +51,12 @@ class RegionOptions:
       in order (``moe_forward``'s ``order``) — every order
       gives the same bits.  Under ``torch.compile`` (one process) AUTO decides on the saved
       profile alone (``engine.compiled``).
-    recompute: recompute the gated activations in backward instead of saving them.
+    recompute: what a call's backward computes again instead of keeping it from the forward
+      (``spec.Recompute``): ``"permutation"`` (default) keeps the layer input, the routing
+      and the experts' pre-activation, the least that cannot be recomputed cheaply;
+      ``"nothing"`` also keeps the gathered rows (a taskflow: the gated activation too);
+      ``"gemm"`` keeps the input alone and recomputes the first GEMM.  True and False, its
+      former values, mean "permutation" and "nothing".
     tiles: the tiling of the taskflow, its ``dispatch`` included: ``DispatchMode.PER_RANK``
       and ``PER_NODE`` run the deduplicated forward and backward regions (exact executors
       in one process, the runtime with an ep_group; gradients equal the per-expert ones but
@@ -92,7 +97,7 @@ class RegionOptions:
     ep_group: Any = None
     virtual_ep: int = 1
     schedule: SchedulePolicy | int | np.ndarray | None = SchedulePolicy.AUTO
-    recompute: bool = False
+    recompute: Recompute | bool | str = Recompute.PERMUTATION
     tiles: TileSpec = DEFAULT_TILES
     runtime: RuntimeConfig | None = None
     hardware: HardwareModel | None = None
@@ -112,8 +117,7 @@ class RegionOptions:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.virtual_ep, int) or isinstance(self.virtual_ep, bool) or self.virtual_ep <= 0:
             raise ValueError(f"virtual_ep must be a positive int, got {self.virtual_ep!r}")
-        if not isinstance(self.recompute, bool):
-            raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
+        object.__setattr__(self, "recompute", as_recompute(self.recompute))
         if not isinstance(self.tiles, TileSpec):
             raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes <= 0:

@@ -37,7 +37,7 @@ from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
 from ..schedule.tuner import Trial, timed
 from ..sim.hardware import HardwareModel
-from ..spec import MoESpec, TileSpec
+from ..spec import MoESpec, Recompute, TileSpec
 from ..weights import ExpertWeights
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class ExactPath:
     tiles: TileSpec
     order: Order = None
     nodes: int = 1
-    recompute: bool = False
+    recompute: Recompute = Recompute.PERMUTATION
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, RegionState | None]:
@@ -121,12 +121,12 @@ class ExactPath:
         if not save:
             return fwd.out, None
         family = region_family(self.tiles)
-        saved = [family.saved(b, self.recompute) for b in fwd.buffers]
+        saved = [family.saved(b, self.recompute.activation) for b in fwd.buffers]
         return fwd.out, RegionState(fwd.plan, saved, weights, routing, family.saved_kind)
 
     def backward(self, state: RegionState, dy: torch.Tensor) -> Gradients:
         return execute_backward(state.saved, state.plan, dy, state.weights, state.routing, self.tiles,
-                                self.recompute, self.order).grads
+                                self.recompute.activation, self.order).grads
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class RuntimePath:
     policy: SchedulePolicy
     hardware: HardwareModel
     nodes: int = 1
-    recompute: bool = False
+    recompute: Recompute = Recompute.PERMUTATION
 
     def options(self) -> ForwardOptions:
         from ..runtime import ForwardOptions
@@ -157,14 +157,14 @@ class RuntimePath:
         if not save:
             return fwd.out, None
         family = region_family(self.tiles)
-        saved = family.saved(fwd.buffers, self.recompute, symmetric=True)
+        saved = family.saved(fwd.buffers, self.recompute.activation, symmetric=True)
         return fwd.out, RegionState(fwd.plan, [saved], weights, fwd.routing, family.saved_kind)
 
     def backward(self, state: RegionState, dy: torch.Tensor) -> Gradients:
         from ..runtime import run_backward
 
         return run_backward(self.session, state.plan, state.saved[0], dy, state.weights, state.routing,
-                            self.options(), self.recompute, agreed=True).grads
+                            self.options(), self.recompute.activation, agreed=True).grads
 
 
 @dataclass
@@ -190,7 +190,7 @@ class TritonPath:
     tiles: TileSpec
     policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
     hardware: HardwareModel | None = None
-    recompute: bool = False
+    recompute: Recompute = Recompute.PERMUTATION
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
                 save: bool) -> tuple[torch.Tensor, TritonState | None]:
@@ -203,7 +203,7 @@ class TritonPath:
     def backward(self, state: TritonState, dy: torch.Tensor) -> Gradients:
         from ..gpu.backend import triton_backward
 
-        return triton_backward(state.forward, dy, self.recompute).grads
+        return triton_backward(state.forward, dy, self.recompute.activation).grads
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ class KernelByKernelPath:
     session: Session | None = None
     tiles: TileSpec | None = None  # fingerprinted in the backward's agreement
     pool: ArenaPool | None = None
-    recompute: bool = False
+    recompute: Recompute = Recompute.PERMUTATION
     received: torch.Tensor | None = field(default=None, compare=False)
     phases: Phases = TORCH
 
@@ -291,12 +291,15 @@ class RegionCall:
 class RegionFunction(torch.autograd.Function):
     """The region as one autograd node, on any path.  Inputs: x [N, H] spec.dtype,
     routing weights [N, k] float32, w13 [E, 2F, H], w2 [E, H, F], shared_w13 [2Fs, H] |
-    None, shared_w2 [H, Fs] | None, b13 [E, 2F] | None, b2 [E, H] | None, a
-    ``RegionCall``.  Output: [N, H] spec.dtype."""
+    None, shared_w2 [H, Fs] | None, b13 [E, 2F] | None, b2 [E, H] | None, the shared
+    expert's gate and up [Fs, H] whose concatenation shared_w13 is (or None, None), a
+    ``RegionCall``.  Output: [N, H] spec.dtype.  Given gate and up, the node keeps them
+    (the model's own parameters) instead of the call's fused copy, and fuses them again
+    in its backward; their gradients flow through shared_w13's."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
-        *weight_tensors, call = tensors
+        *weight_tensors, gate, up, call = tensors
         # detached: the runtime's worker threads run with grad mode on (it is per thread)
         x, topk_weights = x.detach(), topk_weights.detach()
         weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors),
@@ -305,21 +308,37 @@ class RegionFunction(torch.autograd.Function):
         out, state = call.path.forward(x, Routing(call.ids, topk_weights), weights, save)
         if state is not None:
             tensors, ctx.state = state.pack()
-            ctx.save_for_backward(*tensors)
+            ctx.fused = _refused(tensors, weights.shared_w13) if gate is not None else ()
+            ctx.save_for_backward(*tensors, *((gate.detach(), up.detach()) if ctx.fused else ()))
             ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: RegionCall = ctx.call
-        state, ctx.state = ctx.state.unpack(ctx.saved_tensors), None
+        tensors = list(ctx.saved_tensors)
+        if ctx.fused:
+            parts = torch.cat(tensors[-2:])
+            del tensors[-2:]
+            for i in ctx.fused:
+                tensors[i] = parts
+        state, ctx.state = ctx.state.unpack(tensors), None
         dy = dout.to(call.spec.dtype).contiguous()
         with timed(call.trial, dy.device), clocked(call.clock, backward=True):
             if call.session is not None:  # ranks in step on the region, not on dy's values (an inf
                 # gradient reaches a loss scaler)
                 call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dy.shape[0])
             g = call.path.backward(state, dy)
-        return g.dx, g.dweights, *g.expert_tensors, None
+        return g.dx, g.dweights, *g.expert_tensors, None, None, None
+
+
+def _refused(tensors: list[torch.Tensor | None], fused: torch.Tensor | None) -> tuple[int, ...]:
+    """The places of ``fused`` (the shared expert's fused gate/up) among a state's
+    ``tensors``, set to None there: the node keeps its parts instead."""
+    places = tuple(i for i, t in enumerate(tensors) if fused is not None and t is fused)
+    for i in places:
+        tensors[i] = None
+    return places
 
 
 def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
@@ -336,4 +355,4 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
                       tiles)
     with timed(trial, x.device), clocked(clock, backward=False):
         return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
-                                    call)
+                                    *(w.shared_parts or (None, None)), call)

@@ -47,7 +47,7 @@ from ..comm import Collectives
 from ..refs import inverse_permutation
 from ..regions.kernels import gemm_bias
 from ..routing import Routing, check_input, expert_counts
-from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec
+from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec, Recompute, as_recompute
 from ..weights import ExpertWeights
 from .arena import Arena, ArenaPool
 from .exact_backward import Gradients
@@ -209,6 +209,20 @@ def experts_forward(xs: torch.Tensor, groups: Groups, ex: Experts, keep: Arena, 
     return h, a, y
 
 
+def experts_up(xs: torch.Tensor, groups: Groups, ex: Experts, arena: Arena, tag: str,
+               path: GemmPath | None = None) -> torch.Tensor:
+    """h [M, 2F] = xs @ w13[e]^T + b13[e]: the first GEMM of ``experts_forward`` alone
+    (a backward that recomputes it)."""
+    if _grouped(path, xs, ex):
+        offs = groups.offsets() if groups.counts is not None else None
+        return groups.mm(xs, ex.stacked(ex.w13).transpose(1, 2), offs)
+    h = arena.take(tag + "h", (xs.shape[0], ex.w13.shape[1]), xs.dtype)
+    for e, s, t in groups.segments:
+        r = ex.rows[e]
+        gemm_bias(xs[s:t], ex.w13[r], None if ex.b13 is None else ex.b13[r], h[s:t])
+    return h
+
+
 @dataclass
 class ExpertGrads:
     """Where ``experts_backward`` writes weight gradients: dw13 [R, 2F, H], dw2 [R, H, F]
@@ -221,46 +235,64 @@ class ExpertGrads:
     db2: torch.Tensor | None = None
 
 
-def experts_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor | None,
+def experts_backward(g: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, w: torch.Tensor | None,
                      groups: Groups, ex: Experts, grads: ExpertGrads, arena: Arena, tag: str,
-                     path: GemmPath | None = None, phases: Phases = TORCH) -> torch.Tensor:
-    """dxs [M, H] (arena) given dy [M, H], the rows' output gradient; writes the weight
-    gradients of every local expert into ``grads`` (zeros for experts without rows), one
-    expert after another (PER_EXPERT) or in grouped GEMMs (GROUPED; None: ``gemm_path``;
-    its GEMMs' outputs replace grads' tensors where they cover every row).
-    a: the gated activation's output, or None to recompute it; phases: the gated
-    activation and its gradient."""
+                     path: GemmPath | None = None, phases: Phases = TORCH
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dxs [M, H], ds [M] fp32) given g [M, H], each row's unweighted output gradient
+    (its token's), w [M] fp32 each row's routing weight (None: 1, the shared expert), the
+    rows xs and their pre-activation h: the rows' input gradient and the gradient of each
+    row's routing weight (None without weights), <g, y> with y never kept: from
+    d = g @ w2[e] and the gated activation recomputed from h (``phases.glu_router_backward``,
+    which also forms da = w * d and w * a).  Writes the weight gradients of every local
+    expert into ``grads`` (zeros for experts without rows), one expert after another
+    (PER_EXPERT) or in grouped GEMMs (GROUPED; None: ``gemm_path``; its GEMMs' outputs
+    replace grads' tensors where they cover every row)."""
     m, f = h.shape[0], h.shape[1] // 2
-    dh = arena.take(tag + "dh", (m, 2 * f), dy.dtype)
-    tmp = arena.take(tag + "glu", (m, f), dy.dtype)
-    recompute = a is None
-    a = arena.take(tag + "a", (m, f), h.dtype) if recompute else a
+    dh = arena.take(tag + "dh", (m, 2 * f), g.dtype)
+    a_w = arena.take(tag + "aw", (m, f), h.dtype)
     if _grouped(path, xs, ex):
-        return _grouped_backward(dy, xs, h, a, recompute, groups, ex, grads, dh, tmp, phases)
-    da = arena.take(tag + "da", (m, f), dy.dtype)
-    dxs = arena.take(tag + "dxs", tuple(xs.shape), dy.dtype)
-    written = [g for g in (grads.dw13, grads.dw2, grads.db13, grads.db2) if g is not None]
+        offs = groups.offsets() if groups.counts is not None else None
+        d = groups.mm(g, ex.stacked(ex.w2), offs)
+        ds = phases.glu_router_backward(h, d, w, dh, a_w, ex.activation, ex.glu)
+        grads.dw2 = ex.put(grads.dw2, groups.mm(g.t(), a_w, offs))
+        grads.dw13 = ex.put(grads.dw13, groups.mm(dh.t(), xs, offs))
+        return groups.mm(dh, ex.stacked(ex.w13), offs), ds
+    d = arena.take(tag + "d", (m, f), g.dtype)
+    dxs = arena.take(tag + "dxs", (m, xs.shape[1]), g.dtype)
+    ds = torch.zeros(m, dtype=torch.float32, device=g.device) if w is not None else None
+    written = [t for t in (grads.dw13, grads.dw2, grads.db13, grads.db2) if t is not None]
     segs = groups.segments
-    busy = {ex.rows[e] for e, _, _ in segs}
-    for r in set(ex.rows) - busy:
-        for g in written:
-            g[r].zero_()
+    for r in set(ex.rows) - {ex.rows[e] for e, _, _ in segs}:
+        for t in written:
+            t[r].zero_()
     done: set[int] = set()
     for e, s, t in segs:
         r = ex.rows[e]
         add = r in done  # a second replica of the row on this rank: sum into it
         done.add(r)
-        if recompute:
-            phases.glu(h[s:t], a[s:t], ex.activation, ex.glu)
-        torch.mm(dy[s:t], ex.w2[r], out=da[s:t])
-        _mm_into(grads.dw2[r], dy[s:t].t(), a[s:t], add)
-        phases.glu_backward(h[s:t], da[s:t], dh[s:t], ex.activation, tmp[s:t], ex.glu)
+        ws = w[s:t] if w is not None else None
+        torch.mm(g[s:t], ex.w2[r], out=d[s:t])
+        part = phases.glu_router_backward(h[s:t], d[s:t], ws, dh[s:t], a_w[s:t], ex.activation, ex.glu)
+        _mm_into(grads.dw2[r], g[s:t].t(), a_w[s:t], add)
         _mm_into(grads.dw13[r], dh[s:t].t(), xs[s:t], add)
         torch.mm(dh[s:t], ex.w13[r], out=dxs[s:t])
+        if part is not None:
+            ds[s:t] = part
         if grads.db13 is not None:
-            _sum_into(grads.db2[r], dy[s:t], add)
-            _sum_into(grads.db13[r], dh[s:t], add)
-    return dxs
+            _bias_grads(g[s:t], ws, dh[s:t], ex.b2[r], grads, r, add, None if ds is None else ds[s:t])
+    return dxs, ds
+
+
+def _bias_grads(g: torch.Tensor, w: torch.Tensor | None, dh: torch.Tensor, b2: torch.Tensor,
+                grads: ExpertGrads, r: int, add: bool, ds: torch.Tensor | None) -> None:
+    """An expert's bias gradients (db2: its rows' w * g summed, db13: dh summed) and the
+    bias's part of its rows' routing-weight gradient (<g, b2>, added into ``ds``)."""
+    dy = g if w is None else (g.float() * w.unsqueeze(1)).to(g.dtype)
+    _sum_into(grads.db2[r], dy, add)
+    _sum_into(grads.db13[r], dh, add)
+    if ds is not None:
+        ds.add_(g.float() @ b2.float())
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
@@ -275,22 +307,6 @@ def _sum_into(out: torch.Tensor, rows: torch.Tensor, add: bool) -> None:
         out.add_(rows.sum(0))
     else:
         torch.sum(rows, 0, out=out)
-
-
-def _grouped_backward(dy: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, a: torch.Tensor, recompute: bool,
-                      groups: Groups, ex: Experts, grads: ExpertGrads, dh: torch.Tensor,
-                      tmp: torch.Tensor, phases: Phases) -> torch.Tensor:
-    """``experts_backward`` in grouped GEMMs: the weight gradients of an expert without
-    rows come out zero from the grouped GEMM itself; where the experts are every row of
-    ``grads``, the GEMMs' outputs become its tensors."""
-    offs = groups.offsets() if groups.counts is not None else None
-    if recompute:
-        phases.glu(h, a, ex.activation, ex.glu)
-    da = groups.mm(dy, ex.stacked(ex.w2), offs)
-    grads.dw2 = ex.put(grads.dw2, groups.mm(dy.t(), a, offs))
-    phases.glu_backward(h, da, dh, ex.activation, tmp, ex.glu)
-    grads.dw13 = ex.put(grads.dw13, groups.mm(dh.t(), xs, offs))
-    return groups.mm(dh, ex.stacked(ex.w13), offs)
 
 
 # ---------------------------------------------------------------------------- routing
@@ -354,7 +370,8 @@ class Exchange:
         return Exchange(coll, send, recv, regroup, inverse_permutation(regroup))
 
     def dispatch(self, rows: torch.Tensor, arena: Arena, keep: Arena, tag: str) -> torch.Tensor:
-        """rows [T*k, H] in sorted order -> [R, H] received rows, expert-major (in ``keep``)."""
+        """rows [T*k, C] in sorted order -> [R, C] received rows, expert-major (in
+        ``keep``); C columns of any dtype (a ``RowLayout``'s bytes)."""
         got = arena.take(tag + "recv", (int(self.recv.sum()), rows.shape[1]), rows.dtype)
         self.coll.all_to_all(got, rows, self.recv.sum(1).tolist(), self.send.sum(1).tolist(),
                              f"kernel by kernel: {tag}dispatch")
@@ -362,7 +379,7 @@ class Exchange:
         return torch.index_select(got, 0, self.regroup, out=xs)
 
     def combine(self, rows: torch.Tensor, arena: Arena, keep: Arena, tag: str) -> torch.Tensor:
-        """rows [R, H] expert-major -> [T*k, H] this rank's rows back, in sorted order
+        """rows [R, C] expert-major -> [T*k, C] this rank's rows back, in sorted order
         (in ``keep``)."""
         out = torch.index_select(rows, 0, self.unregroup, out=arena.take(tag + "send", tuple(rows.shape),
                                                                            rows.dtype))
@@ -375,6 +392,37 @@ class Exchange:
         return self.recv.sum(0)
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """A row that travels with a number: ``width`` elements of ``dtype`` and one fp32
+    (a row's routing weight to the expert's rank, its gradient back) in the same bytes,
+    so an all-to-all moves both.  The row is padded to 16 bytes (a GEMM reads the
+    elements in place)."""
+
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def head(self) -> int:
+        """The elements' bytes, padded to 4 (the fp32's offset)."""
+        return -(-self.width * self.dtype.itemsize // 4) * 4
+
+    @property
+    def nbytes(self) -> int:
+        return -(-(self.head + 4) // 16) * 16
+
+    def buffer(self, rows: int, arena: Arena, name: str) -> torch.Tensor:
+        return arena.take(name, (rows, self.nbytes), torch.uint8)
+
+    def elements(self, buf: torch.Tensor) -> torch.Tensor:
+        """[rows, width] ``dtype``: a view of ``buf``'s elements."""
+        return buf[:, :self.width * self.dtype.itemsize].view(self.dtype)
+
+    def number(self, buf: torch.Tensor) -> torch.Tensor:
+        """[rows] fp32: a view of ``buf``'s numbers."""
+        return buf[:, self.head:self.head + 4].view(torch.float32)[:, 0]
+
+
 def _group_size(coll: Collectives | None) -> int:
     return coll.world if coll is not None else 1
 
@@ -385,21 +433,23 @@ def _group_size(coll: Collectives | None) -> int:
 @dataclass
 class KernelByKernelState:
     """What the backward needs from the forward: the permutation, the exchange (None in
-    one process) and the groups (routing metadata, kept as they are), and the tensors
-    ``tensors()`` lists for ``save_for_backward``: the local experts' rows xs [M, H],
-    h [M, 2F], a [M, F] (None when recomputed), this rank's expert outputs in sorted
-    order y [T*k, H], the shared expert's sh [T, 2Fs] and sa [T, Fs] (None without
-    one, sa also when recomputed), the input x, the top-k weights and the weights."""
+    one process), the groups and the rows' layout on an EP group (routing metadata, kept
+    as they are), what ``recompute`` leaves to keep, and the tensors ``TENSORS`` lists for
+    ``save_for_backward``: the experts' input rows ``rows`` (one process: xs [M, H];
+    an EP group: the received rows with their routing weights, ``layout``'s bytes) and
+    their pre-activation h [M, 2F] where kept, the shared expert's pre-activation sh
+    [T, 2Fs], the input x where the rows are gathered again or the shared expert reads
+    it, the top-k weights and the weights.  Neither gated activation nor expert output
+    is kept (the backward recomputes the one and needs not the other)."""
 
     perm: Permutation
     exchange: Exchange | None
     groups: Groups
-    xs: torch.Tensor | None
+    layout: RowLayout | None
+    recompute: Recompute
+    rows: torch.Tensor | None
     h: torch.Tensor | None
-    a: torch.Tensor | None
-    y: torch.Tensor | None
     sh: torch.Tensor | None
-    sa: torch.Tensor | None
     x: torch.Tensor | None
     topk_weights: torch.Tensor | None
     weights: ExpertWeights | None
@@ -407,7 +457,7 @@ class KernelByKernelState:
     slot_rows: tuple[int, ...] | None = None  # and their slot rows
     phases: Phases = TORCH  # the forward's memory-bound phases, which the backward runs too
 
-    TENSORS = ("xs", "h", "a", "y", "sh", "sa", "x", "topk_weights")
+    TENSORS = ("rows", "h", "sh", "x", "topk_weights")
     WEIGHTS = ("w13", "w2", "shared_w13", "shared_w2", "b13", "b2")
 
     def pack(self) -> tuple[list[torch.Tensor | None], KernelByKernelState]:
@@ -434,8 +484,9 @@ def _local_slice(weights: ExpertWeights, coll: Collectives | None) -> slice:
 
 
 def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None = None,
-                pool: ArenaPool | None = None, save: bool = False, recompute: bool = False,
-                received: torch.Tensor | None = None, checked: bool = False, phases: Phases = TORCH
+                pool: ArenaPool | None = None, save: bool = False,
+                recompute: Recompute | bool = Recompute.PERMUTATION, received: torch.Tensor | None = None,
+                checked: bool = False, phases: Phases = TORCH
                 ) -> tuple[torch.Tensor, KernelByKernelState | None]:
     """This rank's forward region: x [T, H] spec.dtype, routing ids/weights [T, k] of these
     tokens -> (out [T, H] spec.dtype, the state for ``kbk_backward`` when ``save``).
@@ -443,7 +494,9 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
     coll: the EP group's deadline-bounded collectives (a runtime ``Session``'s; None:
     one process, every expert here); every rank calls collectively.  pool: where scratch
     buffers come from (None: fresh ones), given back however the call ends; saved
-    tensors are always fresh ones.  recompute: save no gated-activation outputs.
+    tensors are always fresh ones.  recompute: what the backward computes again instead
+    of finding it kept (``spec.Recompute``; on an EP group the received rows are kept
+    whatever it says: gathering them again would dispatch x again).
     received: [ep, L] int64 rows each rank routes to this rank's experts, where the
     caller's agreement carried them (a rank's rows to itself are taken from ``routing``);
     None: counted in a count exchange first.  checked: the caller has checked x and
@@ -454,37 +507,47 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
         check_input(x, routing, spec)
     arena = pool.acquire(x.device) if pool is not None else Arena(x.device)
     try:
-        return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save, recompute,
-                        received, phases)
+        return _forward(x, routing, weights, coll, arena, Arena(x.device) if save else arena, save,
+                        as_recompute(recompute), received, phases)
     finally:
         if pool is not None:
             pool.release(arena)
 
 
 def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Collectives | None,
-             arena: Arena, keep: Arena, save: bool, recompute: bool, received: torch.Tensor | None,
+             arena: Arena, keep: Arena, save: bool, recompute: Recompute, received: torch.Tensor | None,
              phases: Phases) -> tuple[torch.Tensor, KernelByKernelState | None]:
     spec = weights.spec
     mine, k = _local_slice(weights, coll), spec.top_k
     perm = Permutation.of(routing.ids, spec.experts, _group_size(coll), routing.counts)
     exchange = Exchange.of(perm.send, coll, received) if _group_size(coll) > 1 else None
-    rows_from = arena if exchange is not None else keep  # in one process the rows are xs
-    rows = rows_from.take("rows", (perm.order.numel(), spec.hidden), x.dtype)
-    rows = phases.permute(x, perm.order, k, rows)
-    xs = exchange.dispatch(rows, arena, keep, "d.") if exchange is not None else rows
-    groups = Groups(exchange.local_rows() if exchange is not None else perm.send.reshape(-1))
+    if exchange is None:  # the rows are the experts' input (in ``keep`` if the backward reads them)
+        layout = None
+        kept = save and recompute is Recompute.NOTHING
+        rows = (keep if kept else arena).take("rows", (perm.order.numel(), spec.hidden), x.dtype)
+        xs = rows = phases.permute(x, perm.order, k, rows)
+        groups = Groups(perm.send.reshape(-1))
+    else:  # each row travels with its routing weight, which the backward reads on the expert's rank
+        layout = RowLayout(spec.hidden, x.dtype)
+        sent = layout.buffer(perm.order.numel(), arena, "rows")
+        phases.permute(x, perm.order, k, layout.elements(sent))
+        torch.index_select(routing.weights.reshape(-1), 0, perm.order, out=layout.number(sent))
+        rows = exchange.dispatch(sent, arena, keep, "d.")
+        xs, groups = layout.elements(rows), Groups(exchange.local_rows())
     h, a, y = experts_forward(xs, groups, Experts.routed(weights, mine), keep, "e.", phases=phases)
-    y = exchange.combine(y, arena, keep, "c.") if exchange is not None else y
-    sh = sa = sy = None
+    y = exchange.combine(y, arena, arena, "c.") if exchange is not None else y
+    sh = sy = None
     if weights.has_shared:
-        sh, sa, sy = experts_forward(x, Groups.one(x.shape[0]), Experts.shared(weights), keep, "s.",
-                                     phases=phases)
+        sh, _, sy = experts_forward(x, Groups.one(x.shape[0]), Experts.shared(weights), keep, "s.",
+                                    phases=phases)
     out = phases.weighted_sum(y, perm.pos, routing.weights, sy, arena)
     if not save:
         return out, None
-    drop = recompute
-    return out, KernelByKernelState(perm, exchange, groups, xs, h, None if drop else a, y, sh,
-                                    None if drop else sa, x, routing.weights, weights, phases=phases)
+    gemm = recompute is Recompute.GEMM
+    kept_rows = rows if exchange is not None or recompute is Recompute.NOTHING else None
+    kept_x = x if kept_rows is None or weights.has_shared else None
+    return out, KernelByKernelState(perm, exchange, groups, layout, recompute, kept_rows, None if gemm else h,
+                                    None if gemm else sh, kept_x, routing.weights, weights, phases=phases)
 
 
 def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool | None = None) -> Gradients:
@@ -500,26 +563,55 @@ def kbk_backward(state: KernelByKernelState, dout: torch.Tensor, pool: ArenaPool
 
 
 def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradients:
-    w = s.weights
-    mine = _local_slice(w, s.exchange.coll if s.exchange is not None else None)
-    dtype = w.spec.dtype
-    dweights, drows = s.phases.weighted_sum_backward(dout, s.y, s.perm.pos, s.topk_weights, arena)
-    dys = s.exchange.dispatch(drows, arena, arena, "gd.") if s.exchange is not None else drows
-    ex = Experts.routed(w, mine)
+    """1. each (token, slot) row's gradient, unweighted: dout gathered in sorted order (on
+    an EP group dispatched to the experts' ranks); 2. the experts' backward on the rows
+    kept or gathered again (and their pre-activation kept or recomputed), which gives each
+    row's routing-weight gradient too; 3. the rows' input gradients summed per token (on
+    an EP group combined back, each with its routing-weight gradient); 4. the shared
+    expert's backward."""
+    w, k, dtype = s.weights, s.weights.spec.top_k, s.weights.spec.dtype
+    ex = Experts.routed(w, _local_slice(w, s.exchange.coll if s.exchange is not None else None))
+    g = s.phases.permute(dout, s.perm.order, k, arena.take("g", (s.perm.order.numel(), dout.shape[1]),
+                                                             dout.dtype))
     grads = ExpertGrads(*(_weight_buffer(t, ex) for t in (w.w13, w.w2, *w.biases)))
-    dxs = experts_backward(dys, s.xs, s.h, s.a, s.groups, ex, grads, arena, "e.", phases=s.phases)
-    dxs = s.exchange.combine(dxs, arena, arena, "gc.") if s.exchange is not None else dxs
+    if s.exchange is None:
+        xs = s.rows if s.rows is not None else s.phases.permute(s.x, s.perm.order, k, arena.take(
+            "xs", (s.perm.order.numel(), s.x.shape[1]), s.x.dtype))
+        h = s.h if s.h is not None else experts_up(xs, s.groups, ex, arena, "e.")
+        w_rows = s.topk_weights.reshape(-1).index_select(0, s.perm.order)
+        dxs, ds = experts_backward(g, xs, h, w_rows, s.groups, ex, grads, arena, "e.", phases=s.phases)
+    else:
+        dxs, ds = _exchanged_backward(s, g, ex, grads, arena)
+    dweights = ds.index_select(0, s.perm.pos.reshape(-1)).view(s.perm.pos.shape)
     dsw13 = dsw2 = dx_shared = None
-    if s.sh is not None:
+    if w.has_shared:
         sg = ExpertGrads(torch.empty_like(w.shared_w13)[None], torch.empty_like(w.shared_w2)[None])
-        ds = dout.to(dtype).contiguous()
-        one = Groups.one(s.x.shape[0])
-        dx_shared = experts_backward(ds, s.x, s.sh, s.sa, one, Experts.shared(w), sg, arena, "s.",
-                                     phases=s.phases)
+        one, shared = Groups.one(s.x.shape[0]), Experts.shared(w)
+        sh = s.sh if s.sh is not None else experts_up(s.x, one, shared, arena, "s.")
+        gs = dout.to(dtype).contiguous()
+        dx_shared, _ = experts_backward(gs, s.x, sh, None, one, shared, sg, arena, "s.", phases=s.phases)
         dsw13, dsw2 = sg.dw13[0], sg.dw2[0]
     dx = s.phases.slot_sum(dxs, s.perm.pos, dx_shared, arena)
     return Gradients(dx=dx, dweights=dweights, dw13=grads.dw13, dw2=grads.dw2, dshared_w13=dsw13,
                      dshared_w2=dsw2, db13=grads.db13, db2=grads.db2)
+
+
+def _exchanged_backward(s: KernelByKernelState, g: torch.Tensor, ex: Experts, grads: ExpertGrads,
+                        arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EP group's experts' backward: the rows' gradients dispatched, the experts'
+    backward on the received rows and their weights (kept with them), the input
+    gradients combined back each with its routing-weight gradient; (dxs [T*k, H], ds
+    [T*k] fp32) in sorted order."""
+    lay = s.layout
+    got = s.exchange.dispatch(g, arena, arena, "gd.")
+    xs, w_rows = lay.elements(s.rows), lay.number(s.rows)
+    h = s.h if s.h is not None else experts_up(xs, s.groups, ex, arena, "e.")
+    dxs, ds = experts_backward(got, xs, h, w_rows, s.groups, ex, grads, arena, "e.", phases=s.phases)
+    sent = lay.buffer(dxs.shape[0], arena, "gc.rows")
+    lay.elements(sent).copy_(dxs)
+    lay.number(sent).copy_(ds)
+    back = s.exchange.combine(sent, arena, arena, "gc.")
+    return lay.elements(back), lay.number(back)
 
 
 def _weight_buffer(w: torch.Tensor, ex: Experts) -> torch.Tensor:

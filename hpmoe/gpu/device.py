@@ -563,6 +563,39 @@ def glu_backward_kernel(h, da, dh, m, f, ld_h, ld_da, ld_dh, DT: tl.constexpr, B
     tl.store(pd + f, dup, mask=mask)
 
 
+@triton.jit
+def glu_router_backward_kernel(h, d, w, dh, aw, ds, m, f, ld_h, ld_d, ld_dh, ld_aw, WEIGHTED: tl.constexpr,
+                               DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
+    """The experts' backward between their GEMMs, one launch (``exec.phases.
+    glu_router_backward``): per row, a = silu(gate) * up recomputed from h [m, 2f] (rounded
+    as the forward), ds = sum_c d * a in fp32 (the routing weight's gradient), da =
+    w * d rounded, dh = the gated activation's gradient of da (``_swiglu_grad``) and
+    aw = w * a rounded; without WEIGHTED w is 1 (da = d, aw = a) and ds is not written.
+    Each program BR rows, every column."""
+    ir = tl.program_id(0) * BR + tl.arange(0, BR)
+    live = ir < m
+    wr = tl.load(w + ir.to(tl.int64), mask=live, other=1.0) if WEIGHTED else tl.full((BR,), 1.0, tl.float32)
+    acc = tl.full((BR,), 0.0, tl.float32)
+    for c0 in range(0, f, BC):
+        jc = c0 + tl.arange(0, BC)
+        mask = live[:, None] & (jc[None, :] < f)
+        ph = h + ir[:, None].to(tl.int64) * ld_h + jc[None, :]
+        g = tl.load(ph, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ph + f, mask=mask, other=0.0).to(tl.float32)
+        dd = tl.load(d + ir[:, None].to(tl.int64) * ld_d + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = _swiglu(g, u, DT, EMULATE).to(tl.float32)
+        acc += tl.reduce(dd * a, 1, _add)
+        da = _to(dd * wr[:, None], DT, EMULATE).to(tl.float32) if WEIGHTED else dd
+        dgate, dup = _swiglu_grad(g, u, da, DT, EMULATE)
+        pd = dh + ir[:, None].to(tl.int64) * ld_dh + jc[None, :]
+        tl.store(pd, dgate, mask=mask)
+        tl.store(pd + f, dup, mask=mask)
+        tl.store(aw + ir[:, None].to(tl.int64) * ld_aw + jc[None, :], _to(a * wr[:, None], DT, EMULATE),
+                 mask=mask)
+    if WEIGHTED:
+        tl.store(ds + ir.to(tl.int64), acc, mask=live)
+
+
 # ---------------------------------------------------------------------------- a call's input scan
 
 BIG = tl.constexpr(1 << 62)  # above every row key and expert id: "nothing found"

@@ -20,7 +20,7 @@ import importlib.util
 import torch
 
 from ..exec.arena import Arena
-from ..exec.phases import Phases, permute, slot_sum, weighted_sum, weighted_sum_backward
+from ..exec.phases import Phases, glu_router_backward, permute, slot_sum, weighted_sum, weighted_sum_backward
 from ..regions.backward_kernels import glu_backward
 from ..regions.kernels import glu
 from ..routing import Scanned
@@ -99,6 +99,27 @@ def triton_glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, act
             **_launch(h.dtype, interpret))
 
 
+def triton_glu_router_backward(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor | None, dh: torch.Tensor,
+                               a_w: torch.Tensor, activation: Activation, form: GluForm | None = None,
+                               interpret: bool = False) -> torch.Tensor | None:
+    """``exec.phases.glu_router_backward`` in one launch: dh, a_w and the rows' routing
+    weight gradients ds [M] fp32 (None without weights) from h [M, 2F], d [M, F], w [M]."""
+    form = form or GluForm()
+    if not _plain_silu(h, activation, form, interpret):
+        return glu_router_backward(h, d, w, dh, a_w, activation, form)
+    m, f = d.shape
+    ds = torch.empty(m, dtype=torch.float32, device=d.device) if w is not None else None
+    if m and f:
+        unread = d  # w's and ds's address without weights: never dereferenced
+        device_module(interpret).glu_router_backward_kernel[(-(-m // BACKWARD_ROWS),)](
+            h, d, unread if w is None else w, dh, a_w, unread if ds is None else ds, m, f, h.stride(0),
+            d.stride(0), dh.stride(0), a_w.stride(0), WEIGHTED=w is not None, BR=BACKWARD_ROWS, BC=BLOCK_COLS,
+            **_launch(h.dtype, interpret))
+    elif ds is not None:
+        ds.zero_()
+    return ds
+
+
 def slot_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None,
                  extra: torch.Tensor | None, interpret: bool = False) -> torch.Tensor:
     """out [T, H] rows.dtype: out[t] = sum_j weights[t, j] * rows[pos[t, j]] (fp32, slot 0
@@ -161,7 +182,8 @@ def _slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None,
 
 
 TRITON = Phases(permute=triton_permute, glu=triton_glu, glu_backward=triton_glu_backward,
-                weighted_sum=_weighted_sum, weighted_sum_backward=_weighted_sum_backward, slot_sum=_slot_sum)
+                weighted_sum=_weighted_sum, weighted_sum_backward=_weighted_sum_backward, slot_sum=_slot_sum,
+                glu_router_backward=triton_glu_router_backward)
 
 
 # ---------------------------------------------------------------------------- the input scan

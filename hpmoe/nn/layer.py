@@ -51,7 +51,7 @@ from ..routing import route
 from ..schedule.auto import AutoDecision
 from ..schedule.tune import TuneResult
 from ..sim.hardware import HardwareModel
-from ..spec import GateKind, MoESpec, ParallelSpec, TileSpec
+from ..spec import GateKind, MoESpec, ParallelSpec, Recompute, TileSpec
 from ..weights import ExpertWeights, placeholder
 from .experts_impl import register, runs_region
 from .experts_impl import select as select_experts
@@ -130,7 +130,8 @@ class MoE(nn.Module):
     """
 
     def __init__(self, spec: MoESpec, weights: ExpertWeights | None = None, *, ep_group: Any = None,
-                 schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO, recompute: bool = False,
+                 schedule: SchedulePolicy | int | None = SchedulePolicy.AUTO,
+                 recompute: Recompute | bool | str = Recompute.PERMUTATION,
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
                  hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact",
                  nodes: int = 1, rebalance_every: int = 0, redundant: int = 0, shard_experts: bool = False,
@@ -250,14 +251,14 @@ class MoE(nn.Module):
         t = self._expert_tensors()
         spec = self._door.logical(t.w13.dtype)
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
-        shared = (None, None) if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
-                                                  sh.down_proj.weight)
+        parts = None if sh is None else (sh.gate_proj.weight, sh.up_proj.weight)
+        shared = (None, None) if sh is None else (torch.cat(parts), sh.down_proj.weight)
         if self.options.shard_experts:
             stored = [t.w13, t.w2, *((t.b13, t.b2) if t.b13 is not None else ())]
-            return self._door.balance.stored_slots(spec, stored, *shared)
+            return self._door.balance.stored_slots(spec, stored, *shared, parts)
         router, bias = self._router(t.w13.device)
         return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=t.w13, w2=t.w2,
-                             shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2)
+                             shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2, shared_parts=parts)
 
     def _router(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(router [E, H], score-correction bias [E]) float32: hpmoe's own, or zeros for a
@@ -444,4 +445,4 @@ class MoE(nn.Module):
         where = f"ep_group, schedule={o.policy.value}" if o.distributed else f"virtual_ep={o.virtual_ep}"
         family = f"family={self.family.name}, " if self.family else ""
         backend = f", backend={o.backend.value}" if o.backend is not Backend.EXACT else ""
-        return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute}"
+        return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute.value}"
