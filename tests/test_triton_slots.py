@@ -84,3 +84,19 @@ def test_a_call_writes_the_operands_of_its_resolved_graph(case):
         assert np.array_equal(got, want)
         st = program.plan.slot_tasks
         assert got[st.task, COL["m"]].sum() > 0 and (got[st.task, COL["m"]] <= st.cap).all()
+
+
+def test_a_step_before_its_launch_reads_nothing_of_the_device(case):
+    """Resolving the routing, writing the task table and the row indices, binding and
+    the addresses: no op or Tensor method whose result the host must wait for."""
+    from .test_host_reads import no_host_reads
+
+    x, w, routings = case
+    program = PlanCache().program(x, w, routings[0], TILES, TritonOptions())
+    for r in routings[5:8] + routings[15:17]:
+        with no_host_reads():
+            out, _ = program.prepare(x, w, r)
+            program.addresses()
+        assert out.shape == x.shape
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        program.launch(x, w, routings[0])

@@ -162,6 +162,11 @@ class DeviceProgram:
         self.counters = torch.zeros(max(packed.num_events, 1), dtype=torch.int32, device=self.device)
         self.calls = 0
         self.aligned = aligned_layout(packed.tasks, packed.space)
+        q = packed.num_queues  # launch()'s cursors, error rows and unused stamp buffer
+        self.launch_state = (torch.zeros(q, dtype=torch.int32, device=self.device),
+                             torch.zeros(q, 4, dtype=torch.int32, device=self.device),
+                             torch.zeros(1, 2, dtype=torch.int64, device=self.device))
+        self.checked_variants: set[bool] = set()
 
     def _aligned(self, addresses: torch.Tensor) -> bool:
         """The kernel variant for ``addresses``: aligned when the layout is and every
@@ -242,6 +247,32 @@ class DeviceProgram:
 
         go.errors = errors
         return go
+
+    def launch(self, addresses: torch.Tensor, aligned: bool, deadline_s: float = 10.0) -> torch.Tensor:
+        """Run every queue once as call ``self.calls`` in ONE launch on the GPU without
+        waiting for it or reading anything of the device's: a training step's launch.
+        ``aligned``: the kernel variant, which the caller decides from its buffers'
+        host addresses (``ops.aligned_addresses``).  Returns the errors [Q, 4] int32 this
+        program's launches write (a late wait sets its queue's row): read them after
+        synchronising.  The kernel is compiled and its residency checked on the first
+        launch of each variant."""
+        if self.interpret:
+            raise ValueError("launch needs a CUDA device (the interpreter runs in rounds: run())")
+        if self.calls >= self.packed.max_calls():
+            raise RuntimeError(f"counters would overflow int32 after {self.calls} calls: repack the region")
+        q, (cursor, errors, dummy) = self.packed.num_queues, self.launch_state
+        cursor.zero_()
+        kernel = device_module(False).taskflow_kernel
+        meta = kernel_meta(self.dtype, self.config, False, True, 0, False, aligned)
+        launch = launch_options(self.config)
+        args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
+        if aligned not in self.checked_variants:
+            compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
+            check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(self.device)))
+            self.checked_variants.add(aligned)
+        cooperative_launch(kernel, q, args, {**meta, **launch})
+        self.calls += 1
+        return errors
 
     def _rounds(self, kernel, args: tuple, meta: dict, cursor: torch.Tensor, max_rounds: int | None) -> int:
         lengths = torch.from_numpy(np.diff(self.packed.queue_ptr).astype(np.int32))

@@ -12,8 +12,9 @@ and no Python planning:
   2. ``SlotColumns.apply``: the routing's operand entries written into the device's task
      table, each slot task's M (its live rows) and each expert GEMM's weight row;
   3. the row indices (token of each slot row, slot row of each (token, j)) into the arena;
-  4. bind the caller's tensors and run the kernel (on a GPU one launch, no host sync:
-     ``launch``; ``forward`` also checks the run and reads it back).
+  4. bind the caller's tensors, upload their addresses and launch the kernel (on a GPU
+     one launch, no host sync: ``SlotProgram.launch``; ``forward`` also checks the run,
+     and is what the interpreter runs, in rounds).
 
 Which columns a routing changes is derived from ``ops.describe`` itself (the one place
 that says what a task reads), not restated here.
@@ -41,7 +42,7 @@ from .core import (
     plan_slots,
     resolve_slots,
 )
-from .ops import COL, NCOL, describe
+from .ops import COL, NCOL, aligned_addresses, describe
 from .pack import pack
 from .runner import DeviceProgram, RunInfo
 
@@ -135,6 +136,17 @@ class SlotRun:
     info: RunInfo | None
 
 
+@dataclass(frozen=True)
+class SlotLaunch:
+    """One launched step: out [T, H] spec.dtype (written once the launch ends), the
+    routing as resolved, and the program's error rows [Q, 4] int32 (read them after
+    synchronising: a nonzero first column is a late wait)."""
+
+    out: torch.Tensor
+    slots: SlotRouting
+    errors: torch.Tensor
+
+
 class SlotProgram:
     """A per-shape forward region resident on one device (built once, by ``PlanCache``)."""
 
@@ -174,6 +186,27 @@ class SlotProgram:
         slots = resolve_slots(routing.ids, routing.weights, self.key.shape)
         self.columns.apply(self.program.arrays["tasks"], slots)
         return self._bind(x, weights, routing, slots), slots
+
+    def addresses(self) -> tuple[torch.Tensor, bool]:
+        """(the bound buffers' addresses [num_buffers] int64 on the device, whether the
+        aligned kernel variant may run), from host addresses alone: on a GPU copied
+        from pinned memory without waiting (a copy from pageable memory would
+        synchronise the stream)."""
+        host = self.arena.host_addresses()
+        aligned = self.program.aligned and aligned_addresses(self.program.packed.tasks, host)
+        staged = torch.from_numpy(host)
+        if self.key.device.type != "cuda":
+            return staged, aligned
+        return staged.pin_memory().to(self.key.device, non_blocking=True), aligned
+
+    def launch(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> SlotLaunch:
+        """One step on a GPU: ``prepare``, then the kernel's one launch, with no host
+        read of the device and no synchronisation (``DeviceProgram.launch``); the
+        caller checks x and routing (``routing.check_input``) where it wants to."""
+        out, slots = self.prepare(x, weights, routing)
+        addresses, aligned = self.addresses()
+        errors = self.program.launch(addresses, aligned, self.key.options.deadline_s)
+        return SlotLaunch(out=out, slots=slots, errors=errors)
 
     def forward(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing,
                 checked: bool = False) -> SlotRun:

@@ -1,0 +1,118 @@
+"""What a step costs on the host with a plan made once per shape (``hpmoe.gpu.slots``).
+
+``gpu_plan_cost.py`` times the per-routing planning a persistent call pays on the host
+(7-17 ms forward and backward on ``bench_gpu.py``'s shapes).  A per-shape program is
+built once; a step then only resolves the routing with tensor operations, writes the
+task table's routing-dependent entries and the row indices, binds the call's tensors and
+uploads their addresses (``SlotProgram.prepare`` + ``SlotProgram.addresses``), before the
+one launch.  This times that, with a new routing every step (balanced and zipf alternating,
+a new seed each step), for ``bench_gpu.py``'s 4096 tokens and tiles, one rank, forward,
+on the CPU: there every tensor operation runs its work on the host too, so the figure
+bounds from above what a GPU's host spends launching the same operations (counted per
+step: ``ops``).  The program is built for the CPU (the interpreter's device); nothing is
+launched.
+
+    .venv/bin/python benchmarks/slot_plan_cost.py [--shapes qwen3-30b-a3b small] [--steps 40]
+        [--threads 1] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import TILES, TOKENS, base_shapes  # noqa: E402
+
+from hpmoe.gpu.backend import TritonOptions  # noqa: E402
+from hpmoe.gpu.slots import PlanCache, SlotProgram  # noqa: E402
+from hpmoe.machine import machine  # noqa: E402
+from hpmoe.routing import Routing, RoutingKind, synthetic_routing  # noqa: E402
+from hpmoe.schedule import SchedulePolicy, WorkerCounts  # noqa: E402
+from hpmoe.spec import MoESpec, ParallelSpec, preset  # noqa: E402
+from hpmoe.weights import ExpertWeights  # noqa: E402
+
+OPTIONS = TritonOptions(policy=SchedulePolicy.HYPERPARALLEL, workers=WorkerCounts(92, 40))
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the tensor operations dispatched (each a kernel launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def routings(spec: MoESpec, steps: int) -> list[Routing]:
+    """A new routing every step: balanced and zipf alternating, seed = step."""
+    par = ParallelSpec(1, TOKENS)
+    return [synthetic_routing(RoutingKind.BALANCED if s % 2 else RoutingKind.ZIPF, spec, par, s)
+            for s in range(steps)]
+
+
+def step(program: SlotProgram, x: torch.Tensor, w: ExpertWeights, r: Routing) -> None:
+    program.prepare(x, w, r)
+    program.addresses()
+
+
+def measure(spec: MoESpec, steps: int) -> dict[str, float]:
+    """Build once (timed), then per step: median and fastest milliseconds, ops."""
+    w = ExpertWeights.random(spec, 0)
+    x = torch.randn(TOKENS, spec.hidden, generator=torch.Generator().manual_seed(1)).to(spec.dtype)
+    rs = routings(spec, steps + 1)
+    cache = PlanCache()
+    t0 = time.perf_counter()
+    program = cache.program(x, w, rs[0], TILES, OPTIONS)
+    build = (time.perf_counter() - t0) * 1e3
+    step(program, x, w, rs[0])  # warm-up
+    times = []
+    for r in rs[1:]:
+        t0 = time.perf_counter()
+        step(program, x, w, r)
+        times.append((time.perf_counter() - t0) * 1e3)
+    counter = _CountOps()
+    with counter:
+        step(program, x, w, rs[1])
+    return {"build_ms": build, "step_median_ms": statistics.median(times), "step_min_ms": min(times),
+            "ops_per_step": counter.ops, "builds": cache.builds, "slots": program.key.shape.slots,
+            "tasks": program.plan.graph.num_tasks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "small"])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a "
+                   "step's operations are small; on a GPU they are launches)")
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    known = {**base_shapes(), "tiny": preset("tiny")}
+    report = {"machine": machine().to_json(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "threads": torch.get_num_threads(), "tokens": TOKENS, "shapes": {}}
+    print(machine().line(), "| capability", report["cpu_capability"], "| threads", report["threads"])
+    for name in a.shapes:
+        r = measure(known[name], a.steps)
+        report["shapes"][name] = r
+        print(f"{name:>14}  build {r['build_ms']:8.1f} ms  step median {r['step_median_ms']:.3f} ms  "
+              f"fastest {r['step_min_ms']:.3f} ms  {r['ops_per_step']} ops  {r['slots']} slots  "
+              f"{r['tasks']} tasks  builds {r['builds']}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
