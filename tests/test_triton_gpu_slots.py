@@ -1,0 +1,67 @@
+"""The per-shape persistent program on a CUDA device (``pytest -m gpu``; skipped without
+one): one program, built once, launched without a host sync for 20 routings of a shape
+(the ids on the device), each bitwise equal to the per-routing kernel; repeats of one
+routing give the same bits (a difference would be a race)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from hpmoe.gpu.backend import TritonOptions, triton_forward  # noqa: E402
+from hpmoe.gpu.slots import PlanCache  # noqa: E402
+from hpmoe.schedule import QUEUE_POLICIES  # noqa: E402
+from hpmoe.spec import GateKind, MoESpec, TileSpec  # noqa: E402
+from hpmoe.weights import ExpertWeights  # noqa: E402
+
+from .slot_routings import twenty_routings  # noqa: E402
+
+SPEC = MoESpec(hidden=256, ffn=128, experts=16, top_k=4, shared_experts=1, gate=GateKind.SOFTMAX,
+               dtype=torch.float32)
+TILES = TileSpec(rows=32, gemm_rows=64, gemm_cols=128)
+TOKENS = 64
+FULL = [[64] * 4 + [0] * 12, [0] * 12 + [64] * 4]  # every token on the same four experts
+SKEWED = [[16] * 16, [64, 64, 32, 32, 16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 1, 1], [33] * 7 + [25] + [0] * 8]
+
+
+def _on(dev: torch.device, w: ExpertWeights, x: torch.Tensor, routings: list) -> tuple:
+    moved = {f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    rs = [dataclasses.replace(r, ids=r.ids.to(dev), weights=r.weights.to(dev)) for r in routings]
+    return dataclasses.replace(w, **moved), x.to(dev), rs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", QUEUE_POLICIES, ids=lambda p: p.name)
+def test_one_program_launched_without_a_sync_serves_twenty_routings(dtype, policy):
+    spec = SPEC.with_dtype(dtype)
+    x = torch.randn(TOKENS, spec.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    w, x, routings = _on(torch.device("cuda"), ExpertWeights.random(spec, 0), x,
+                         twenty_routings(spec, TOKENS, FULL, SKEWED))
+    cache, options = PlanCache(), TritonOptions(policy=policy)
+    for i, r in enumerate(routings):
+        program = cache.program(x, w, r, TILES, options)
+        launched = program.launch(x, w, r)
+        torch.cuda.synchronize()
+        assert int(launched.errors[:, 0].sum()) == 0, i
+        want = triton_forward(x, w, r, 1, TILES, options).out
+        assert torch.equal(launched.out, want), i
+        checked = program.forward(x, w, r).out
+        assert torch.equal(checked, want), i
+    assert cache.builds == 1
+
+
+def test_twenty_launches_of_one_routing_give_the_same_bits():
+    x = torch.randn(TOKENS, SPEC.hidden, generator=torch.Generator().manual_seed(2))
+    w, x, routings = _on(torch.device("cuda"), ExpertWeights.random(SPEC, 1), x,
+                         twenty_routings(SPEC, TOKENS, FULL, SKEWED))
+    program = PlanCache().program(x, w, routings[5], TILES, TritonOptions())
+    first = program.launch(x, w, routings[5]).out
+    for _ in range(20):
+        again = program.launch(x, w, routings[5])
+        torch.cuda.synchronize()
+        assert torch.equal(again.out, first) and int(again.errors[:, 0].sum()) == 0
