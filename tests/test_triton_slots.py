@@ -100,3 +100,15 @@ def test_a_step_before_its_launch_reads_nothing_of_the_device(case):
         assert out.shape == x.shape
     with pytest.raises(ValueError, match="needs a CUDA device"):
         program.launch(x, w, routings[0])
+
+
+def test_bf16_one_program_gives_the_per_routing_kernels_bits(case):
+    x, w, routings = case
+    spec = SPEC.with_dtype(torch.bfloat16)
+    w16 = ExpertWeights.random(spec, 3)
+    x16 = x.to(torch.bfloat16)
+    cache = PlanCache()
+    for r in (routings[2], routings[11], routings[16]):  # zipf, one hot expert, every slot filled
+        got = slot_forward(x16, w16, r, cache, TILES).out
+        assert torch.equal(got, triton_forward(x16, w16, r, 1, TILES).out)
+    assert cache.builds == 1
