@@ -217,7 +217,7 @@ def test_a_call_keeps_the_shared_experts_parameters_not_their_fused_copy(path):
     sh = layer.shared_experts
     fused = torch.cat([sh.gate_proj.weight, sh.up_proj.weight])
     ptrs = {t.untyped_storage().data_ptr() for t in saved}
-    assert {sh.gate_proj.weight.untyped_storage().data_ptr(), sh.up_proj.weight.untyped_storage().data_ptr()} <= ptrs
+    assert {p.untyped_storage().data_ptr() for p in (sh.gate_proj.weight, sh.up_proj.weight)} <= ptrs
     assert not [t for t in saved if t.shape == fused.shape and torch.equal(t, fused)]
     out.backward(dy)
     got = (out.detach(), xg.grad, {n: p.grad.clone() for n, p in layer.named_parameters()})

@@ -65,7 +65,7 @@ def moe_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep: i
         raise ValueError(f"policy={policy!r}: in one process, AUTO or SERIAL (the task graph)")
     auto = policy is SchedulePolicy.AUTO and order is None
     check_input(x, routing, weights.spec)  # the one check of the call: no path checks again
-    options = RegionOptions(virtual_ep=ep, schedule=SchedulePolicy.AUTO if auto else order, tiles=tiles,
+    options = RegionOptions(virtual_ep=ep, schedule=policy if auto else order, tiles=tiles,
                             hardware=hardware if auto else None, backend=backend)
     memory = PROCESS_AUTO if decisions is None else Auto(decisions)
     path, _ = select(options, weights.spec, x.shape[0], memory, device=x.device)

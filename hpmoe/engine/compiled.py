@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.schedule import SchedulePolicy
 from ..routing import Routing, check_form, check_input
 from ..spec import Activation, DispatchMode, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights
-from .options import RegionOptions
 from .paths import RegionPath
-from .selection import PROCESS_AUTO, select
+from .selection import compiled_path
 
 
 def _weights(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor,
@@ -71,9 +69,7 @@ def _path(w: ExpertWeights, tokens: int, ep: int, fields: list[int], auto: bool,
     """The path of a call on ``device``: AUTO's for this shape with ``auto``, else the
     taskflow."""
     tiles, nodes = _tile_spec(fields)
-    schedule = SchedulePolicy.AUTO if auto else None
-    options = RegionOptions(virtual_ep=ep, schedule=schedule, tiles=tiles, nodes=nodes)
-    return select(options, w.spec, tokens, PROCESS_AUTO, device=device)[0]
+    return compiled_path(w.spec, tokens, ep, tiles, nodes, auto, device)
 
 
 @torch.library.custom_op("hpmoe::region", mutates_args=())

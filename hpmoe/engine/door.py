@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from ..exec.arena import ArenaPool
-from ..exec.backend import Backend
 from ..ir.schedule import SchedulePolicy
 from ..placement import Placement
 from ..regions.base import RegionKind
@@ -37,7 +36,7 @@ from .check import InputCheck
 from .compiled import run_region
 from .options import RegionOptions
 from .paths import RegionPath, run
-from .selection import Auto, decision, select, tuned
+from .selection import Auto, compiled, decision, select, tuned
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
     from ..runtime import Opened, Session
@@ -98,7 +97,7 @@ class Door:
         w = w if dtype == w.spec.dtype else _cast(w, dtype)
         xc, routing = x.to(dtype), Routing(ids.to(torch.int64), topk_weights.float())
         o = self.options
-        if torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT:
+        if compiled(o):
             return self._compiled(xc, routing, w).to(x.dtype)
         logical = self.logical(dtype)
         if o.distributed:

@@ -220,9 +220,3 @@ class RegionOptions:
         session = self.session
         return session.group if session is not None else self.ep_group
 
-    @property
-    def policy(self) -> SchedulePolicy:
-        """The runtime's scheduling policy (distributed runs; AUTO's taskflow and None
-        mean HYPERPARALLEL)."""
-        fixed = isinstance(self.schedule, SchedulePolicy) and self.schedule is not SchedulePolicy.AUTO
-        return self.schedule if fixed else SchedulePolicy.HYPERPARALLEL

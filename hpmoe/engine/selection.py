@@ -24,7 +24,7 @@ from ..schedule.tune import DeviceSpace, Knobs, Space, TuneKey, TuneResult
 from ..schedule.tuner import OneProcess, Trial, Tuner
 from ..sim.hardware import HardwareModel
 from ..sim.presets import cpu_nominal
-from ..spec import MoESpec
+from ..spec import MoESpec, TileSpec
 from .options import RegionOptions
 from .paths import ExactPath, KernelByKernelPath, RegionPath, RuntimePath, TritonPath
 
@@ -82,11 +82,33 @@ def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Se
     if chosen.backend is Backend.KERNEL_BY_KERNEL:
         return KernelByKernelPath(session, o.tiles, pool, o.recompute, received, phases_for(device)), trial
     if o.distributed:
-        return RuntimePath(session, chosen.tiles, chosen.policy, chosen.rank_hardware, chosen.nodes,
+        return RuntimePath(session, chosen.tiles, runtime_policy(chosen), chosen.rank_hardware, chosen.nodes,
                            chosen.recompute), trial
     if o.backend is Backend.TRITON:
-        return TritonPath(o.virtual_ep, o.tiles, o.policy, o.hardware, o.recompute), trial
+        return TritonPath(o.virtual_ep, o.tiles, runtime_policy(o), o.hardware, o.recompute), trial
     return ExactPath(o.virtual_ep, chosen.tiles, chosen.schedule, chosen.nodes, chosen.recompute), trial
+
+
+def runtime_policy(o: RegionOptions) -> SchedulePolicy:
+    """The queue order a fixed taskflow runs (the runtime's, the persistent kernel's):
+    ``o.schedule`` where it names one, else (AUTO, None, a seed) HYPERPARALLEL."""
+    fixed = isinstance(o.schedule, SchedulePolicy) and o.schedule is not SchedulePolicy.AUTO
+    return o.schedule if fixed else SchedulePolicy.HYPERPARALLEL
+
+
+def compiled(o: RegionOptions) -> bool:
+    """Whether a call runs the region's custom op (``engine.compiled``): one process,
+    the exact backend, while ``torch.compile`` traces."""
+    return torch.compiler.is_compiling() and not o.distributed and o.backend is Backend.EXACT
+
+
+def compiled_path(spec: MoESpec, tokens: int, ep: int, tiles: TileSpec, nodes: int, auto: bool,
+                  device: torch.device) -> RegionPath:
+    """The path of the custom op's call (``engine.compiled``) on ``device``: AUTO's for
+    this shape (on the saved profile) with ``auto``, else the taskflow in task-id order."""
+    options = RegionOptions(virtual_ep=ep, schedule=SchedulePolicy.AUTO if auto else None, tiles=tiles,
+                            nodes=nodes)
+    return select(options, spec, tokens, PROCESS_AUTO, device=device)[0]
 
 
 def phases_for(device: torch.device | None) -> Phases:

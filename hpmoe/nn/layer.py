@@ -42,6 +42,7 @@ from ..engine import RegionOptions
 from ..engine.balance import MIN_REBALANCE_GAIN, own_rows
 from ..engine.check import CheckMode
 from ..engine.door import CallRecord, Door
+from ..engine.selection import runtime_policy
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
 from ..ir.schedule import SchedulePolicy
@@ -258,7 +259,8 @@ class MoE(nn.Module):
             return self._door.balance.stored_slots(spec, stored, *shared, parts)
         router, bias = self._router(t.w13.device)
         return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=t.w13, w2=t.w2,
-                             shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2, shared_parts=parts)
+                             shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2,
+                             shared_parts=parts)
 
     def _router(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(router [E, H], score-correction bias [E]) float32: hpmoe's own, or zeros for a
@@ -442,7 +444,8 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         o = self.options
-        where = f"ep_group, schedule={o.policy.value}" if o.distributed else f"virtual_ep={o.virtual_ep}"
+        where = (f"ep_group, schedule={runtime_policy(o).value}" if o.distributed
+                 else f"virtual_ep={o.virtual_ep}")
         family = f"family={self.family.name}, " if self.family else ""
         backend = f", backend={o.backend.value}" if o.backend is not Backend.EXACT else ""
         return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute.value}"

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..ir.graph import TaskGraph
 from ..ir.schedule import QUEUE_POLICIES, Schedule, SchedulePolicy, WorkerCounts, schedule_from_assignment
 from ..ir.schedule_verify import verify_schedule
@@ -25,12 +27,14 @@ def schedule(graph: TaskGraph, policy: SchedulePolicy, hardware: HardwareModel) 
     if policy is SchedulePolicy.AUTO:
         raise ValueError("policy=AUTO chooses how a region runs (schedule.auto), not a queue order: "
                          f"pass one of {[p.value for p in QUEUE_POLICIES]}")
-    workers = hardware.workers
-    if policy is SchedulePolicy.SERIAL:
-        return serial_schedule(graph, workers)
-    if policy is SchedulePolicy.HYPERPARALLEL:
-        return hyperparallel_schedule(graph, workers)
-    return critical_path_schedule(graph, hardware)
+    return _SCHEDULERS[policy](graph, hardware)
+
+
+_SCHEDULERS: dict[SchedulePolicy, Callable[[TaskGraph, HardwareModel], Schedule]] = {
+    SchedulePolicy.SERIAL: lambda graph, hardware: serial_schedule(graph, hardware.workers),
+    SchedulePolicy.HYPERPARALLEL: lambda graph, hardware: hyperparallel_schedule(graph, hardware.workers),
+    SchedulePolicy.CRITICAL_PATH: critical_path_schedule,
+}
 
 
 __all__ = ["QUEUE_POLICIES", "Candidate", "Schedule", "SchedulePolicy", "WorkerCounts",
