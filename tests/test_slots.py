@@ -97,7 +97,7 @@ def test_resolution_matches_the_routing_plan(case):
     _, _, routings, _, _ = case
     g = TILES.gemm_rows
     for r in routings:
-        slots = resolve_slots(r.ids, r.weights, SHAPE)
+        slots = resolve_slots(r.ids, SHAPE)
         plan = plan_routing(r.ids, SPEC, ParallelSpec(1, TOKENS))
         counts = plan.counts[0, 0]
         assert torch.equal(slots.counts, counts)
@@ -126,7 +126,7 @@ def test_a_routing_changes_only_the_slot_tasks_rows_and_experts(case):
     x, w, routings, _, plan = case
     g = plan.graph
     for r in routings[:3] + routings[15:]:
-        got = resolved_graph(plan, resolve_slots(r.ids, r.weights, SHAPE))
+        got = resolved_graph(plan, resolve_slots(r.ids, SHAPE))
         for f in dataclasses.fields(g):
             if f.name not in ("row1", "expert", "events"):
                 assert np.array_equal(getattr(got, f.name), getattr(g, f.name)), f.name

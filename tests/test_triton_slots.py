@@ -79,7 +79,7 @@ def test_a_call_writes_the_operands_of_its_resolved_graph(case):
         program = cache.program(x, w, r, TILES, TritonOptions())
         _, slots = program.prepare(x, w, r)
         got = program.program.arrays["tasks"].numpy()
-        assert torch.equal(slots.pos, resolve_slots(r.ids, r.weights, program.key.shape).pos)
+        assert torch.equal(slots.pos, resolve_slots(r.ids, program.key.shape).pos)
         want = describe(resolved_graph(program.plan, slots), program.arena.space)
         assert np.array_equal(got, want)
         st = program.plan.slot_tasks

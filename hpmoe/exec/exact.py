@@ -149,7 +149,7 @@ def prepare_slot_forward(plan: SlotPlan, x: torch.Tensor, weights: ExpertWeights
         check_input(x, routing, spec)
     if spec != shape.moe or x.shape[0] != shape.tokens:
         raise ValueError(f"the plan is for {shape.tokens} tokens of {shape.moe}, got {x.shape[0]} of {spec}")
-    slots = resolve_slots(routing.ids, routing.weights, shape)
+    slots = resolve_slots(routing.ids, shape)
     mine = weights.local(slice(0, spec.experts))
     ctx = RankContext(weights, mine.w13, mine.w2, slots.row_token, slots.pos, routing.weights, mine.b13,
                       mine.b2)

@@ -161,7 +161,7 @@ class SlotProgram:
             self.arena.rank_view(name, 0).zero_()
         tasks = describe(self.plan.graph, space)
         self.columns = SlotColumns.of(self.plan, space.read[0], weight_rows(self.plan, space), key.device)
-        self._bind(x, weights, routing, resolve_slots(routing.ids, routing.weights, key.shape))
+        self._bind(x, weights, routing, resolve_slots(routing.ids, key.shape))
         self.schedule = region_schedule(self.plan.graph, tasks, key.options, self.arena)
         self.program = DeviceProgram(pack(self.schedule, space, tasks), key.device, key.shape.moe.dtype,
                                      key.options.config)
@@ -183,7 +183,7 @@ class SlotProgram:
                 routing: Routing) -> tuple[torch.Tensor, SlotRouting]:
         """Everything a call does before the launch (steps 1-3 of the module and the
         binding): (the output tensor, the resolved routing)."""
-        slots = resolve_slots(routing.ids, routing.weights, self.key.shape)
+        slots = resolve_slots(routing.ids, self.key.shape)
         self.columns.apply(self.program.arrays["tasks"], slots)
         return self._bind(x, weights, routing, slots), slots
 

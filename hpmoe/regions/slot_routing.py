@@ -31,20 +31,18 @@ class SlotRouting:
     counts: [E] int64 rows per expert.  slot_expert: [S] int64 expert each slot serves
     (an unused slot: the last expert, never read).  slot_rows: [S] int64 live rows.
     pos: [T, k] int64 slot-layout row of each (token, j).  row_token: [S*G] int64 token
-    of each row (0 in rows no token fills).  row_weight: [S*G] float32 routing weight of
-    each row (0 where none)."""
+    of each row (0 in rows no token fills)."""
 
     counts: torch.Tensor
     slot_expert: torch.Tensor
     slot_rows: torch.Tensor
     pos: torch.Tensor
     row_token: torch.Tensor
-    row_weight: torch.Tensor
 
 
-def resolve_slots(ids: torch.Tensor, weights: torch.Tensor, shape: SlotShape) -> SlotRouting:
-    """``ids`` [T, k] int64 in [0, E) and ``weights`` [T, k] float32 (checked by the
-    caller) on one device, resolved onto ``shape``'s slots there."""
+def resolve_slots(ids: torch.Tensor, shape: SlotShape) -> SlotRouting:
+    """``ids`` [T, k] int64 in [0, E) (checked by the caller), resolved onto ``shape``'s
+    slots on their device."""
     g, experts, k = shape.tiles.gemm_rows, shape.moe.experts, shape.moe.top_k
     flat = ids.reshape(-1)
     counts = torch.zeros(experts, dtype=torch.int64, device=flat.device)
@@ -61,10 +59,8 @@ def resolve_slots(ids: torch.Tensor, weights: torch.Tensor, shape: SlotShape) ->
     pos = torch.empty_like(flat).index_put_((order,), row)
     row_token = torch.zeros(shape.capacity, dtype=torch.int64, device=flat.device)
     row_token.index_put_((row,), order // k)
-    row_weight = torch.zeros(shape.capacity, dtype=torch.float32, device=flat.device).index_put_(
-        (row,), weights.reshape(-1)[order])
     return SlotRouting(counts=counts, slot_expert=slot_expert, slot_rows=slot_rows, pos=pos.view(-1, k),
-                       row_token=row_token, row_weight=row_weight)
+                       row_token=row_token)
 
 
 def live_rows(slot_rows: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor,
