@@ -4,30 +4,17 @@ Routing runs in ordinary autograd — hpmoe's own gate (``MoE(spec)``) or, for a
 built over a transformers block (``MoE.from_hf``, ``replace_moe_blocks``), the block's own
 router module called as the block calls it, so output-capturing hooks, router logits and
 auxiliary losses are those of transformers.  The region — dispatch, expert GEMMs and the
-gated activation (``spec.activation``), combine, fusable shared experts — runs on the
-path ``engine.select`` chooses, as one autograd node (``engine.RegionFunction``): the
-forward keeps minimal activations (``SavedActivations``, handed to
-``ctx.save_for_backward`` so saved-tensor hooks such as non-reentrant checkpointing
-manage them), the backward returns the gradients of the input, of
-the routing weights (autograd carries them on to the router), of the expert weights and
-of the shared-expert weights.  Any token count works (0 included): the layer pads every
-(virtual) rank to the same count with zero tokens of routing weight 0.
+gated activation (``spec.activation``), combine, fusable shared experts — is handed to
+the engine (``engine.door``: check, agree, place, select, run), which runs it as one
+autograd node (``engine.RegionFunction``) on the path ``engine.select`` chooses, keeping
+for the backward what ``recompute`` leaves.  Any token count works (0 included).
 
 Dtypes: the region runs in the expert weights' dtype at call time (fp32, bf16, fp16; every
 sum in fp32), or in the autocast dtype inside ``torch.autocast``; the output has the
-input's dtype.  Parameters carry transformers' names, so state dicts are unchanged.
-
-Execution:
-  * single process: ``virtual_ep`` ranks (default 1) through the exact executors;
-  * ``ep_group``: one EP rank per process of a torch.distributed group (any subgroup),
-    on the multi-rank runtime (``hpmoe.runtime``: worker threads walking the queues of a
-    ``SchedulePolicy``, one-sided puts over shared memory or torch.distributed; the
-    forward region is the runtime's ``ForwardRunner``, the backward one ``run_backward``).
-    Each rank holds its own tokens; expert ``e`` runs on rank ``e // (E / ep)``.  Every
-    rank keeps full-size parameter tensors (state dicts stay those of transformers);
-    expert gradients are complete on the owning rank and zero elsewhere, gradients of
-    replicated parameters (router, shared experts) are this rank's share — all-reduce
-    every gradient over the group (or wrap the model in DDP) as for data parallelism.
+input's dtype.  Parameters carry transformers' names (``nn.modules``), so state dicts are
+unchanged.  With an ``ep_group`` each rank holds its own tokens; gradients of replicated
+parameters (router, shared experts) are this rank's share: all-reduce them over the group
+(or wrap the model in DDP) as for data parallelism.
 """
 
 from __future__ import annotations
@@ -58,58 +45,10 @@ from .experts_impl import register, runs_region
 from .experts_impl import select as select_experts
 from .families import FAMILIES, computing_experts, family_of, read_block
 from .families.base import ExpertsLayout, ExpertTensors, Family, ScoreSide, expert_tensors, experts_dtype
+from .modules import FusedExperts, SharedMLP, TopkRouter
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
     from ..runtime import RuntimeConfig, Session
-
-# ---------------------------------------------------------------------------- parameters
-
-
-class TopkRouter(nn.Module):
-    """``gate``: weight [E, H] (float32 unless the model was cast) and, for sigmoid
-    gates, the ``e_score_correction_bias`` [E] float32 buffer."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.weight = _param(weight)
-        if bias is not None:
-            self.register_buffer("e_score_correction_bias", bias)
-
-
-class FusedExperts(nn.Module):
-    """``experts``: gate_up_proj [E, 2F, H] (gate rows [0, F), up rows [F, 2F), or
-    alternating under ``MoESpec.glu.interleaved``) and down_proj [E, H, F], as transformers
-    stores them; with biases also gate_up_proj_bias [E, 2F] and down_proj_bias [E, H]
-    (``has_bias``, transformers' flag)."""
-
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None):
-        super().__init__()
-        self.gate_up_proj = _param(gate_up_proj)
-        self.down_proj = _param(down_proj)
-        self.has_bias = b13 is not None
-        if self.has_bias:
-            self.gate_up_proj_bias, self.down_proj_bias = _param(b13), _param(b2)
-
-
-class SharedMLP(nn.Module):
-    """``shared_experts``: bias-free gate_proj, up_proj ([Fs, H]) and down_proj ([H, Fs])."""
-
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = (_linear(w) for w in (gate, up, down))
-
-
-def _param(t: torch.Tensor) -> nn.Parameter:
-    """``t`` itself when it already is a Parameter (keeps a model's tensors), else a new one."""
-    return t if isinstance(t, nn.Parameter) else nn.Parameter(t)
-
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lin.weight = _param(weight)
-    return lin
-
 
 # ---------------------------------------------------------------------------- module
 
