@@ -9,6 +9,8 @@ then the backward, for each variant of one layer on the same tokens and weights.
 Variants (N tokens, balanced routing made outside the layer for hpmoe and the peer):
   hpmoe-default     ``hpmoe.MoE(spec, weights).region(x, ids, topk_weights)``: one process,
                     the path its AUTO picks (``path`` column)
+  hpmoe-nothing,    the same with ``recompute="nothing"`` (keeps the gathered rows too) and
+  hpmoe-gemm        ``recompute="gemm"`` (keeps the input alone, recomputes the first GEMM)
   hpmoe-exact-vep2  ``hpmoe.MoE(spec, weights, virtual_ep=2, schedule=None)``: the taskflow of
                     2 virtual ranks in task-id order, one process
   hpmoe-runtime-rR  rank R of 2 gloo ranks, ``ep_group=Session``, ``SchedulePolicy.HYPERPARALLEL``
@@ -32,8 +34,8 @@ arena), found by walking the output's graph.
   w-copy  the part of ``saved`` equal to a weight in another storage (a copy made per call,
           e.g. the shared experts' gate and up fused; no token term).
   act     ``saved`` less the weight copies: the part that grows with tokens (``act B/tok``).
-  minimal N*H (layer input) + N*k*(8 + 4) (int64 ids, fp32 weights) + N*k*2F (pre-activation)
-          bytes in the compute dtype (the shared experts' own pre-activation is not in it);
+  minimal N*H (layer input) + N*k*(8 + 4) (int64 ids, fp32 weights) + N*(k*2F + 2Fs) (the
+          routed and the shared experts' pre-activation) bytes in the compute dtype;
           ``/minimal`` and ``/grouped`` (over the grouped_mm peer's ``saved``) divide ``saved``,
           ``act/min`` and ``act/grp`` divide ``act``.
 Bytes grow linearly with N (weight copies aside): ``--scaling-shape`` reruns one shape at 2N.
@@ -62,7 +64,7 @@ from hpmoe.ir.schedule import SchedulePolicy
 from hpmoe.machine import default_cpu_dtype, record
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import Routing
-from hpmoe.spec import MoESpec, preset
+from hpmoe.spec import MoESpec, Recompute, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
@@ -95,10 +97,10 @@ def bench_spec(name: str, dtype: torch.dtype, budget_bytes: int) -> MoESpec:
 
 
 def minimal_bytes(spec: MoESpec, tokens: int) -> int:
-    """Layer input N*H + routing N*k*(8-byte id + 4-byte weight) + pre-activation N*k*2F,
-    the activations in spec.dtype."""
+    """Layer input N*H + routing N*k*(8-byte id + 4-byte weight) + pre-activation of the
+    routed experts N*k*2F and of the shared experts N*2Fs, the activations in spec.dtype."""
     n, k, b = tokens, spec.top_k, spec.dtype.itemsize
-    return n * spec.hidden * b + n * k * (8 + 4) + n * k * 2 * spec.ffn * b
+    return n * spec.hidden * b + n * k * (8 + 4) + n * (k * spec.ffn + spec.shared_ffn) * 2 * b
 
 
 def all_kept_bytes(spec: MoESpec, tokens: int) -> int:
@@ -458,6 +460,8 @@ def one_process_rows(name: str, spec: MoESpec, o: Options, tokens: int) -> list[
 
     case = (name, spec, tokens)
     rows = [_layer_row(case, "hpmoe-default", {}, make),
+            _layer_row(case, "hpmoe-nothing", dict(recompute=Recompute.NOTHING), make),
+            _layer_row(case, "hpmoe-gemm", dict(recompute=Recompute.GEMM), make),
             _layer_row(case, "hpmoe-exact-vep2", dict(virtual_ep=2, schedule=None), make)]
     why = triton_skip(spec, tokens, o)
     skipped = row(*case, "hpmoe-triton", "-", None, None, why)
@@ -588,7 +592,7 @@ def _line(r: dict, cuda: bool) -> str:
 
 
 def minimal_lines(specs: dict[str, MoESpec], tokens: int) -> str:
-    out = ["minimal set (N*H + N*k*12 + N*k*2F) and all kept (N*k*(2H + 3F)), bytes per token:"]
+    out = ["minimal set (N*H + N*k*12 + N*(k*2F + 2Fs)) and all kept (N*k*(2H + 3F)), bytes per token:"]
     for name, s in specs.items():
         out.append(f"  {name:14} H {s.hidden} F {s.ffn} k {s.top_k}: "
                    f"minimal {minimal_bytes(s, tokens) // tokens} "

@@ -1,6 +1,7 @@
 """CPU step time and peak memory of MoE training steps (forward + backward of a stack of layers):
-``hpmoe.MoE`` with and without SwiGLU recompute, next to autograd through the gate and
-``refs.dense_moe`` on the same parameters.
+``hpmoe.MoE`` with each ``recompute`` option (``hpmoe-nothing``, ``hpmoe-permutation``, the
+default, and ``hpmoe-gemm``), next to autograd through the gate and ``refs.dense_moe`` on
+the same parameters.
 
 Each mode runs in two fresh subprocesses: one times the steps with the default
 allocator; in the other, large allocations go through mmap (``MALLOC_MMAP_THRESHOLD_``)
@@ -39,10 +40,10 @@ from hpmoe.machine import record
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
-from hpmoe.spec import MoESpec, preset
+from hpmoe.spec import MoESpec, Recompute, preset
 from hpmoe.testing import spawn_gloo
 
-MODES = ("dense-autograd", "hpmoe", "hpmoe-recompute")
+MODES = ("dense-autograd", *(f"hpmoe-{r.value}" for r in Recompute))
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def _stack(mode: str, s: Setting, session: Session | None, rank: int
            ) -> tuple[list[MoE], torch.Tensor, torch.Tensor]:
     """``s.layers`` layers (seeds 0..layers-1) on ``session`` or virtual ranks; x and dy
     [s.tokens, H] of this rank."""
-    spec, recompute = s.spec, mode == "hpmoe-recompute"
+    spec = s.spec
+    recompute = Recompute(mode.removeprefix("hpmoe-")) if mode.startswith("hpmoe-") else Recompute.PERMUTATION
     layers = [MoE(spec, ep_group=session, virtual_ep=1 if session else s.virtual_ep, recompute=recompute,
                   seed=i) for i in range(s.layers)]
     g = torch.Generator().manual_seed(1 + rank)

@@ -86,15 +86,17 @@ def test_hpmoe_default_path_is_counted_and_names_its_path() -> None:
                       lambda: bm.device_inputs(spec, N, torch.device("cpu")))
     assert r["path"].endswith("Path")
     assert r["saved_bytes"] > N * spec.hidden * 4
-    assert r["x_minimal"] == pytest.approx(r["saved_bytes"] / (408 * N), abs=1e-3)
+    assert r["x_minimal"] == pytest.approx(r["saved_bytes"] / (536 * N), abs=1e-3)
 
 
 def test_the_minimal_set_is_the_issues_40k_elements_a_deepseek_v3_token() -> None:
-    spec = preset("deepseek-v3")  # bf16, H 7168, F 2048, k 8
-    assert bm.minimal_bytes(spec, 256) == 256 * (7168 * 2 + 8 * (8 + 4) + 8 * 4096 * 2)
-    assert bm.minimal_bytes(spec, 1) == 2 * 39936 + 96  # layer input + pre-activation: ~40k elements
+    spec = preset("deepseek-v3")  # bf16, H 7168, F 2048, k 8, one shared expert of 2048
+    assert bm.minimal_bytes(spec, 256) == 256 * (7168 * 2 + 8 * (8 + 4) + (8 * 4096 + 4096) * 2)
+    # layer input + routed pre-activation, ~40k elements, and the shared expert's 4096
+    assert bm.minimal_bytes(spec, 1) == 2 * (39936 + 4096) + 96
     assert bm.all_kept_bytes(spec, 1) == 2 * 163840  # everything: ~164k elements
-    assert bm.minimal_bytes(preset("tiny"), 3) == 3 * (32 * 4 + 2 * 12 + 2 * 32 * 4)  # fp32: 408 a token
+    # fp32: 408 a token and the shared expert's pre-activation, 2 * 16 * 4
+    assert bm.minimal_bytes(preset("tiny"), 3) == 3 * (32 * 4 + 2 * 12 + 2 * 32 * 4 + 2 * 16 * 4)
 
 
 def test_large_presets_keep_fewer_experts_to_fit_the_budget() -> None:

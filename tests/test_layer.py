@@ -602,3 +602,33 @@ def test_region_on_a_routing_made_elsewhere_is_the_forward_on_that_routing() -> 
     weights = torch.rand(24, spec.top_k, generator=torch.Generator().manual_seed(6))
     want = refs.dense_moe(x, w, Routing(ids, weights))
     torch.testing.assert_close(layer.region(x, ids, weights), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("recompute", list(Recompute), ids=[r.value for r in Recompute])
+def test_what_a_call_keeps_can_be_offloaded_by_saved_tensor_hooks(recompute):
+    """What a call keeps goes through saved-tensor hooks (as ``save_on_cpu`` offloads):
+    a hook that packs each tensor as a copy elsewhere and unpacks that copy leaves every
+    gradient unchanged, and the backward reads only what the hook gave back."""
+    spec, pinned = preset("tiny"), pin(Path.KERNEL_BY_KERNEL, 1)
+    layer = MoE(spec, ExpertWeights.random(spec, 2), recompute=recompute, **pinned.options)
+    x, dy = _data(spec, 16)
+    plain = _run(layer, x, dy)
+    plain = (plain[0], plain[1], {n: g.clone() for n, g in plain[2].items()})
+    layer.zero_grad()
+    copies = {}
+
+    def pack(t):
+        copy = t.clone()
+        copies[id(copy)] = copy
+        return copy
+
+    def unpack(t):
+        assert copies.get(id(t)) is t  # the backward reads only what the hook handed back
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        got = _run(layer, x, dy)
+    assert copies
+    ran(layer, pinned.kind, tokens=16, recompute=recompute, **pinned.fields)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    assert all(torch.equal(got[2][n], plain[2][n]) for n in plain[2])
