@@ -159,14 +159,17 @@ def prepare_slot_forward(plan: SlotPlan, x: torch.Tensor, weights: ExpertWeights
 
 def resolved_graph(plan: SlotPlan, slots: SlotRouting) -> TaskGraph:
     """``plan``'s graph with each slot task's rows cut to its live rows and its expert
-    the one its slot serves this call; waits, signals and thresholds unchanged."""
-    st, g = plan.slot_tasks, plan.graph
+    the one its slot serves this call, and each expert task over its expert's rows;
+    waits, signals and thresholds unchanged."""
+    st, et, g = plan.slot_tasks, plan.expert_tasks, plan.graph
     as_t = torch.from_numpy
     m = live_rows(slots.slot_rows.cpu(), as_t(st.slot), as_t(st.offset), as_t(st.cap)).numpy()
-    row1, expert = g.row1.copy(), g.expert.copy()
+    row0, row1, expert = g.row0.copy(), g.row1.copy(), g.expert.copy()
     row1[st.task] = g.row0[st.task] + m
     expert[st.task] = slots.slot_expert.cpu().numpy()[st.slot]
-    return dataclasses.replace(g, row1=row1, expert=expert)
+    row0[et.task] = slots.first.cpu().numpy()[et.expert] * plan.shape.tiles.gemm_rows
+    row1[et.task] = row0[et.task] + slots.counts.cpu().numpy()[et.expert]
+    return dataclasses.replace(g, row0=row0, row1=row1, expert=expert)
 
 
 def slot_buffers(x: torch.Tensor, spec: MoESpec, capacity: int) -> ForwardBuffers:

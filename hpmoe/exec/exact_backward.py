@@ -16,14 +16,17 @@ import torch
 
 from ..ir.graph import TaskGraph
 from ..ir.verify import random_order
-from ..regions.backward_kernels import BackwardBuffers, SavedActivations
+from ..regions.backward_kernels import BACKWARD, BackwardBuffers, BackwardContext, SavedActivations
 from ..regions.base import Region
 from ..regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
 from ..regions.family import region_family
+from ..regions.kernels import ForwardBuffers
+from ..regions.slot_routing import SlotRouting
+from ..regions.slots import SlotPlan
 from ..routing import Routing, RoutingPlan
-from ..spec import TileSpec
+from ..spec import MoESpec, TileSpec
 from ..weights import ExpertWeights, Rows, SlotGradients
-from .exact import DEFAULT_TILES, Order, execute_forward, run_graph
+from .exact import DEFAULT_TILES, Order, execute_forward, resolved_graph, run_graph
 
 
 @dataclass
@@ -179,3 +182,64 @@ def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routi
     saved = [region_family(tiles).saved(b, recompute) for b in fwd.buffers]
     bwd = execute_backward(saved, fwd.plan, dy, weights, routing, tiles, recompute, backward_order)
     return StepResult(out=fwd.out, backward=bwd)
+
+
+@dataclass(frozen=True)
+class PreparedSlotBackward:
+    """The per-shape backward region of one call (``prepare_slot_backward``), ready to
+    run: its graph resolved for the call's routing, one rank's buffers and context, and
+    the full-size gradients they write."""
+
+    graph: TaskGraph
+    buffers: list[BackwardBuffers]
+    contexts: list[BackwardContext]
+    out: Gradients
+    weights: ExpertWeights
+
+    def run(self, order: Sequence[int] | None = None, graph: TaskGraph | None = None) -> Gradients:
+        """Run every task once in ``order`` under ``graph``'s waits (default: its own)."""
+        run_graph(self.graph if graph is None else graph, BACKWARD, self.buffers, self.contexts, order)
+        return replace(self.out, dshared_w13=_rank_sum(self.buffers, "dsw13", self.weights),
+                       dshared_w2=_rank_sum(self.buffers, "dsw2", self.weights))
+
+
+def prepare_slot_backward(plan: SlotPlan, forward: ForwardBuffers, slots: SlotRouting, dy: torch.Tensor,
+                          weights: ExpertWeights, routing: Routing) -> PreparedSlotBackward:
+    """The per-shape backward ``plan`` after a per-shape forward whose buffers are
+    ``forward`` and whose routing resolved to ``slots`` (``exact.prepare_slot_forward``):
+    dy [T, H] spec.dtype.  Experts with biases are not planned per shape (ValueError)."""
+    spec, shape = weights.spec, plan.shape
+    if spec.expert_bias:
+        raise ValueError("a per-shape backward has no expert-bias gradients (MoESpec.expert_bias)")
+    _check_dy(dy, weights, shape.tokens)
+    grads = SlotGradients.of(weights, slice(None))
+    out = _full_outputs(dy, weights, grads)
+    saved = SavedActivations.from_forward(forward, recompute=False)
+    buffers = slot_backward_buffers(saved, dy, spec, shape.capacity,
+                                    {"dx": out.dx, "dw": out.dweights, **grads.views(slice(0, spec.experts))})
+    row_weight = torch.zeros(shape.capacity, dtype=torch.float32, device=dy.device)
+    row_weight[slots.pos.reshape(-1)] = routing.weights.reshape(-1).float()
+    mine = weights.local(slice(0, spec.experts))
+    ctx = BackwardContext(w13=mine.w13, w2=mine.w2, shared_w13=weights.shared_w13,
+                          shared_w2=weights.shared_w2,
+                          token_of_row=slots.row_token, row_weight=row_weight, pos=slots.pos,
+                          activation=spec.activation, glu=spec.glu)
+    return PreparedSlotBackward(graph=resolved_graph(plan, slots), buffers=[buffers], contexts=[ctx], out=out,
+                                weights=weights)
+
+
+def slot_backward_buffers(saved: SavedActivations, dy: torch.Tensor, spec: MoESpec, capacity: int,
+                          views: dict) -> BackwardBuffers:
+    """One rank's backward buffers whose permuted buffers hold the ``capacity`` rows of a
+    slot layout; ``views``: dx, dw and the expert gradients' rows (uninitialised, but the
+    shared weights' gradients zero)."""
+    t, h, f, fs = dy.shape[0], spec.hidden, spec.ffn, spec.shared_ffn
+
+    def new(rows: int, cols: int) -> torch.Tensor:
+        return torch.empty(rows, cols, dtype=dy.dtype, device=dy.device)
+
+    return BackwardBuffers(saved=saved, dy=dy, gsend=new(capacity, h), grecv=new(capacity, h),
+                           da=new(capacity, f), dh=new(capacity, 2 * f), dxe=new(capacity, h),
+                           gcomb=new(capacity, h), sda=new(t, fs), sdh=new(t, 2 * fs), sdx=new(t, h),
+                           dsw13=torch.zeros(2 * fs, h, dtype=dy.dtype, device=dy.device),
+                           dsw2=torch.zeros(h, fs, dtype=dy.dtype, device=dy.device), **views)

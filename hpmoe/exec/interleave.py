@@ -25,13 +25,15 @@ import torch
 from ..ir.analysis import GraphError
 from ..ir.graph import TaskGraph
 from ..ir.schedule import Schedule, WorkerCounts
+from ..regions.slot_routing import resolve_slots
 from ..regions.slots import SlotPlan
 from ..routing import Routing
 from ..schedule import SchedulePolicy, schedule
 from ..sim.presets import hardware_preset
 from ..spec import TileSpec
 from ..weights import ExpertWeights
-from .exact import PreparedForward, prepare_forward, prepare_slot_forward
+from .exact import ForwardResult, PreparedForward, prepare_forward, prepare_slot_forward
+from .exact_backward import Gradients, PreparedSlotBackward, prepare_slot_backward
 
 
 def device_order(sched: Schedule, graph: TaskGraph, rng: np.random.Generator) -> np.ndarray:
@@ -122,7 +124,7 @@ def interleaved_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routin
     """The forward output [N, H] of the region scheduled and interleaved as ``how`` says,
     every work buffer starting as NaN."""
     prepared = prepare_forward(x, weights, routing, ep, tiles)
-    return interleaved_run(prepared, interleaving_schedule(prepared.graph, how), how)
+    return interleaved_run(prepared, interleaving_schedule(prepared.graph, how), how).out
 
 
 def interleaved_slot_forward(plan: SlotPlan, sched: Schedule, x: torch.Tensor, weights: ExpertWeights,
@@ -131,7 +133,20 @@ def interleaved_slot_forward(plan: SlotPlan, sched: Schedule, x: torch.Tensor, w
     ``sched`` (``interleaving_schedule(plan.graph, how)``, made once for every routing),
     this call's ``routing`` resolved onto its slots, interleaved as ``how`` says on
     NaN-poisoned buffers."""
-    return interleaved_run(prepare_slot_forward(plan, x, weights, routing), sched, how)
+    return interleaved_run(prepare_slot_forward(plan, x, weights, routing), sched, how).out
+
+
+def interleaved_slot_backward(forward: SlotPlan, backward: SlotPlan, sched: Schedule, x: torch.Tensor,
+                              weights: ExpertWeights, routing: Routing, dy: torch.Tensor,
+                              how: Interleaving) -> Gradients:
+    """The gradients of the per-shape ``backward`` plan under its one schedule ``sched``
+    after the per-shape ``forward`` ran in task order, this call's routing resolved onto
+    both, the backward interleaved as ``how`` says on NaN-poisoned buffers."""
+    fwd = prepare_slot_forward(forward, x, weights, routing)
+    fwd.run()
+    slots = resolve_slots(routing.ids, forward.shape)
+    prepared = prepare_slot_backward(backward, fwd.buffers[0], slots, dy, weights, routing)
+    return interleaved_run(prepared, sched, how)
 
 
 def interleaving_schedule(graph: TaskGraph, how: Interleaving) -> Schedule:
@@ -141,13 +156,15 @@ def interleaving_schedule(graph: TaskGraph, how: Interleaving) -> Schedule:
     return schedule(graph, how.policy, hw)
 
 
-def interleaved_run(prepared: PreparedForward, sched: Schedule, how: Interleaving) -> torch.Tensor:
+def interleaved_run(prepared: PreparedForward | PreparedSlotBackward, sched: Schedule,
+                    how: Interleaving) -> ForwardResult | Gradients:
     """Run ``prepared`` in a device order of ``sched`` drawn with ``how.seed`` (its
-    ``dropped`` task's wait removed), every floating work buffer but x NaN first."""
+    ``dropped`` task's wait removed), every floating buffer but the inputs x and dy (and
+    the forward's, which a backward keeps in ``saved``) NaN first; what its run returns."""
     graph = prepared.graph if how.dropped is None else drop_wait(prepared.graph, how.dropped)
     for buffers in prepared.buffers:
         for f in dataclasses.fields(buffers):
             t = getattr(buffers, f.name)
-            if f.name != "x" and isinstance(t, torch.Tensor) and t.is_floating_point():
+            if f.name not in ("x", "dy") and isinstance(t, torch.Tensor) and t.is_floating_point():
                 t.fill_(float("nan"))
-    return prepared.run(device_order(sched, graph, np.random.default_rng(how.seed)), graph).out
+    return prepared.run(device_order(sched, graph, np.random.default_rng(how.seed)), graph)

@@ -28,12 +28,14 @@ from .slots import SlotShape
 class SlotRouting:
     """One call's routing in the slot layout, on the ids' device.
 
-    counts: [E] int64 rows per expert.  slot_expert: [S] int64 expert each slot serves
+    counts: [E] int64 rows per expert.  first: [E] int64 each expert's first slot (its
+    rows start at row ``first * G``).  slot_expert: [S] int64 expert each slot serves
     (an unused slot: the last expert, never read).  slot_rows: [S] int64 live rows.
     pos: [T, k] int64 slot-layout row of each (token, j).  row_token: [S*G] int64 token
     of each row (0 in rows no token fills)."""
 
     counts: torch.Tensor
+    first: torch.Tensor
     slot_expert: torch.Tensor
     slot_rows: torch.Tensor
     pos: torch.Tensor
@@ -59,8 +61,8 @@ def resolve_slots(ids: torch.Tensor, shape: SlotShape) -> SlotRouting:
     pos = torch.empty_like(flat).index_put_((order,), row)
     row_token = torch.zeros(shape.capacity, dtype=torch.int64, device=flat.device)
     row_token.index_put_((row,), order // k)
-    return SlotRouting(counts=counts, slot_expert=slot_expert, slot_rows=slot_rows, pos=pos.view(-1, k),
-                       row_token=row_token)
+    return SlotRouting(counts=counts, first=first, slot_expert=slot_expert, slot_rows=slot_rows,
+                       pos=pos.view(-1, k), row_token=row_token)
 
 
 def live_rows(slot_rows: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor,

@@ -129,13 +129,29 @@ class SlotTasks:
 
 
 @dataclass(frozen=True)
+class ExpertTasks:
+    """Tasks over all of one expert's rows (a weight gradient's full reduction), arrays
+    [m] int64: task id and expert.  A call's rows of task i start at its expert's first
+    slot and are as many as the expert's rows."""
+
+    task: np.ndarray
+    expert: np.ndarray
+
+    @staticmethod
+    def of(graph: TaskGraph, kinds: list[TaskKind]) -> ExpertTasks:
+        task = np.flatnonzero(np.isin(graph.kind, kinds))
+        return ExpertTasks(task=task, expert=graph.expert[task].astype(np.int64))
+
+
+@dataclass(frozen=True)
 class SlotPlan:
-    """A forward region planned once per shape: its graph (slot tasks at capacity, their
-    expert -1 until resolved) and which tasks a routing resolves."""
+    """A region planned once per shape: its graph (slot tasks at capacity, their expert
+    -1, and expert tasks over no rows, until resolved) and which tasks a routing resolves."""
 
     shape: SlotShape
     graph: TaskGraph
     slot_tasks: SlotTasks
+    expert_tasks: ExpertTasks
 
 
 def slot_events(shape: SlotShape) -> EventLayout:
@@ -165,23 +181,28 @@ def plan_slots(shape: SlotShape) -> SlotPlan:
         builder.add(blk)
     builder.set_events(0, slot_thresholds(shape))
     graph = builder.freeze(dtype=shape.moe.dtype, events=ev)
-    return SlotPlan(shape=shape, graph=graph, slot_tasks=_slot_tasks(shape, graph))
+    return SlotPlan(shape=shape, graph=graph, slot_tasks=slot_tasks(shape, graph, _SLOT_KINDS, _EXPERT_GEMMS),
+                    expert_tasks=ExpertTasks.of(graph, []))
 
 
-def _slot_tasks(shape: SlotShape, graph: TaskGraph) -> SlotTasks:
-    kinds = [TaskKind.PERMUTE, TaskKind.DISPATCH, TaskKind.GEMM_UP, TaskKind.SWIGLU, TaskKind.GEMM_DOWN,
-             TaskKind.COMBINE]
+_SLOT_KINDS = [TaskKind.PERMUTE, TaskKind.DISPATCH, TaskKind.GEMM_UP, TaskKind.SWIGLU, TaskKind.GEMM_DOWN,
+               TaskKind.COMBINE]
+_EXPERT_GEMMS = [TaskKind.GEMM_UP, TaskKind.GEMM_DOWN]
+
+
+def slot_tasks(shape: SlotShape, graph: TaskGraph, kinds: list[TaskKind], gemms: list[TaskKind]) -> SlotTasks:
+    """The ``SlotTasks`` of ``graph``: its tasks of ``kinds``, those of ``gemms`` reading
+    their slot's expert's weights."""
     task = np.flatnonzero(np.isin(graph.kind, kinds))
     g = shape.tiles.gemm_rows
     slot = graph.row0[task] // g
     return SlotTasks(task=task, slot=slot, offset=graph.row0[task] - slot * g,
-                     cap=graph.row1[task] - graph.row0[task],
-                     expert_gemm=np.isin(graph.kind[task], [TaskKind.GEMM_UP, TaskKind.GEMM_DOWN]))
+                     cap=graph.row1[task] - graph.row0[task], expert_gemm=np.isin(graph.kind[task], gemms))
 
 
 # ------------------------------------------------------------------ slot tasks
 
-def _chunks(shape: SlotShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def slot_chunks(shape: SlotShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(slot, row0, row1) of every row chunk of every slot, at capacity."""
     g = shape.tiles.gemm_rows
     slot = np.arange(shape.slots)
@@ -193,7 +214,7 @@ def _per_slot(shape: SlotShape, kind: TaskKind, ev: EventLayout, wait: SlotEvent
               chunk_events: bool = False) -> TaskBlock:
     """One task per chunk of every slot, waiting on the slot's (or chunk's) ``wait``
     and signalling the slot's ``signal`` (each of a COMBINE's: the one OUT event)."""
-    slot, r0, r1 = _chunks(shape)
+    slot, r0, r1 = slot_chunks(shape)
     n = len(slot)
     chunk = np.arange(n)
     on = slot if signal is not SlotEvent.OUT else np.zeros(n, np.int64)
@@ -225,7 +246,7 @@ def _combine(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     return _per_slot(shape, TaskKind.COMBINE, ev, SlotEvent.Y, SlotEvent.OUT)
 
 
-def _slot_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth: int, wait: SlotEvent,
+def slot_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth: int, wait: SlotEvent,
                signal: SlotEvent) -> TaskBlock:
     """Column tiles of every slot's GEMM [G, depth] @ [depth, width-tile]."""
     g = shape.tiles.gemm_rows
@@ -239,31 +260,34 @@ def _slot_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, de
 
 def _gemm_up(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     moe = shape.moe
-    return _slot_gemm(shape, ev, TaskKind.GEMM_UP, 2 * moe.ffn, moe.hidden, SlotEvent.ROWS, SlotEvent.H)
+    return slot_gemm(shape, ev, TaskKind.GEMM_UP, 2 * moe.ffn, moe.hidden, SlotEvent.ROWS, SlotEvent.H)
 
 
 def _gemm_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     moe = shape.moe
-    return _slot_gemm(shape, ev, TaskKind.GEMM_DOWN, moe.hidden, moe.ffn, SlotEvent.A, SlotEvent.Y)
+    return slot_gemm(shape, ev, TaskKind.GEMM_DOWN, moe.hidden, moe.ffn, SlotEvent.A, SlotEvent.Y)
 
 
 # ------------------------------------------------------------------ token side
 
-def _shared_rows(shape: SlotShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def shared_rows(shape: SlotShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(block, row0, row1) of the shared-expert row blocks (G token rows each)."""
     b = np.arange(shape.shared_blocks)
     g = shape.tiles.gemm_rows
     return b, b * g, np.minimum((b + 1) * g, shape.tokens)
 
 
-def _shared_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth: int,
-                 wait: SlotEvent | None, signal: SlotEvent) -> TaskBlock:
-    b, r0, r1 = _shared_rows(shape)
+def shared_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth: int,
+                wait: enum.IntEnum | None, signal: enum.IntEnum, single: bool = False) -> TaskBlock:
+    """Column tiles of every shared-expert row block's GEMM [rows, depth] @ [depth,
+    width-tile], waiting on the block's ``wait`` and signalling its ``signal`` (``single``:
+    the one event of that category)."""
+    b, r0, r1 = shared_rows(shape)
     parent, col0, col1 = col_tiles(width, shape.tiles, len(b))
     m, n = r1[parent] - r0[parent], col1 - col0
     cols = {"col0": col0, "col1": col1, "flops": 2.0 * m * n * depth,
             "bytes": (m * depth + m * n + n * depth) * shape.moe.dtype.itemsize,
-            "sig_event": ev.base(0, signal) + (0 * parent if signal is SlotEvent.OUT else b[parent])}
+            "sig_event": ev.base(0, signal) + (0 * parent if single else b[parent])}
     if wait is not None:
         cols["wait"] = ev.base(0, wait) + b[parent]
     return task_block(kind, np.zeros(len(parent), np.int64), r0[parent], r1[parent], **cols)
@@ -271,11 +295,11 @@ def _shared_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, 
 
 def _shared_up(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     moe = shape.moe
-    return _shared_gemm(shape, ev, TaskKind.SHARED_UP, 2 * moe.shared_ffn, moe.hidden, None, SlotEvent.SH)
+    return shared_gemm(shape, ev, TaskKind.SHARED_UP, 2 * moe.shared_ffn, moe.hidden, None, SlotEvent.SH)
 
 
 def _shared_swiglu(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    b, r0, r1 = _shared_rows(shape)
+    b, r0, r1 = shared_rows(shape)
     parent, c0, c1 = row_chunks(r0, r1, shape.tiles.rows)
     fs = shape.moe.shared_ffn
     return task_block(TaskKind.SHARED_SWIGLU, np.zeros(len(parent), np.int64), c0, c1,
@@ -287,20 +311,26 @@ def _shared_swiglu(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 def _shared_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     moe = shape.moe
-    return _shared_gemm(shape, ev, TaskKind.SHARED_DOWN, moe.hidden, moe.shared_ffn, SlotEvent.SA,
-                        SlotEvent.OUT)
+    return shared_gemm(shape, ev, TaskKind.SHARED_DOWN, moe.hidden, moe.shared_ffn, SlotEvent.SA,
+                       SlotEvent.OUT, single=True)
 
 
-def _unpermute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+def token_sums(shape: SlotShape, kind: TaskKind, flops_per_term: float, wait: np.ndarray | None) -> TaskBlock:
+    """One task per token tile summing each token's k rows (and the shared expert's),
+    waiting on ``wait`` (an event id, or None)."""
     t = np.arange(shape.token_tiles)
     rows, moe = shape.tiles.rows, shape.moe
     r0, r1 = t * rows, np.minimum((t + 1) * rows, shape.tokens)
     terms = moe.top_k + (1 if moe.shared_experts else 0)
     m = r1 - r0
-    return task_block(TaskKind.UNPERMUTE, np.zeros(len(t), np.int64), r0, r1,
-                      col1=np.full(len(t), moe.hidden), flops=2.0 * terms * m * moe.hidden,
-                      bytes=(terms + 1) * m * moe.hidden * moe.dtype.itemsize,
-                      wait=np.full(len(t), ev.base(0, SlotEvent.OUT)))
+    cols = {} if wait is None else {"wait": np.full(len(t), wait)}
+    return task_block(kind, np.zeros(len(t), np.int64), r0, r1, col1=np.full(len(t), moe.hidden),
+                      flops=flops_per_term * terms * m * moe.hidden,
+                      bytes=(terms + 1) * m * moe.hidden * moe.dtype.itemsize, **cols)
+
+
+def _unpermute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
+    return token_sums(shape, TaskKind.UNPERMUTE, 2.0, ev.base(0, SlotEvent.OUT))
 
 
 _PHASES = (_permute, _dispatch, _gemm_up, _swiglu, _gemm_down, _combine, _shared_up, _shared_swiglu,
