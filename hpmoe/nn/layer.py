@@ -28,6 +28,7 @@ from torch import nn
 from ..engine import RegionOptions
 from ..engine.balance import MIN_REBALANCE_GAIN, own_rows
 from ..engine.check import CheckMode
+from ..engine.checkpoint import attach
 from ..engine.door import CallRecord, Door
 from ..engine.selection import runtime_policy
 from ..exec.backend import Backend
@@ -106,6 +107,8 @@ class MoE(nn.Module):
         self.options = options
         self._door = Door(spec, options, placement)
         self._computing: int | None = None  # computing experts when some are identity ones
+        if options.shard_experts:  # its state dict in logical expert order
+            attach(self, self._door.balance, [f"experts.{n}" for n, _ in self.experts.named_parameters()])
 
     @classmethod
     def from_hf(cls, module: nn.Module, **options: Any) -> MoE:
