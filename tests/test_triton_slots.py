@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 import hpmoe.gpu.slots as gpu_slots  # noqa: E402
 from hpmoe.exec.exact import resolved_graph  # noqa: E402
-from hpmoe.gpu.backend import TritonOptions, triton_forward  # noqa: E402
+from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # noqa: E402
 from hpmoe.gpu.buffers import Elem  # noqa: E402
 from hpmoe.gpu.ops import COL, describe  # noqa: E402
 from hpmoe.gpu.slots import PlanCache, slot_forward  # noqa: E402
@@ -112,3 +112,28 @@ def test_bf16_one_program_gives_the_per_routing_kernels_bits(case):
         got = slot_forward(x16, w16, r, cache, TILES).out
         assert torch.equal(got, triton_forward(x16, w16, r, 1, TILES).out)
     assert cache.builds == 1
+
+
+def test_one_program_runs_forward_and_backward_with_the_per_routing_kernels_bits(case):
+    """Zipf, one hot expert, experts with no rows, every slot filled: every gradient
+    (experts without rows: zeros, as the per-routing kernel's host zeroes them), the
+    backward region built once, the arena poisoned between calls."""
+    x, w, routings = case
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    cache = PlanCache()
+    regions = set()
+    for i in (2, 9, 12, 16):
+        program = cache.program(x, w, routings[i], TILES, TritonOptions())
+        program.arena.flat[Elem.DATA].fill_(float("nan"))
+        run = program.forward(x, w, routings[i])
+        got = program.backward(run, dy, w, routings[i]).grads
+        regions.add(id(program.backward_region))
+        region = program.backward_region
+        assert np.array_equal(region.program.arrays["tasks"].numpy(),
+                              describe(resolved_graph(region.plan, run.slots), program.arena.space))
+        fwd = triton_forward(x, w, routings[i], 1, TILES)
+        want = triton_backward(fwd, dy).grads
+        assert torch.equal(run.out, fwd.out), i
+        for name in ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (i, name)
+    assert cache.builds == 1 and len(regions) == 1

@@ -13,6 +13,7 @@ from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..ir.schedule import Schedule, WorkerCounts
 from ..regions.backward import lower_backward
 from ..regions.forward import lower_forward
+from ..regions.slot_backward import plan_slot_backward
 from ..regions.slot_routing import SlotRouting, live_rows, resolve_slots
 from ..regions.slots import SlotPlan, SlotShape, plan_slots
 from ..routing import Routing, RoutingPlan, check_input, plan_routing
@@ -30,5 +31,5 @@ __all__ = ["DEFAULT_TILES", "ExpertWeights", "Gradients", "GraphError", "HangRep
            "Schedule", "SchedulePolicy", "SlotGradients", "SlotPlan", "SlotRouting", "SlotShape",
            "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts", "WorkerReport",
            "WorkerStatus", "check_input", "gemm_dims", "hardware_preset", "live_rows", "lower_backward",
-           "lower_forward", "plan_routing", "plan_slots", "resolve_slots", "schedule", "slot_targets",
-           "task_costs", "verify_schedule"]
+           "lower_forward", "plan_routing", "plan_slot_backward", "plan_slots", "resolve_slots", "schedule",
+           "slot_targets", "task_costs", "verify_schedule"]

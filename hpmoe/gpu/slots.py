@@ -1,12 +1,13 @@
-"""The persistent kernel from a plan made once per shape, serving every routing.
+"""The persistent kernel from plans made once per shape, serving every routing.
 
 ``PlanCache.program(key, ...)`` builds a ``SlotProgram`` the first time its ``PlanKey``
 (the ``SlotShape``: tokens, MoE shape and dtype, tiles, EP; the triton options: policy,
 workers, kernel config; the device; where the experts' rows are stored) is seen, and
-returns the same program after: the per-shape graph (``regions.slots``), its schedule,
-the packed arrays on the device and the arena are made once.  A call
-(``SlotProgram.forward``) then does, all on the device, with no host read of the ids
-and no Python planning:
+returns the same program after: the per-shape forward graph (``regions.slots``), its
+schedule, the packed arrays on the device and the arena are made once, and the
+backward's (``regions.slot_backward``) on the first backward call, over the same arena.
+A call (``SlotProgram.forward``, ``SlotProgram.backward``) then does, all on the device,
+with no host read of the ids and no Python planning:
 
   1. ``resolve_slots``: counts, each slot's expert and live rows, the permutation;
   2. ``SlotColumns.apply``: the routing's operand entries written into the device's task
@@ -29,20 +30,24 @@ import numpy as np
 import torch
 
 from .backend import TritonOptions, bind_experts, region_schedule
-from .buffers import Arena, slot_buffer_space
+from .buffers import Arena, BufferSpace, slot_buffer_space
 from .core import (
     ExpertWeights,
+    Gradients,
     Routing,
+    Schedule,
+    SlotGradients,
     SlotPlan,
     SlotRouting,
     SlotShape,
     TileSpec,
     check_input,
     live_rows,
+    plan_slot_backward,
     plan_slots,
     resolve_slots,
 )
-from .ops import COL, NCOL, aligned_addresses, describe
+from .ops import NCOL, aligned_addresses, describe
 from .pack import pack
 from .runner import DeviceProgram, RunInfo
 
@@ -69,62 +74,83 @@ class PlanKey:
 
 @dataclass(frozen=True)
 class SlotColumns:
-    """The operand entries of the device's task table a routing writes, as device
-    tensors.  m_at [m]: flat index of each slot task's M; slot, offset, cap [m]: its
-    slot, first row in it and rows at most (``SlotTasks``); b_at [g]: flat index of each
-    expert GEMM's weight row, b_slot [g] its slot, and that row is
-    ``b_base + read[expert] * b_stride`` ([g] each; read [E]: ``BufferSpace.read``)."""
+    """The operand entries of the device's task table a routing writes, as device tensors.
 
-    m_at: torch.Tensor
+    Every resolved task (a slot task or an expert task, ``SlotPlan``) has, this call, a
+    first row, a number of rows and an expert; each operand entry that depends on them
+    is ``base + per_row0 * row0 + per_rows * rows + per_read * read[expert]`` (read off
+    ``ops.describe``: ``affine_columns``).  at [z]: flat index of each such entry in the
+    task table; task [z]: its position among the resolved tasks; base, per_row0,
+    per_rows, per_read [z].  Slot tasks (the first ``len(slot)``): slot, offset, cap,
+    static row0; expert tasks (the rest): expert.  read [E]: ``BufferSpace.read``."""
+
+    at: torch.Tensor
+    task: torch.Tensor
+    base: torch.Tensor
+    per_row0: torch.Tensor
+    per_rows: torch.Tensor
+    per_read: torch.Tensor
     slot: torch.Tensor
     offset: torch.Tensor
     cap: torch.Tensor
-    b_at: torch.Tensor
-    b_slot: torch.Tensor
-    b_base: torch.Tensor
-    b_stride: torch.Tensor
+    slot_row0: torch.Tensor
+    expert: torch.Tensor
     read: torch.Tensor
+    block: int
 
     @staticmethod
-    def of(plan: SlotPlan, read: np.ndarray, weight_rows: tuple[np.ndarray, np.ndarray],
-           device: torch.device) -> SlotColumns:
-        st = plan.slot_tasks
-        gemm = st.task[st.expert_gemm]
-        base, stride = weight_rows
+    def of(plan: SlotPlan, space: BufferSpace, device: torch.device) -> SlotColumns:
+        st, et = plan.slot_tasks, plan.expert_tasks
+        ids = np.concatenate([st.task, et.task])
+        coef = affine_columns(plan, space)
+        pos, col = np.nonzero(coef[1:].any(axis=0))
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.as_tensor(np.asarray(a, np.int64), device=device)
 
-        return SlotColumns(m_at=dev(st.task * NCOL + COL["m"]), slot=dev(st.slot), offset=dev(st.offset),
-                           cap=dev(st.cap), b_at=dev(gemm * NCOL + COL["b_row"]),
-                           b_slot=dev(st.slot[st.expert_gemm]),
-                           b_base=dev(base), b_stride=dev(stride), read=dev(read))
+        return SlotColumns(at=dev(ids[pos] * NCOL + col), task=dev(pos),
+                           **{n: dev(coef[i][pos, col]) for i, n in enumerate(_COEFFICIENTS)},
+                           slot=dev(st.slot), offset=dev(st.offset), cap=dev(st.cap),
+                           slot_row0=dev(plan.graph.row0[st.task]), expert=dev(et.expert),
+                           read=dev(space.read[0]), block=plan.shape.tiles.gemm_rows)
 
     def apply(self, tasks: torch.Tensor, slots: SlotRouting) -> None:
-        """Write ``slots``' live rows and weight rows into ``tasks`` [n, NCOL] int32."""
-        flat = tasks.view(-1)
-        flat.index_put_((self.m_at,), live_rows(slots.slot_rows, self.slot, self.offset, self.cap).int())
-        expert = slots.slot_expert[self.b_slot]
-        flat.index_put_((self.b_at,), (self.b_base + self.read[expert] * self.b_stride).int())
+        """Write this call's entries (``slots``) into ``tasks`` [n, NCOL] int32."""
+        live = live_rows(slots.slot_rows, self.slot, self.offset, self.cap)
+        rows = torch.cat([live, slots.counts[self.expert]])
+        row0 = torch.cat([self.slot_row0, slots.first[self.expert] * self.block])
+        expert = torch.cat([slots.slot_expert[self.slot], self.expert])
+        t = self.task
+        value = (self.base + self.per_row0 * row0[t] + self.per_rows * rows[t]
+                 + self.per_read * self.read[expert[t]])
+        tasks.view(-1).index_put_((self.at,), value.int())
 
 
-def weight_rows(plan: SlotPlan, space: object) -> tuple[np.ndarray, np.ndarray]:
-    """(base, stride) [g] of each expert GEMM of ``plan``: its weight row is
-    ``base + read[expert] * stride``.  Read off ``describe`` on a probe space whose
-    experts 0 and 1 read rows 0 and 1; ``describe`` must change nothing else with the
-    expert (checked)."""
-    st, g = plan.slot_tasks, plan.graph
-    probe = dataclasses.replace(space, read=np.array([[0, 1]], np.int64))
-    rows = []
-    for e in (0, 1):
-        expert = g.expert.copy()
-        expert[st.task] = e
-        rows.append(describe(dataclasses.replace(g, expert=expert), probe)[st.task])
-    changed = np.flatnonzero((rows[0] != rows[1]).any(axis=0))
-    if not set(changed.tolist()) <= {COL["b_row"]}:
-        raise AssertionError(f"a slot task's operand columns {changed.tolist()} depend on its expert")
-    b = COL["b_row"]
-    return rows[0][st.expert_gemm, b], (rows[1] - rows[0])[st.expert_gemm, b]
+_COEFFICIENTS = ("base", "per_row0", "per_rows", "per_read")
+
+
+def affine_columns(plan: SlotPlan, space: BufferSpace) -> np.ndarray:
+    """[4, m, NCOL] int64 (base, per row0, per rows, per read row) of every operand entry
+    of the resolved tasks (slot tasks, then expert tasks), read off ``describe`` at
+    probe points on a space whose expert e reads row e; checked at one more point
+    (``describe`` must be affine in them)."""
+    st, et, g = plan.slot_tasks, plan.expert_tasks, plan.graph
+    ids = np.concatenate([st.task, et.task])
+    experts = max(space.read.shape[1], 2)
+    probe = dataclasses.replace(space, read=np.arange(experts, dtype=np.int64)[None])
+
+    def at(row0: int, rows: int, expert: int) -> np.ndarray:
+        r0, r1, e = g.row0.copy(), g.row1.copy(), g.expert.copy()
+        r0[ids], r1[ids] = row0, row0 + rows
+        e[st.task] = expert
+        return describe(dataclasses.replace(g, row0=r0, row1=r1, expert=e), probe)[ids]
+
+    origin = at(0, 1, 0)
+    per_row0, per_rows, per_read = at(1, 1, 0) - origin, at(0, 2, 0) - origin, at(0, 1, 1) - origin
+    base = origin - per_rows
+    if not np.array_equal(at(3, 5, 1), base + 3 * per_row0 + 5 * per_rows + per_read):
+        raise AssertionError("a resolved task's operand columns are not affine in its rows and expert")
+    return np.stack([base, per_row0, per_rows, per_read])
 
 
 @dataclass(frozen=True)
@@ -148,7 +174,8 @@ class SlotLaunch:
 
 
 class SlotProgram:
-    """A per-shape forward region resident on one device (built once, by ``PlanCache``)."""
+    """A per-shape forward region, and its backward, resident on one device (built once,
+    by ``PlanCache``)."""
 
     def __init__(self, key: PlanKey, x: torch.Tensor, weights: ExpertWeights, routing: Routing):
         """Build for ``key``; the first call's tensors are bound while the workers are
@@ -160,11 +187,12 @@ class SlotProgram:
         for name in ("tok", "pos"):  # valid rows until the first call resolves them
             self.arena.rank_view(name, 0).zero_()
         tasks = describe(self.plan.graph, space)
-        self.columns = SlotColumns.of(self.plan, space.read[0], weight_rows(self.plan, space), key.device)
+        self.columns = SlotColumns.of(self.plan, space, key.device)
         self._bind(x, weights, routing, resolve_slots(routing.ids, key.shape))
         self.schedule = region_schedule(self.plan.graph, tasks, key.options, self.arena)
         self.program = DeviceProgram(pack(self.schedule, space, tasks), key.device, key.shape.moe.dtype,
                                      key.options.config)
+        self.backward_region: ResidentRegion | None = None
 
     def _bind(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing,
               slots: SlotRouting) -> torch.Tensor:
@@ -218,6 +246,80 @@ class SlotProgram:
         out, slots = self.prepare(x, weights, routing)
         info = self.program.run(self.arena.addresses(), deadline_s=self.key.options.deadline_s)
         return SlotRun(out=out, slots=slots, info=info)
+
+    def backward(self, run: SlotRun, dy: torch.Tensor, weights: ExpertWeights,
+                 routing: Routing) -> SlotBackwardRun:
+        """The backward region after ``run``, this program's last forward call (the arena
+        holds its activations), with the same ``weights`` and ``routing``: dy [T, H]
+        spec.dtype.  The backward region is built on the first call (once per program);
+        every output starts as NaN, so a row no task wrote shows."""
+        if dy.shape != run.out.shape or dy.dtype != run.out.dtype or dy.device != run.out.device:
+            raise ValueError(f"dy must be {tuple(run.out.shape)} {run.out.dtype} on {run.out.device}, got "
+                             f"{tuple(dy.shape)} {dy.dtype} on {dy.device}")
+        if weights.spec.expert_bias:
+            raise ValueError("a per-shape backward has no expert-bias gradients (MoESpec.expert_bias)")
+        experts, dx, dweights = self._bind_backward(dy, weights, routing, run.slots)
+        if self.backward_region is None:
+            self.backward_region = ResidentRegion.build(plan_slot_backward(self.key.shape), self.arena,
+                                                        self.key.options)
+        region = self.backward_region
+        region.columns.apply(region.program.arrays["tasks"], run.slots)
+        info = region.program.run(self.arena.addresses(), deadline_s=self.key.options.deadline_s)
+        experts.zero_idle([True] * weights.spec.experts)  # every expert has tasks: only unread stored rows
+        experts.fold()
+        shared = [self.arena.rank_view(n, 0).clone() if weights.has_shared else None
+                  for n in ("dsw13", "dsw2")]
+        grads = Gradients(dx=dx, dweights=dweights, dw13=experts.full["dw13"], dw2=experts.full["dw2"],
+                          dshared_w13=shared[0], dshared_w2=shared[1])
+        return SlotBackwardRun(grads=grads, info=info)
+
+    def _bind_backward(self, dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
+                       slots: SlotRouting) -> tuple[SlotGradients, torch.Tensor, torch.Tensor]:
+        """Bind dy, NaN outputs and the expert gradients; each slot row's routing weight
+        into ``roww``.  Returns (the expert gradients, dx, dweights)."""
+        a, nan = self.arena, float("nan")
+        dx = torch.full_like(dy, nan)
+        dweights = torch.full((dy.shape[0], weights.spec.top_k), nan, device=dy.device)
+        a.bind_all({"dy": dy.contiguous(), "dx": dx, "dweights": dweights})
+        roww = a.rank_view("roww", 0).view(-1)
+        roww.index_put_((slots.pos.reshape(-1),), routing.weights.reshape(-1).float())
+        grads = SlotGradients.of(weights, slice(None), fill=nan)
+        bind_experts(a, grads.full, weights)
+        if weights.slot_rows is not None:  # later replicas' gradients, folded in afterwards
+            for name, t in grads.scratch.items():
+                a.bind_shared(f"{name}x", t)
+        return grads, dx, dweights
+
+
+@dataclass(frozen=True)
+class SlotBackwardRun:
+    """One backward call: the gradients (``Gradients``: dx [T, H], dweights [T, k]
+    float32, expert and shared weights' gradients; every expert's, zero where it got no
+    rows) and the run."""
+
+    grads: Gradients
+    info: RunInfo
+
+
+@dataclass(frozen=True)
+class ResidentRegion:
+    """A per-shape region on the device: its plan, the entries a routing writes, its
+    schedule and device program."""
+
+    plan: SlotPlan
+    columns: SlotColumns
+    schedule: Schedule
+    program: DeviceProgram
+
+    @staticmethod
+    def build(plan: SlotPlan, arena: Arena, options: TritonOptions) -> ResidentRegion:
+        """Schedule and pack ``plan`` over ``arena``'s buffers (the call's bound: on a GPU
+        the workers are split by running it, ``backend.region_schedule``)."""
+        tasks = describe(plan.graph, arena.space)
+        sched = region_schedule(plan.graph, tasks, options, arena)
+        program = DeviceProgram(pack(sched, arena.space, tasks), arena.device, arena.dtype, options.config)
+        columns = SlotColumns.of(plan, arena.space, arena.device)
+        return ResidentRegion(plan=plan, columns=columns, schedule=sched, program=program)
 
 
 class PlanCache:
