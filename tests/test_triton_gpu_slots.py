@@ -1,7 +1,7 @@
 """The per-shape persistent program on a CUDA device (``pytest -m gpu``; skipped without
-one): one program, built once, launched without a host sync for 20 routings of a shape
-(the ids on the device), each bitwise equal to the per-routing kernel; repeats of one
-routing give the same bits (a difference would be a race)."""
+one): one program, built once, its forward and backward launched without a host sync for
+20 routings of a shape (the ids on the device), each bitwise equal to the per-routing
+kernels; repeats of one routing give the same bits (a difference would be a race)."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from hpmoe.gpu.backend import TritonOptions, triton_forward  # noqa: E402
+from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # noqa: E402
 from hpmoe.gpu.slots import PlanCache  # noqa: E402
 from hpmoe.schedule import QUEUE_POLICIES  # noqa: E402
 from hpmoe.spec import GateKind, MoESpec, TileSpec  # noqa: E402
@@ -25,6 +25,7 @@ SPEC = MoESpec(hidden=256, ffn=128, experts=16, top_k=4, shared_experts=1, gate=
 TILES = TileSpec(rows=32, gemm_rows=64, gemm_cols=128)
 TOKENS = 64
 FULL = [[64] * 4 + [0] * 12, [0] * 12 + [64] * 4]  # every token on the same four experts
+GRADS = ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2")
 SKEWED = [[16] * 16, [64, 64, 32, 32, 16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 1, 1], [33] * 7 + [25] + [0] * 8]
 
 
@@ -39,19 +40,25 @@ def _on(dev: torch.device, w: ExpertWeights, x: torch.Tensor, routings: list) ->
 @pytest.mark.parametrize("policy", QUEUE_POLICIES, ids=lambda p: p.name)
 def test_one_program_launched_without_a_sync_serves_twenty_routings(dtype, policy):
     spec = SPEC.with_dtype(dtype)
-    x = torch.randn(TOKENS, spec.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(TOKENS, spec.hidden, generator=g).to(dtype).cuda() for _ in range(2))
     w, x, routings = _on(torch.device("cuda"), ExpertWeights.random(spec, 0), x,
                          twenty_routings(spec, TOKENS, FULL, SKEWED))
     cache, options = PlanCache(), TritonOptions(policy=policy)
     for i, r in enumerate(routings):
         program = cache.program(x, w, r, TILES, options)
         launched = program.launch(x, w, r)
+        back = program.launch_backward(launched, dy, w, r)
         torch.cuda.synchronize()
-        assert int(launched.errors[:, 0].sum()) == 0, i
-        want = triton_forward(x, w, r, 1, TILES, options).out
-        assert torch.equal(launched.out, want), i
-        checked = program.forward(x, w, r).out
-        assert torch.equal(checked, want), i
+        assert int(launched.errors[:, 0].sum()) == 0 and int(back.errors[:, 0].sum()) == 0, i
+        fwd = triton_forward(x, w, r, 1, TILES, options)
+        want = triton_backward(fwd, dy).grads
+        assert torch.equal(launched.out, fwd.out), i
+        for name in GRADS:
+            assert torch.equal(getattr(back.grads, name), getattr(want, name)), (i, name)
+        checked = program.forward(x, w, r)
+        assert torch.equal(checked.out, fwd.out), i
+        assert torch.equal(program.backward(checked, dy, w, r).grads.dx, want.dx), i
     assert cache.builds == 1
 
 

@@ -137,3 +137,18 @@ def test_one_program_runs_forward_and_backward_with_the_per_routing_kernels_bits
         for name in ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (i, name)
     assert cache.builds == 1 and len(regions) == 1
+
+
+def test_a_backward_step_before_its_launch_reads_nothing_of_the_device(case):
+    from .test_host_reads import no_host_reads
+
+    x, w, routings = case
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+    program = PlanCache().program(x, w, routings[0], TILES, TritonOptions())
+    run = program.forward(x, w, routings[0])
+    program.prepare_backward(dy, w, routings[0], run.slots)  # builds the backward region
+    for r in routings[5:8] + routings[15:17]:
+        with no_host_reads():
+            _, slots = program.prepare(x, w, r)
+            program.prepare_backward(dy, w, r, slots)
+            program.addresses()

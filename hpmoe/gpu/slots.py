@@ -256,22 +256,48 @@ class SlotProgram:
         if dy.shape != run.out.shape or dy.dtype != run.out.dtype or dy.device != run.out.device:
             raise ValueError(f"dy must be {tuple(run.out.shape)} {run.out.dtype} on {run.out.device}, got "
                              f"{tuple(dy.shape)} {dy.dtype} on {dy.device}")
+        experts, dx, dweights = self.prepare_backward(dy, weights, routing, run.slots)
+        deadline = self.key.options.deadline_s
+        info = self.backward_region.program.run(self.arena.addresses(), deadline_s=deadline)
+        return SlotBackwardRun(grads=self._gradients(experts, dx, dweights, weights), info=info)
+
+    def launch_backward(self, launched: SlotLaunch, dy: torch.Tensor, weights: ExpertWeights,
+                        routing: Routing) -> SlotBackwardLaunch:
+        """The backward after ``launched`` (this program's last forward launch) as one
+        launch on a GPU without a host read or a synchronisation; the gradients are
+        written once the launch ends (the expert rows' replicas folded in by the
+        stream's later operations)."""
+        experts, dx, dweights = self.prepare_backward(dy, weights, routing, launched.slots)
+        addresses, aligned = self.addresses()
+        errors = self.backward_region.program.launch(addresses, aligned, self.key.options.deadline_s)
+        return SlotBackwardLaunch(grads=self._gradients(experts, dx, dweights, weights), errors=errors)
+
+    def prepare_backward(self, dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
+                         slots: SlotRouting) -> tuple[SlotGradients, torch.Tensor, torch.Tensor]:
+        """Everything a backward call does before its launch: bind dy, NaN outputs and the
+        expert gradients, each slot row's routing weight into ``roww``, the routing's
+        entries into the backward's task table (the region built on the first call).
+        Returns (the expert gradients, dx, dweights)."""
         if weights.spec.expert_bias:
             raise ValueError("a per-shape backward has no expert-bias gradients (MoESpec.expert_bias)")
-        experts, dx, dweights = self._bind_backward(dy, weights, routing, run.slots)
+        bound = self._bind_backward(dy, weights, routing, slots)
         if self.backward_region is None:
             self.backward_region = ResidentRegion.build(plan_slot_backward(self.key.shape), self.arena,
                                                         self.key.options)
         region = self.backward_region
-        region.columns.apply(region.program.arrays["tasks"], run.slots)
-        info = region.program.run(self.arena.addresses(), deadline_s=self.key.options.deadline_s)
-        experts.zero_idle([True] * weights.spec.experts)  # every expert has tasks: only unread stored rows
-        experts.fold()
+        region.columns.apply(region.program.arrays["tasks"], slots)
+        return bound
+
+    def _gradients(self, experts: SlotGradients, dx: torch.Tensor, dweights: torch.Tensor,
+                   weights: ExpertWeights) -> Gradients:
+        """The call's ``Gradients`` once its backward ran (or is queued to run)."""
+        if weights.slot_rows is not None:  # every expert has tasks: only stored rows no slot reads
+            experts.zero_idle([True] * weights.spec.experts)
+            experts.fold()
         shared = [self.arena.rank_view(n, 0).clone() if weights.has_shared else None
                   for n in ("dsw13", "dsw2")]
-        grads = Gradients(dx=dx, dweights=dweights, dw13=experts.full["dw13"], dw2=experts.full["dw2"],
-                          dshared_w13=shared[0], dshared_w2=shared[1])
-        return SlotBackwardRun(grads=grads, info=info)
+        return Gradients(dx=dx, dweights=dweights, dw13=experts.full["dw13"], dw2=experts.full["dw2"],
+                         dshared_w13=shared[0], dshared_w2=shared[1])
 
     def _bind_backward(self, dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
                        slots: SlotRouting) -> tuple[SlotGradients, torch.Tensor, torch.Tensor]:
@@ -299,6 +325,15 @@ class SlotBackwardRun:
 
     grads: Gradients
     info: RunInfo
+
+
+@dataclass(frozen=True)
+class SlotBackwardLaunch:
+    """One launched backward: the gradients (written once the launch ends) and the
+    backward program's error rows [Q, 4] int32 (read after synchronising)."""
+
+    grads: Gradients
+    errors: torch.Tensor
 
 
 @dataclass(frozen=True)
