@@ -112,3 +112,18 @@ def test_removing_any_needed_wait_is_caught_by_some_routing(case, policy):
                    for s in range(SEEDS) for i in order):
             missed.append(g.task(t))
     assert missed == []
+
+
+def test_replicated_experts_reading_rows_in_place_get_the_per_routing_gradients(case):
+    """Experts 0 and 2 read the same stored row (``ExpertWeights.slot_rows``): the
+    replica's gradient lands in a scratch row folded in afterwards, as per routing."""
+    x, dy, w, routings, _, forward, backward = case
+    placed = ExpertWeights.routed(SPEC, w.w13[:3].clone(), w.w2[:3].clone(), w.shared_w13, w.shared_w2,
+                                  slot_rows=(0, 1, 0, 2))
+    for r in (routings[16], routings[4]):
+        want = moe_forward_backward(x, placed, r, dy, 1, TILES)
+        fwd = prepare_slot_forward(forward, x, placed, r)
+        assert torch.equal(fwd.run().out, want.out)
+        slots = resolve_slots(r.ids, SHAPE)
+        got = prepare_slot_backward(backward, fwd.buffers[0], slots, dy, placed, r).run()
+        assert _equal(got, want.backward.grads) == []

@@ -152,3 +152,18 @@ def test_a_backward_step_before_its_launch_reads_nothing_of_the_device(case):
             _, slots = program.prepare(x, w, r)
             program.prepare_backward(dy, w, r, slots)
             program.addresses()
+
+
+def test_replicated_experts_reading_rows_in_place(case):
+    x, w, routings = case
+    placed = ExpertWeights.routed(SPEC, w.w13[:3].clone(), w.w2[:3].clone(), w.shared_w13, w.shared_w2,
+                                  slot_rows=(0, 1, 0, 2))
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    program = PlanCache().program(x, placed, routings[16], TILES, TritonOptions())
+    run = program.forward(x, placed, routings[16])
+    got = program.backward(run, dy, placed, routings[16]).grads
+    fwd = triton_forward(x, placed, routings[16], 1, TILES)
+    want = triton_backward(fwd, dy).grads
+    assert torch.equal(run.out, fwd.out)
+    for name in ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

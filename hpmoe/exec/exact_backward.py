@@ -187,18 +187,20 @@ def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routi
 @dataclass(frozen=True)
 class PreparedSlotBackward:
     """The per-shape backward region of one call (``prepare_slot_backward``), ready to
-    run: its graph resolved for the call's routing, one rank's buffers and context, and
-    the full-size gradients they write."""
+    run (once): its graph resolved for the call's routing, one rank's buffers and
+    context, the full-size gradients they write and the expert gradients' replicas."""
 
     graph: TaskGraph
     buffers: list[BackwardBuffers]
     contexts: list[BackwardContext]
     out: Gradients
     weights: ExpertWeights
+    experts: SlotGradients
 
     def run(self, order: Sequence[int] | None = None, graph: TaskGraph | None = None) -> Gradients:
         """Run every task once in ``order`` under ``graph``'s waits (default: its own)."""
         run_graph(self.graph if graph is None else graph, BACKWARD, self.buffers, self.contexts, order)
+        self.experts.fold()
         return replace(self.out, dshared_w13=_rank_sum(self.buffers, "dsw13", self.weights),
                        dshared_w2=_rank_sum(self.buffers, "dsw2", self.weights))
 
@@ -225,7 +227,7 @@ def prepare_slot_backward(plan: SlotPlan, forward: ForwardBuffers, slots: SlotRo
                           token_of_row=slots.row_token, row_weight=row_weight, pos=slots.pos,
                           activation=spec.activation, glu=spec.glu)
     return PreparedSlotBackward(graph=resolved_graph(plan, slots), buffers=[buffers], contexts=[ctx], out=out,
-                                weights=weights)
+                                weights=weights, experts=grads)
 
 
 def slot_backward_buffers(saved: SavedActivations, dy: torch.Tensor, spec: MoESpec, capacity: int,
