@@ -92,6 +92,26 @@ def test_a_replaced_model_saves_in_its_familys_names_and_layout(options):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_a_saved_balance_is_adopted_only_by_a_layer_of_its_layout():
+    """One process: a layer's placement (replicas), measured load and call count saved;
+    a layer of the same virtual EP adopts all three, one of another EP size only the
+    load and count and keeps its own placement."""
+    from hpmoe.nn.layer import MoE
+    from hpmoe.placement import Placement
+
+    replicas = Placement((0, 1, 2, 3, 7, 4, 5, 6, 7, 0), 8, 2)
+    layer = MoE(run.SPEC, virtual_ep=2, backend="kernel_by_kernel")
+    layer.placement = replicas
+    layer(run.probe(1, 0))
+    state = balance_state(layer._door.balance)
+    assert state.calls == 1 and state.load.shape == (1, 8) and state.load.sum() > 0
+    for ep, placement in ((2, replicas), (4, None)):
+        other = MoE(run.SPEC, virtual_ep=ep, backend="kernel_by_kernel")
+        restore(other._door.balance, state, [], None)
+        assert other.placement == placement and other._door.balance.calls == 1
+        assert (other.expert_load() == state.load[0]).all()
+
+
 def _data_parallel(rank: int, world: int, path: str) -> dict[str, bool]:
     """Per wrapper: two Adam steps, a save through ``TrainState``, a third step; a fresh
     wrapped model loads and runs the third step: whether its output and parameters equal

@@ -160,18 +160,27 @@ def restore(balance: Balance, state: BalanceState, stored: list[torch.Tensor],
             optimizer: torch.optim.Optimizer | None) -> None:
     """Adopt ``state``: its load (this rank's row when the group has as many processes
     as the saved one, else every rank the saved total over its own count) and call
-    count, and its placement when the layer has its ranks and nodes (a sharded layer
-    moves its ``stored`` rows and ``optimizer``'s state there: collective)."""
+    count, and its placement when the layer has its ranks, nodes and slots (a sharded
+    layer moves its ``stored`` rows and ``optimizer``'s state there: collective)."""
     o, session = balance.options, balance._session()
     rank, procs = (0, 1) if session is None else (session.collectives.rank, session.collectives.world)
     load = torch.from_numpy(state.load)
     mine = load[rank] if load.shape[0] == procs else load.sum(0) / procs
     balance.load = mine.to(balance.load.device, torch.float64)
     balance.calls = state.calls
-    if (state.ranks, state.nodes) != (o.ranks, o.nodes):
-        return
     placement = state.placement(balance.spec.experts)
+    if not _fits(balance, placement, state):
+        return  # the saved placement is for another layout: the layer keeps its own
     if o.shard_experts:
         balance.move_to(placement, stored, optimizer)
     else:
         balance.set(placement)
+
+
+def _fits(balance: Balance, placement: Placement | None, state: BalanceState) -> bool:
+    """Whether ``state``'s ``placement`` is for ``balance``'s ranks and nodes (and, for a
+    sharded layer, its slots: a sharded layer's parameters keep their shape)."""
+    o = balance.options
+    slots = placement.slots if placement is not None else balance.spec.experts
+    same = (state.ranks, state.nodes) == (o.ranks, o.nodes)
+    return same and (not o.shard_experts or slots == balance.physical().slots)
