@@ -284,8 +284,9 @@ class RoutingPlan:
         return self.counts[:, rank, :].sum(dim=0)
 
 
-def plan_routing(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec) -> RoutingPlan:
-    """Build the plan from top-k ids ``[ep * tokens_per_rank, k]`` (int64).
+def plan_routing(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec, checked: bool = False) -> RoutingPlan:
+    """Build the plan from top-k ids ``[ep * tokens_per_rank, k]`` (int64); ``checked``:
+    the caller has scanned their values (a layer's call), so only their form is checked.
 
     1. sort each rank's (token, slot) rows by global expert (stable radix sort on
        small keys: token order is kept within an expert);
@@ -294,7 +295,10 @@ def plan_routing(ids: torch.Tensor, moe: MoESpec, par: ParallelSpec) -> RoutingP
     """
     ep, tpr, k = par.ep, par.tokens_per_rank, moe.top_k
     local = par.local_experts(moe)
-    check_ids(ids, moe, ep * tpr)
+    if checked:
+        _check_ids_form(ids, moe, ep * tpr)
+    else:
+        check_ids(ids, moe, ep * tpr)
     flat = ids.numpy().reshape(ep, tpr * k)
     order = np.argsort(flat.astype(np.uint8 if moe.experts <= 256 else np.uint16), axis=1, kind="stable")
     row_base = (np.arange(ep) * tpr * k)[:, None]

@@ -632,3 +632,64 @@ def test_what_a_call_keeps_can_be_offloaded_by_saved_tensor_hooks(recompute):
     ran(layer, pinned.kind, tokens=16, recompute=recompute, **pinned.fields)
     assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
     assert all(torch.equal(got[2][n], plain[2][n]) for n in plain[2])
+
+
+# ---------------------------------------------------------------------------- the call protocol
+
+
+def _protocol_counts(layer, x, dy):
+    """(input scans, agreements opened) of one forward + backward of ``layer``, counted on
+    every thread by the functions' code objects, whoever calls them and by any name."""
+    import inspect
+    import sys
+    import threading
+
+    from hpmoe import routing
+    from hpmoe.runtime import Session
+
+    scans = (routing.value_error, routing.input_status, routing._check_values, routing.input_error)
+    codes = {inspect.unwrap(f).__code__: name for name, fs in (("scan", scans), ("agree", (Session.open_call,)))
+             for f in fs}
+    counts = {"scan": 0, "agree": 0}
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        _run(layer, x, dy)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return counts
+
+
+@pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])
+def test_a_call_scans_its_input_once_in_one_process(path):
+    spec, pinned = preset("tiny"), pin(path, 2)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
+    x, dy = _data(spec, 16)
+    assert _protocol_counts(layer, x, dy) == {"scan": 1, "agree": 0}
+    ran(layer, pinned.kind, **pinned.fields)
+
+
+def _protocol_step(rank, world, backend):
+    spec = preset("tiny")
+    pinned = dict(backend="kernel_by_kernel") if backend == "kernel_by_kernel" else dict(
+        schedule=SchedulePolicy.HYPERPARALLEL, tiles=TINY_TILES)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, **pinned)
+    x, dy = _share(rank, (6, 6), spec)
+    counts = _protocol_counts(layer, x, dy)
+    kind = KernelByKernelPath if backend == "kernel_by_kernel" else RuntimePath
+    ran(layer, kind, tokens=6)
+    layer.close()
+    return counts
+
+
+@pytest.mark.parametrize("backend", ["kernel_by_kernel", "runtime"])
+def test_a_distributed_call_opens_one_agreement_each_way_and_scans_its_input_once(backend):
+    """Forward and backward each open one agreement (the forward's carries the input's
+    verdict and the counts; no path opens one of its own), and the input is scanned once."""
+    for counts in spawn_gloo(_protocol_step, 2, backend, timeout=180):
+        assert counts == {"scan": 1, "agree": 2}, counts

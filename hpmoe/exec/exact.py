@@ -126,7 +126,7 @@ def prepare_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
     if not isinstance(ep, int) or ep <= 0 or x.shape[0] % ep:
         raise ValueError(f"ep={ep!r} must be a positive int dividing the {x.shape[0]} tokens")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep, nodes=nodes)
-    plan = plan_routing(routing.ids, spec, par)
+    plan = plan_routing(routing.ids, spec, par, checked)
     family = region_family(tiles)
     layout = family.layout(plan, tiles)
     region = family.forward(layout)

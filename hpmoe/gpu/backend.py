@@ -198,7 +198,7 @@ def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep
                          f"MoESpec.expert_bias={spec.expert_bias}, MoESpec.glu={spec.glu} (GPT-OSS's "
                          "experts run on the exact and runtime backends)")
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
-    plan = plan_routing(routing.ids.cpu(), spec, par)
+    plan = plan_routing(routing.ids.cpu(), spec, par, checked)
     arena = forward_arena(x, weights, routing, plan, region_space(plan, weights))
     region = prepare(lower_forward(plan, tiles), arena, options)
     info = region.run()

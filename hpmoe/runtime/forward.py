@@ -114,11 +114,11 @@ class ForwardRunner:
         s.transport.begin()
         if fam.reads_every_rank:
             routing = exchange_routing(routing, s.collectives, f"forward region {n}: routing exchange")
-            plan, key = plan_routing(routing.ids, spec, par), routing.ids.numpy().tobytes()
+            plan, key = plan_routing(routing.ids, spec, par, agreed), routing.ids.numpy().tobytes()
         else:
             counts = exchange_tile_counts(routing.ids, spec.experts, tiles.rows, s.collectives,
                                           f"forward region {n}: count exchange")
-            plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, tiles.rows)
+            plan = plan_from_tile_counts(routing.ids, counts, spec, par, s.rank, tiles.rows, agreed)
             key = counts.numpy().tobytes()
         marks.append(time.perf_counter())
         layout = fam.layout(plan, tiles)

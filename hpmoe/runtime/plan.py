@@ -52,15 +52,16 @@ def stand_in_ids(counts: torch.Tensor, tokens: int, top_k: int, rows: int) -> to
 
 
 def plan_from_tile_counts(ids: torch.Tensor, counts: torch.Tensor, moe: MoESpec, par: ParallelSpec,
-                          rank: int, rows: int) -> RoutingPlan:
+                          rank: int, rows: int, checked: bool = False) -> RoutingPlan:
     """The plan of every rank from this rank's ``ids`` ([T, k] int64) and every rank's
-    tile counts ([ep, E, ceil(T / rows)] int32, as exchanged)."""
+    tile counts ([ep, E, ceil(T / rows)] int32, as exchanged); ``checked``: as
+    ``plan_routing``'s."""
     t = par.tokens_per_rank
     shape = (par.ep, moe.experts, int(ceil_div(t, rows)))
     if tuple(counts.shape) != shape:
         raise ValueError(f"tile counts have shape {tuple(counts.shape)}, expected {list(shape)}")
     parts = [ids if r == rank else stand_in_ids(counts[r], t, moe.top_k, rows) for r in range(par.ep)]
-    return plan_routing(torch.cat(parts), moe, par)
+    return plan_routing(torch.cat(parts), moe, par, checked)
 
 
 def exchange_routing(routing: Routing, coll: Collectives, what: str = "routing exchange") -> Routing:
