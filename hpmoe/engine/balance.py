@@ -127,7 +127,7 @@ class Balance:
         if p.spread:  # spares (a second slot on one rank) take no tokens and are never read
             tensors = replica_sum(tensors, p.phy2log[mine], p.spread, self._session().collectives)
         return ExpertWeights.routed(p.physical_spec(spec), tensors[0], tensors[1], shared_w13, shared_w2,
-                                    *tensors[2:], slot_rows=rows)
+                                    *tensors[2:], slot_rows=rows, shared_parts=shared_parts)
 
     def measure(self, rows: torch.Tensor) -> None:
         """Fold a call's rows per expert ([E], any integer dtype) into the load's moving
