@@ -11,11 +11,13 @@ with no host read of the ids and no Python planning:
 
   1. ``resolve_slots``: counts, each slot's expert and live rows, the permutation;
   2. ``SlotColumns.apply``: the routing's operand entries written into the device's task
-     table, each slot task's M (its live rows) and each expert GEMM's weight row;
-  3. the row indices (token of each slot row, slot row of each (token, j)) into the arena;
+     table (a slot task's rows and expert weight row, a weight gradient's first row and
+     depth);
+  3. the row indices (token of each slot row, slot row of each (token, j)) and, for the
+     backward, each slot row's routing weight into the arena;
   4. bind the caller's tensors, upload their addresses and launch the kernel (on a GPU
-     one launch, no host sync: ``SlotProgram.launch``; ``forward`` also checks the run,
-     and is what the interpreter runs, in rounds).
+     one launch, no host sync: ``SlotProgram.launch``, ``launch_backward``; ``forward``
+     and ``backward`` also check the run, and are what the interpreter runs, in rounds).
 
 Which columns a routing changes is derived from ``ops.describe`` itself (the one place
 that says what a task reads), not restated here.
@@ -181,18 +183,23 @@ class SlotProgram:
         """Build for ``key``; the first call's tensors are bound while the workers are
         split by measuring on a GPU (``backend.region_schedule``)."""
         self.key = key
-        self.plan = plan_slots(key.shape)
         space = slot_buffer_space(key.shape, key.slot_rows, key.stored)
         self.arena = Arena(space, key.shape.moe.dtype, key.device)
         for name in ("tok", "pos"):  # valid rows until the first call resolves them
             self.arena.rank_view(name, 0).zero_()
-        tasks = describe(self.plan.graph, space)
-        self.columns = SlotColumns.of(self.plan, space, key.device)
         self._bind(x, weights, routing, resolve_slots(routing.ids, key.shape))
-        self.schedule = region_schedule(self.plan.graph, tasks, key.options, self.arena)
-        self.program = DeviceProgram(pack(self.schedule, space, tasks), key.device, key.shape.moe.dtype,
-                                     key.options.config)
+        self.forward_region = ResidentRegion.build(plan_slots(key.shape), self.arena, key.options)
         self.backward_region: ResidentRegion | None = None
+
+    @property
+    def plan(self) -> SlotPlan:
+        """The forward's per-shape plan."""
+        return self.forward_region.plan
+
+    @property
+    def program(self) -> DeviceProgram:
+        """The forward's device program."""
+        return self.forward_region.program
 
     def _bind(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing,
               slots: SlotRouting) -> torch.Tensor:
@@ -212,16 +219,17 @@ class SlotProgram:
         """Everything a call does before the launch (steps 1-3 of the module and the
         binding): (the output tensor, the resolved routing)."""
         slots = resolve_slots(routing.ids, self.key.shape)
-        self.columns.apply(self.program.arrays["tasks"], slots)
+        self.forward_region.columns.apply(self.program.arrays["tasks"], slots)
         return self._bind(x, weights, routing, slots), slots
 
-    def addresses(self) -> tuple[torch.Tensor, bool]:
-        """(the bound buffers' addresses [num_buffers] int64 on the device, whether the
-        aligned kernel variant may run), from host addresses alone: on a GPU copied
-        from pinned memory without waiting (a copy from pageable memory would
-        synchronise the stream)."""
+    def addresses(self, program: DeviceProgram | None = None) -> tuple[torch.Tensor, bool]:
+        """(the bound buffers' addresses [num_buffers] int64 on the device, whether
+        ``program``'s aligned variant may run; default the forward's), from host
+        addresses alone: on a GPU copied from pinned memory without waiting (a copy from
+        pageable memory would synchronise the stream)."""
+        program = self.program if program is None else program
         host = self.arena.host_addresses()
-        aligned = self.program.aligned and aligned_addresses(self.program.packed.tasks, host)
+        aligned = program.aligned and aligned_addresses(program.packed.tasks, host)
         staged = torch.from_numpy(host)
         if self.key.device.type != "cuda":
             return staged, aligned
@@ -268,8 +276,9 @@ class SlotProgram:
         written once the launch ends (the expert rows' replicas folded in by the
         stream's later operations)."""
         experts, dx, dweights = self.prepare_backward(dy, weights, routing, launched.slots)
-        addresses, aligned = self.addresses()
-        errors = self.backward_region.program.launch(addresses, aligned, self.key.options.deadline_s)
+        program = self.backward_region.program
+        addresses, aligned = self.addresses(program)
+        errors = program.launch(addresses, aligned, self.key.options.deadline_s)
         return SlotBackwardLaunch(grads=self._gradients(experts, dx, dweights, weights), errors=errors)
 
     def prepare_backward(self, dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
