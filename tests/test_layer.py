@@ -648,8 +648,8 @@ def _protocol_counts(layer, x, dy):
     from hpmoe.runtime import Session
 
     scans = (routing.value_error, routing.input_status, routing._check_values, routing.input_error)
-    codes = {inspect.unwrap(f).__code__: name for name, fs in (("scan", scans), ("agree", (Session.open_call,)))
-             for f in fs}
+    named = (("scan", scans), ("agree", (Session.open_call,)))
+    codes = {inspect.unwrap(f).__code__: name for name, fs in named for f in fs}
     counts = {"scan": 0, "agree": 0}
 
     def profile(frame, event, arg):

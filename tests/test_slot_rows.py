@@ -22,7 +22,7 @@ from hpmoe.ir.schedule import SchedulePolicy
 from hpmoe.placement import Placement
 from hpmoe.regions.base import RegionKind
 from hpmoe.routing import Routing, plan_routing
-from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, preset
+from hpmoe.spec import DispatchMode, ParallelSpec, TileSpec, as_recompute, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights, SlotGradients, slot_targets
 
@@ -167,7 +167,7 @@ EXACT = {"per expert": (SPEC, WITHIN, TileSpec(), False),
 def test_the_exact_executors_read_the_slots_in_place_with_the_gathered_bits(case):
     spec, placement, tiles, recompute = EXACT[case]
     x, ids, topk, dy = _inputs(spec, placement, 16 * placement.ranks)
-    path = ExactPath(placement.ranks, tiles, recompute=recompute)
+    path = ExactPath(placement.ranks, tiles, recompute=as_recompute(recompute))
     leaves = lambda: _logical(spec)  # noqa: E731
     got, want = (_step(path, leaves, _slots(spec, placement, g), x, ids, topk, dy) for g in (False, True))
     _assert_same_bits(got, want)
