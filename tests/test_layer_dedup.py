@@ -17,7 +17,7 @@ from hpmoe.runtime import RuntimeConfig, TransportKind
 from hpmoe.schedule import SchedulePolicy
 from hpmoe.schedule.auto import KERNEL_BY_KERNEL, Path, Reason
 from hpmoe.sim.presets import cpu_nominal, hardware_preset
-from hpmoe.spec import DispatchMode, preset
+from hpmoe.spec import DispatchMode, as_recompute, preset
 from hpmoe.testing import spawn_gloo
 from hpmoe.weights import ExpertWeights
 
@@ -64,7 +64,7 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(mode):
         layer = _layer(TILES[mode], 4, 2, **options)
         got = _run(layer, x, dy)
         ran(layer, ExactPath, ep=4, nodes=2, tiles=TILES[mode], order=options["schedule"],
-            **{k: options[k] for k in ("recompute",) if k in options})  # as asked
+            **{k: as_recompute(options[k]) for k in ("recompute",) if k in options})  # as asked
         assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), options
         assert all(torch.equal(got[2][n], base[2][n]) for n in base[2]), options
 
@@ -120,7 +120,7 @@ def _rank_step(rank, world, mode, nodes, options):
     result = _run(layer, *shares)
     policy = options["schedule"] or SchedulePolicy.HYPERPARALLEL  # None: HYPERPARALLEL
     ran(layer, RuntimePath, tokens=6, policy=policy, tiles=TILES[mode], nodes=nodes,
-        **{k: options[k] for k in ("recompute",) if k in options})  # as asked
+        **{k: as_recompute(options[k]) for k in ("recompute",) if k in options})  # as asked
     layer.close()
     return result
 
