@@ -99,3 +99,15 @@ def test_only_the_selection_module_picks_a_path_or_a_policy() -> None:
             found[name] = lines
     assert not found, f"branches that pick outside engine/selection.py (module: lines): {found}"
     assert picks((PACKAGE / "engine/selection.py").read_text()), "the scan finds the chooser's own picks"
+
+
+def test_the_former_options_policy_still_answers_with_a_deprecation_warning() -> None:
+    import pytest
+
+    from hpmoe.engine import RegionOptions
+    from hpmoe.engine.selection import runtime_policy
+    from hpmoe.schedule import SchedulePolicy
+
+    for o in (RegionOptions(), RegionOptions(schedule=None)):
+        with pytest.warns(DeprecationWarning, match="runtime_policy"):
+            assert o.policy is runtime_policy(o) is SchedulePolicy.HYPERPARALLEL

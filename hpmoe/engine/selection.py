@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +95,15 @@ def runtime_policy(o: RegionOptions) -> SchedulePolicy:
     ``o.schedule`` where it names one, else (AUTO, None, a seed) HYPERPARALLEL."""
     fixed = isinstance(o.schedule, SchedulePolicy) and o.schedule is not SchedulePolicy.AUTO
     return o.schedule if fixed else SchedulePolicy.HYPERPARALLEL
+
+
+def _deprecated_policy(o: RegionOptions) -> SchedulePolicy:
+    warnings.warn("RegionOptions.policy is deprecated: use hpmoe.engine.selection.runtime_policy(options)",
+                  DeprecationWarning, stacklevel=2)
+    return runtime_policy(o)
+
+
+RegionOptions.policy = property(_deprecated_policy)  # the former property, for one release
 
 
 def compiled(o: RegionOptions) -> bool:
