@@ -86,7 +86,10 @@ def computing_experts(block: nn.Module, family: Family) -> int | None:
     if family.identity_experts is None:
         return None
     experts = block.experts
-    return experts.gate_up_proj.shape[0] - (getattr(experts, family.identity_experts) or 0)
+    rows = experts.gate_up_proj.shape[0]
+    if hasattr(experts, family.identity_experts):  # rows for every id, the identity ones' unused
+        return rows - (getattr(experts, family.identity_experts) or 0)
+    return rows  # the block counts the identity experts, the experts hold the computing ones
 
 
 def _check_experts(block: nn.Module, family: Family) -> ExpertTensors:

@@ -1,8 +1,11 @@
 """Bailing-hybrid (Ling): DeepSeek-V3-style sigmoid router (score-correction bias for
 the choice, group limits, renormalised, times ``routed_scaling_factor``), SwiGLU experts,
-shared experts (its linear attention is outside the block)."""
+shared experts (its linear attention is outside the block).  Since transformers 5.25 its
+experts may clamp after the activation as Step-3.7's do (``swiglu_limits``): a layer that
+does is refused, its shared MLP (clamped by ``swiglu_limits_shared``) runs beside the region."""
 
 from .base import MLA_TINY, Family
+from .step3p7 import plain_unless_clamped
 
 FAMILY = Family(
     name="bailing_hybrid",
@@ -23,4 +26,5 @@ FAMILY = Family(
         layer_group_size=2,
     ),
     shared="shared_experts",
+    glu=plain_unless_clamped("bailing_hybrid"),
 )

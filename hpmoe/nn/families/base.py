@@ -78,8 +78,10 @@ class Family:
     block_attrs: plain attributes of the block that ``topk`` reads (copied to the layer).
     score_side: where the routing score multiplies (``ScoreSide``).
     output_bias: attribute of a [H] parameter the block adds to every token's output (JetMoE).
-    identity_experts: attribute of the experts module holding the number of
-      zero-computation experts, ids ``[E, E + n)`` whose output is the token itself (LongCat).
+    identity_experts: attribute holding the number of zero-computation experts, ids
+      ``[E, E + n)`` whose output is the token itself (LongCat): of the experts module, whose
+      weights then hold rows for every id; or, where the experts have none (transformers
+      >= 5.25), of the block, whose experts hold the computing experts' rows only.
     returns: None when the block returns the hidden states only; else the index of the
       router output it returns beside them (``(hidden, router_output[returns])``).
     glu: the ``GluForm`` of the experts' own ``_apply_gate`` (GPT-OSS), read from the experts

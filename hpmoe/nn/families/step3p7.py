@@ -6,6 +6,7 @@ the routing weights), and a shared MLP run beside the region.  A layer whose
 is refused: the region clamps the gate before it."""
 
 import math
+from collections.abc import Callable
 
 from torch import nn
 
@@ -14,12 +15,17 @@ from .base import Family
 from .laguna import routed_scale
 
 
-def _glu(experts: nn.Module) -> GluForm:
-    """``Step3p7Experts._apply_gate``: the plain gate where its limit is infinite."""
-    if not math.isinf(experts.limit):
-        raise ValueError(f"step3p7: experts clamp after the activation, min(silu(gate), {experts.limit}) * "
-                         "clamp(up), which the region does not compute")
-    return PLAIN_GLU
+def plain_unless_clamped(name: str) -> Callable[[nn.Module], GluForm]:
+    """The reading of an ``_apply_gate`` that clamps after the activation where the layer
+    has a limit: the plain gate where it has none (``limit`` None; inf before transformers
+    5.25), else ``ValueError`` naming the family and the limit."""
+    def glu(experts: nn.Module) -> GluForm:
+        limit = getattr(experts, "limit", None)
+        if limit is not None and not math.isinf(limit):
+            raise ValueError(f"{name}: experts clamp after the activation, min(silu(gate), {limit}) * "
+                             "clamp(up), which the region does not compute")
+        return PLAIN_GLU
+    return glu
 
 
 FAMILY = Family(
@@ -33,5 +39,5 @@ FAMILY = Family(
     shared="shared_experts",
     topk=routed_scale,
     block_attrs=("routed_scaling_factor",),
-    glu=_glu,
+    glu=plain_unless_clamped("step3p7"),
 )
