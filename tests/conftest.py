@@ -17,3 +17,16 @@ def _no_tuning_cache(tmp_path, monkeypatch):
     """Every test starts with an empty tuning cache of its own (spawned ranks inherit it):
     a choice tuned by one test must not settle another's."""
     monkeypatch.setenv("HPMOE_TUNE_CACHE", str(tmp_path / "hpmoe-tune.json"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny GEMMs on one thread: two threads that spin for each other on shared, busy
+    cores made each 8x16 product take milliseconds instead of microseconds.  A module
+    asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

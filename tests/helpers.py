@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import types
@@ -21,8 +22,15 @@ from hpmoe.schedule.auto import Path
 from hpmoe.sim.hardware import HardwareModel
 from hpmoe.sim.simulate import simulate
 from hpmoe.spec import GateKind, GluForm, MoESpec, ParallelSpec, TileSpec, preset
+from hpmoe.weights import ExpertWeights
 
 TINY_TILES = TileSpec(rows=3, gemm_rows=4, gemm_cols=8)
+# the CUDA tests' layer (pytest -m gpu): big enough for Triton's smallest dot tiles
+GPU_SPEC = MoESpec(hidden=256, ffn=128, experts=16, top_k=4, shared_experts=1, gate=GateKind.SOFTMAX,
+                   dtype=torch.float32)
+GPU_TILES = TileSpec(rows=32, gemm_rows=64, gemm_cols=128)
+GPU_TOKENS = 64
+GRAD_NAMES = ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2")
 # GPT-OSS's expert form: biases, gate/up interleaved, clamped SwiGLU (a limit low enough that
 # the tiny layer's pre-activations cross it on both sides), up + 1
 GPT_OSS_FORM = MoESpec(hidden=24, ffn=12, experts=8, top_k=3, gate=GateKind.SOFTMAX, dtype=torch.float32,
@@ -178,3 +186,10 @@ def pin(path: Path, ep: int = 1, tiles: TileSpec | None = None) -> Pin:
     if path is Path.PERSISTENT:
         return Pin(dict(backend="triton", **where), TritonPath, dict(ep=ep, tiles=tiles))
     raise ValueError(f"path={path!r}: TASKFLOW, KERNEL_BY_KERNEL or PERSISTENT")
+
+
+def weights_on(w: ExpertWeights, device: torch.device) -> ExpertWeights:
+    """``w`` with every tensor it holds moved to ``device``."""
+    moved = {f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    return dataclasses.replace(w, **moved)

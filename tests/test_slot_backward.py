@@ -31,13 +31,7 @@ GRADS = ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2")
 SEEDS = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny GEMMs on one thread (as in test_slots)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

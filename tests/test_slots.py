@@ -35,14 +35,7 @@ SKEWED = [[16, 16, 0, 0], [16, 8, 8, 0], [16, 1, 1, 14]]
 SEEDS = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny GEMMs on one thread: two threads that spin for each other on shared,
-    busy cores made each 8x16 product take milliseconds instead of microseconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,16 @@ from hpmoe.gpu.runner import DeviceProgram  # noqa: E402
 from hpmoe.routing import RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.runtime.forensics import RegionError, WorkerStatus  # noqa: E402
 from hpmoe.schedule import QUEUE_POLICIES, SchedulePolicy  # noqa: E402
-from hpmoe.spec import GateKind, MoESpec, ParallelSpec, TileSpec  # noqa: E402
+from hpmoe.spec import ParallelSpec  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
 
-SPEC = MoESpec(hidden=256, ffn=128, experts=16, top_k=4, shared_experts=1, gate=GateKind.SOFTMAX,
-               dtype=torch.float32)
-TILES = TileSpec(rows=32, gemm_rows=64, gemm_cols=128)
-TOKENS = 64
+from .helpers import GPU_SPEC as SPEC  # noqa: E402
+from .helpers import GPU_TILES as TILES  # noqa: E402
+from .helpers import GPU_TOKENS as TOKENS  # noqa: E402
+from .helpers import GRAD_NAMES as GRADS  # noqa: E402
+from .helpers import weights_on  # noqa: E402
+
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-GRADS = ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2")
 
 
 def _inputs(dtype, ep, seed):
@@ -43,10 +44,8 @@ def _inputs(dtype, ep, seed):
 
 def _cuda(w: ExpertWeights, x, routing, dy):
     dev = torch.device("cuda")
-    moved = {f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
-             if isinstance(getattr(w, f.name), torch.Tensor)}
     routing = dataclasses.replace(routing, weights=routing.weights.to(dev))
-    return dataclasses.replace(w, **moved), x.to(dev), routing, dy.to(dev)
+    return weights_on(w, dev), x.to(dev), routing, dy.to(dev)
 
 
 CASES = [(dtype, ep, policy) for dtype in (torch.float32, torch.bfloat16) for ep in (1, 2, 4, 8)

@@ -15,25 +15,22 @@ pytestmark = [pytest.mark.gpu,
 from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # noqa: E402
 from hpmoe.gpu.slots import PlanCache  # noqa: E402
 from hpmoe.schedule import QUEUE_POLICIES  # noqa: E402
-from hpmoe.spec import GateKind, MoESpec, TileSpec  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
 
+from .helpers import GPU_SPEC as SPEC  # noqa: E402
+from .helpers import GPU_TILES as TILES  # noqa: E402
+from .helpers import GPU_TOKENS as TOKENS  # noqa: E402
+from .helpers import GRAD_NAMES as GRADS  # noqa: E402
+from .helpers import weights_on  # noqa: E402
 from .slot_routings import twenty_routings  # noqa: E402
 
-SPEC = MoESpec(hidden=256, ffn=128, experts=16, top_k=4, shared_experts=1, gate=GateKind.SOFTMAX,
-               dtype=torch.float32)
-TILES = TileSpec(rows=32, gemm_rows=64, gemm_cols=128)
-TOKENS = 64
 FULL = [[64] * 4 + [0] * 12, [0] * 12 + [64] * 4]  # every token on the same four experts
-GRADS = ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2")
 SKEWED = [[16] * 16, [64, 64, 32, 32, 16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 1, 1], [33] * 7 + [25] + [0] * 8]
 
 
 def _on(dev: torch.device, w: ExpertWeights, x: torch.Tensor, routings: list) -> tuple:
-    moved = {f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
-             if isinstance(getattr(w, f.name), torch.Tensor)}
     rs = [dataclasses.replace(r, ids=r.ids.to(dev), weights=r.weights.to(dev)) for r in routings]
-    return dataclasses.replace(w, **moved), x.to(dev), rs
+    return weights_on(w, dev), x.to(dev), rs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
