@@ -8,6 +8,7 @@ rank computes its peers' event ids without asking them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,14 @@ class EventLayout:
         offset = np.zeros((sizes.shape[0], sizes.shape[1] + 1), np.int64)
         np.cumsum(sizes, axis=1, out=offset[:, 1:])
         return EventLayout(categories=categories, offset=offset)
+
+    @staticmethod
+    def from_columns(categories: type[enum.IntEnum], ep: int, columns: Sequence[int | np.ndarray]
+                     ) -> EventLayout:
+        """One column per category, in its order: an int (that many events on every one of
+        the ``ep`` ranks) or an [ep] array."""
+        return EventLayout.from_sizes(categories, np.stack(
+            [np.broadcast_to(np.asarray(c, np.int64), (ep,)) for c in columns], axis=1))
 
     def base(self, rank: np.ndarray | int, category: enum.IntEnum) -> np.ndarray:
         """First local event id of ``category`` on ``rank``."""

@@ -81,17 +81,11 @@ E = BackwardEvent
 
 def backward_events(layout: Layout) -> EventLayout:
     """The backward event layout of every rank, a pure function of ``layout``."""
-    ep, local = layout.plan.par.ep, layout.plan.local_experts
-    nb = layout.blocks.count
-
-    def full(n: int) -> np.ndarray:
-        return np.full(ep, n, np.int64)
-
-    has_shared = 1 if layout.shared_blocks else 0
-    sizes = np.stack([nb, nb, nb, nb, full(local), full(local), full(layout.token_tiles),
-                      full(layout.shared_blocks), full(layout.shared_blocks), full(has_shared),
-                      full(has_shared), layout.pieces.per_src], axis=1)
-    return EventLayout.from_sizes(BackwardEvent, sizes)
+    local, nb, sb = layout.plan.local_experts, layout.blocks.count, layout.shared_blocks
+    has_shared = 1 if sb else 0
+    return EventLayout.from_columns(BackwardEvent, layout.plan.par.ep, [
+        nb, nb, nb, nb, local, local, layout.token_tiles, sb, sb, has_shared, has_shared,
+        layout.pieces.per_src])
 
 
 def lower_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,

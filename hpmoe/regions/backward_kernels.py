@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,29 +59,26 @@ class SavedActivations:
         return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
 
-@dataclass
-class BackwardBuffers:
-    """One rank's backward buffers: the saved activations plus gradients.
+@dataclass(kw_only=True)
+class GradientBuffers:
+    """What one rank's backward buffers hold in every family: the saved activations
+    (the family's ``saved_kind``) plus gradients.
 
-    dy [T, H] output gradient; gsend [T*k, H] w_j * dy rows in permuted order;
-    grecv [R, H] (symmetric) received output gradients; da [R, F]; dh [R, 2F];
-    dxe [R, H] expert input gradients; gcomb [T*k, H] (symmetric) input gradients
-    back at the source; dx [T, H]; dw [T, k] float32 routing-weight gradient;
-    dw13 [L][2F, H], dw2 [L][H, F] local expert gradients (zero for experts without
-    rows; ``Rows``: where each expert's gradient lands, ``SlotGradients.views``);
-    sda [T, Fs], sdh [T, 2Fs], sdx [T, H], dsw13 [2Fs, H], dsw2 [H, Fs] shared;
-    db13 [L][2F], db2 [L][H] the expert biases' gradients (None without biases).
-    All spec.dtype except ``dw``."""
+    dy [T, H] output gradient; gsend the output-gradient rows it sends; grecv [R, H] the
+    output-gradient rows its experts read; da [R, F]; dh [R, 2F]; dxe [R, H] expert input
+    gradients; dx [T, H]; dw [T, k] float32 routing-weight gradient; dw13 [L][2F, H],
+    dw2 [L][H, F] local expert gradients (zero for experts without rows; ``Rows``: where
+    each expert's gradient lands, ``SlotGradients.views``); sda [T, Fs], sdh [T, 2Fs],
+    sdx [T, H], dsw13 [2Fs, H], dsw2 [H, Fs] shared; db13 [L][2F], db2 [L][H] the expert
+    biases' gradients (None without biases).  All spec.dtype except ``dw``."""
 
-    SYMMETRIC: ClassVar[tuple[str, ...]] = ("grecv", "gcomb")
-    saved: SavedActivations
+    saved: Any
     dy: torch.Tensor
     gsend: torch.Tensor
     grecv: torch.Tensor
     da: torch.Tensor
     dh: torch.Tensor
     dxe: torch.Tensor
-    gcomb: torch.Tensor
     dx: torch.Tensor
     dw: torch.Tensor
     dw13: Rows
@@ -93,6 +90,17 @@ class BackwardBuffers:
     dsw2: torch.Tensor
     db13: Rows | None = None
     db2: Rows | None = None
+
+
+@dataclass(kw_only=True)
+class BackwardBuffers(GradientBuffers):
+    """One rank's per-expert backward buffers (``GradientBuffers``): gsend [T*k, H] w_j * dy
+    rows in permuted order; grecv (symmetric) the received ones; gcomb [T*k, H] (symmetric)
+    input gradients back at the source."""
+
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("grecv", "gcomb")
+    saved: SavedActivations
+    gcomb: torch.Tensor
 
     @staticmethod
     def allocate(saved: SavedActivations, dy: torch.Tensor, plan: RoutingPlan,

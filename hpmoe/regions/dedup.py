@@ -94,16 +94,11 @@ class DedupEvent(enum.IntEnum):
 
 
 def dedup_events(d: DedupLayout) -> EventLayout:
-    base, ep = d.base, d.base.plan.par.ep
-    nb, recv, hops = base.blocks.count, d.pieces.per_dst, d.hop_pieces.per_dst
-
-    def full(n: int) -> np.ndarray:
-        return np.full(ep, n, np.int64)
-
-    sizes = np.stack([nb, nb, nb, recv, recv, recv, full(base.token_tiles), full(base.shared_blocks),
-                      full(base.shared_blocks), d.pieces.per_src + d.hop_pieces.per_src, d.pieces.per_src,
-                      hops, hops], axis=1)
-    return EventLayout.from_sizes(DedupEvent, sizes)
+    base = d.base
+    nb, recv, hops, sb = base.blocks.count, d.pieces.per_dst, d.hop_pieces.per_dst, base.shared_blocks
+    return EventLayout.from_columns(DedupEvent, base.plan.par.ep, [
+        nb, nb, nb, recv, recv, recv, base.token_tiles, sb, sb, d.pieces.per_src + d.hop_pieces.per_src,
+        d.pieces.per_src, hops, hops])
 
 
 @dataclass(frozen=True)

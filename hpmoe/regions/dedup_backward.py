@@ -46,55 +46,26 @@ from .dedup import DedupLowering, signal_fed_pieces
 from .dedup_layout import DedupLayout, make_dedup_layout
 from .tiles import Lowering, block_gemm, select_ranks, task_block
 
-
-class DedupBackwardEvent(enum.IntEnum):
-    """The per-expert backward's categories (same values, so its builders apply; DX is
-    empty here); one per received piece: GLANDED (rows arrived), GRED (every expert
-    input gradient of its rows ready), GPART (its partials and router gradients
-    written); as in the forward, HOP one per delivery piece sent, HRED and HDONE one
-    per hop piece received.  PERM, LANDED, PART and OUT name GPERM, GLANDED, GPART
-    and GOUT for the forward's builders."""
-
-    GROWS = 0
-    DA = 1
-    DH = 2
-    DX = 3
-    GEXP = 4
-    DHE = 5
-    GOUT = 6
-    SDA = 7
-    SDH = 8
-    SALL = 9
-    SREC = 10
-    GPERM = 11
-    GLANDED = 12
-    GRED = 13
-    GPART = 14
-    HOP = 15
-    HRED = 16
-    HDONE = 17
-    PERM = 11
-    LANDED = 12
-    PART = 14
-    OUT = 6
-
+# The per-expert backward's categories (same values, so its builders apply; DX is empty
+# here); one per received piece: GLANDED (rows arrived), GRED (every expert input gradient
+# of its rows ready), GPART (its partials and router gradients written); as in the forward,
+# HOP one per delivery piece sent, HRED and HDONE one per hop piece received.  PERM, LANDED,
+# PART and OUT name GPERM, GLANDED, GPART and GOUT for the forward's builders.
+DedupBackwardEvent = enum.IntEnum("DedupBackwardEvent", [
+    *((e.name, e.value) for e in bw.BackwardEvent),
+    ("GLANDED", 12), ("GRED", 13), ("GPART", 14), ("HOP", 15), ("HRED", 16), ("HDONE", 17),
+    ("PERM", bw.E.GPERM), ("LANDED", 12), ("PART", 14), ("OUT", bw.E.GOUT)])
 
 E = DedupBackwardEvent
 
 
 def dedup_backward_events(d: DedupLayout) -> EventLayout:
-    base, ep = d.base, d.base.plan.par.ep
-    nb, recv, local = base.blocks.count, d.pieces.per_dst, base.plan.local_experts
-
-    def full(n: int) -> np.ndarray:
-        return np.full(ep, n, np.int64)
-
-    shared, hops = 1 if base.shared_blocks else 0, d.hop_pieces.per_dst
-    sizes = np.stack([nb, nb, nb, full(0), full(local), full(local), full(base.token_tiles),
-                      full(base.shared_blocks), full(base.shared_blocks), full(shared), full(shared),
-                      d.pieces.per_src + d.hop_pieces.per_src, recv, recv, recv, d.pieces.per_src, hops,
-                      hops], axis=1)
-    return EventLayout.from_sizes(DedupBackwardEvent, sizes)
+    base = d.base
+    nb, recv, local, sb = base.blocks.count, d.pieces.per_dst, base.plan.local_experts, base.shared_blocks
+    shared, hops = 1 if sb else 0, d.hop_pieces.per_dst
+    return EventLayout.from_columns(DedupBackwardEvent, base.plan.par.ep, [
+        nb, nb, nb, 0, local, local, base.token_tiles, sb, sb, shared, shared,
+        d.pieces.per_src + d.hop_pieces.per_src, recv, recv, recv, d.pieces.per_src, hops, hops])
 
 
 def lower_dedup_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,

@@ -23,7 +23,7 @@ from ..ir.graph import TaskKind, Tile
 from ..routing import Routing, RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights, Rows
-from .backward_kernels import BACKWARD_KERNELS, bias_gradient_shapes
+from .backward_kernels import BACKWARD_KERNELS, GradientBuffers, bias_gradient_shapes
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup_backward import lower_dedup_backward
 from .dedup_kernels import DedupBuffers, DedupContext, gather_sum, layout_shapes, send_rows_of_slots
@@ -56,26 +56,18 @@ class DedupSaved:
         return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
 
-@dataclass
-class DedupBackwardBuffers:
-    """One rank's backward buffers.  Symmetric: ``gdrecv`` [Rd, H] (dy rows delivered
-    here), ``gpcomb`` [Sd, H] partial dtype and ``dwcomb`` [Sd, k] float32 (what comes
-    back per send row), ``ghrecv`` [Hr, H] (dy rows this rank relays).  dy, dx [T, H];
-    gsend [Sd, H]; grecv, dxe [R, H]; da [R, F]; dh [R, 2F]; gpart [Rd, H] and gnred
-    [Hr, H] partial dtype; dwpart [Rd, k], dwnred [Hr, k] and dw [T, k] float32;
-    dw13 [L][2F, H], dw2 [L][H, F] (``Rows``); sda, sdh, sdx, dsw13, dsw2 as in the per-expert
-    backward."""
+@dataclass(kw_only=True)
+class DedupBackwardBuffers(GradientBuffers):
+    """One rank's deduplicated backward buffers (``GradientBuffers``; gsend [Sd, H], grecv
+    [R, H] its experts' rows, expanded here).  Symmetric: ``gdrecv`` [Rd, H] (dy rows
+    delivered here), ``gpcomb`` [Sd, H] partial dtype and ``dwcomb`` [Sd, k] float32 (what
+    comes back per send row), ``ghrecv`` [Hr, H] (dy rows this rank relays).  gpart [Rd, H]
+    and gnred [Hr, H] partial dtype; dwpart [Rd, k], dwnred [Hr, k] float32."""
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("gdrecv", "gpcomb", "dwcomb", "ghrecv")
 
     saved: DedupSaved
-    dy: torch.Tensor
-    gsend: torch.Tensor
     gdrecv: torch.Tensor
-    grecv: torch.Tensor
-    da: torch.Tensor
-    dh: torch.Tensor
-    dxe: torch.Tensor
     gpart: torch.Tensor
     dwpart: torch.Tensor
     gpcomb: torch.Tensor
@@ -83,17 +75,6 @@ class DedupBackwardBuffers:
     ghrecv: torch.Tensor
     gnred: torch.Tensor
     dwnred: torch.Tensor
-    dx: torch.Tensor
-    dw: torch.Tensor
-    dw13: Rows
-    dw2: Rows
-    sda: torch.Tensor
-    sdh: torch.Tensor
-    sdx: torch.Tensor
-    dsw13: torch.Tensor
-    dsw2: torch.Tensor
-    db13: Rows | None = None
-    db2: Rows | None = None
 
     @staticmethod
     def allocate(saved: DedupSaved, dy: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,

@@ -61,15 +61,9 @@ class ForwardEvent(enum.IntEnum):
 
 def forward_events(layout: Layout) -> EventLayout:
     """The forward event layout of every rank, a pure function of ``layout``."""
-    ep = layout.plan.par.ep
-    nb = layout.blocks.count
-
-    def full(n: int) -> np.ndarray:
-        return np.full(ep, n, np.int64)
-
-    sizes = np.stack([nb, nb, nb, nb, full(layout.token_tiles), full(layout.shared_blocks),
-                      full(layout.shared_blocks), layout.pieces.per_src], axis=1)
-    return EventLayout.from_sizes(ForwardEvent, sizes)
+    nb, sb = layout.blocks.count, layout.shared_blocks
+    return EventLayout.from_columns(ForwardEvent, layout.plan.par.ep, [
+        nb, nb, nb, nb, layout.token_tiles, sb, sb, layout.pieces.per_src])
 
 
 def lower_forward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None) -> TaskGraph:
