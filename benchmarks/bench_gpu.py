@@ -17,6 +17,11 @@ the single-GPU training case), forward and forward+backward:
   hpmoe-default           the same path through the front door a user calls: ``hpmoe.MoE``
                           on these weights, ``layer.region(x, ids, weights)``, autograd
   hpmoe-default+cudagraph the same step captured in a CUDA graph (replayed)
+  hpmoe-persistent        ``hpmoe.MoE(backend="triton")`` through the front door with a new
+                          routing every step (balanced and zipf alternating, a new seed each):
+                          the program made once for the shape (``hpmoe.gpu.slots``) bound to
+                          each routing, everything a step costs counted (each region call
+                          still synchronises once to check its run)
   torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
                           fixed-order top-k sum; backward by autograd
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
@@ -61,6 +66,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import platform
 import sys
@@ -294,6 +300,8 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
     if persistent and kind is RoutingKind.BALANCED:
         persistent_rows(name, spec, ep, (x, w, routing, dy), record, rows, out_dir, details)
     default_and_torch_rows(spec, (x, w, routing, dy), reps, record)
+    if persistent and kind is RoutingKind.BALANCED:  # its own routings, a new one each step
+        persistent_layer_rows(spec, (x, w, dy), reps, record)
     del w  # the hf block's weights take its place
     torch.cuda.empty_cache()
     hf_rows(name, spec, x, dy, record)
@@ -329,6 +337,26 @@ def default_and_torch_rows(spec: MoESpec, inputs: tuple, reps: int, record: Call
             step = torch_step(forward, x, w, routing, dy, peer, backward)
             record(region, label, step, measured=measure(step, [w.w13, w.w2, w.shared_w13, w.shared_w2]))
             record_graphed(record, region, label, step)
+
+
+def persistent_layer_rows(spec: MoESpec, inputs: tuple, reps: int, record: Callable, steps: int = 8) -> None:
+    """``hpmoe-persistent``, forward and forward+backward: the layer pinned to the
+    persistent kernel, each call on the next of ``steps`` routings (new ones every
+    step as far as the timing's repeats go)."""
+    x, w, dy = inputs
+    layer = MoE(spec, w, backend="triton", tiles=TILES)
+    par = ParallelSpec(1, x.shape[0])
+    drawn = [synthetic_routing(RoutingKind.ZIPF if s % 2 else RoutingKind.BALANCED, spec, par, s)
+             for s in range(steps)]
+    routings = [Routing(r.ids.to(x.device), r.weights.to(x.device)) for r in drawn]
+    for region, backward in (("fwd", False), ("fwd+bwd", True)):
+        cycle = itertools.cycle([layer_step(layer, x, r, dy, backward) for r in routings])
+
+        def step(cycle=cycle) -> object:
+            return next(cycle)()
+
+        measured = {**measure(step, list(layer.parameters())), "host_us": host_us(step, reps)}
+        record(region, "hpmoe-persistent", step, measured=measured)
 
 
 def hf_rows(name: str, spec: MoESpec, x: torch.Tensor, dy: torch.Tensor, record: Callable) -> None:

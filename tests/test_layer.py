@@ -114,6 +114,36 @@ def test_the_persistent_kernel_matches_autograd(spec):
     assert all(g.abs().sum() > 0 for g in got[2].values())
 
 
+def test_the_persistent_kernel_at_ep1_runs_one_program_for_every_routing_of_its_shape():
+    """At EP 1 the layer's persistent kernel runs the program made once for its shape
+    (``gpu.slots``) on each new routing: three batches, one program built; two
+    micro-batches' forwards before their backwards (its arena holds the last forward's
+    activations: the first's backward runs its forward again) give each batch's own bits,
+    and match autograd."""
+    pytest.importorskip("triton")
+    from hpmoe.gpu.slots import PlanCache
+
+    spec, pinned = preset("tiny"), pin(Path.PERSISTENT, 1)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
+    batches = [_data(spec, 16, seed) for seed in range(3)]
+    alone = []
+    for x, dy in batches:
+        alone.append(_run(layer, x, dy))
+        ran(layer, pinned.kind, tokens=16, **pinned.fields)
+        layer.zero_grad()
+        _assert_close_runs(alone[-1], _reference(layer, x, dy), torch.float32)
+        layer.zero_grad()
+    assert layer._door.arenas.resident(PlanCache, PlanCache).builds == 1
+    xs = [x.clone().requires_grad_() for x, _ in batches[:2]]
+    outs = [layer(x) for x in xs]
+    for out, (_, dy), x, want in zip(outs, batches, xs, alone, strict=False):
+        layer.zero_grad()
+        out.backward(dy)
+        assert torch.equal(out.detach(), want[0]) and torch.equal(x.grad, want[1])
+        for n, p in layer.named_parameters():
+            assert torch.equal(p.grad, want[2][n]), n
+
+
 @pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])
 @pytest.mark.parametrize("activation", list(Activation))
 def test_every_activation_matches_autograd_and_differs_from_silu(activation, path):

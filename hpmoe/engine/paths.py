@@ -9,7 +9,8 @@ checkpointing see them) and ``unpack`` puts them back.
 - ``ExactPath``: the taskflow of ``ep`` virtual ranks in one process (the exact
   executors, any valid task order);
 - ``RuntimePath``: this rank's part of the taskflow on the multi-rank runtime;
-- ``TritonPath``: the taskflow as one persistent Triton kernel on the input's device;
+- ``TritonPath``: the taskflow as one persistent Triton kernel on the input's device
+  (from a program made once per shape and kept in the layer's pool, where one serves);
 - ``KernelByKernelPath``: the region without tiles (grouped GEMMs, all-to-all).
 
 Every path takes a call whose input has been checked and, on an EP group, agreed
@@ -180,9 +181,39 @@ class TritonState:
         return self
 
 
+@dataclass
+class SlotState:
+    """A forward of a per-shape program (``gpu.slots.SlotProgram``), whose one arena holds
+    the activations of its last forward only: the backward of an earlier call (two in
+    flight: micro-batches before their backwards, a checkpoint's recompute) runs this
+    call's forward again first, with the same bits."""
+
+    program: Any
+    run: Any
+    x: torch.Tensor
+    weights: ExpertWeights
+    routing: Routing
+
+    def pack(self) -> tuple[list[torch.Tensor | None], SlotState]:
+        return [], self
+
+    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> SlotState:
+        return self
+
+    def backward(self, dy: torch.Tensor) -> Gradients:
+        p = self.program
+        run = self.run if p.last is self.run else p.forward(self.x, self.weights, self.routing, checked=True)
+        return p.backward(run, dy, self.weights, self.routing).grads
+
+
 @dataclass(frozen=True)
 class TritonPath:
-    """One persistent Triton kernel per region on the input's device (``hpmoe.gpu``)."""
+    """One persistent Triton kernel per region on the input's device (``hpmoe.gpu``).
+    With a ``pool`` (the layer's), a call that a per-shape program serves
+    (``gpu.slots.per_shape``: one rank, per-expert dispatch, no expert biases) runs the
+    program kept there for its shape, made once and bound to each new routing on the
+    device; other calls plan their routing on the host (``gpu.backend``).  The program
+    keeps its activations (``recompute`` applies to the per-routing kernels)."""
 
     reads_slots: ClassVar[bool] = True
 
@@ -191,18 +222,27 @@ class TritonPath:
     policy: SchedulePolicy = SchedulePolicy.HYPERPARALLEL
     hardware: HardwareModel | None = None
     recompute: Recompute = Recompute.PERMUTATION
+    pool: ArenaPool | None = field(default=None, compare=False)
 
     def forward(self, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
-                save: bool) -> tuple[torch.Tensor, TritonState | None]:
+                save: bool) -> tuple[torch.Tensor, TritonState | SlotState | None]:
         from ..gpu.backend import TritonOptions, triton_forward
+        from ..gpu.slots import PlanCache, per_shape
 
-        fwd = triton_forward(x, weights, routing, self.ep, self.tiles,
-                             TritonOptions(self.policy, hardware=self.hardware), checked=True)
+        options = TritonOptions(self.policy, hardware=self.hardware)
+        if self.pool is not None and per_shape(weights.spec, self.ep, self.tiles):
+            plans = self.pool.resident(PlanCache, PlanCache)
+            program = plans.program(x, weights, routing, self.tiles, options)
+            run = program.forward(x, weights, routing, checked=True)
+            return run.out, SlotState(program, run, x, weights, routing) if save else None
+        fwd = triton_forward(x, weights, routing, self.ep, self.tiles, options, checked=True)
         return fwd.out, TritonState(fwd) if save else None
 
-    def backward(self, state: TritonState, dy: torch.Tensor) -> Gradients:
+    def backward(self, state: TritonState | SlotState, dy: torch.Tensor) -> Gradients:
         from ..gpu.backend import triton_backward
 
+        if isinstance(state, SlotState):
+            return state.backward(dy)
         return triton_backward(state.forward, dy, self.recompute.activation).grads
 
 

@@ -77,7 +77,7 @@ def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Se
         key = device_key(o, spec, tokens, torch.is_grad_enabled(), auto, device)
         trial = auto.tuner.start(key, DeviceSpace(), OneProcess())
         if trial.knobs.path is Path.PERSISTENT:
-            return TritonPath(o.virtual_ep, o.tiles, trial.knobs.policy, None, o.recompute), trial
+            return TritonPath(o.virtual_ep, o.tiles, trial.knobs.policy, None, o.recompute, pool), trial
         return KernelByKernelPath(None, o.tiles, pool, o.recompute, phases=phases_for(device)), trial
     chosen, trial = _choose(o, spec, tokens, auto, session)
     if chosen.backend is Backend.KERNEL_BY_KERNEL:
@@ -86,7 +86,7 @@ def select(o: RegionOptions, spec: MoESpec, tokens: int, auto: Auto, session: Se
         return RuntimePath(session, chosen.tiles, runtime_policy(chosen), chosen.rank_hardware, chosen.nodes,
                            chosen.recompute), trial
     if o.backend is Backend.TRITON:
-        return TritonPath(o.virtual_ep, o.tiles, runtime_policy(o), o.hardware, o.recompute), trial
+        return TritonPath(o.virtual_ep, o.tiles, runtime_policy(o), o.hardware, o.recompute, pool), trial
     return ExactPath(o.virtual_ep, chosen.tiles, chosen.schedule, chosen.nodes, chosen.recompute), trial
 
 

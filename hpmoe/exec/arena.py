@@ -5,14 +5,19 @@ every first touch of its pages is a page fault).
 An arena serves one region call at a time: a forward or a backward takes one from its
 ``ArenaPool`` for its scratch and gives it back when it returns.  Tensors that leave a
 call (outputs, activations saved for backward, parameter gradients) never come from a
-pooled arena.
+pooled arena.  The pool also keeps what a layer holds resident across calls (the
+persistent kernel's per-shape programs, each with its own device buffers).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class Arena:
@@ -46,6 +51,13 @@ class ArenaPool:
 
     def __init__(self) -> None:
         self._idle: list[Arena] = []
+        self._resident: dict[Hashable, object] = {}
+
+    def resident(self, key: Hashable, build: Callable[[], T]) -> T:
+        """What the layer keeps under ``key`` across calls, made by ``build`` on first use."""
+        if key not in self._resident:
+            self._resident[key] = build()
+        return self._resident[key]  # type: ignore[return-value]
 
     def acquire(self, device: torch.device | str) -> Arena:
         """An idle arena on ``device``, or a new one."""

@@ -36,6 +36,7 @@ from .buffers import Arena, BufferSpace, slot_buffer_space
 from .core import (
     ExpertWeights,
     Gradients,
+    MoESpec,
     Routing,
     Schedule,
     SlotGradients,
@@ -190,6 +191,7 @@ class SlotProgram:
         self._bind(x, weights, routing, resolve_slots(routing.ids, key.shape))
         self.forward_region = ResidentRegion.build(plan_slots(key.shape), self.arena, key.options)
         self.backward_region: ResidentRegion | None = None
+        self.last: SlotRun | None = None  # the forward call whose activations the arena holds
 
     @property
     def plan(self) -> SlotPlan:
@@ -253,7 +255,8 @@ class SlotProgram:
             check_input(x, routing, weights.spec)
         out, slots = self.prepare(x, weights, routing)
         info = self.program.run(self.arena.addresses(), deadline_s=self.key.options.deadline_s)
-        return SlotRun(out=out, slots=slots, info=info)
+        self.last = SlotRun(out=out, slots=slots, info=info)
+        return self.last
 
     def backward(self, run: SlotRun, dy: torch.Tensor, weights: ExpertWeights,
                  routing: Routing) -> SlotBackwardRun:
@@ -382,6 +385,17 @@ class PlanCache:
             found = self._programs[key] = SlotProgram(key, x, weights, routing)
             self.builds += 1
         return found
+
+
+def per_shape(spec: MoESpec, ep: int, tiles: TileSpec) -> bool:
+    """Whether a per-shape program computes this layer's calls: one rank, per-expert
+    dispatch, slots of whole row chunks (``SlotShape``), the plain gate without expert
+    biases (what its backward computes)."""
+    try:
+        SlotShape(spec, 1, tiles, ep)
+    except ValueError:
+        return False
+    return not spec.expert_bias and spec.glu.plain
 
 
 def slot_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, cache: PlanCache,
