@@ -54,7 +54,8 @@ graph.  Medians over ``--reps`` after ``--warmup`` runs, CUDA events.
     python benchmarks/bench_gpu.py --out benchmarks/results [--shapes small qwen3 ...] [--ep 1] [--peers-only]
         [--routing balanced zipf]
 
-``--peers-only``: no persistent-kernel rows, only the default path against the torch variants.
+``--peers-only``: no persistent-kernel rows, only the default path against the torch variants
+(``--persistent-layer`` adds back ``hpmoe-persistent``).
 
 Writes <out>/bench_gpu.json and <out>/bench_gpu.md, and the stamped forward run of the
 persistent kernel per shape and policy (<out>/timeline-<shape>-<policy>.json, Perfetto
@@ -272,7 +273,7 @@ def persistent_rows(name: str, spec: MoESpec, ep: int, inputs: tuple, record: Ca
 
 def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
               out_dir: Path, details: dict, persistent: bool = True,
-              kind: RoutingKind = RoutingKind.BALANCED) -> list[dict]:
+              kind: RoutingKind = RoutingKind.BALANCED, layer_persistent: bool = False) -> list[dict]:
     x, w, routing, dy = shape_inputs(spec, ep, kind)
     rows: list[dict] = []
     work = region_work(spec, ep, routing)
@@ -300,7 +301,7 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
     if persistent and kind is RoutingKind.BALANCED:
         persistent_rows(name, spec, ep, (x, w, routing, dy), record, rows, out_dir, details)
     default_and_torch_rows(spec, (x, w, routing, dy), reps, record)
-    if persistent and kind is RoutingKind.BALANCED:  # its own routings, a new one each step
+    if (persistent or layer_persistent) and kind is RoutingKind.BALANCED:  # its own routings, new each step
         persistent_layer_rows(spec, (x, w, dy), reps, record)
     del w  # the hf block's weights take its place
     torch.cuda.empty_cache()
@@ -526,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--peers-only", action="store_true",
                    help="no persistent-kernel rows: the default path against the torch variants")
+    p.add_argument("--persistent-layer", action="store_true",
+                   help="with --peers-only, still the hpmoe-persistent rows (the layer on the persistent "
+                        "kernel, a new routing every step)")
     p.add_argument("--routing", nargs="*", default=["balanced"], choices=[k.value for k in RoutingKind],
                    help="routings the peers run (the persistent rows: balanced only)")
     a = p.parse_args(argv)
@@ -549,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind in map(RoutingKind, a.routing):
             try:
                 rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details,
-                                  persistent=not a.peers_only, kind=kind)
+                                  persistent=not a.peers_only, kind=kind,
+                                  layer_persistent=a.persistent_layer)
             except Exception:
                 traceback.print_exc()
                 rows.append({"shape": name, "experts": spec.experts, "ep": a.ep, "routing": kind.value,

@@ -13,6 +13,10 @@
 #                                                sync, the graph-captured step, NCCL), then bench-default with the
 #                                                transformers blocks, host syncs, memory, host time (balanced)
 #   benchmarks/gpu_first_contact.sh default-zipf the same bench on zipf routing, then profile-ds
+#   benchmarks/gpu_first_contact.sh persistent   the per-shape program's GPU tests (tests/test_triton_gpu_slots.py),
+#                                                then bench-default with the hpmoe-persistent rows (the layer on
+#                                                the persistent kernel, a new routing every step) on small,
+#                                                Qwen3-30B-A3B and DeepSeek-V3
 #
 # Writes under $OUT (default benchmarks/results/first-contact), each file as soon as its step
 # ends: env.txt, check.log, smoke.json (resources compiled on the device, a smoke run with a
@@ -20,7 +24,8 @@
 # bench-SHAPE.json, one timeline PNG; gpu_profile.json (its log goes to bench.log): at
 # most 8 files for check, bench-ds and profile-ds, or check and two benches, in one
 # folder; default writes default-tests.xml, default.log and bench-default.json, default-zipf
-# bench-default-zipf.json and gpu_profile.json.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
+# bench-default-zipf.json and gpu_profile.json; persistent writes persistent-tests.xml and
+# bench-persistent.json.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
 # Without a CUDA device it exits 2 at once.
 set -u
 mode=${1:-check}
@@ -29,7 +34,7 @@ out=${OUT:-$here/benchmarks/results/first-contact}
 py=${PYTHON:-python3}
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-modes="check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds|default|default-zipf"
+modes="check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds|default|default-zipf|persistent"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: $0 {$modes}" >&2; exit 64;; esac
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_first_contact.sh: no CUDA device here (nvidia-smi finds none)" >&2
@@ -90,6 +95,12 @@ default-zipf)
     FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-300} bench default-zipf small qwen3-30b-a3b mixtral-8x7b deepseek-v3-fit \
         --peers-only --routing zipf
     step "${FC_LIMIT_PROFILE:-120}" "$out/bench.log" "$py" benchmarks/gpu_profile.py --out "$out"
+    ;;
+persistent)
+    step "${FC_LIMIT_TESTS:-150}" "$out/persistent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
+        $(timeout_opt) --junitxml "$out/persistent-tests.xml" tests/test_triton_gpu_slots.py
+    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-300} bench persistent small qwen3-30b-a3b deepseek-v3-fit \
+        --peers-only --persistent-layer --routing balanced
     ;;
 esac
 exit $status
