@@ -315,7 +315,9 @@ class RegionCall:
     call (inside ``forward`` it is always off, and ``ctx.needs_input_grad`` ignores it:
     without this an inference call would save activations), the tuner's trial and the
     layer's clock (the backward's seconds go into both); on an EP group the session
-    whose agreement opens the backward call, and the tiles it fingerprints."""
+    whose agreement opens the backward call, and the tiles it fingerprints; ``counts``:
+    the rows per expert of ``ids`` where the call's scan counted them (None: the path
+    counts)."""
 
     spec: MoESpec
     ids: torch.Tensor
@@ -326,6 +328,7 @@ class RegionCall:
     clock: RegionClock | None = None
     session: Session | None = None
     tiles: TileSpec | None = None
+    counts: torch.Tensor | None = None
 
 
 class RegionFunction(torch.autograd.Function):
@@ -345,7 +348,7 @@ class RegionFunction(torch.autograd.Function):
         weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors),
                                        slot_rows=call.slot_rows)
         save = call.grad and any(ctx.needs_input_grad[:-1])
-        out, state = call.path.forward(x, Routing(call.ids, topk_weights), weights, save)
+        out, state = call.path.forward(x, Routing(call.ids, topk_weights, call.counts), weights, save)
         if state is not None:
             tensors, ctx.state = state.pack()
             ctx.fused = _refused(tensors, weights.shared_w13) if gate is not None else ()
@@ -392,7 +395,7 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
     others left unfilled; None: every one)."""
     w = weights if path.reads_slots else weights.gathered(own)
     call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows, clock, session,
-                      tiles)
+                      tiles, routing.counts)
     with timed(trial, x.device), clocked(clock, backward=False):
         return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
                                     *(w.shared_parts or (None, None)), call)
