@@ -191,7 +191,7 @@ class SlotProgram:
         self._bind(x, weights, routing, resolve_slots(routing.ids, key.shape))
         self.forward_region = ResidentRegion.build(plan_slots(key.shape), self.arena, key.options)
         self.backward_region: ResidentRegion | None = None
-        self.last: SlotRun | None = None  # the forward call whose activations the arena holds
+        self.last: SlotRun | None = None  # the checked forward whose activations the arena holds
 
     @property
     def plan(self) -> SlotPlan:
@@ -219,7 +219,9 @@ class SlotProgram:
     def prepare(self, x: torch.Tensor, weights: ExpertWeights,
                 routing: Routing) -> tuple[torch.Tensor, SlotRouting]:
         """Everything a call does before the launch (steps 1-3 of the module and the
-        binding): (the output tensor, the resolved routing)."""
+        binding): (the output tensor, the resolved routing).  The arena's activations
+        stop being ``last``'s."""
+        self.last = None
         slots = resolve_slots(routing.ids, self.key.shape)
         self.forward_region.columns.apply(self.program.arrays["tasks"], slots)
         return self._bind(x, weights, routing, slots), slots
