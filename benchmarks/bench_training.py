@@ -12,7 +12,7 @@ held between forward and backward (tensors autograd saves, plus the taskflow's
 ``SavedActivations``; parameters and the input excluded).
 
     .venv/bin/python benchmarks/bench_training.py [--preset small] [--tokens 4096]
-        [--layers 1] [--virtual-ep 2 | --ep 2] [--steps 5] [--threads 1]
+        [--layers 1] [--virtual-ep 2 | --ep 2] [--steps 5] [--threads 1] [--backend kernel_by_kernel]
 
 With ``--ep N`` each mode runs on N gloo ranks on the runtime (per step, the slowest
 rank's time and the largest rank's peak are reported; saved bytes are the largest
@@ -120,7 +120,7 @@ class Setting:
     that many processes on the runtime (gloo group, shared-memory transport, one matrix
     and one vector worker each), each with ``tokens`` tokens; else one process with
     ``tokens`` tokens over ``virtual_ep`` virtual ranks.  ``threads``: intra-op threads
-    (per worker)."""
+    (per worker).  ``backend``: the layers' (``hpmoe.MoE(backend=...)``; auto: AUTO's choice)."""
 
     preset: str = "small"
     dtype: str = "auto"  # bf16 where this CPU computes it natively, else fp32
@@ -130,6 +130,7 @@ class Setting:
     ep: int = 0
     steps: int = 5
     threads: int = 1
+    backend: str = "auto"
 
     @property
     def spec(self) -> MoESpec:
@@ -147,7 +148,7 @@ def _stack(mode: str, s: Setting, session: Session | None, rank: int
     spec = s.spec
     recompute = Recompute(mode.removeprefix("hpmoe-")) if mode.startswith("hpmoe-") else Recompute.PERMUTATION
     layers = [MoE(spec, ep_group=session, virtual_ep=1 if session else s.virtual_ep, recompute=recompute,
-                  seed=i) for i in range(s.layers)]
+                  seed=i, backend=s.backend) for i in range(s.layers)]
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(s.tokens, spec.hidden, generator=g).to(spec.dtype)
     return layers, x, torch.randn(s.tokens, spec.hidden, generator=g).to(spec.dtype)

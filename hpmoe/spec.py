@@ -240,9 +240,11 @@ class Recompute(enum.Enum):
     NOTHING      keeps the experts' gathered input rows and their pre-activation (a
                  taskflow also keeps the gated activation);
     PERMUTATION  keeps the layer input and the pre-activation, and gathers the rows
-                 again (kernel by kernel; a taskflow recomputes the gated activation);
-    GEMM         keeps the layer input alone, gathers the rows again and recomputes the
-                 first GEMM (kernel by kernel; a taskflow: as PERMUTATION).
+                 again (kernel by kernel in one process; on an EP group it keeps the
+                 received rows; a taskflow recomputes the gated activation);
+    GEMM         keeps the layer input alone, gathers the rows again (on an EP group:
+                 dispatches them again beside their gradients) and recomputes the first
+                 GEMM (kernel by kernel; a taskflow: as PERMUTATION).
     """
 
     NOTHING = "nothing"

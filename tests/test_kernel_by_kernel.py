@@ -201,16 +201,18 @@ def _ranks(rank: int, world: int, kind: RoutingKind) -> dict:
     from hpmoe.runtime import Session
 
     with Session() as session:
-        return {dtype: _rank(rank, world, dtype, kind, session.collectives)
-                for dtype in (torch.float32, torch.bfloat16)}
+        return {(dtype, recompute): _rank(rank, world, dtype, kind, session.collectives, recompute)
+                for dtype in (torch.float32, torch.bfloat16) for recompute in Recompute}
 
 
-def _rank(rank: int, world: int, dtype: torch.dtype, kind: RoutingKind, coll) -> dict:
+def _rank(rank: int, world: int, dtype: torch.dtype, kind: RoutingKind, coll, recompute: Recompute) -> dict:
     tokens = 12
     x, routing, w = _inputs(dtype, kind, tokens, ep=world)
     mine = slice(rank * tokens, (rank + 1) * tokens)
     local = Routing(routing.ids[mine].contiguous(), routing.weights[mine].contiguous())
-    out, state = kbk_forward(x[mine].contiguous(), local, w, coll=coll, pool=ArenaPool(), save=True)
+    out, state = kbk_forward(x[mine].contiguous(), local, w, coll=coll, pool=ArenaPool(), save=True,
+                             recompute=recompute)
+    kept_rows = state.rows is not None
     base = serialized_ep_forward(x[mine].contiguous(), w, local)
     dy = ((torch.arange(world * tokens)[:, None] % 5 + 1.0) / 5 * torch.ones(1, w.spec.hidden)).to(dtype)
     g = kbk_backward(state, dy[mine].contiguous())
@@ -219,13 +221,24 @@ def _rank(rank: int, world: int, dtype: torch.dtype, kind: RoutingKind, coll) ->
     shared = torch.cat([g.dshared_w13.float().reshape(-1), g.dshared_w2.float().reshape(-1)])
     dist.all_reduce(shared)
     return {"equal_baseline": torch.equal(out, base.out), "out": out, "dx": g.dx, "dweights": g.dweights,
-            "experts": grads, "shared": shared, "x": x, "routing": routing, "w": w, "dy": dy}
+            "experts": grads, "shared": shared, "x": x, "routing": routing, "w": w, "dy": dy,
+            "kept_rows": kept_rows}
 
 
 def test_two_ranks_match_the_serialized_baseline_and_autograd() -> None:
+    """Every ``Recompute`` on 2 ranks against autograd; the received rows are kept but
+    under GEMM (which dispatches them again beside their gradients), with the bits of
+    the rows kept."""
     both = spawn_gloo(_ranks, 2, RoutingKind.EMPTY_RANK, timeout=120)
     for dtype in (torch.float32, torch.bfloat16):
-        _check_ranks([r[dtype] for r in both], dtype)
+        kept = [r[dtype, Recompute.NOTHING] for r in both]
+        for recompute in Recompute:
+            res = [r[dtype, recompute] for r in both]
+            _check_ranks(res, dtype)
+            assert all(r["kept_rows"] == (recompute is not Recompute.GEMM) for r in res), recompute
+            for a, b in zip(res, kept, strict=True):
+                for name in ("dx", "dweights", "experts"):
+                    assert torch.equal(a[name], b[name]), (recompute, name)
 
 
 def _check_ranks(res: list[dict], dtype: torch.dtype) -> None:

@@ -495,8 +495,10 @@ def kbk_forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll:
     one process, every expert here); every rank calls collectively.  pool: where scratch
     buffers come from (None: fresh ones), given back however the call ends; saved
     tensors are always fresh ones.  recompute: what the backward computes again instead
-    of finding it kept (``spec.Recompute``; on an EP group the received rows are kept
-    whatever it says: gathering them again would dispatch x again).
+    of finding it kept (``spec.Recompute``; on an EP group gathering the rows again
+    dispatches x again, each row beside its gradient row in the backward's one dispatch:
+    only ``GEMM`` does, ``PERMUTATION`` keeps the received rows, the dispatch's doubled
+    bytes having cost 8-19% of a CPU training step over gloo).
     received: [ep, L] int64 rows each rank routes to this rank's experts, where the
     caller's agreement carried them (a rank's rows to itself are taken from ``routing``);
     None: counted in a count exchange first.  checked: the caller has checked x and
@@ -544,7 +546,8 @@ def _forward(x: torch.Tensor, routing: Routing, weights: ExpertWeights, coll: Co
     if not save:
         return out, None
     gemm = recompute is Recompute.GEMM
-    kept_rows = rows if exchange is not None or recompute is Recompute.NOTHING else None
+    gathered_again = gemm if exchange is not None else recompute is not Recompute.NOTHING
+    kept_rows = None if gathered_again else rows
     kept_x = x if kept_rows is None or weights.has_shared else None
     return out, KernelByKernelState(perm, exchange, groups, layout, recompute, kept_rows, None if gemm else h,
                                     None if gemm else sh, kept_x, routing.weights, weights, phases=phases)
@@ -598,13 +601,16 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
 
 def _exchanged_backward(s: KernelByKernelState, g: torch.Tensor, ex: Experts, grads: ExpertGrads,
                         arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
-    """An EP group's experts' backward: the rows' gradients dispatched, the experts'
-    backward on the received rows and their weights (kept with them), the input
-    gradients combined back each with its routing-weight gradient; (dxs [T*k, H], ds
-    [T*k] fp32) in sorted order."""
+    """An EP group's experts' backward: the rows' gradients dispatched (with the rows
+    themselves and their weights where the forward kept none), the experts' backward on
+    the received rows and their weights, the input gradients combined back each with
+    its routing-weight gradient; (dxs [T*k, H], ds [T*k] fp32) in sorted order."""
     lay = s.layout
-    got = s.exchange.dispatch(g, arena, arena, "gd.")
-    xs, w_rows = lay.elements(s.rows), lay.number(s.rows)
+    if s.rows is not None:
+        got = s.exchange.dispatch(g, arena, arena, "gd.")
+        xs, w_rows = lay.elements(s.rows), lay.number(s.rows)
+    else:
+        got, xs, w_rows = _dispatched_again(s, g, arena)
     h = s.h if s.h is not None else experts_up(xs, s.groups, ex, arena, "e.")
     dxs, ds = experts_backward(got, xs, h, w_rows, s.groups, ex, grads, arena, "e.", phases=s.phases)
     sent = lay.buffer(dxs.shape[0], arena, "gc.rows")
@@ -612,6 +618,22 @@ def _exchanged_backward(s: KernelByKernelState, g: torch.Tensor, ex: Experts, gr
     lay.number(sent).copy_(ds)
     back = s.exchange.combine(sent, arena, arena, "gc.")
     return lay.elements(back), lay.number(back)
+
+
+def _dispatched_again(s: KernelByKernelState, g: torch.Tensor, arena: Arena
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One dispatch of each row's gradient g [T*k, H] beside the row of x it came from
+    and its routing weight (``RowLayout`` of 2H elements): on the experts' rank (the
+    rows' gradients, the rows, their weights), each [R, ...] expert-major."""
+    h = g.shape[1]
+    both = RowLayout(2 * h, g.dtype)
+    sent = both.buffer(g.shape[0], arena, "gd.rows")
+    elements = both.elements(sent)
+    elements[:, :h].copy_(g)
+    s.phases.permute(s.x, s.perm.order, s.perm.pos.shape[1], elements[:, h:])
+    torch.index_select(s.topk_weights.reshape(-1), 0, s.perm.order, out=both.number(sent))
+    got = s.exchange.dispatch(sent, arena, arena, "gd.")
+    return both.elements(got)[:, :h], both.elements(got)[:, h:], both.number(got)
 
 
 def _weight_buffer(w: torch.Tensor, ex: Experts) -> torch.Tensor:
