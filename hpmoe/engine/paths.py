@@ -42,6 +42,7 @@ from ..spec import MoESpec, Recompute, TileSpec
 from ..weights import ExpertWeights
 
 if TYPE_CHECKING:
+    from ..gpu.slots import SlotProgram, SlotRun
     from ..runtime import ForwardOptions, Session
 
 
@@ -188,8 +189,8 @@ class SlotState:
     flight: micro-batches before their backwards, a checkpoint's recompute) runs this
     call's forward again first, with the same bits."""
 
-    program: Any
-    run: Any
+    program: SlotProgram
+    run: SlotRun
     x: torch.Tensor
     weights: ExpertWeights
     routing: Routing
