@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     x, dy = (torch.randn(args.tokens, spec.hidden, generator=g) for _ in range(2))
     me = Rank(rank, spec, ExpertWeights.random(spec, seed=0), x, dy, r.ids[mine].contiguous(),
               r.weights[mine].contiguous())
-    out: dict = {"seconds": {}, "placements": {}, "chosen": {}, "diff": 0.0}
+    out: dict = {"seconds": {}, "placements": {}, "chosen": {}, "tuned": {}, "diff": 0.0}
     first = None
     for path in args.paths.split(","):
         timed = _time_path(path, me, args)
@@ -119,10 +119,12 @@ def _time_path(path: str, me: Rank, args: argparse.Namespace) -> dict:
             s, out = _step(layers[name], routed[name], me, args)
             seconds[name].append(s)
     chosen = {n: _ran(n, layer, args.tokens, backward) for n, layer in layers.items()}
+    tuned = {n: t.describe() for n, layer in layers.items()
+             if (t := layer.tuned(args.tokens, backward=backward)) is not None}
     for layer in layers.values():
         layer.close()
     return {"seconds": seconds, "placements": {path: None if placement is None else list(placement.phy2log)},
-            "chosen": chosen, "out": out}
+            "chosen": chosen, "tuned": tuned, "out": out}
 
 
 def _layers(path: str, me: Rank, args: argparse.Namespace) -> tuple[dict, dict, object]:
@@ -256,7 +258,8 @@ def main() -> None:
     figures = _figures(ranks)
     placement = ranks[0]["placements"][paths[0]]
     print(json.dumps({"args": vars(args), "placements": ranks[0]["placements"], **ideal_gain(args, placement),
-                      "chosen": ranks[0]["chosen"], "max_abs_diff": max(r["diff"] for r in ranks),
+                      "chosen": ranks[0]["chosen"], "tuned": ranks[0]["tuned"],
+                      "max_abs_diff": max(r["diff"] for r in ranks),
                       "steps": figures, "paths": _per_path(figures, paths)}))
 
 
