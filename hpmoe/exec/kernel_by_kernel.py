@@ -572,19 +572,18 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
     row's routing-weight gradient too; 3. the rows' input gradients summed per token (on
     an EP group combined back, each with its routing-weight gradient); 4. the shared
     expert's backward."""
-    w, k, dtype = s.weights, s.weights.spec.top_k, s.weights.spec.dtype
+    w, dtype = s.weights, s.weights.spec.dtype
     ex = Experts.routed(w, _local_slice(w, s.exchange.coll if s.exchange is not None else None))
-    g = s.phases.permute(dout, s.perm.order, k, arena.take("g", (s.perm.order.numel(), dout.shape[1]),
-                                                             dout.dtype))
     grads = ExpertGrads(*(_weight_buffer(t, ex) for t in (w.w13, w.w2, *w.biases)))
     if s.exchange is None:
-        xs = s.rows if s.rows is not None else s.phases.permute(s.x, s.perm.order, k, arena.take(
+        g = _sorted_rows(s, dout, arena.take("g", (s.perm.order.numel(), dout.shape[1]), dout.dtype))
+        xs = s.rows if s.rows is not None else _sorted_rows(s, s.x, arena.take(
             "xs", (s.perm.order.numel(), s.x.shape[1]), s.x.dtype))
         h = s.h if s.h is not None else experts_up(xs, s.groups, ex, arena, "e.")
         w_rows = s.topk_weights.reshape(-1).index_select(0, s.perm.order)
         dxs, ds = experts_backward(g, xs, h, w_rows, s.groups, ex, grads, arena, "e.", phases=s.phases)
     else:
-        dxs, ds = _exchanged_backward(s, g, ex, grads, arena)
+        dxs, ds = _exchanged_backward(s, dout, ex, grads, arena)
     dweights = ds.index_select(0, s.perm.pos.reshape(-1)).view(s.perm.pos.shape)
     dsw13 = dsw2 = dx_shared = None
     if w.has_shared:
@@ -599,7 +598,12 @@ def _backward(s: KernelByKernelState, dout: torch.Tensor, arena: Arena) -> Gradi
                      dshared_w2=dsw2, db13=grads.db13, db2=grads.db2)
 
 
-def _exchanged_backward(s: KernelByKernelState, g: torch.Tensor, ex: Experts, grads: ExpertGrads,
+def _sorted_rows(s: KernelByKernelState, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T*k, C] = the rows of ``t`` [T, C] of the sorted (token, slot) pairs."""
+    return s.phases.permute(t, s.perm.order, s.perm.pos.shape[1], out)
+
+
+def _exchanged_backward(s: KernelByKernelState, dout: torch.Tensor, ex: Experts, grads: ExpertGrads,
                         arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
     """An EP group's experts' backward: the rows' gradients dispatched (with the rows
     themselves and their weights where the forward kept none), the experts' backward on
@@ -607,10 +611,11 @@ def _exchanged_backward(s: KernelByKernelState, g: torch.Tensor, ex: Experts, gr
     its routing-weight gradient; (dxs [T*k, H], ds [T*k] fp32) in sorted order."""
     lay = s.layout
     if s.rows is not None:
+        g = _sorted_rows(s, dout, arena.take("g", (s.perm.order.numel(), dout.shape[1]), dout.dtype))
         got = s.exchange.dispatch(g, arena, arena, "gd.")
         xs, w_rows = lay.elements(s.rows), lay.number(s.rows)
     else:
-        got, xs, w_rows = _dispatched_again(s, g, arena)
+        got, xs, w_rows = _dispatched_again(s, dout, arena)
     h = s.h if s.h is not None else experts_up(xs, s.groups, ex, arena, "e.")
     dxs, ds = experts_backward(got, xs, h, w_rows, s.groups, ex, grads, arena, "e.", phases=s.phases)
     sent = lay.buffer(dxs.shape[0], arena, "gc.rows")
@@ -620,17 +625,18 @@ def _exchanged_backward(s: KernelByKernelState, g: torch.Tensor, ex: Experts, gr
     return lay.elements(back), lay.number(back)
 
 
-def _dispatched_again(s: KernelByKernelState, g: torch.Tensor, arena: Arena
+def _dispatched_again(s: KernelByKernelState, dout: torch.Tensor, arena: Arena
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One dispatch of each row's gradient g [T*k, H] beside the row of x it came from
-    and its routing weight (``RowLayout`` of 2H elements): on the experts' rank (the
-    rows' gradients, the rows, their weights), each [R, ...] expert-major."""
-    h = g.shape[1]
-    both = RowLayout(2 * h, g.dtype)
-    sent = both.buffer(g.shape[0], arena, "gd.rows")
+    """One dispatch of each row's gradient (dout's rows in sorted order) beside the row of
+    x it came from and its routing weight (``RowLayout`` of 2H elements), each gathered
+    straight into the send buffer: on the experts' rank (the rows' gradients, the rows,
+    their weights), each [R, ...] expert-major."""
+    h = dout.shape[1]
+    both = RowLayout(2 * h, dout.dtype)
+    sent = both.buffer(s.perm.order.numel(), arena, "gd.rows")
     elements = both.elements(sent)
-    elements[:, :h].copy_(g)
-    s.phases.permute(s.x, s.perm.order, s.perm.pos.shape[1], elements[:, h:])
+    _sorted_rows(s, dout, elements[:, :h])
+    _sorted_rows(s, s.x, elements[:, h:])
     torch.index_select(s.topk_weights.reshape(-1), 0, s.perm.order, out=both.number(sent))
     got = s.exchange.dispatch(sent, arena, arena, "gd.")
     return both.elements(got)[:, :h], both.elements(got)[:, h:], both.number(got)
