@@ -26,6 +26,7 @@ that says what a task reads), not restated here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -389,6 +390,7 @@ class PlanCache:
         return found
 
 
+@functools.cache  # asked at every call of the persistent path
 def per_shape(spec: MoESpec, ep: int, tiles: TileSpec) -> bool:
     """Whether a per-shape program computes this layer's calls: one rank, per-expert
     dispatch, slots of whole row chunks (``SlotShape``), the plain gate without expert

@@ -51,10 +51,12 @@ from .tiles import Lowering, block_gemm, select_ranks, task_block
 # of its rows ready), GPART (its partials and router gradients written); as in the forward,
 # HOP one per delivery piece sent, HRED and HDONE one per hop piece received.  PERM, LANDED,
 # PART and OUT name GPERM, GLANDED, GPART and GOUT for the forward's builders.
-DedupBackwardEvent = enum.IntEnum("DedupBackwardEvent", [
-    *((e.name, e.value) for e in bw.BackwardEvent),
-    ("GLANDED", 12), ("GRED", 13), ("GPART", 14), ("HOP", 15), ("HRED", 16), ("HDONE", 17),
-    ("PERM", bw.E.GPERM), ("LANDED", 12), ("PART", 14), ("OUT", bw.E.GOUT)])
+_EXTRA = ("GLANDED", "GRED", "GPART", "HOP", "HRED", "HDONE")
+_ALIASES = {"PERM": "GPERM", "LANDED": "GLANDED", "PART": "GPART", "OUT": "GOUT"}
+_VALUES = {e.name: e.value for e in bw.BackwardEvent}
+_VALUES |= {n: len(_VALUES) + i for i, n in enumerate(_EXTRA)}
+DedupBackwardEvent = enum.IntEnum("DedupBackwardEvent", [*_VALUES.items(),
+                                                         *((a, _VALUES[n]) for a, n in _ALIASES.items())])
 
 E = DedupBackwardEvent
 
