@@ -246,9 +246,11 @@ class SlotGradients:
     extra: tuple[int, ...]
 
     @staticmethod
-    def of(weights: ExpertWeights, slots: slice, fill: float = 0.0) -> SlotGradients:
+    def of(weights: ExpertWeights, slots: slice, fill: float | None = 0.0) -> SlotGradients:
         """Gradients for a region computing ``slots`` of ``weights``, every element
-        ``fill`` (0: experts without rows get no task and keep zeros)."""
+        ``fill`` (0: experts without rows get no task and keep zeros; None: left
+        uninitialised, for a region whose tasks write every row they own, followed by
+        ``zero_idle``)."""
         computed = range(weights.spec.experts)[slots]
         rows = weights.rows_of(slice(computed.start, computed.stop))
         if -1 in rows:
@@ -256,8 +258,13 @@ class SlotGradients:
                              f"stored here (slot_rows {rows})")
         target, extra = slot_targets(rows, weights.w13.shape[0])
         tensors = dict(zip(GRADIENT_FIELDS, (weights.w13, weights.w2, *weights.biases), strict=False))
-        full = {n: torch.full_like(t, fill) for n, t in tensors.items()}
-        scratch = {n: t.new_full((len(extra), *t.shape[1:]), fill) for n, t in tensors.items()}
+        shape = {n: (len(extra), *t.shape[1:]) for n, t in tensors.items()}
+        if fill is None:
+            full = {n: torch.empty_like(t) for n, t in tensors.items()}
+            scratch = {n: t.new_empty(shape[n]) for n, t in tensors.items()}
+        else:
+            full = {n: torch.full_like(t, fill) for n, t in tensors.items()}
+            scratch = {n: t.new_full(shape[n], fill) for n, t in tensors.items()}
         return SlotGradients(full, scratch, computed.start, target, extra)
 
     @property
@@ -275,7 +282,7 @@ class SlotGradients:
                 for n, g in self.full.items()}
 
     def zero_idle(self, active: Sequence[bool]) -> None:
-        """Zero what no task wrote (for gradients filled with NaN): the rows of computed
+        """Zero what no task wrote (gradients uninitialised or filled with NaN): the rows of computed
         slots that received no rows (``active``: per computed slot) and the stored rows
         no computed slot reads."""
         r = self.stored

@@ -33,7 +33,8 @@ WITHIN = Placement((0, 1, 2, 0, 3, 4, 5, 6, 7, 1), 8, 2)  # and expert 0 twice o
 THREE = Placement((0, 1, 0, 2, 3, 0, 4, 5, 6, 0, 7, 1), 8, 4)  # expert 0 four times, 1 twice
 VIEWS = {"detach", "alias", "select", "slice", "t", "transpose", "view", "expand", "as_strided", "unsqueeze"}
 GEMMS = {"mm", "addmm"}
-SHAPED_LIKE = {"full_like", "new_full", "zeros_like", "empty_like"}  # gradients allocated like the weights
+# gradients allocated like the weights
+SHAPED_LIKE = {"full_like", "new_full", "zeros_like", "empty_like", "new_empty"}
 
 
 class StorageReads(TorchDispatchMode):

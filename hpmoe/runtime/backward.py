@@ -65,11 +65,12 @@ def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupS
     sym = s.transport.prepare(Step(region, plan, tiles, schedule, program))
     mine = slice(s.rank * plan.local_experts, (s.rank + 1) * plan.local_experts)
     shared = weights.has_shared
-    slots = SlotGradients.of(weights, mine)
+    slots = SlotGradients.of(weights, mine, fill=None)  # every WGRAD task writes its rows whole
     grads = full_expert_gradients(slots, dx=dy, dweights=dy)  # dx, dweights: the buffers', below
     buf = family.backward_buffers(saved, dy, layout, tiles, s.rank, {**sym, **slots.views(mine)})
     ctx = family.backward_context(weights, layout, routing, s.rank)
     s.executor.run(program, region, buf, ctx, s.transport)
+    slots.zero_idle((plan.counts[:, s.rank].sum(dim=0) > 0).tolist())  # experts without rows: no task
     slots.fold()
     grads = replace(grads, dx=buf.dx, dweights=buf.dw, dshared_w13=buf.dsw13 if shared else None,
                     dshared_w2=buf.dsw2 if shared else None)

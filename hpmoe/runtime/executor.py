@@ -179,6 +179,7 @@ class _Run:
         except BaseException as err:  # reported, never lost: the region fails with it
             self.fail(st, err)
         finally:
+            del calls  # the region's buffers: nothing here holds them once the caller wakes
             st.finished = True
             self._worker_done()
 
@@ -288,6 +289,7 @@ class Executor:
             for q in range(len(program.queues)):
                 self._threads[q].jobs.put(functools.partial(run.work, q))
             self._await(run)
+            run.calls = []  # a gradient a queued job's run still referenced would be copied by autograd
             if run.cause is None:
                 self._finish(run)
             elapsed = time.monotonic() - start
