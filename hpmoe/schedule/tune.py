@@ -22,9 +22,11 @@ fastest), in rounds over the candidates, each round in another order (a slow spe
 the host, or the call before — a neighbour moves a call's time by ~20% either way on
 the development machine — favours or burdens none); a candidate whose score after two
 scored calls is over ``Budget.slow_factor`` times the best score so far is dropped (one
-call cannot drop it: a host spike once dropped the fastest path).  Then the fastest races a
-challenger within ``Budget.close`` of it — kernel by kernel when a taskflow leads (a
-taskflow replaces the floor only when paired calls say it is faster), else the
+call cannot drop it: a host spike once dropped the fastest path).  A leading kernel by
+kernel wins outright: a taskflow replaces the floor only when both its fastest call and
+paired calls say it is faster (when the two disagree the choice is a near tie, and on a
+2-core host a race of four pairs once chose a taskflow 5% slower).  A leading
+taskflow races a challenger within ``Budget.close`` of it — kernel by kernel, else the
 runner-up — for at least ``Budget.final`` more scored calls each, alternating, until
 each has run ``Budget.race_seconds`` in the race (at most ``Budget.final_max`` calls
 each: short calls race longer, so a near tie is decided by more pairs), and the race
@@ -457,15 +459,17 @@ class Tuning:
             self._final = {k: n + 1 for k, n in self._final.items()}
 
     def _challenger(self, ranked: list[Knobs]) -> Knobs | None:
-        """Who races the leader: kernel by kernel when a taskflow leads and it is within
+        """Who races a leading taskflow: kernel by kernel when it is within
         ``Budget.close`` (a taskflow is chosen over the floor only when paired calls say
-        it is faster), else the runner-up when within ``Budget.close``; None: no race."""
-        leader = ranked[0]
+        it is faster too), else the runner-up when within ``Budget.close``; None: no race
+        (a leading kernel by kernel among them)."""
+        leader, kbk = ranked[0], KERNEL_BY_KERNEL_KNOBS
+        if leader == kbk:
+            return None
 
         def close(k: Knobs) -> bool:
             return self._score(k) < (1.0 + self.budget.close) * self._score(leader)
-        kbk = KERNEL_BY_KERNEL_KNOBS
-        if leader != kbk and kbk in ranked and close(kbk):
+        if kbk in ranked and close(kbk):
             return kbk
         return ranked[1] if len(ranked) > 1 and close(ranked[1]) else None
 
