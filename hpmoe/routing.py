@@ -109,12 +109,14 @@ def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor |
                 weights: torch.Tensor | None = None, name: str = "x") -> ValueError | None:
     """The first fault of x (non-finite rows), ids (outside ``[0, experts)``) and weights
     (non-finite), each where given, or None: the (min, max) of each (``aminmax``
-    propagates NaN) in float64, which holds every expert id exactly, fetched in one host
-    read; only a fault costs the scan that names its row (``input_status``)."""
+    propagates NaN), stacked in float64 (one of them cast: the stack promotes the rest),
+    which holds every expert id exactly, fetched in one host read; only a fault costs the
+    scan that names its row (``input_status``)."""
     named = [t for t in (x, ids, weights) if t is not None and t.numel()]
     if not named:
         return None
-    lo_hi = torch.stack([m.double() for t in named for m in torch.aminmax(t)]).tolist()
+    spans = [m for t in named for m in torch.aminmax(t)]
+    lo_hi = torch.stack([spans[0].double(), *spans[1:]]).tolist()
     clean = bool(np.isfinite(lo_hi).all())  # expert ids are always finite
     if any(t is ids for t in named):
         at = 2 * [t is ids for t in named].index(True)

@@ -107,7 +107,7 @@ class Door:
             routing, received, tokens = self._checked(xc, routing, logical), None, None
         self.balance.measure(routing.counts)
         out = self._placed(xc, routing, w, received, tokens)
-        return out[:x.shape[0]].to(x.dtype)
+        return _unpadded(out, x.shape[0]).to(x.dtype)
 
     def reject(self, tokens: int, w: ExpertWeights, error: BaseException) -> None:
         """Report this rank's ``error`` (its gate refused its input) through the call's
@@ -204,8 +204,9 @@ class Door:
         routing, w = self.balance.place(routing, w, padded, None)
         xp, routing = _pad(x, routing, padded, w.spec, o.virtual_ep, None)
         auto = o.schedule is SchedulePolicy.AUTO
-        return run_region(xp, routing.ids, routing.weights, w.gathered(), o.virtual_ep, o.tiles, auto,
-                          o.nodes)[:n]
+        out = run_region(xp, routing.ids, routing.weights, w.gathered(), o.virtual_ep, o.tiles, auto,
+                         o.nodes)
+        return _unpadded(out, n)
 
     def decision(self, spec: MoESpec, tokens: int, backward: bool) -> AutoDecision:
         """AUTO's forecast for a call of ``tokens`` tokens computing ``spec`` (``MoE.decision``)."""
@@ -233,6 +234,12 @@ def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
 
     return ExpertWeights(replace(w.spec, dtype=dtype), w.router, w.router_bias, cast(w.w13), cast(w.w2),
                          cast(w.shared_w13), cast(w.shared_w2), cast(w.b13), cast(w.b2), w.slot_rows)
+
+
+def _unpadded(out: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The first ``tokens`` rows of a padded call's ``out``; ``out`` itself when nothing
+    was padded (a slice would cost its backward a zero-filled copy of the gradient)."""
+    return out if out.shape[0] == tokens else out[:tokens]
 
 
 def _pad(x: torch.Tensor, routing: Routing, total: int, spec: MoESpec, virtual_ep: int,
