@@ -144,6 +144,34 @@ def test_the_persistent_kernel_at_ep1_runs_one_program_for_every_routing_of_its_
             assert torch.equal(p.grad, want[2][n]), n
 
 
+STEALS = {"persistent-1": (Path.PERSISTENT, 1), "persistent-2": (Path.PERSISTENT, 2),
+          "kbk-1": (Path.KERNEL_BY_KERNEL, 1), "taskflow-2": (Path.TASKFLOW, 2)}
+
+
+@pytest.mark.parametrize("path,ep", STEALS.values(), ids=STEALS)
+def test_the_expert_gradients_a_path_returns_become_grad_without_a_copy(path, ep, monkeypatch):
+    """Autograd takes a returned gradient as ``.grad`` without a copy only when nothing
+    else references it (a persistent kernel's arena kept views of them, and a runtime
+    worker its last job: each made autograd copy every expert gradient a step)."""
+    from hpmoe.engine.paths import RegionFunction
+
+    returned = []
+    backward = RegionFunction.backward
+
+    def kept(ctx, dout):
+        grads = backward(ctx, dout)
+        returned.append([t.data_ptr() for t in grads[2:4]])  # no reference: it would be one more
+        return grads
+
+    monkeypatch.setattr(RegionFunction, "backward", staticmethod(kept))
+    spec, pinned = preset("tiny"), pin(path, ep)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
+    x, dy = _data(spec, 16)
+    layer(x).backward(dy)
+    ran(layer, pinned.kind, tokens=16, **pinned.fields)
+    assert returned == [[layer.experts.gate_up_proj.grad.data_ptr(), layer.experts.down_proj.grad.data_ptr()]]
+
+
 @pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])
 @pytest.mark.parametrize("activation", list(Activation))
 def test_every_activation_matches_autograd_and_differs_from_silu(activation, path):

@@ -24,7 +24,7 @@ weights and full-size outputs are the caller's tensors, viewed per rank.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,6 +236,14 @@ class Arena:
     def bind_all(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
             self.bind(name, tensor)
+
+    def unbind(self, names: Iterable[str]) -> None:
+        """Drop every rank's view of fields ``names`` (a call's own tensors, once its
+        region is launched): a view kept here would keep its tensor referenced, and
+        autograd copies a gradient that anything else references instead of taking it."""
+        for name in names:
+            for r in range(self.space.ep):
+                self.views.pop((name, r), None)
 
     def rank_view(self, name: str, rank: int) -> torch.Tensor:
         return self.views[(name, rank)]
