@@ -8,6 +8,7 @@ all plain integer tensors.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,15 +110,18 @@ def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor |
                 weights: torch.Tensor | None = None, name: str = "x") -> ValueError | None:
     """The first fault of x (non-finite rows), ids (outside ``[0, experts)``) and weights
     (non-finite), each where given, or None: the (min, max) of each (``aminmax``
-    propagates NaN), stacked in float64 (one of them cast: the stack promotes the rest),
-    which holds every expert id exactly, fetched in one host read; only a fault costs the
-    scan that names its row (``input_status``)."""
+    propagates NaN), read exactly (a CPU's each at once; a device's stacked in float64,
+    which holds every expert id exactly, in one host read); only a fault costs the scan
+    that names its row (``input_status``)."""
     named = [t for t in (x, ids, weights) if t is not None and t.numel()]
     if not named:
         return None
     spans = [m for t in named for m in torch.aminmax(t)]
-    lo_hi = torch.stack([spans[0].double(), *spans[1:]]).tolist()
-    clean = bool(np.isfinite(lo_hi).all())  # expert ids are always finite
+    if spans[0].is_cpu:  # no device to wait for: six reads cost less than one stack
+        lo_hi = [m.item() for m in spans]
+    else:
+        lo_hi = torch.stack([spans[0].double(), *spans[1:]]).tolist()
+    clean = all(map(math.isfinite, lo_hi))  # expert ids are always finite
     if any(t is ids for t in named):
         at = 2 * [t is ids for t in named].index(True)
         clean = clean and lo_hi[at] >= 0 and lo_hi[at + 1] < experts

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -173,7 +174,7 @@ class Door:
             routing, w, received = *self.balance.place(routing, w, padded, tokens), None
         xp, routing = _pad(x, routing, padded, w.spec, o.virtual_ep, o.group)
         s = self.session()
-        with torch.autocast(x.device.type, enabled=False):
+        with _no_autocast(x.device.type):
             path, trial = self._select(w.spec, padded, x.device, received)
             self.last = CallRecord(path, padded, trial is not None and trial.tuning)
             return run(path, xp, routing, w, trial, self.balance.own_slots(), self.balance.clock, s, o.tiles)
@@ -225,6 +226,14 @@ def _compute_dtype(x: torch.Tensor, weights_dtype: torch.dtype) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return weights_dtype
+
+
+def _no_autocast(device: str) -> contextlib.AbstractContextManager:
+    """Autocast off for the region (it computes in its own dtypes); nothing to enter where
+    it is off already."""
+    if torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _cast(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
