@@ -77,9 +77,9 @@ class Rank:
     topk: torch.Tensor
 
 
-def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
-    """Each path's three layers, timed path after path (one path's layers alive at a
-    time: nine full-size layers do not fit a small host's memory)."""
+def rank_inputs(rank: int, world: int, args: argparse.Namespace) -> Rank:
+    """Rank ``rank``'s tokens, output gradient and routing of ``args``' layer, whose
+    weights every rank makes alike; torch on one thread."""
     from hpmoe.weights import ExpertWeights
 
     torch.set_num_threads(1)
@@ -88,8 +88,14 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
     g = torch.Generator().manual_seed(rank)
     x, dy = (torch.randn(args.tokens, spec.hidden, generator=g) for _ in range(2))
-    me = Rank(rank, spec, ExpertWeights.random(spec, seed=0), x, dy, r.ids[mine].contiguous(),
-              r.weights[mine].contiguous())
+    return Rank(rank, spec, ExpertWeights.random(spec, seed=0), x, dy, r.ids[mine].contiguous(),
+                r.weights[mine].contiguous())
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """Each path's three layers, timed path after path (one path's layers alive at a
+    time: nine full-size layers do not fit a small host's memory)."""
+    me = rank_inputs(rank, world, args)
     out: dict = {"seconds": {}, "placements": {}, "chosen": {}, "tuned": {}, "diff": 0.0}
     first = None
     for path in args.paths.split(","):

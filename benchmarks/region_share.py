@@ -17,8 +17,7 @@ import argparse
 import json
 import statistics
 
-import torch
-from bench_balance import PATHS, Rank, _routing, _spec, _step
+from bench_balance import PATHS, _step, rank_inputs
 from torch.profiler import ProfilerActivity, profile
 
 from hpmoe.machine import record
@@ -33,19 +32,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str
     import torch.distributed as dist
 
     from hpmoe import MoE
-    from hpmoe.weights import ExpertWeights
 
-    torch.set_num_threads(1)
-    spec = _spec(args)
-    r = _routing(args, spec, world)
-    mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
-    g = torch.Generator().manual_seed(rank)
-    x, dy = (torch.randn(args.tokens, spec.hidden, generator=g) for _ in range(2))
-    me = Rank(rank, spec, ExpertWeights.random(spec, seed=0), x, dy, r.ids[mine].contiguous(),
-              r.weights[mine].contiguous())
+    me = rank_inputs(rank, world, args)
     out = {}
     for path in args.paths.split(","):
-        layer = MoE(spec, me.weights, ep_group=dist.group.WORLD, **PATHS[path])
+        layer = MoE(me.spec, me.weights, ep_group=dist.group.WORLD, **PATHS[path])
         for _ in range(args.warmup):
             _step(layer, me.ids, me, args)
         step, region = [], []

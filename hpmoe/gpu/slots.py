@@ -311,8 +311,7 @@ class SlotProgram:
             experts.fold()
         shared = [self.arena.rank_view(n, 0).clone() if weights.has_shared else None
                   for n in ("dsw13", "dsw2")]
-        scratch = [f"{n}x" for n in experts.scratch] if weights.slot_rows is not None else []
-        self.arena.unbind(["dy", "dx", "dweights", *experts.full, *scratch])
+        self.arena.unbind(["dy", "dx", "dweights", *experts.full, *(f"{n}x" for n in experts.scratch)])
         return Gradients(dx=dx, dweights=dweights, dw13=experts.full["dw13"], dw2=experts.full["dw2"],
                          dshared_w13=shared[0], dshared_w2=shared[1])
 
