@@ -105,7 +105,6 @@ def _check_values(spec: MoESpec, x: torch.Tensor | None = None, name: str = "x",
         raise error
 
 
-@torch.no_grad()  # a verdict, never differentiated: it keeps no history of x
 def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None, name: str = "x") -> ValueError | None:
     """The first fault of x (non-finite rows), ids (outside ``[0, experts)``) and weights
@@ -116,7 +115,8 @@ def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor |
     named = [t for t in (x, ids, weights) if t is not None and t.numel()]
     if not named:
         return None
-    spans = [m for t in named for m in torch.aminmax(t)]
+    # detached: a verdict keeps no history of x (cheaper than entering no_grad)
+    spans = [m for t in named for m in torch.aminmax(t.detach())]
     if spans[0].is_cpu:  # no device to wait for: six reads cost less than one stack
         lo_hi = [m.item() for m in spans]
     else:

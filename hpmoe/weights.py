@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -137,12 +137,20 @@ class ExpertWeights:
     def routed(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None = None,
                shared_w2: torch.Tensor | None = None, b13: torch.Tensor | None = None,
                b2: torch.Tensor | None = None, slot_rows: tuple[int, ...] | None = None,
-               shared_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertWeights:
+               shared_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+               checked: bool = False) -> ExpertWeights:
         """The region's weights once routing is done (a region never reads the router):
-        router and bias are zero placeholders that allocate nothing."""
+        router and bias are zero placeholders that allocate nothing.  ``checked``: the
+        tensors are (detached views of) those of an ``ExpertWeights`` of ``spec`` checked
+        already, so they are not checked again (a call's host time)."""
         zero = placeholder(torch.float32, w13.device)
-        return ExpertWeights(spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
-                             shared_w13, shared_w2, b13, b2, slot_rows, shared_parts)
+        values = (spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
+                  shared_w13, shared_w2, b13, b2, slot_rows, shared_parts)
+        if not checked:
+            return ExpertWeights(*values)
+        out = object.__new__(ExpertWeights)
+        out.__dict__.update(zip(_FIELDS, values, strict=True))
+        return out
 
     @staticmethod
     def gate_only(spec: MoESpec, router: torch.Tensor, router_bias: torch.Tensor) -> ExpertWeights:
@@ -339,6 +347,9 @@ class _RowGather(torch.autograd.Function):
         n = ctx.index.numel()
         grad = g.new_zeros((ctx.rows, *g.shape[1:]))
         return grad.index_add_(0, ctx.index, g[ctx.first:ctx.first + n]), None, None, None
+
+
+_FIELDS = tuple(f.name for f in fields(ExpertWeights))
 
 
 def _check_tensor(name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:

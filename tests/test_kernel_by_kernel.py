@@ -266,6 +266,12 @@ def test_an_inference_call_saves_nothing(monkeypatch) -> None:
         RegionFunction.apply(*args, None, None, RegionCall(w.spec, routing.ids, path, grad=False))
     RegionFunction.apply(*args, None, None, RegionCall(w.spec, routing.ids, path))
     assert saves == [False, True]
+    # the call protocol: no autograd node at all under no_grad, one that saves with grad
+    weights = ExpertWeights.routed(w.spec, w13, w.w2, w.shared_w13, w.shared_w2)
+    with torch.no_grad():
+        out = paths.run(path, x, routing, weights)
+    assert saves[2:] == [False] and out.grad_fn is None
+    assert paths.run(path, x, routing, weights).grad_fn is not None and saves[3:] == [True]
 
 
 def _expert_grads(ex: Experts, segs, xs, g, w, path: GemmPath) -> tuple[torch.Tensor, ...]:

@@ -347,7 +347,7 @@ class RegionFunction(torch.autograd.Function):
         # detached: the runtime's worker threads run with grad mode on (it is per thread)
         x, topk_weights = x.detach(), topk_weights.detach()
         weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors),
-                                       slot_rows=call.slot_rows)
+                                       slot_rows=call.slot_rows, checked=True)
         save = call.grad and any(ctx.needs_input_grad[:-1])
         out, state = call.path.forward(x, Routing(call.ids, topk_weights, call.counts), weights, save)
         if state is not None:
@@ -395,8 +395,20 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
     gathered first for a path that reads none (``own``: the only experts it reads, the
     others left unfilled; None: every one)."""
     w = weights if path.reads_slots else weights.gathered(own)
-    call = RegionCall(w.spec, routing.ids, path, torch.is_grad_enabled(), trial, w.slot_rows, clock, session,
-                      tiles, routing.counts)
+    tensors = (w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2)
     with timed(trial, x.device), clocked(clock, backward=False):
-        return RegionFunction.apply(x, routing.weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2,
-                                    *(w.shared_parts or (None, None)), call)
+        if not _differentiated(x, routing.weights, *tensors, *(w.shared_parts or ())):
+            # no autograd node (its apply is a tiny call's largest host cost); detached: the
+            # runtime's worker threads run with grad mode on
+            plain = ExpertWeights.routed(w.spec, *(t if t is None else t.detach() for t in tensors),
+                                         slot_rows=w.slot_rows, checked=True)
+            detached = Routing(routing.ids, routing.weights.detach(), routing.counts)
+            return path.forward(x.detach(), detached, plain, False)[0]
+        call = RegionCall(w.spec, routing.ids, path, True, trial, w.slot_rows, clock, session, tiles,
+                          routing.counts)
+        return RegionFunction.apply(x, routing.weights, *tensors, *(w.shared_parts or (None, None)), call)
+
+
+def _differentiated(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on ``tensors`` records a gradient: grad mode on and one requires it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

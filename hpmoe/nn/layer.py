@@ -19,6 +19,7 @@ parameters (router, shared experts) are this rank's share: all-reduce them over 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -191,6 +192,15 @@ class MoE(nn.Module):
         expert parameters, or a copy where its layout needs one), shared_w13 = cat(gate, up).
         With ``shard_experts``: the physical layer of this rank's stored slots (router
         placeholders; ``Balance.stored_slots``)."""
+        w = self._region_weights()
+        if self.options.shard_experts:
+            return w
+        router, bias = self._router(w.w13.device)
+        return replace(w, router=router, router_bias=bias)
+
+    def _region_weights(self) -> ExpertWeights:
+        """``expert_weights`` as a region reads them: its router placeholders (a region
+        never reads the router; routing is done)."""
         t = self._expert_tensors()
         spec = self._door.logical(t.w13.dtype)
         sh = getattr(self, self.fused_shared) if self.fused_shared else None
@@ -199,10 +209,7 @@ class MoE(nn.Module):
         if self.options.shard_experts:
             stored = [t.w13, t.w2, *((t.b13, t.b2) if t.b13 is not None else ())]
             return self._door.balance.stored_slots(spec, stored, *shared, parts)
-        router, bias = self._router(t.w13.device)
-        return ExpertWeights(spec=spec, router=router, router_bias=bias, w13=t.w13, w2=t.w2,
-                             shared_w13=shared[0], shared_w2=shared[1], b13=t.b13, b2=t.b2,
-                             shared_parts=parts)
+        return ExpertWeights.routed(spec, t.w13, t.w2, *shared, t.b13, t.b2, shared_parts=parts)
 
     def _router(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(router [E, H], score-correction bias [E]) float32: hpmoe's own, or zeros for a
@@ -242,7 +249,7 @@ class MoE(nn.Module):
                 routing = route(x.to(dtype), self._gate_weights(dtype), check=False)
             except (ValueError, TypeError) as err:  # every rank must hear of it, in step
                 if self.options.distributed:
-                    self._door.reject(x.shape[0], self.expert_weights(), err)
+                    self._door.reject(x.shape[0], self._region_weights(), err)
                 raise
             return self.region(x, routing.ids, routing.weights).view(hidden_states.shape)
         out, router_out = self._block_forward(x, hidden_states, args, kwargs)
@@ -310,7 +317,7 @@ class MoE(nn.Module):
         tokens.  The same front door as ``forward`` (``engine.door``: check, agreement,
         placement, AUTO).  Computes in the experts' dtype, or the autocast dtype; pads the
         batch to equal token counts per (virtual) rank with zero rows of weight 0."""
-        return self._door.call(x, ids, topk_weights, self.expert_weights())
+        return self._door.call(x, ids, topk_weights, self._region_weights())
 
     # ------------------------------------------------------------------ placement
 
