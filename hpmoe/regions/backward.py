@@ -62,18 +62,7 @@ class BackwardEvent(enum.IntEnum):
     shared block; SALL, SREC one each when there are shared experts; GPERM one per piece
     the rank sends."""
 
-    GROWS = 0
-    DA = 1
-    DH = 2
-    DX = 3
-    GEXP = 4
-    DHE = 5
-    GOUT = 6
-    SDA = 7
-    SDH = 8
-    SALL = 9
-    SREC = 10
-    GPERM = 11
+    GROWS, DA, DH, DX, GEXP, DHE, GOUT, SDA, SDH, SALL, SREC, GPERM = range(12)
 
 
 E = BackwardEvent

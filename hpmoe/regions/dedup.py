@@ -78,19 +78,7 @@ class DedupEvent(enum.IntEnum):
     HRED, HDONE one per hop piece received (every partial of its rows is back; its
     node partials written)."""
 
-    ROWS = 0
-    H = 1
-    A = 2
-    LANDED = 3
-    RED = 4
-    PART = 5
-    OUT = 6
-    SH = 7
-    SA = 8
-    PERM = 9
-    HOP = 10
-    HRED = 11
-    HDONE = 12
+    ROWS, H, A, LANDED, RED, PART, OUT, SH, SA, PERM, HOP, HRED, HDONE = range(13)
 
 
 def dedup_events(d: DedupLayout) -> EventLayout:
@@ -341,13 +329,20 @@ def _combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
     order = np.argsort(piece, kind="stable")
     piece, event = piece[order], event[order]
     keep = dl.low.sel[p.dst[piece]]
-    piece, event = piece[keep], event[keep]
-    return task_block(dl.kind(TaskKind.COMBINE), p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
-                      peer=p.src[i], dst_row0=p.send_row0[i],
-                      wait=ev.base(p.dst[i], dl.names.PART) + p.rlocal[i],
+    return _return_put(dl, TaskKind.COMBINE, p, i, dl.names.PART, piece[keep], event[keep], row_bytes)
+
+
+def _return_put(dl: DedupLowering, kind: TaskKind, p: DedupPieces, i: np.ndarray, after: enum.IntEnum,
+                piece: np.ndarray, event: np.ndarray, row_bytes: int | None) -> TaskBlock:
+    """Puts of partial rows back to the sender of the pieces ``p[i]``, each after its
+    ``after`` event; ``piece`` (sorted) and ``event``: the source events each signals
+    (owned by the piece's sender)."""
+    ev = dl.low.events
+    return task_block(dl.kind(kind), p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
+                      peer=p.src[i], dst_row0=p.send_row0[i], wait=ev.base(p.dst[i], after) + p.rlocal[i],
                       sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
                       sig_rank=p.src[piece], sig_event=event,
-                      **_put_bytes(p, i, row_bytes or d.base.plan.moe.hidden * dl.partial_size))
+                      **_put_bytes(p, i, row_bytes or dl.d.base.plan.moe.hidden * dl.partial_size))
 
 
 def _node_reduce(dl: DedupLowering) -> TaskBlock:
@@ -375,12 +370,8 @@ def _hop_combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
     piece, tile = key // tt, key % tt
     keep = dl.low.sel[hp.dst[piece]]
     piece, tile = piece[keep], tile[keep]
-    return task_block(dl.kind(TaskKind.HOP_COMBINE), hp.dst[i], hp.recv_row0[i], hp.recv_row0[i] + hp.rows[i],
-                      peer=hp.src[i], dst_row0=hp.send_row0[i],
-                      wait=ev.base(hp.dst[i], dl.names.HDONE) + hp.rlocal[i],
-                      sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
-                      sig_rank=hp.src[piece], sig_event=ev.base(hp.src[piece], dl.names.OUT) + tile,
-                      **_put_bytes(hp, i, row_bytes or d.base.plan.moe.hidden * dl.partial_size))
+    return _return_put(dl, TaskKind.HOP_COMBINE, hp, i, dl.names.HDONE, piece,
+                       ev.base(hp.src[piece], dl.names.OUT) + tile, row_bytes)
 
 
 # ------------------------------------------------------------------ shared expert

@@ -17,7 +17,21 @@ from .layout import Layout, ceil_div, exclusive_cumsum, expand, make_layout
 
 
 @dataclass(frozen=True)
-class Pairs:
+class _Travelling:
+    """Rows that travel, one per ``token`` of rank ``origin``: ``send_row`` in the
+    sender's buffer, ``recv_row`` in the receiver's; per_src / per_dst [ep]: rows each
+    rank sends / receives."""
+
+    origin: np.ndarray
+    token: np.ndarray
+    send_row: np.ndarray
+    recv_row: np.ndarray
+    per_src: np.ndarray
+    per_dst: np.ndarray
+
+
+@dataclass(frozen=True)
+class Pairs(_Travelling):
     """Every (token, destination rank) row as it is delivered, sorted by (src, dst,
     fwd, origin, token).  src: the rank that puts the row into dst's ``drecv`` (the
     token's own rank ``origin``, or under ``PER_NODE`` the relay of dst's node when
@@ -28,32 +42,20 @@ class Pairs:
 
     src: np.ndarray
     dst: np.ndarray
-    token: np.ndarray
-    origin: np.ndarray
     fwd: np.ndarray
     hop: np.ndarray
-    send_row: np.ndarray
-    recv_row: np.ndarray
     slot_row: np.ndarray
-    per_src: np.ndarray  # [ep]
-    per_dst: np.ndarray  # [ep]
 
 
 @dataclass(frozen=True)
-class Hops:
+class Hops(_Travelling):
     """Under ``PER_NODE``: one hop per (token, destination node other than its own),
     sorted by (origin, relay, token).  relay: the node's rank the row crosses to (the
     token's only destination rank there, else the rank with the origin's index in its
     node).  send_row: row in origin's send buffer (after its delivered rows, by relay,
     token); recv_row: row in relay's ``hrecv`` (by origin, token)."""
 
-    origin: np.ndarray
     relay: np.ndarray
-    token: np.ndarray
-    send_row: np.ndarray
-    recv_row: np.ndarray
-    per_src: np.ndarray  # [ep]
-    per_dst: np.ndarray  # [ep]
 
 
 @dataclass(frozen=True)

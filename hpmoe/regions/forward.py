@@ -49,14 +49,7 @@ class ForwardEvent(enum.IntEnum):
     block (rows arrived; h, a, y complete); OUT one per token tile (all its expert and
     shared rows are back); SH, SA one per shared block; PERM one per piece sent."""
 
-    ROWS = 0
-    H = 1
-    A = 2
-    Y = 3
-    OUT = 4
-    SH = 5
-    SA = 6
-    PERM = 7
+    ROWS, H, A, Y, OUT, SH, SA, PERM = range(8)
 
 
 def forward_events(layout: Layout) -> EventLayout:

@@ -46,17 +46,7 @@ class SlotBackwardEvent(enum.IntEnum):
     arrived), DHALL (every dh row written), GOUT (every input-gradient row back) one
     each; SDA, SDH one per shared block; SALL one with shared experts."""
 
-    GPERM = 0
-    GROWS = 1
-    DA = 2
-    DH = 3
-    DX = 4
-    GALL = 5
-    DHALL = 6
-    GOUT = 7
-    SDA = 8
-    SDH = 9
-    SALL = 10
+    GPERM, GROWS, DA, DH, DX, GALL, DHALL, GOUT, SDA, SDH, SALL = range(11)
 
 
 E = SlotBackwardEvent

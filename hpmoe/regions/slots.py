@@ -104,14 +104,7 @@ class SlotEvent(enum.IntEnum):
     (slot, chunk); ROWS, H, A, Y one per slot; OUT one (every expert and shared output
     is back); SH, SA one per shared block."""
 
-    PERM = 0
-    ROWS = 1
-    H = 2
-    A = 3
-    Y = 4
-    OUT = 5
-    SH = 6
-    SA = 7
+    PERM, ROWS, H, A, Y, OUT, SH, SA = range(8)
 
 
 @dataclass(frozen=True)
