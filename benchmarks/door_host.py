@@ -2,7 +2,9 @@
 the path it runs called bare (``exec.kernel_by_kernel.kbk_forward``, and its backward),
 on a small layer whose kernels take little time, so that the difference is the door's
 host work: the input's form and scan, the load's average, the path's lookup, the
-autograd node.  Calls alternate (door, bare, door, ...); medians and fastest calls of
+autograd node.  Three cases: an inference call (grad off), a training forward (x needs
+a gradient: the autograd node, the saved state) and forward + backward.  Calls
+alternate (door, bare, door, ...); medians and fastest calls of
 each, and their difference; also the aten ops each call dispatches (a count that no
 load on the machine changes) and which the door adds.
 
@@ -49,8 +51,11 @@ def ops(fn: Callable[[], object]) -> collections.Counter:
     return mode.counts
 
 
-def calls(spec_name: str, tokens: int, device: torch.device, backward: bool) -> dict[str, Callable]:
-    """The door's call and the bare path's, on the same inputs."""
+def calls(spec_name: str, tokens: int, device: torch.device, grad: bool, backward: bool
+          ) -> dict[str, Callable]:
+    """The door's call and the bare path's, on the same inputs: ``grad``, x requires a
+    gradient (a training forward: the autograd node, the saved state); ``backward``, then
+    the backward too."""
     spec = preset(spec_name)
     w = ExpertWeights.random(spec, 0)
     layer = MoE(spec, w).to(device)
@@ -61,14 +66,14 @@ def calls(spec_name: str, tokens: int, device: torch.device, backward: bool) -> 
         w.w13.to(device), w.w2.to(device), *((w.shared_w13.to(device), w.shared_w2.to(device))
                                              if w.has_shared else (None, None)))))
     pool, dy = ArenaPool(), torch.ones_like(x)
-    xl = x.clone().requires_grad_(backward)
+    xl = x.clone().requires_grad_(grad)
 
     def door() -> object:
         out = layer.region(xl, ids, tw)
         return out.backward(dy) if backward else out
 
     def bare() -> object:
-        out, state = kbk_forward(x, Routing(ids, tw), wd, None, pool, save=backward, checked=True)
+        out, state = kbk_forward(x, Routing(ids, tw), wd, None, pool, save=grad, checked=True)
         return kbk_backward(state, dy, pool) if backward else out
 
     return {"door": door, "bare": bare}
@@ -97,15 +102,15 @@ def main() -> None:
     record()
     device = torch.device(args.device)
     torch.set_num_threads(1)
-    for backward in (False, True):
-        fns = calls(args.preset, args.tokens, device, backward)
-        with torch.set_grad_enabled(backward):
+    for grad, backward in ((False, False), (True, False), (True, True)):
+        fns = calls(args.preset, args.tokens, device, grad, backward)
+        with torch.set_grad_enabled(grad):
             timed(fns, 100, device)  # warm: the path chosen, arenas grown
             us = {k: np.array(v) * 1e6 for k, v in timed(fns, args.calls, device).items()}
             counted = {k: ops(f) for k, f in fns.items()}
         added = counted["door"] - counted["bare"]
         print(json.dumps({
-            "args": vars(args), "backward": backward,
+            "args": vars(args), "grad": grad, "backward": backward,
             "median_us": {k: round(float(np.median(v)), 1) for k, v in us.items()},
             "fastest_us": {k: round(float(v.min()), 1) for k, v in us.items()},
             "door_minus_bare_us": {"median": round(float(np.median(us["door"]) - np.median(us["bare"])), 1),

@@ -470,7 +470,7 @@ class KernelByKernelState:
     def unpack(self, tensors: Sequence[torch.Tensor | None]) -> KernelByKernelState:
         """The inverse of ``pack``: this state with its tensors put back."""
         n = len(self.TENSORS)
-        weights = ExpertWeights.routed(self.spec, *tensors[n:], slot_rows=self.slot_rows)
+        weights = ExpertWeights.routed(self.spec, *tensors[n:], slot_rows=self.slot_rows, checked=True)
         return replace(self, **dict(zip(self.TENSORS, tensors[:n], strict=True)), weights=weights)
 
 
