@@ -238,10 +238,11 @@ class Recompute(enum.Enum):
     gated activation, at least, wherever the path recomputes anything):
 
     NOTHING      keeps the experts' gathered input rows and their pre-activation (a
-                 taskflow also keeps the gated activation);
+                 taskflow also keeps the shared experts' gated activation);
     PERMUTATION  keeps the layer input and the pre-activation, and gathers the rows
                  again (kernel by kernel in one process; on an EP group it keeps the
-                 received rows; a taskflow recomputes the gated activation);
+                 received rows, as a taskflow does; a taskflow recomputes the shared
+                 experts' gated activation);
     GEMM         keeps the layer input alone, gathers the rows again (on an EP group:
                  dispatches them again beside their gradients) and recomputes the first
                  GEMM (kernel by kernel; a taskflow: as PERMUTATION).
@@ -253,7 +254,8 @@ class Recompute(enum.Enum):
 
     @property
     def activation(self) -> bool:
-        """Whether the gated activation is recomputed (a taskflow's recompute regions)."""
+        """Whether the shared experts' gated activation is recomputed (a taskflow's
+        recompute regions; the routed experts' always is)."""
         return self is not Recompute.NOTHING
 
 

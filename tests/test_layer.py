@@ -245,15 +245,17 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(dtype):
         assert all(torch.equal(got[2][n], base[2][n]) for n in base[2]), options
 
 
-def test_recompute_saves_the_swiglu_activations_memory():
+def test_a_taskflow_keeps_no_expert_output_and_recomputes_the_shared_activation():
     spec = preset("tiny")
     x, _ = _data(spec, 16)
     layers = [MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES, schedule=None) for r in (False, True)]
     kept, lean = (_saved_bytes(layer(x)) for layer in layers)
     for layer, recompute in zip(layers, (False, True), strict=True):
         ran(layer, ExactPath, ep=2, tiles=TINY_TILES, recompute=as_recompute(recompute))
+    assert kept - lean == 16 * spec.shared_ffn * 4  # the shared activation; the routed one is never kept
     rows = 16 * spec.top_k  # every routed row is held by exactly one rank
-    assert kept - lean == (rows * spec.ffn + 16 * spec.shared_ffn) * 4
+    acts = rows * (spec.hidden + 2 * spec.ffn) + 16 * 2 * spec.shared_ffn  # received rows, pre-activations
+    assert lean == acts * 4  # (the layer input is the caller's): no expert output
 
 
 @pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])

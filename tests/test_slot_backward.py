@@ -52,7 +52,7 @@ def test_the_plan_is_a_valid_graph_with_static_thresholds(case):
     *_, backward = case
     g = backward.graph
     verify_graph(g)
-    for cat in (SlotBackwardEvent.GALL, SlotBackwardEvent.DHALL, SlotBackwardEvent.GOUT):
+    for cat in (SlotBackwardEvent.DHALL, SlotBackwardEvent.GOUT):
         ev = int(g.events.base(0, cat))
         assert g.threshold[ev] == int((g.signals_global() == ev).sum()), cat
     assert len(backward.expert_tasks.task) == SPEC.experts * 2 * 2  # 2 column tiles each of dw2, dw13

@@ -32,7 +32,7 @@ ACROSS = Placement((0, 1, 2, 3, 7, 0, 4, 5, 6, 7), 8, 2)  # experts 0 and 7 on b
 WITHIN = Placement((0, 1, 2, 0, 3, 4, 5, 6, 7, 1), 8, 2)  # and expert 0 twice on rank 0
 THREE = Placement((0, 1, 0, 2, 3, 0, 4, 5, 6, 0, 7, 1), 8, 4)  # expert 0 four times, 1 twice
 VIEWS = {"detach", "alias", "select", "slice", "t", "transpose", "view", "expand", "as_strided", "unsqueeze"}
-GEMMS = {"mm", "addmm"}
+GEMMS = {"mm", "addmm", "mv"}  # mv: a row dotted with an expert's down bias (its router gradient)
 # gradients allocated like the weights
 SHAPED_LIKE = {"full_like", "new_full", "zeros_like", "empty_like", "new_empty"}
 

@@ -76,8 +76,8 @@ def test_the_command_reports_json_and_writes_the_ptx(tmp_path, capsys):
 
 
 def test_the_slot_sums_load_a_whole_unrolled_step_before_adding(build, tmp_path):
-    """SUM (unpermute) and ROWDOT (router gradient) gather SLOTS_IN_FLIGHT slots' rows per
-    step; the step must be one basic block of the machine code, or the slots' loads wait
+    """SUM (unpermute and its gradient) gathers SLOTS_IN_FLIGHT slots' rows per step; the
+    step must be one basic block of the machine code, or the slots' loads wait
     one after another (a branch per slot did that: on an H200 the unpermute stayed at
     1.5 ms).  A slot's 64 x 128 bf16 chunk is 4 16-byte loads a thread at 8 warps."""
     import triton
@@ -94,7 +94,7 @@ def test_the_slot_sums_load_a_whole_unrolled_step_before_adding(build, tmp_path)
     c = KernelConfig.for_dtype(torch.bfloat16)
     step = int(device_module(False).SLOTS_IN_FLIGHT) * c.br * c.bc * 2 // 16 // (32 * c.num_warps)
     assert step == 16
-    assert sum(n >= step for n in per_block) >= 2, sorted(per_block)[-6:]
+    assert sum(n >= step for n in per_block) >= 1, sorted(per_block)[-6:]
 
 
 def test_kernel_by_kernels_combine_has_no_fma_and_gathers_whole_vectors():

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..regions.backward_kernels import glu_backward
+from ..regions.backward_kernels import glu_backward, glu_router_backward
 from ..regions.kernels import glu
-from ..spec import PLAIN_GLU, Activation, GluForm
 from .arena import Arena
 
 
@@ -103,29 +102,6 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor | None, 
     if extra is not None:
         acc.add_(extra)
     return acc.to(rows.dtype)
-
-
-def glu_router_backward(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor | None, dh: torch.Tensor,
-                        a_w: torch.Tensor, activation: Activation, form: GluForm = PLAIN_GLU
-                        ) -> torch.Tensor | None:
-    """The experts' backward between their GEMMs, from the pre-activation h [M, 2F], d [M, F]
-    (the rows' unweighted output gradient times W2) and w [M] fp32 (each row's routing
-    weight; None: 1, the shared expert): dh [M, 2F], the gated activation's gradient of
-    da = w * d (rounded to d's dtype); a_w [M, F] = w * act(h) rounded (dW2's operand:
-    sum_r (w_r g_r)^T a_r = sum_r g_r^T (w_r a_r)); returns ds [M] fp32 = <d_r, act(h_r)>,
-    the gradient of the row's routing weight (the expert output is never kept: SonicMoE's
-    <dO W2, A>), or None without weights.  The activation is recomputed from h."""
-    act = torch.empty_like(a_w)
-    glu(h, act, activation, form)
-    if w is None:
-        glu_backward(h, d, dh, activation, None, form)
-        a_w.copy_(act)
-        return None
-    ds = (d.float() * act.float()).sum(1)
-    scale = w.unsqueeze(1)
-    glu_backward(h, (d.float() * scale).to(d.dtype), dh, activation, None, form)
-    a_w.copy_(act.float() * scale)
-    return ds
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .core import MoESpec, RoutingPlan, SlotShape, slot_targets
+from .core import MoESpec, RoutingPlan, SlotShape, row_width, slot_targets
 
 
 class Elem(enum.IntEnum):
@@ -54,7 +54,7 @@ class BufferField:
 
 
 def _fields() -> tuple[BufferField, ...]:
-    data_work = ["send", "recv", "h", "a", "y", "comb", "sh", "sa", "so", "gsend", "grecv", "da", "dh",
+    data_work = ["send", "recv", "h", "a", "y", "comb", "sh", "sa", "so", "gsend", "grecv", "da", "aw", "dh",
                  "dxe", "gcomb", "sda", "sdh", "sdx", "dsw13", "dsw2"]
     data_view = ["x", "out", "dy", "dx", "w13", "w2", "dw13", "dw2", "dw13x", "dw2x"]
     return tuple([BufferField(n, Elem.DATA, True) for n in data_work]
@@ -123,13 +123,13 @@ def _space(moe: MoESpec, ep: int, t: int, el: int, recv: np.ndarray, permuted: n
            slot_rows: tuple[int, ...] | None, stored: int) -> BufferSpace:
     """Every field's [rows, ld] per rank: ``t`` tokens a rank, ``el`` local experts,
     ``recv`` [ep] rows received, ``permuted`` [ep] rows of a rank's permuted buffers."""
-    k, h, f, fs = moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
+    k, h, f, fs, w = moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn, row_width(moe.hidden)
     read, write, scratch, stored, extra = _expert_rows(slot_rows, stored, ep, el)
     p = permuted
     shapes = {"send": (p, h), "recv": (recv, h), "h": (recv, 2 * f), "a": (recv, f), "y": (recv, h),
-              "comb": (p, h), "sh": (t, 2 * fs), "sa": (t, fs), "so": (t, h), "gsend": (p, h),
-              "grecv": (recv, h), "da": (recv, f), "dh": (recv, 2 * f), "dxe": (recv, h),
-              "gcomb": (p, h), "sda": (t, fs), "sdh": (t, 2 * fs), "sdx": (t, h), "dsw13": (2 * fs, h),
+              "comb": (p, h), "sh": (t, 2 * fs), "sa": (t, fs), "so": (t, h), "gsend": (p, w),
+              "grecv": (recv, w), "da": (recv, f), "aw": (recv, f), "dh": (recv, 2 * f), "dxe": (recv, w),
+              "gcomb": (p, w), "sda": (t, fs), "sdh": (t, 2 * fs), "sdx": (t, h), "dsw13": (2 * fs, h),
               "dsw2": (h, fs), "x": (t, h), "out": (t, h), "dy": (t, h), "dx": (t, h),
               "w13": (stored * 2 * f, h), "w2": (stored * h, f), "sw13": (2 * fs, h), "sw2": (h, fs),
               "dw13": (stored * 2 * f, h), "dw2": (stored * h, f), "dw13x": (extra * 2 * f, h),

@@ -1,4 +1,4 @@
-"""The device side: seven tile operations and the persistent worker loop, in Triton
+"""The device side: eight tile operations and the persistent worker loop, in Triton
 (and kernel by kernel's combine, ``combine_kernel``, a plain launch).
 
 Program q of ``taskflow_kernel`` walks worker queue q of a ``PackedProgram``:
@@ -43,9 +43,9 @@ OP_GATHER = tl.constexpr(2)
 OP_SWIGLU = tl.constexpr(3)
 OP_SWIGLU_BWD = tl.constexpr(4)
 OP_SUM = tl.constexpr(5)
-OP_ROWDOT = tl.constexpr(6)
+OP_PICK = tl.constexpr(6)
 
-# Slots a SUM or ROWDOT takes per unrolled step: their gathered rows are loaded together,
+# Slots a SUM takes per unrolled step: their gathered rows are loaded together,
 # so one chunk waits for memory slots / SLOTS_IN_FLIGHT times instead of once per slot
 # (each slot's additions keep their order: the bits do not change).  The step has no
 # branch inside (an unweighted SUM multiplies by 1.0, exactly): the compiler does not
@@ -188,10 +188,13 @@ def copy_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constex
 @triton.jit
 def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr,
                 ALIGNED: tl.constexpr):
-    """C[i, :N] = A[I[i], :N], scaled by W[i] in fp32 when W is given."""
+    """C[i, :N] = A[I[i], :N], scaled by W[i] in fp32 when W is given; VARIANT 1
+    (carry): not scaled, W[i] riding after the row instead (float32 at column KK)."""
     m = tl.load(row + C_M)
     n = _extent(row, C_N, ALIGNED)
-    scaled = tl.load(row + C_W) >= 0
+    carry = tl.load(row + C_VARIANT) == 1
+    weighted = tl.load(row + C_W) >= 0
+    scaled = weighted & (tl.load(row + C_VARIANT) != 1)
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
     ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
@@ -199,7 +202,7 @@ def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
     for r0 in range(0, m, BR):
         ir = r0 + tl.arange(0, BR)
         src = tl.load(ip + ir.to(tl.int64) * ldi, mask=ir < m, other=0).to(tl.int64)
-        w = tl.load(wp + ir.to(tl.int64) * ldw, mask=(ir < m) & scaled, other=1.0)
+        w = tl.load(wp + ir.to(tl.int64) * ldw, mask=(ir < m) & weighted, other=1.0)
         for c0 in range(0, n, BC):
             jc = c0 + tl.arange(0, BC)
             mask = (ir[:, None] < m) & (jc[None, :] < n)
@@ -207,6 +210,14 @@ def gather_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.const
             if scaled:
                 v = _to(v.to(tl.float32) * w[:, None], DT, EMULATE)
             tl.store(c + ir[:, None].to(tl.int64) * ldc + jc[None, :], v, mask=mask)
+        if carry:
+            tl.store(_rider(c, ir, ldc, tl.load(row + C_KK)), w, mask=ir < m)
+
+
+@triton.jit
+def _rider(base, ir, ld, col):
+    """float32 pointers to the value riding at column ``col`` of rows ``ir`` of ``base``."""
+    return (base + ir.to(tl.int64) * ld + col).to(tl.pointer_type(tl.float32))
 
 
 @triton.jit
@@ -238,14 +249,26 @@ def _swiglu(g, u, DT: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit
 def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                     EMULATE: tl.constexpr, ALIGNED: tl.constexpr):
-    """dh = d(silu(gate) * up) given h = A and da = B, as autograd rounds it."""
+    """dh = d(silu(gate) * up) given h = A and da = B, as autograd rounds it.  VARIANT 1
+    (the routed experts, ``glu_router_backward``): B holds d (the rows' unweighted output
+    gradient times W2) and each row's routing weight w rides at column KK of W's rows;
+    then da = w * d rounded, S = w * act(h) rounded (the down projection's weight-gradient
+    operand) and the row's router gradient <d, act(h)> (fp32) rides at column KK of I's
+    rows."""
     m = tl.load(row + C_M)
     n = _extent(row, C_N, ALIGNED)
+    weighted = tl.load(row + C_VARIANT) == 1
+    kk = tl.load(row + C_KK)
     a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
     b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
     c, ldc = _base(row, C_C, addr, lds, DT, ALIGNED)
+    wb, ldw = _base2(row, C_W, addr, lds, DT)
+    sb, lds_ = _base2(row, C_S, addr, lds, DT)
+    ib, ldi = _base2(row, C_I, addr, lds, DT)
     for r0 in range(0, m, BR):
         ir = r0 + tl.arange(0, BR)
+        w = tl.load(_rider(wb, ir, ldw, kk), mask=(ir < m) & weighted, other=1.0)
+        acc = tl.full((BR,), 0.0, tl.float32)
         for c0 in range(0, n, BC):
             jc = c0 + tl.arange(0, BC)
             mask = (ir[:, None] < m) & (jc[None, :] < n)
@@ -253,10 +276,18 @@ def swiglu_bwd_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.c
             g = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(pa + n, mask=mask, other=0.0).to(tl.float32)
             d = tl.load(b + ir[:, None].to(tl.int64) * ldb + jc[None, :], mask=mask, other=0.0).to(tl.float32)
+            if weighted:
+                act = _swiglu(g, u, DT, EMULATE).to(tl.float32)
+                acc += tl.reduce(d * act, 1, _add)
+                ps = sb + ir[:, None].to(tl.int64) * lds_ + jc[None, :]
+                tl.store(ps, _to(act * w[:, None], DT, EMULATE), mask=mask)
+                d = _to(d * w[:, None], DT, EMULATE).to(tl.float32)
             dgate, dup = _swiglu_grad(g, u, d, DT, EMULATE)
             pc = c + ir[:, None].to(tl.int64) * ldc + jc[None, :]
             tl.store(pc, dgate, mask=mask)
             tl.store(pc + n, dup, mask=mask)
+        if weighted:
+            tl.store(_rider(ib, ir, ldi, kk), acc, mask=ir < m)
 
 
 @triton.jit
@@ -318,33 +349,22 @@ def _gather_sum(a, lda, ip, ldi, wp, ldw, sp, lds_, ir, jc, m, n, slots, weighte
 
 
 @triton.jit
-def rowdot_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ALIGNED: tl.constexpr):
-    """C[i, j] = <A[i, :N], B[I[i, j], :N]> in fp32 (C is float32)."""
+def pick_tile(row, addr, lds, DT: tl.constexpr, BR: tl.constexpr):
+    """C[i, j] = the float32 riding at column B_COL of row I[i, j] of B, j < KK (C is
+    float32): each slot's router gradient, back with its row."""
     m = tl.load(row + C_M)
-    n = _extent(row, C_N, ALIGNED)
     slots = tl.load(row + C_KK)
-    a, lda = _base(row, C_A, addr, lds, DT, ALIGNED)
-    b, ldb = _base(row, C_B, addr, lds, DT, ALIGNED)
-    c, ldc = _base(row, C_C, addr, lds, tl.float32)
+    col = tl.load(row + C_B + 2)
+    b, ldb = _base2(row, C_B, addr, lds, DT)
+    c, ldc = _base2(row, C_C, addr, lds, tl.float32)
     ip, ldi = _base2(row, C_I, addr, lds, tl.int32)
-    ju = tl.arange(0, SLOTS_IN_FLIGHT)
     for r0 in range(0, m, BR):
         ir = r0 + tl.arange(0, BR)
-        for j0 in range(0, slots, SLOTS_IN_FLIGHT):
-            acc = tl.full((BR, SLOTS_IN_FLIGHT), 0.0, tl.float32)  # column u: slot j0 + u
-            for c0 in range(0, n, BC):
-                jc = c0 + tl.arange(0, BC)
-                mask = (ir[:, None] < m) & (jc[None, :] < n)
-                x = tl.load(a + ir[:, None].to(tl.int64) * lda + jc[None, :], mask=mask, other=0.0)
-                x = x.to(tl.float32)
-                for u in tl.static_range(SLOTS_IN_FLIGHT):
-                    live = (ir < m) & (j0 + u < slots)
-                    src = tl.load(ip + ir.to(tl.int64) * ldi + j0 + u, mask=live, other=0).to(tl.int64)
-                    o = tl.load(b + src[:, None] * ldb + jc[None, :], mask=mask & live[:, None], other=0.0)
-                    part = tl.reduce(x * o.to(tl.float32), 1, _add)
-                    acc = tl.where(ju[None, :] == u, acc + part[:, None], acc)
-            out = (ir[:, None] < m) & (j0 + ju[None, :] < slots)
-            tl.store(c + ir[:, None].to(tl.int64) * ldc + j0 + ju[None, :], acc, mask=out)
+        for j in range(0, slots):
+            live = ir < m
+            src = tl.load(ip + ir.to(tl.int64) * ldi + j, mask=live, other=0)
+            v = tl.load(_rider(b, src, ldb, col), mask=live, other=0.0)
+            tl.store(c + ir.to(tl.int64) * ldc + j, v, mask=live)
 
 
 @triton.jit
@@ -372,7 +392,7 @@ def run_task(row, addr, lds, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
     elif op == OP_SUM:
         sum_tile(row, addr, lds, DT, BR, BC, UPCAST, ALIGNED)
     else:
-        rowdot_tile(row, addr, lds, DT, BR, BC, ALIGNED)
+        pick_tile(row, addr, lds, DT, BR)
 
 
 # ---------------------------------------------------------------------------- the worker loop

@@ -1,6 +1,6 @@
 """What each task kind does on the device, as one row of int32 operand columns.
 
-The device knows seven tile operations (``Op``); every ``TaskKind`` is one of them on
+The device knows eight tile operations (``Op``); every ``TaskKind`` is one of them on
 particular buffers.  ``DESCRIBE[kind](tasks, space)`` turns tasks of that kind into
 their operand rows, vectorised — one function per kind, each the device twin of the
 kind's torch kernel in ``regions.kernels`` / ``regions.backward_kernels``.
@@ -11,12 +11,17 @@ of operand X is ``X[row + i, col + j]`` (``X[row + j, col + i]`` when transposed
   GEMM        C[M, N] = A[M, K] @ B[K, N], fp32 accumulation; VARIANT says which of A
               and B is read transposed (NT: B is a [N, K] weight; NN; TN: A is [K, M]).
   COPY        C[i, :N] = A[i, :N] for M rows (a put: C lives in the peer's region).
-  GATHER      C[i, :N] = A[I[i], :N], times W[i] in fp32 when W is given (permute).
+  GATHER      C[i, :N] = A[I[i], :N], times W[i] in fp32 when W is given (permute);
+              VARIANT 1: W[i] rides after the row instead (float32 at column KK).
   SWIGLU      C[i, j] = silu(A[i, j]) * A[i, N + j].
-  SWIGLU_BWD  C = d(silu(gate) * up) from h = A and the output gradient B.
+  SWIGLU_BWD  C = d(silu(gate) * up) from h = A and the output gradient B; VARIANT 1 (the
+              routed experts, ``glu_router_backward``): B is d, the routing weight rides
+              at column KK of W's rows, S = w * act(h) and the router gradient rides back
+              at column KK of I's rows.
   SUM         C[i, :] = sum_j W[i, j] * A[I[i, j], :] over KK slots in order, in fp32
               (no W: weight 1), plus S[i, :] when given (unpermute).
-  ROWDOT      C[i, j] = <A[i, :N], B[I[i, j], :N]> in fp32 (router gradient).
+  PICK        C[i, j] = the float32 riding at column B_COL of row I[i, j] of B, j < KK
+              (the router gradient, back with its slot's row).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .buffers import BufferSpace
-from .core import TaskGraph, TaskKind
+from .core import ROW_TAIL, TaskGraph, TaskKind, row_width
 
 
 class Op(enum.IntEnum):
@@ -38,7 +43,7 @@ class Op(enum.IntEnum):
     SWIGLU = 3
     SWIGLU_BWD = 4
     SUM = 5
-    ROWDOT = 6
+    PICK = 6
 
 
 class Gemm(enum.IntEnum):
@@ -113,9 +118,10 @@ def _permute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
                c_buf=("send", t.rank), c_row=t.row0)
 
 
-def _put(src: str, dst: str) -> Describe:
+def _put(src: str, dst: str, width: str = "h") -> Describe:
     def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
-        return _op(Op.COPY, t, sp, m=t.rows, n=_dims(sp)[2], a_buf=(src, t.rank), a_row=t.row0,
+        d = dict(zip("tkhfsl", _dims(sp), strict=True))
+        return _op(Op.COPY, t, sp, m=t.rows, n=_size(d, width), a_buf=(src, t.rank), a_row=t.row0,
                    c_buf=(dst, t.peer), c_row=t.dst_row0)
     return describe
 
@@ -138,9 +144,12 @@ def _gemm_nt(a: str, w: str, c: str, depth: int, weight_rows: int | None) -> Des
 
 
 def _size(d: dict[str, int], code: int | str) -> int:
-    """A dimension by code: 'h' hidden, 'f' FFN, '2f', 's' shared FFN, '2s'; ints pass."""
+    """A dimension by code: 'h' hidden, 'f' FFN, '2f', 's' shared FFN, '2s', 'w' a
+    travelling row's width (``row_width``); ints pass."""
     if isinstance(code, int):
         return code
+    if code == "w":
+        return row_width(d["h"])
     mult = 2 if code.startswith("2") else 1
     return mult * d[code[-1]]
 
@@ -167,9 +176,16 @@ def _sum(src: str, weights: str | None, shared: str, dst: str) -> Describe:
 # ---------------------------------------------------------------------------- backward
 
 def _grad_permute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    """dy rows of the permuted slots, each with its routing weight riding."""
     h = _dims(sp)[2]
-    return _op(Op.GATHER, t, sp, m=t.rows, n=h, a_buf=("dy", t.rank), i_buf=("tok", t.rank), i_row=t.row0,
-               w_buf=("roww", t.rank), w_row=t.row0, c_buf=("gsend", t.rank), c_row=t.row0)
+    return _op(Op.GATHER, t, sp, variant=1, m=t.rows, n=h, kk=_rider_col(h), a_buf=("dy", t.rank),
+               i_buf=("tok", t.rank), i_row=t.row0, w_buf=("roww", t.rank), w_row=t.row0,
+               c_buf=("gsend", t.rank), c_row=t.row0)
+
+
+def _rider_col(h: int) -> int:
+    """The column a travelling row's float32 rides at (``backward_kernels.rider``)."""
+    return row_width(h) - ROW_TAIL
 
 
 def _gemm_nn(a: str, w: str, c: str, depth: str, weight_rows: str | None) -> Describe:
@@ -207,6 +223,16 @@ def _swiglu_bwd(h: str, da: str, dh: str, width: str) -> Describe:
     return describe
 
 
+def _router_swiglu_bwd(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    """The routed experts' SwiGLU backward: dh, aw and the router gradients riding in dxe,
+    from d (in da), h and the routing weights riding in grecv."""
+    rows = {"w_row": t.row0, "s_row": t.row0, "i_row": t.row0}
+    return {**_swiglu_bwd("h", "da", "dh", "f")(t, sp), "variant": np.ones(len(t.rank), np.int64),
+            "kk": np.full(len(t.rank), _rider_col(_dims(sp)[2]), np.int64),
+            "w_buf": sp.ids("grecv", t.rank), "s_buf": sp.ids("aw", t.rank), "i_buf": sp.ids("dxe", t.rank),
+            **rows}
+
+
 def _recompute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
     """Routed rows (expert >= 0): a from h; shared rows (expert -1): sa from sh."""
     routed = _swiglu("h", "a", "f")(t, sp)
@@ -216,9 +242,8 @@ def _recompute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
 
 def _router_grad(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
     _, k, h, _, _, _ = _dims(sp)
-    return _op(Op.ROWDOT, t, sp, m=t.rows, n=h, kk=k, a_buf=("dy", t.rank), a_row=t.row0,
-               b_buf=("comb", t.rank), i_buf=("pos", t.rank), i_row=t.row0, c_buf=("dweights", t.rank),
-               c_row=t.row0)
+    return _op(Op.PICK, t, sp, m=t.rows, kk=k, b_buf=("gcomb", t.rank), b_col=_rider_col(h),
+               i_buf=("pos", t.rank), i_row=t.row0, c_buf=("dweights", t.rank), c_row=t.row0)
 
 
 K = TaskKind
@@ -228,11 +253,11 @@ DESCRIBE: dict[TaskKind, Describe] = {
     K.GEMM_DOWN: _gemm_nt("a", "w2", "y", "f", "h"), K.COMBINE: _put("y", "comb"),
     K.UNPERMUTE: _sum("comb", "topk", "so", "out"), K.SHARED_UP: _gemm_nt("x", "sw13", "sh", "h", None),
     K.SHARED_SWIGLU: _swiglu("sh", "sa", "s"), K.SHARED_DOWN: _gemm_nt("sa", "sw2", "so", "s", None),
-    K.GRAD_PERMUTE: _grad_permute, K.GRAD_DISPATCH: _put("gsend", "grecv"),
+    K.GRAD_PERMUTE: _grad_permute, K.GRAD_DISPATCH: _put("gsend", "grecv", "w"),
     K.DGRAD_DOWN: _gemm_nn("grecv", "w2", "da", "h", "h"),
-    K.WGRAD_DOWN: _wgrad("grecv", "a", "dw2", "f", "h"),
-    K.SWIGLU_BWD: _swiglu_bwd("h", "da", "dh", "f"), K.DGRAD_UP: _gemm_nn("dh", "w13", "dxe", "2f", "2f"),
-    K.WGRAD_UP: _wgrad("dh", "recv", "dw13", "h", "2f"), K.GRAD_COMBINE: _put("dxe", "gcomb"),
+    K.WGRAD_DOWN: _wgrad("grecv", "aw", "dw2", "f", "h"),
+    K.SWIGLU_BWD: _router_swiglu_bwd, K.DGRAD_UP: _gemm_nn("dh", "w13", "dxe", "2f", "2f"),
+    K.WGRAD_UP: _wgrad("dh", "recv", "dw13", "h", "2f"), K.GRAD_COMBINE: _put("dxe", "gcomb", "w"),
     K.GRAD_UNPERMUTE: _sum("gcomb", None, "sdx", "dx"), K.ROUTER_GRAD: _router_grad,
     K.SHARED_DGRAD_DOWN: _gemm_nn("dy", "sw2", "sda", "h", None),
     K.SHARED_WGRAD_DOWN: _wgrad("dy", "sa", "dsw2", "s", None),
@@ -254,13 +279,13 @@ ALIGN = 8  # elements: 16 bytes of bf16
 
 def _hinted(tasks: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """(buffer ids, first columns) of the operands the device hints as aligned: A, B and C
-    of every task but ROWDOT's float32 C [M, KK]."""
+    of every task but PICK's float32 C [M, KK]."""
     op = tasks[:, COL["op"]]
     out = []
     for x in "abc":
         used = tasks[:, COL[f"{x}_buf"]] >= 0
         if x == "c":
-            used &= op != Op.ROWDOT
+            used &= op != Op.PICK
         out.append((tasks[used, COL[f"{x}_buf"]], tasks[used, COL[f"{x}_col"]]))
     return out
 

@@ -3,24 +3,27 @@ MoE-FFN region, over the same pieces, GEMM blocks and token tiles as the forward
 graph (``layout.make_layout``), with its own event ids (``BackwardEvents``).
 
 With y = sum_j w_j o_j + shared(x) (o_j: expert outputs), per rank, in data-flow order:
-  GRAD_PERMUTE      one per piece: send rows = w_j * dy[token] (fp32 math, cast);
+  GRAD_PERMUTE      one per piece: send rows = dy[token], each with its w_j riding;
   GRAD_DISPATCH     one per piece: put them to the expert owner, signalling the
                     block's GROWS and the expert's GEXP ("all rows arrived");
-  SWIGLU_RECOMPUTE  (recompute only) one per (block, row chunk): a from saved h,
-                    signals GEXP; shared blocks (expert -1) signal SREC;
-  DGRAD_DOWN        one per (block, column tile of F): da = dy_e @ w2[e], after GROWS;
-  SWIGLU_BWD        one per (block, row chunk): dh from da and h, after DA;
-                    signals the block's DH and the expert's DHE;
+  SWIGLU_RECOMPUTE  (recompute only) one per shared block row chunk: sa from saved sh,
+                    signals SREC (the routed activation is recomputed by SWIGLU_BWD);
+  DGRAD_DOWN        one per (block, column tile of F): d = dy_e @ w2[e], after GROWS;
+  SWIGLU_BWD        one per (block, row chunk): dh, w * act(h) and the router gradient
+                    <d, act(h)> from d, w and h, after DA; signals the block's DH and
+                    the expert's DHE;
   DGRAD_UP          one per (block, column tile of H): dx_e = dh @ w13[e], after DH;
-  GRAD_COMBINE      one per piece: put dx_e rows back to the source, after DX;
-  WGRAD_DOWN        one per (expert, column tile of H): dw2[e][cols] = dy_e[:, cols].T @ a_e
-                    over all the expert's rows, after GEXP;
+  GRAD_COMBINE      one per piece: put dx_e rows back to the source, the router
+                    gradients riding, after DX;
+  WGRAD_DOWN        one per (expert, column tile of H): dw2[e][cols] = dy_e[:, cols].T @
+                    (w * act(h))_e over all the expert's rows, after DHE;
   WGRAD_UP          one per (expert, column tile of 2F): dw13[e][cols] = dh_e[:, cols].T @ x_e,
                     after DHE;
   SHARED_*          dgrad, SwiGLU backward and wgrad tiles of the shared experts;
   GRAD_UNPERMUTE    one per token tile: dx = sum_j dx_j in slot order (fp32) + shared
                     dgrad, after exactly the pieces and shared tiles carrying its rows;
-  ROUTER_GRAD       one per token tile: dw[t, j] = <dy[t], o_j[t]> in fp32 (no wait).
+  ROUTER_GRAD       one per token tile: dw[t, j], the gradient riding with slot j's row,
+                    after the same.
 Every weight-gradient tile is one task holding its full reduction, so the result
 does not depend on the execution order.  Expert weight gradients stay on the owner.
 """
@@ -81,8 +84,9 @@ def lower_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | 
                    recompute: bool = False) -> TaskGraph:
     """The backward task graph of ``ranks`` (default: every rank of the EP group).
 
-    ``recompute``: the SwiGLU activations (routed and shared) are recomputed from the
-    saved pre-activations by SWIGLU_RECOMPUTE tasks instead of being saved."""
+    ``recompute``: the shared experts' activation is recomputed from the saved
+    pre-activation by SWIGLU_RECOMPUTE tasks instead of being saved (the routed experts'
+    always is, by SWIGLU_BWD)."""
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
     ranks, sel = select_ranks(plan.par.ep, ranks)
@@ -108,8 +112,7 @@ def backward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray, recom
     to_me = pieces.dst == rank
     chunks = ceil_div(blocks.row1[mine] - blocks.row0[mine], layout.tiles.rows)
     per_expert = np.bincount(blocks.expert[mine], weights=chunks, minlength=local).astype(np.int64)
-    rows_in = np.bincount(pieces.expert[to_me], minlength=local)
-    gexp = rows_in + (per_expert if recompute else 0)
+    gexp = np.bincount(pieces.expert[to_me], minlength=local)
     _, tt = piece_token_tiles(layout, pieces.src == rank)
     gout = np.bincount(tt, minlength=layout.token_tiles) + shared_out
     return np.concatenate([
@@ -181,27 +184,20 @@ def _swiglu_bwd(low: Lowering) -> TaskBlock:
     sig = np.stack([ev.base(rank, E.DH) + b.local[i], ev.base(rank, E.DHE) + b.expert[i]], axis=1)
     moe = low.layout.plan.moe
     return elementwise_chunks(TaskKind.SWIGLU_BWD, low, rank, r0, r1, moe.ffn,
-                              passes=5, flops=2 * moe.glu.flops, expert=b.expert[i],
+                              passes=7, flops=3 * moe.glu.flops, expert=b.expert[i],
                               wait=ev.base(rank, E.DA) + b.local[i], sig_count=np.full(len(i), 2),
                               sig_rank=np.repeat(rank, 2), sig_event=sig.ravel())
 
 
 def _recompute(low: Lowering) -> TaskBlock:
-    """SWIGLU_RECOMPUTE of routed blocks (signal GEXP) then shared blocks (signal SREC)."""
+    """SWIGLU_RECOMPUTE of the shared blocks (signal SREC)."""
     if not low.recompute:
         low = Lowering(low.layout, low.events, np.zeros_like(low.sel), False)
-    b, ev, moe = low.layout.blocks, low.events, low.layout.plan.moe
-    i, r0, r1 = block_chunks(low)
     srank, _, c0, c1 = shared_chunks(low)
-    rank = np.concatenate([b.rank[i], srank])
-    row0, row1 = np.concatenate([r0, c0]), np.concatenate([r1, c1])
-    f = np.concatenate([np.full(len(i), moe.ffn), np.full(len(srank), moe.shared_ffn)])
-    per_element = np.concatenate([np.full(len(i), moe.glu.flops), np.full(len(srank), PLAIN_GLU.flops)])
-    sig = np.concatenate([ev.base(b.rank[i], E.GEXP) + b.expert[i], ev.base(srank, E.SREC)])
-    return task_block(TaskKind.SWIGLU_RECOMPUTE, rank, row0, row1,
-                      expert=np.concatenate([b.expert[i], np.full(len(srank), -1)]), col1=f,
-                      flops=per_element * (row1 - row0) * f, bytes=3 * (row1 - row0) * f * low.esize,
-                      sig_event=sig)
+    fs = low.layout.plan.moe.shared_ffn
+    return task_block(TaskKind.SWIGLU_RECOMPUTE, srank, c0, c1, col1=np.full(len(srank), fs),
+                      flops=PLAIN_GLU.flops * (c1 - c0) * fs, bytes=3 * (c1 - c0) * fs * low.esize,
+                      sig_event=low.events.base(srank, E.SREC))
 
 
 # ------------------------------------------------------------------ experts: wgrad
@@ -236,7 +232,7 @@ def _wgrad(kind: TaskKind, low: Lowering, width: int, depth: int, wait: E) -> Ta
 
 def _wgrad_down(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    return _wgrad(TaskKind.WGRAD_DOWN, low, moe.hidden, moe.ffn, E.GEXP)
+    return _wgrad(TaskKind.WGRAD_DOWN, low, moe.hidden, moe.ffn, E.DHE)
 
 
 def _wgrad_up(low: Lowering) -> TaskBlock:
@@ -294,12 +290,13 @@ def _grad_unpermute(low: Lowering) -> TaskBlock:
 
 
 def _router_grad(low: Lowering) -> TaskBlock:
+    """dw of a token tile: the k router gradients that came back with its rows, after GOUT."""
     moe = low.layout.plan.moe
-    rank, _, r0, r1 = token_tiles(low)
+    rank, tile, r0, r1 = token_tiles(low)
     m = r1 - r0
-    return task_block(TaskKind.ROUTER_GRAD, rank, r0, r1, col1=np.full(len(rank), moe.hidden),
-                      flops=2.0 * moe.top_k * m * moe.hidden,
-                      bytes=(moe.top_k + 1) * m * moe.hidden * low.esize + 4 * m * moe.top_k)
+    return task_block(TaskKind.ROUTER_GRAD, rank, r0, r1, col1=np.full(len(rank), moe.top_k),
+                      flops=np.zeros(len(rank)), bytes=8 * m * moe.top_k,
+                      wait=low.events.base(rank, E.GOUT) + tile)
 
 
 _PHASES = (_grad_permute, _grad_dispatch, _recompute, _dgrad_down, _swiglu_bwd, _dgrad_up,

@@ -5,10 +5,14 @@ the signature of the forward ``KERNELS``, so any executor that runs a kernel tab
 runs the backward graph too.  ``me``/``peer`` are ``BackwardBuffers``; ``grecv`` and
 ``gcomb`` are its symmetric fields (peers put into them).
 
-Numerics follow autograd through ``refs.dense_moe``: the output gradient of slot j
-is ``(w_j * dy.float()).to(dtype)``; SwiGLU backward rounds ``da * up`` to the dtype
-before ``silu_backward`` as autograd does; input gradients are summed over slots in
-top-k order in fp32 (then the shared-expert term), router gradients are fp32 dots.
+The rows travel unweighted, each with one float32 riding after its H elements
+(``rider``): a dy row carries its routing weight w to the expert, an input-gradient row
+carries back its router-weight gradient ds.  The expert computes d = dy @ W2, then
+``glu_router_backward`` (kernel by kernel's numerics): ds = <d, act(h)> (+ <dy, b2> with
+biases; SonicMoE's <dO W2, A>: no expert output is kept), da = w * d rounded to the
+dtype, the gated activation's gradient as autograd rounds it, and a_w = w * act(h)
+rounded, the down projection's weight-gradient operand.  Input gradients are summed over
+slots in top-k order in fp32 (then the shared-expert term).
 """
 
 from __future__ import annotations
@@ -35,27 +39,25 @@ class SavedActivations:
     """What one rank keeps from the forward pass for the backward pass.
 
     x [T, H] (its tokens); xe [R, H] rows received in dispatch; h [R, 2F] expert
-    pre-activations; a [R, F] SwiGLU outputs, or None when recomputed; comb [T*k, H]
-    expert outputs back at the source (for the router gradient); sh [T, 2Fs] and
-    sa [T, Fs] (or None when recomputed) of the shared experts.  All spec.dtype."""
+    pre-activations; sh [T, 2Fs] and sa [T, Fs] (or None when recomputed) of the shared
+    experts.  All spec.dtype.  Neither the experts' gated activation (recomputed from h)
+    nor their outputs (the router gradient is <d, act(h)>) are kept."""
 
     x: torch.Tensor
     xe: torch.Tensor
     h: torch.Tensor
-    a: torch.Tensor | None
-    comb: torch.Tensor
     sh: torch.Tensor
     sa: torch.Tensor | None
 
     @staticmethod
-    def from_forward(buf: ForwardBuffers, recompute: bool) -> SavedActivations:
-        """Keep the minimal forward buffers of one rank (drop ``a``/``sa`` when recomputing)."""
-        return SavedActivations(x=buf.x, xe=buf.recv, h=buf.h, a=None if recompute else buf.a,
-                                comb=buf.comb, sh=buf.sh, sa=None if recompute else buf.sa)
+    def from_forward(buf: ForwardBuffers | Any, recompute: bool) -> SavedActivations:
+        """Keep the minimal forward buffers of one rank, per expert or deduplicated (both
+        name them alike; drop ``sa`` when recomputing)."""
+        return SavedActivations(x=buf.x, xe=buf.recv, h=buf.h, sh=buf.sh, sa=None if recompute else buf.sa)
 
     def nbytes(self) -> int:
         """Bytes held by the saved tensors (``x`` excluded: the caller owns it)."""
-        kept = [self.xe, self.h, self.a, self.comb, self.sh, self.sa]
+        kept = [self.xe, self.h, self.sh, self.sa]
         return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
 
@@ -64,9 +66,11 @@ class GradientBuffers:
     """What one rank's backward buffers hold in every family: the saved activations
     (the family's ``saved_kind``) plus gradients.
 
-    dy [T, H] output gradient; gsend the output-gradient rows it sends; grecv [R, H] the
-    output-gradient rows its experts read; da [R, F]; dh [R, 2F]; dxe [R, H] expert input
-    gradients; dx [T, H]; dw [T, k] float32 routing-weight gradient; dw13 [L][2F, H],
+    dy [T, H] output gradient; gsend the output-gradient rows it sends; grecv [R, W] the
+    output-gradient rows its experts read, each with its routing weight riding
+    (``rider``; W = ``row_width(H)``); da [R, F] (first d = dy @ W2); aw [R, F] w * act(h);
+    dh [R, 2F]; dxe [R, W] expert input gradients, each with its router-weight gradient
+    riding; dx [T, H]; dw [T, k] float32 routing-weight gradient; dw13 [L][2F, H],
     dw2 [L][H, F] local expert gradients (zero for experts without rows; ``Rows``: where
     each expert's gradient lands, ``SlotGradients.views``); sda [T, Fs], sdh [T, 2Fs],
     sdx [T, H], dsw13 [2Fs, H], dsw2 [H, Fs] shared; db13 [L][2F], db2 [L][H] the expert
@@ -77,6 +81,7 @@ class GradientBuffers:
     gsend: torch.Tensor
     grecv: torch.Tensor
     da: torch.Tensor
+    aw: torch.Tensor
     dh: torch.Tensor
     dxe: torch.Tensor
     dx: torch.Tensor
@@ -94,9 +99,10 @@ class GradientBuffers:
 
 @dataclass(kw_only=True)
 class BackwardBuffers(GradientBuffers):
-    """One rank's per-expert backward buffers (``GradientBuffers``): gsend [T*k, H] w_j * dy
-    rows in permuted order; grecv (symmetric) the received ones; gcomb [T*k, H] (symmetric)
-    input gradients back at the source."""
+    """One rank's per-expert backward buffers (``GradientBuffers``): gsend [T*k, W] dy rows
+    in permuted order with their routing weights riding; grecv (symmetric) the received
+    ones; gcomb [T*k, W] (symmetric) input gradients back at the source, with the router
+    gradients riding."""
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("grecv", "gcomb")
     saved: SavedActivations
@@ -115,14 +121,27 @@ class BackwardBuffers(GradientBuffers):
         _check_views(views, shapes)
         bufs = {name: views[name] if name in views else _new(field, dy.device)
                 for name, field in shapes.items()}
-        dtype, (r, f), (t, fs) = plan.moe.dtype, shapes["da"][0], shapes["sda"][0]
-        full = SavedActivations(x=saved.x, xe=saved.xe, h=saved.h, comb=saved.comb, sh=saved.sh,
-                                a=_or_new(saved.a, (r, f), dtype, dy.device),
+        dtype, (t, fs) = plan.moe.dtype, shapes["sda"][0]
+        full = SavedActivations(x=saved.x, xe=saved.xe, h=saved.h, sh=saved.sh,
                                 sa=_or_new(saved.sa, (t, fs), dtype, dy.device))
         return BackwardBuffers(saved=full, dy=dy, **bufs)
 
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype, bool]
+
+ROW_TAIL = 8  # elements after a travelling row's H (16 bytes at bf16): one float32 rides there
+
+
+def row_width(hidden: int) -> int:
+    """Elements of a dy or input-gradient row that travels: its ``hidden`` (rounded up to
+    even, so that the float32 after it is aligned) and ``ROW_TAIL``."""
+    return hidden + hidden % 2 + ROW_TAIL
+
+
+def rider(rows: torch.Tensor) -> torch.Tensor:
+    """[m] float32: the value riding in rows [m, row_width(H)] (a dy row's routing weight,
+    an input-gradient row's router-weight gradient), a view."""
+    return rows[:, -ROW_TAIL:].view(torch.float32)[:, 0]
 
 
 def gradient_shapes(plan: RoutingPlan, tokens: int, rows: int) -> dict[str, FieldSpec]:
@@ -131,8 +150,10 @@ def gradient_shapes(plan: RoutingPlan, tokens: int, rows: int) -> dict[str, Fiel
     moe = plan.moe
     t, r, k, h, f, fs, el, d = (tokens, rows, moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn,
                                 plan.local_experts, moe.dtype)
-    shapes = {"gsend": ((t * k, h), d, False), "grecv": ((r, h), d, False), "da": ((r, f), d, False),
-              "dh": ((r, 2 * f), d, False), "dxe": ((r, h), d, False), "gcomb": ((t * k, h), d, False),
+    w = row_width(h)
+    shapes = {"gsend": ((t * k, w), d, False), "grecv": ((r, w), d, False), "da": ((r, f), d, False),
+              "aw": ((r, f), d, False), "dh": ((r, 2 * f), d, False), "dxe": ((r, w), d, False),
+              "gcomb": ((t * k, w), d, False),
               "dx": ((t, h), d, False), "dw": ((t, k), torch.float32, False),
               "dw13": ((el, 2 * f, h), d, True), "dw2": ((el, h, f), d, True), "sda": ((t, fs), d, False),
               "sdh": ((t, 2 * fs), d, False), "sdx": ((t, h), d, False), "dsw13": ((2 * fs, h), d, True),
@@ -178,7 +199,8 @@ class BackwardContext:
     w13 [L][2F, H], w2 [L][H, F]: this rank's experts (read in place); shared_w13 [2Fs, H] and
     shared_w2 [H, Fs] or None; token_of_row [T*k] int64 token of each permuted row;
     row_weight [T*k] float32 routing weight of each permuted row; pos [T, k] int64
-    permuted row of (token, slot); activation, glu: the experts' gated activation."""
+    permuted row of (token, slot); activation, glu: the experts' gated activation; b2
+    [L][H] the experts' down biases (None without biases: a bias adds <dy, b2> to ds)."""
 
     w13: Rows
     w2: Rows
@@ -189,6 +211,7 @@ class BackwardContext:
     pos: torch.Tensor
     activation: Activation = Activation.SILU
     glu: GluForm = PLAIN_GLU
+    b2: Rows | None = None
 
     @staticmethod
     def build(weights: ExpertWeights, plan: RoutingPlan, topk_weights: torch.Tensor,
@@ -200,7 +223,8 @@ class BackwardContext:
         return BackwardContext(w13=mine.w13, w2=mine.w2,
                                shared_w13=weights.shared_w13, shared_w2=weights.shared_w2,
                                token_of_row=order // k, row_weight=topk_weights.reshape(-1)[order],
-                               pos=plan.pos[rank], activation=weights.spec.activation, glu=weights.spec.glu)
+                               pos=plan.pos[rank], activation=weights.spec.activation, glu=weights.spec.glu,
+                               b2=mine.b2)
 
 
 BackwardKernel = Callable[[Tile, BackwardBuffers, BackwardBuffers, BackwardContext], None]
@@ -256,20 +280,51 @@ def _form_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activati
     d_up.copy_(du)
 
 
+def glu_router_backward(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor | None, dh: torch.Tensor,
+                        a_w: torch.Tensor, activation: Activation, form: GluForm = PLAIN_GLU
+                        ) -> torch.Tensor | None:
+    """The experts' backward between their GEMMs, from the pre-activation h [M, 2F], d [M, F]
+    (the rows' unweighted output gradient times W2) and w [M] fp32 (each row's routing
+    weight; None: 1, the shared expert): dh [M, 2F], the gated activation's gradient of
+    da = w * d (rounded to d's dtype); a_w [M, F] = w * act(h) rounded (dW2's operand:
+    sum_r (w_r g_r)^T a_r = sum_r g_r^T (w_r a_r)); returns ds [M] fp32 = <d_r, act(h_r)>,
+    the gradient of the row's routing weight (the expert output is never kept: SonicMoE's
+    <dO W2, A>), or None without weights.  The activation is recomputed from h."""
+    act = torch.empty_like(a_w)
+    glu(h, act, activation, form)
+    if w is None:
+        glu_backward(h, d, dh, activation, None, form)
+        a_w.copy_(act)
+        return None
+    ds = (d.float() * act.float()).sum(1)
+    scale = w.unsqueeze(1)
+    glu_backward(h, (d.float() * scale).to(d.dtype), dh, activation, None, form)
+    a_w.copy_(act.float() * scale)
+    return ds
+
+
 def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    rows = slice(t.row0, t.row1)
-    g = me.dy.index_select(0, ctx.token_of_row[rows]).float() * ctx.row_weight[rows, None]
-    me.gsend[rows].copy_(g)
+    rows, h = slice(t.row0, t.row1), me.dy.shape[1]
+    me.gsend[rows, :h].copy_(me.dy.index_select(0, ctx.token_of_row[rows]))
+    rider(me.gsend[rows]).copy_(ctx.row_weight[rows])
 
 
 def _dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
+    """d = dy @ W2 of the unweighted rows, into ``da`` (``_swiglu_bwd`` weighs it)."""
     w = ctx.w2[t.expert][:, t.col0:t.col1]
-    torch.mm(me.grecv[t.row0:t.row1], w, out=me.da[t.row0:t.row1, t.col0:t.col1])
+    torch.mm(me.grecv[t.row0:t.row1, :w.shape[0]], w, out=me.da[t.row0:t.row1, t.col0:t.col1])
 
 
 def _swiglu_bwd(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
+    """dh and aw of the rows from d, their routing weights and h; their router-weight
+    gradients ride back with their input gradients."""
     rows = slice(t.row0, t.row1)
-    glu_backward(me.saved.h[rows], me.da[rows], me.dh[rows], ctx.activation, form=ctx.glu)
+    g = me.grecv[rows]
+    ds = glu_router_backward(me.saved.h[rows], me.da[rows], rider(g), me.dh[rows], me.aw[rows],
+                             ctx.activation, ctx.glu)
+    if ctx.b2 is not None:  # the expert output's bias term: <dy, b2>
+        ds += g[:, :me.dy.shape[1]].float() @ ctx.b2[t.expert].float()
+    rider(me.dxe[rows]).copy_(ds)
 
 
 def _dgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -278,10 +333,13 @@ def _dgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backward
 
 
 def _wgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    g = me.grecv[t.row0:t.row1, t.col0:t.col1]
-    torch.mm(g.t(), me.saved.a[t.row0:t.row1], out=me.dw2[t.expert][t.col0:t.col1])
+    """dW2[cols] = dy[:, cols].T @ (w * act(h)); db2[cols] = sum of w * dy[:, cols]."""
+    rows = slice(t.row0, t.row1)
+    g = me.grecv[rows, t.col0:t.col1]
+    torch.mm(g.t(), me.aw[rows], out=me.dw2[t.expert][t.col0:t.col1])
     if me.db2 is not None:  # the tile holds every row of its expert
-        torch.sum(g, 0, out=me.db2[t.expert][t.col0:t.col1])
+        weighted = (g.float() * rider(me.grecv[rows]).unsqueeze(1)).to(g.dtype)
+        torch.sum(weighted, 0, out=me.db2[t.expert][t.col0:t.col1])
 
 
 def _wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -294,27 +352,24 @@ def _wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backward
 def _grad_unpermute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     """dx[tokens] = sum over slots (top-k order) of the input-gradient rows, in fp32,
     then the shared-expert input gradient."""
-    pos = ctx.pos[t.row0:t.row1]
-    acc = torch.zeros(pos.shape[0], me.dx.shape[1], dtype=torch.float32, device=me.dx.device)
+    pos, h = ctx.pos[t.row0:t.row1], me.dx.shape[1]
+    acc = torch.zeros(pos.shape[0], h, dtype=torch.float32, device=me.dx.device)
     for j in range(pos.shape[1]):
-        acc += me.gcomb[pos[:, j]].float()
+        acc += me.gcomb[pos[:, j], :h].float()
     if ctx.shared_w13 is not None:
         acc += me.sdx[t.row0:t.row1].float()
     me.dx[t.row0:t.row1].copy_(acc)
 
 
 def _router_grad(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    """dw[t, j] = <dy[t], o_j[t]> in fp32; o_j from the saved combine buffer."""
-    o = me.saved.comb[ctx.pos[t.row0:t.row1]].float()  # [m, k, H]
-    dy = me.dy[t.row0:t.row1].float().unsqueeze(1)
-    torch.sum(dy * o, dim=2, out=me.dw[t.row0:t.row1])
+    """dw[t, j]: the router-weight gradient that came back riding with slot j's row."""
+    me.dw[t.row0:t.row1] = rider(me.gcomb)[ctx.pos[t.row0:t.row1]]
 
 
 def _recompute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
-    """Routed expert rows (expert >= 0) or shared rows (expert -1): a = act(gate) * up."""
-    s = me.saved
-    h, a, form = (s.h, s.a, ctx.glu) if t.expert >= 0 else (s.sh, s.sa, PLAIN_GLU)
-    glu(h[t.row0:t.row1], a[t.row0:t.row1], ctx.activation, form)
+    """The shared experts' rows: sa = act(gate) * up (the routed experts' activation is
+    recomputed where it is read, ``_swiglu_bwd``)."""
+    glu(me.saved.sh[t.row0:t.row1], me.saved.sa[t.row0:t.row1], ctx.activation, PLAIN_GLU)
 
 
 def _shared_dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -354,10 +409,9 @@ BACKWARD_KERNELS: dict[TaskKind, BackwardKernel] = {
 
 
 def backward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int) -> ShapeMap:
-    """grecv [R_rank, H] and gcomb [T*k, H] in the layer's dtype."""
-    moe, t = plan.moe, plan.par.tokens_per_rank
-    return {"grecv": ((plan.recv_rows(rank), moe.hidden), moe.dtype),
-            "gcomb": ((t * moe.top_k, moe.hidden), moe.dtype)}
+    """grecv [R_rank, W] and gcomb [T*k, W] in the layer's dtype (W: ``row_width(H)``)."""
+    moe, t, w = plan.moe, plan.par.tokens_per_rank, row_width(plan.moe.hidden)
+    return {"grecv": ((plan.recv_rows(rank), w), moe.dtype), "gcomb": ((t * moe.top_k, w), moe.dtype)}
 
 
 def _backward_region(recompute: bool) -> Region:

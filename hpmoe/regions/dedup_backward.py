@@ -7,11 +7,11 @@ over the forward's pairs, hops and pieces.
 With y = sum_j w_j o_j + shared(x), per rank, in data-flow order:
   GRAD_PERMUTE    one per piece: gather dy rows of (token, destination rank) pairs;
   GRAD_DISPATCH   one per piece: put them into the destination's ``gdrecv`` rows;
-  EXPAND          one per received piece: each row times w_j (fp32 math, cast) into the
-                  rows of every local expert the token chose, signalling those blocks'
+  EXPAND          one per received piece: each row, its routing weight w_j riding, into
+                  the rows of every local expert the token chose, signalling those blocks'
                   GROWS and those experts' GEXP;
-  ROUTER_GRAD     one per received piece: dw[t, j] = <dy[t], o_j[t]> in fp32 for the
-                  rank's slots, on the expert's rank (o_j stays where it was computed);
+  ROUTER_GRAD     one per received piece, after GRED: dw[t, j] for the rank's slots, the
+                  router gradients <d, act(h)> the experts' SWIGLU_BWD computed;
   DGRAD_DOWN / SWIGLU_BWD / DGRAD_UP / WGRAD_* / SWIGLU_RECOMPUTE   as in the
                   per-expert backward; DGRAD_UP signals GRED of every piece its block feeds;
   PARTIAL_REDUCE  one per received piece: fp32 sum of the rank's expert input gradients
@@ -159,10 +159,10 @@ def _expand(dl: _Lowering) -> TaskBlock:
 def _router_grad(dl: _Lowering) -> TaskBlock:
     d, ev, p = dl.d, dl.low.events, dl.d.pieces
     copies = d.piece_copies
+    k = d.base.plan.moe.top_k
     return task_block(TaskKind.ROUTER_GRAD, p.dst, p.recv_row0, p.recv_row0 + p.rows,
-                      col1=np.full(len(p.src), dl.hidden), flops=2.0 * copies * dl.hidden,
-                      bytes=(copies + p.rows) * dl.hidden * dl.low.esize + 4 * p.rows * d.base.plan.moe.top_k,
-                      wait=ev.base(p.dst, E.GLANDED) + p.rlocal,
+                      col1=np.full(len(p.src), k), bytes=4 * (copies + p.rows * k),
+                      wait=ev.base(p.dst, E.GRED) + p.rlocal,
                       sig_event=ev.base(p.dst, E.GPART) + p.rlocal)
 
 
@@ -187,8 +187,8 @@ def _per_expert(make: Callable[[Lowering], TaskBlock]) -> Callable[[_Lowering], 
 
 
 _PHASES = (_forward(dd._permute), _forward(dd._hop_dispatch), _forward(dd._relay_pack),
-           _forward(dd._dispatch), _expand, _router_grad, _per_expert(bw._recompute),
-           _per_expert(bw._dgrad_down), _per_expert(bw._swiglu_bwd), _dgrad_up, _partial_reduce,
+           _forward(dd._dispatch), _expand, _per_expert(bw._recompute),
+           _per_expert(bw._dgrad_down), _per_expert(bw._swiglu_bwd), _dgrad_up, _router_grad, _partial_reduce,
            _forward(dd._combine), _router_back(dd._combine, TaskKind.ROUTER_COMBINE),
            _forward(dd._node_reduce), _forward(dd._hop_combine),
            _router_back(dd._hop_combine, TaskKind.HOP_ROUTER_COMBINE),

@@ -3,11 +3,12 @@
 per-expert backward's, on same-named fields; GRAD_PERMUTE, EXPAND, ROUTER_GRAD,
 PARTIAL_REDUCE and PARTIAL_SUM are this region's.
 
-Numerics follow autograd through ``refs.dense_moe`` as the per-expert backward does:
-slot j's output gradient is ``(w_j * dy.float()).to(dtype)`` (formed on the expert's
-rank), router gradients are fp32 dots with the saved expert outputs; input gradients are
-summed per rank in fp32 slot order, cast to the wire dtype, then over ranks in rank
-order, shared expert last (``refs.rank_partials_sum`` with unit weights).
+Numerics as the per-expert backward's: EXPAND hands each expert row its token's dy row
+unweighted, its routing weight riding (``backward_kernels.rider``), and the expert's
+SWIGLU_BWD sends the row's router gradient <d, act(h)> back riding with its input
+gradient; input gradients are summed per rank in fp32 slot order, cast to the wire
+dtype, then over ranks in rank order, shared expert last (``refs.rank_partials_sum``
+with unit weights).
 """
 
 from __future__ import annotations
@@ -23,37 +24,20 @@ from ..ir.graph import TaskKind, Tile
 from ..routing import Routing, RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights, Rows
-from .backward_kernels import BACKWARD_KERNELS, GradientBuffers, bias_gradient_shapes
+from .backward_kernels import (
+    BACKWARD_KERNELS,
+    GradientBuffers,
+    SavedActivations,
+    bias_gradient_shapes,
+    rider,
+    row_width,
+)
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup_backward import lower_dedup_backward
-from .dedup_kernels import DedupBuffers, DedupContext, gather_sum, layout_shapes, send_rows_of_slots
+from .dedup_kernels import DedupContext, gather_sum, layout_shapes, send_rows_of_slots
 from .dedup_layout import DedupLayout, make_dedup_layout
 
-
-@dataclass
-class DedupSaved:
-    """What one rank keeps from the deduplicated forward: x [T, H]; xe [R, H] its
-    experts' input rows; h [R, 2F]; a [R, F] (None when recomputed); y [R, H] its
-    experts' outputs (for the router gradient, computed here); sh [T, 2Fs]; sa [T, Fs]
-    (None when recomputed).  All spec.dtype."""
-
-    x: torch.Tensor
-    xe: torch.Tensor
-    h: torch.Tensor
-    a: torch.Tensor | None
-    y: torch.Tensor
-    sh: torch.Tensor
-    sa: torch.Tensor | None
-
-    @staticmethod
-    def from_forward(buf: DedupBuffers, recompute: bool) -> DedupSaved:
-        return DedupSaved(x=buf.x, xe=buf.recv, h=buf.h, a=None if recompute else buf.a, y=buf.y,
-                          sh=buf.sh, sa=None if recompute else buf.sa)
-
-    def nbytes(self) -> int:
-        """Bytes held by the saved tensors (``x`` excluded: the caller owns it)."""
-        kept = [self.xe, self.h, self.a, self.y, self.sh, self.sa]
-        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+DedupSaved = SavedActivations  # the same fields: x, the experts' rows, h, sh and sa
 
 
 @dataclass(kw_only=True)
@@ -96,13 +80,13 @@ class DedupBackwardBuffers(GradientBuffers):
                 return torch.zeros(shape, dtype=dtype, device=dy.device)
             return torch.empty(shape, dtype=dtype, device=dy.device)
 
-        full = DedupSaved(x=saved.x, xe=saved.xe, h=saved.h, y=saved.y, sh=saved.sh,
-                          a=torch.empty(r, f, dtype=dt, device=dy.device) if saved.a is None else saved.a,
-                          sa=torch.empty(t, fs, dtype=dt, device=dy.device) if saved.sa is None else saved.sa)
-        f32 = torch.float32
+        sa = torch.empty(t, fs, dtype=dt, device=dy.device) if saved.sa is None else saved.sa
+        full = replace(saved, sa=sa)
+        f32, w = torch.float32, row_width(h)
         return DedupBackwardBuffers(
             saved=full, dy=dy, gsend=new("gsend", sd, h), gdrecv=new("gdrecv", rd, h),
-            grecv=new("grecv", r, h), da=new("da", r, f), dh=new("dh", r, 2 * f), dxe=new("dxe", r, h),
+            grecv=new("grecv", r, w), da=new("da", r, f), aw=new("aw", r, f), dh=new("dh", r, 2 * f),
+            dxe=new("dxe", r, w),
             gpart=new("gpart", rd, h, dtype=pd), dwpart=new("dwpart", rd, k, dtype=f32),
             gpcomb=new("gpcomb", sd, h, dtype=pd), dwcomb=new("dwcomb", sd, k, dtype=f32),
             ghrecv=new("ghrecv", hr, h), gnred=new("gnred", hr, h, dtype=pd),
@@ -131,6 +115,7 @@ class DedupBackwardContext:
     expand_weight: torch.Tensor
     slot_send_row: torch.Tensor
     glu: GluForm = PLAIN_GLU
+    b2: Rows | None = None  # [L][H] the experts' down biases, or None
 
     @staticmethod
     def build(weights: ExpertWeights, d: DedupLayout, routing: Routing, rank: int) -> DedupBackwardContext:
@@ -141,7 +126,8 @@ class DedupBackwardContext:
         return DedupBackwardContext(w13=fwd.w13, w2=fwd.w2, shared_w13=weights.shared_w13,
                                     shared_w2=weights.shared_w2, activation=weights.spec.activation, fwd=fwd,
                                     expand_weight=weight, slot_send_row=torch.from_numpy(
-                                        send_rows_of_slots(d, routing, rank)), glu=weights.spec.glu)
+                                        send_rows_of_slots(d, routing, rank)), glu=weights.spec.glu,
+                                    b2=fwd.b2)
 
 
 Buffers, Context = DedupBackwardBuffers, DedupBackwardContext
@@ -152,21 +138,23 @@ def _grad_permute(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
 
 
 def _expand(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
+    """Each expert row of the delivered rows: its token's dy row, its routing weight riding."""
     lo, hi = ctx.fwd.expand_ptr[t.row0], ctx.fwd.expand_ptr[t.row1]
-    g = me.gdrecv.index_select(0, ctx.fwd.expand_src[lo:hi]).float() * ctx.expand_weight[lo:hi, None]
-    me.grecv.index_copy_(0, ctx.fwd.expand_dst[lo:hi], g.to(me.grecv.dtype))
+    dst, h = ctx.fwd.expand_dst[lo:hi], me.gdrecv.shape[1]
+    me.grecv[dst, :h] = me.gdrecv.index_select(0, ctx.fwd.expand_src[lo:hi])
+    rider(me.grecv)[dst] = ctx.expand_weight[lo:hi]
 
 
 def _router_grad(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
-    """dw[row, j] = <dy, o_j> in fp32 for the slots on this rank, 0 elsewhere."""
+    """dw[row, j]: the router gradient of the slot's expert row, for the slots on this
+    rank (0 elsewhere)."""
     rows = ctx.fwd.slot_row[t.row0:t.row1]
-    o = me.saved.y[rows.clamp(min=0)].float()  # [m, k, H]
-    dy = me.gdrecv[t.row0:t.row1].float().unsqueeze(1)
-    me.dwpart[t.row0:t.row1] = torch.where(rows >= 0, torch.sum(dy * o, dim=2), 0.0)
+    me.dwpart[t.row0:t.row1] = torch.where(rows >= 0, rider(me.dxe)[rows.clamp(min=0)], 0.0)
 
 
 def _partial_reduce(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
-    me.gpart[t.row0:t.row1] = gather_sum(me.dxe, ctx.fwd.slot_row[t.row0:t.row1]).to(me.gpart.dtype)
+    h = me.gpart.shape[1]
+    me.gpart[t.row0:t.row1] = gather_sum(me.dxe[:, :h], ctx.fwd.slot_row[t.row0:t.row1]).to(me.gpart.dtype)
 
 
 def _relay_pack(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:

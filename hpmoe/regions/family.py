@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -115,9 +115,8 @@ class _PerExpert(RegionFamily):
 
     def saved(self, buffers, recompute, symmetric=False):
         saved = SavedActivations.from_forward(buffers, recompute)
-        if symmetric:  # recv and comb view the session's symmetric memory
-            saved = SavedActivations(x=saved.x, xe=saved.xe.clone(), h=saved.h, a=saved.a,
-                                     comb=saved.comb.clone(), sh=saved.sh, sa=saved.sa)
+        if symmetric:  # recv views the session's symmetric memory
+            saved = replace(saved, xe=saved.xe.clone())
         return saved
 
     def backward_buffers(self, saved, dy, layout, tiles, rank, views=None):

@@ -2,19 +2,21 @@
 graph for every routing of a shape, over the forward's slot layout.
 
 Per slot s (C row chunks a slot), in phase order:
-  GRAD_PERMUTE, GRAD_DISPATCH  one per chunk: w * dy rows of the chunk, put in place;
+  GRAD_PERMUTE, GRAD_DISPATCH  one per chunk: dy rows of the chunk, their routing weights
+                               riding, put in place;
   DGRAD_DOWN                   one per column tile of F, after the slot's C dispatches;
-  SWIGLU_BWD                   one per chunk, after the slot's DGRAD_DOWN tiles;
+  SWIGLU_BWD                   one per chunk, after the slot's DGRAD_DOWN tiles (dh,
+                               w * act(h) and the rows' router gradients);
   DGRAD_UP                     one per column tile of H, after the slot's C SwiGLU chunks;
   GRAD_COMBINE                 one per chunk, after the slot's DGRAD_UP tiles.
 Per expert, tasks over all its rows (one task holds a weight gradient's full reduction):
   WGRAD_DOWN, WGRAD_UP         one per column tile; which slots hold an expert's rows
                                depends on the routing, so they wait on one event that
-                               every GRAD_DISPATCH (every SWIGLU_BWD) signals.  An expert
-                               without rows this call gets a zero gradient from them.
-Shared-expert tiles as in ``backward``; GRAD_UNPERMUTE of a token tile waits on one event
-that every GRAD_COMBINE and shared input-gradient tile signals; ROUTER_GRAD reads only
-the forward's buffers.  The SwiGLU activations are the forward's (no recompute).
+                               every SWIGLU_BWD signals.  An expert without rows this call
+                               gets a zero gradient from them.
+Shared-expert tiles as in ``backward``; GRAD_UNPERMUTE and ROUTER_GRAD of a token tile
+wait on one event that every GRAD_COMBINE and shared input-gradient tile signals.  The
+experts' gated activation is recomputed from h (``backward_kernels.glu_router_backward``).
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ from .tiles import col_tiles, ntiles, row_chunks, task_block
 
 class SlotBackwardEvent(enum.IntEnum):
     """Event categories of the per-shape backward, in local-id order: GPERM one per
-    (slot, chunk); GROWS, DA, DH, DX one per slot; GALL (every row's output gradient
-    arrived), DHALL (every dh row written), GOUT (every input-gradient row back) one
-    each; SDA, SDH one per shared block; SALL one with shared experts."""
+    (slot, chunk); GROWS, DA, DH, DX one per slot; DHALL (every dh row written), GOUT
+    (every input-gradient row back) one each; SDA, SDH one per shared block; SALL one
+    with shared experts."""
 
-    GPERM, GROWS, DA, DH, DX, GALL, DHALL, GOUT, SDA, SDH, SALL = range(11)
+    GPERM, GROWS, DA, DH, DX, DHALL, GOUT, SDA, SDH, SALL = range(10)
 
 
 E = SlotBackwardEvent
@@ -54,7 +56,7 @@ E = SlotBackwardEvent
 
 def slot_backward_events(shape: SlotShape) -> EventLayout:
     s, c, b = shape.slots, shape.chunks, shape.shared_blocks
-    return EventLayout.from_sizes(E, np.array([[s * c, s, s, s, s, 1, 1, 1, b, b, 1 if b else 0]]))
+    return EventLayout.from_sizes(E, np.array([[s * c, s, s, s, s, 1, 1, b, b, 1 if b else 0]]))
 
 
 def slot_backward_thresholds(shape: SlotShape) -> np.ndarray:
@@ -64,7 +66,7 @@ def slot_backward_thresholds(shape: SlotShape) -> np.ndarray:
     chunks = ceil_div(r1 - r0, tiles.rows)
     shared = [np.full(len(r0), ntiles(moe.shared_ffn, tiles)), chunks, [int(chunks.sum())] if len(r0) else []]
     parts = [np.ones(s * c), np.full(s, c), np.full(s, ntiles(moe.ffn, tiles)), np.full(s, c),
-             np.full(s, ntiles(moe.hidden, tiles)), [s * c], [s * c],
+             np.full(s, ntiles(moe.hidden, tiles)), [s * c],
              [s * c + len(r0) * ntiles(moe.hidden, tiles)], *shared]
     return np.concatenate([np.asarray(p, np.int64) for p in parts])
 
@@ -107,7 +109,7 @@ def _grad_permute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 def _grad_dispatch(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     return _chunk_tasks(shape, ev, TaskKind.GRAD_DISPATCH, shape.moe.hidden, (E.GPERM, "chunk"),
-                        [(E.GROWS, "slot"), (E.GALL, "one")])
+                        [(E.GROWS, "slot")])
 
 
 def _dgrad_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
@@ -143,7 +145,7 @@ def _wgrad(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth:
 
 
 def _wgrad_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _wgrad(shape, ev, TaskKind.WGRAD_DOWN, shape.moe.hidden, shape.moe.ffn, E.GALL)
+    return _wgrad(shape, ev, TaskKind.WGRAD_DOWN, shape.moe.hidden, shape.moe.ffn, E.DHALL)
 
 
 def _wgrad_up(shape: SlotShape, ev: EventLayout) -> TaskBlock:
@@ -201,7 +203,7 @@ def _grad_unpermute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 
 def _router_grad(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return token_sums(shape, TaskKind.ROUTER_GRAD, 2.0, None)
+    return token_sums(shape, TaskKind.ROUTER_GRAD, 0.0, ev.base(0, E.GOUT))
 
 
 _PHASES = (_grad_permute, _grad_dispatch, _dgrad_down, _swiglu_bwd, _dgrad_up, _grad_combine, _wgrad_down,
