@@ -31,7 +31,7 @@ from hpmoe.spec import DispatchMode, GateKind, MoESpec, ParallelSpec, TileSpec, 
 from hpmoe.weights import ExpertWeights
 
 from .helpers import GPT_OSS_FORM, TINY_TILES, simulated_order
-from .test_backward import TOL, _autograd, _reference
+from .test_backward import TOL, _reference
 from .test_dedup_hierarchical import _analytical_rows, _tier_bytes
 
 DEDUP = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
