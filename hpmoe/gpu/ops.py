@@ -233,13 +233,6 @@ def _router_swiglu_bwd(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
             **rows}
 
 
-def _recompute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
-    """Routed rows (expert >= 0): a from h; shared rows (expert -1): sa from sh."""
-    routed = _swiglu("h", "a", "f")(t, sp)
-    shared = _swiglu("sh", "sa", "s")(t, sp)
-    return {c: np.where(t.expert >= 0, routed[c], shared[c]) for c in COLUMNS}
-
-
 def _router_grad(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
     _, k, h, _, _, _ = _dims(sp)
     return _op(Op.PICK, t, sp, m=t.rows, kk=k, b_buf=("gcomb", t.rank), b_col=_rider_col(h),
@@ -264,7 +257,7 @@ DESCRIBE: dict[TaskKind, Describe] = {
     K.SHARED_SWIGLU_BWD: _swiglu_bwd("sh", "sda", "sdh", "s"),
     K.SHARED_DGRAD_UP: _gemm_nn("sdh", "sw13", "sdx", "2s", None),
     K.SHARED_WGRAD_UP: _wgrad("sdh", "x", "dsw13", "h", None),
-    K.SWIGLU_RECOMPUTE: _recompute,
+    K.SWIGLU_RECOMPUTE: _swiglu("sh", "sa", "s"),  # the shared experts' (routed: in SWIGLU_BWD)
 }
 
 
