@@ -16,12 +16,12 @@ from hpmoe.exec.exact import execute_forward, run_graph
 from hpmoe.exec.exact_backward import Gradients, moe_forward_backward
 from hpmoe.ir.graph import TaskKind
 from hpmoe.ir.verify import verify_graph
+from hpmoe.regions.backward_kernels import SavedActivations
 from hpmoe.regions.dedup_backward import lower_dedup_backward
 from hpmoe.regions.dedup_backward_kernels import (
     BACKWARD_DEDUP,
     DedupBackwardBuffers,
     DedupBackwardContext,
-    DedupSaved,
 )
 from hpmoe.regions.dedup_layout import make_dedup_layout
 from hpmoe.routing import RoutingKind, plan_routing, synthetic_routing
@@ -188,7 +188,7 @@ def test_every_policy_runs_in_its_simulated_order(case, policy):
     sched, order = simulated_order(BACKWARD_DEDUP.lower(plan, tiles, None), policy, hardware_preset(hw))
     d = make_dedup_layout(plan, tiles)
     fwd = execute_forward(x, w, r, ep, tiles, nodes=nodes).buffers
-    saved = [DedupSaved.from_forward(b, False) for b in fwd]
+    saved = [SavedActivations.from_forward(b, False) for b in fwd]
     buffers = [DedupBackwardBuffers.allocate(saved[i], dy.chunk(ep)[i], d, tiles, i) for i in range(ep)]
     run_graph(sched.graph, BACKWARD_DEDUP, buffers,
               [DedupBackwardContext.build(w, d, r, i) for i in range(ep)], order)
@@ -225,3 +225,12 @@ def test_cli_simulates_the_deduplicated_backward(capsys):
     plan = plan_routing(synthetic_routing(RoutingKind.ZIPF, spec, par, 0).ids, spec, par)
     g = lower_dedup_backward(plan, TileSpec(dispatch=DispatchMode.PER_RANK, partial_dtype=torch.bfloat16))
     assert out["link_bytes"] == np.bincount(g.rank, weights=g.link_bytes, minlength=4).astype(int).tolist()
+
+
+def test_the_former_dedup_saved_name_is_the_saved_activations_with_a_deprecation_warning():
+    import hpmoe.regions.dedup_backward_kernels as kernels
+
+    with pytest.warns(DeprecationWarning, match="SavedActivations"):
+        assert kernels.DedupSaved is SavedActivations
+    with pytest.raises(AttributeError, match="NoSuchName"):
+        kernels.NoSuchName  # noqa: B018

@@ -12,7 +12,8 @@ import torch
 
 from hpmoe.exec.exact import execute_forward
 from hpmoe.exec.exact_backward import moe_forward_backward
-from hpmoe.regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
+from hpmoe.regions.backward_kernels import SavedActivations
+from hpmoe.regions.dedup_backward_kernels import DedupBackwardBuffers
 from hpmoe.routing import Routing, RoutingKind
 from hpmoe.runtime import ForwardOptions, ForwardRunner, RuntimeConfig, Session, TransportKind, run_backward
 from hpmoe.schedule import SchedulePolicy
@@ -91,7 +92,7 @@ def _backward(session, rank, world, nodes, kind, seed, dtype) -> list[str]:
         for policy in (SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH):
             options = ForwardOptions(tiles=tiles, policy=policy, hardware=TWO_TIER, nodes=nodes)
             fwd = ForwardRunner(session, weights, options)(x[mine], local)
-            saved = DedupSaved.from_forward(fwd.buffers, recompute)
+            saved = SavedActivations.from_forward(fwd.buffers, recompute)
             got = run_backward(session, fwd.plan, saved, dy[mine], weights, fwd.routing, options, recompute)
             g, e = got.grads, exact.grads
             pairs = {"dx": (g.dx, e.dx[mine]), "dweights": (g.dweights, e.dweights[mine]),

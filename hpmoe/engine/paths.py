@@ -33,6 +33,7 @@ from ..exec.exact_backward import Gradients, execute_backward
 from ..exec.kernel_by_kernel import KernelByKernelState, kbk_backward, kbk_forward
 from ..exec.phases import TORCH, Phases
 from ..ir.schedule import SchedulePolicy
+from ..regions.backward_kernels import SavedActivations
 from ..regions.base import RegionKind
 from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
@@ -68,16 +69,15 @@ class RegionPath(Protocol):
 @dataclass
 class RegionState:
     """What a taskflow's backward reads: the plan, per (virtual or local) rank the saved
-    activations (``saved_kind``: ``SavedActivations``, or ``DedupSaved`` under
-    deduplicated tiles), the detached weights and the routing the contexts are built from
-    (ids and top-k weights [N, k] float32: this rank's, or every rank's under
-    deduplicated tiles on the runtime, whose receivers weigh rows)."""
+    activations (``SavedActivations``, in either dispatch mode), the detached weights and
+    the routing the contexts are built from (ids and top-k weights [N, k] float32: this
+    rank's, or every rank's under deduplicated tiles on the runtime, whose receivers
+    weigh rows)."""
 
     plan: RoutingPlan
     saved: list
     weights: ExpertWeights | None
     routing: Routing | None
-    saved_kind: type
     nbytes: int = 0
     slot_rows: tuple[int, ...] | None = None  # the weights' while they are packed away
 
@@ -97,8 +97,8 @@ class RegionState:
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
         """The inverse of ``pack``: this bare state with ``tensors`` put back."""
-        n, ranks = len(fields(self.saved_kind)), len(self.saved)
-        saved = [self.saved_kind(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
+        n, ranks = len(fields(SavedActivations)), len(self.saved)
+        saved = [SavedActivations(*tensors[r * n:(r + 1) * n]) for r in range(ranks)]
         *weight_tensors, ids, topk = tensors[ranks * n:]
         weights = ExpertWeights(self.plan.moe, *weight_tensors, slot_rows=self.slot_rows)
         return replace(self, saved=saved, weights=weights, routing=Routing(ids, topk))
@@ -124,7 +124,7 @@ class ExactPath:
             return fwd.out, None
         family = region_family(self.tiles)
         saved = [family.saved(b, self.recompute.activation) for b in fwd.buffers]
-        return fwd.out, RegionState(fwd.plan, saved, weights, routing, family.saved_kind)
+        return fwd.out, RegionState(fwd.plan, saved, weights, routing)
 
     def backward(self, state: RegionState, dy: torch.Tensor) -> Gradients:
         return execute_backward(state.saved, state.plan, dy, state.weights, state.routing, self.tiles,
@@ -160,7 +160,7 @@ class RuntimePath:
             return fwd.out, None
         family = region_family(self.tiles)
         saved = family.saved(fwd.buffers, self.recompute.activation, symmetric=True)
-        return fwd.out, RegionState(fwd.plan, [saved], weights, fwd.routing, family.saved_kind)
+        return fwd.out, RegionState(fwd.plan, [saved], weights, fwd.routing)
 
     def backward(self, state: RegionState, dy: torch.Tensor) -> Gradients:
         from ..runtime import run_backward

@@ -18,7 +18,7 @@ from ..ir.graph import TaskGraph
 from ..ir.verify import random_order
 from ..regions.backward_kernels import BACKWARD, BackwardBuffers, BackwardContext, SavedActivations, row_width
 from ..regions.base import Region
-from ..regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
+from ..regions.dedup_backward_kernels import DedupBackwardBuffers
 from ..regions.family import region_family
 from ..regions.kernels import ForwardBuffers
 from ..regions.slot_routing import SlotRouting
@@ -66,7 +66,7 @@ class BackwardResult:
     graph: TaskGraph
 
 
-def execute_backward(saved: Sequence[SavedActivations] | Sequence[DedupSaved], plan: RoutingPlan,
+def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan,
                      dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
                      tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
                      order: Order = None) -> BackwardResult:

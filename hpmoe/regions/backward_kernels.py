@@ -64,7 +64,7 @@ class SavedActivations:
 @dataclass(kw_only=True)
 class GradientBuffers:
     """What one rank's backward buffers hold in every family: the saved activations
-    (the family's ``saved_kind``) plus gradients.
+    (``SavedActivations``) plus gradients.
 
     dy [T, H] output gradient; gsend the output-gradient rows it sends; grecv [R, W] the
     output-gradient rows its experts read, each with its routing weight riding

@@ -14,6 +14,7 @@ with unit weights).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -37,7 +38,17 @@ from .dedup_backward import lower_dedup_backward
 from .dedup_kernels import DedupContext, gather_sum, layout_shapes, send_rows_of_slots
 from .dedup_layout import DedupLayout, make_dedup_layout
 
-DedupSaved = SavedActivations  # the same fields: x, the experts' rows, h, sh and sa
+
+def __getattr__(name: str) -> object:
+    """``DedupSaved``: the deduplicated forward keeps what the per-expert one keeps, so
+    its class is ``SavedActivations`` now (the old name works, with a warning, until the
+    next release)."""
+    if name == "DedupSaved":
+        warnings.warn("regions.dedup_backward_kernels.DedupSaved is backward_kernels.SavedActivations now "
+                      "(the same fields); DedupSaved goes in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return SavedActivations
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(kw_only=True)
@@ -50,7 +61,7 @@ class DedupBackwardBuffers(GradientBuffers):
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("gdrecv", "gpcomb", "dwcomb", "ghrecv")
 
-    saved: DedupSaved
+    saved: SavedActivations
     gdrecv: torch.Tensor
     gpart: torch.Tensor
     dwpart: torch.Tensor
@@ -61,7 +72,7 @@ class DedupBackwardBuffers(GradientBuffers):
     dwnred: torch.Tensor
 
     @staticmethod
-    def allocate(saved: DedupSaved, dy: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
+    def allocate(saved: SavedActivations, dy: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
                  views: Mapping[str, torch.Tensor | Rows] | None = None) -> DedupBackwardBuffers:
         """Buffers of ``rank`` holding dy [T, H]; ``views`` may supply ``dx``, ``dw`` (slices
         of full-size outputs) and ``dw13``, ``dw2`` (and ``db13``, ``db2``: the rows of

@@ -30,7 +30,6 @@ from .base import Region, RegionKind
 from .dedup_backward_kernels import (
     DedupBackwardBuffers,
     DedupBackwardContext,
-    DedupSaved,
     dedup_backward_region,
 )
 from .dedup_kernels import DedupBuffers, DedupContext, dedup_region
@@ -40,13 +39,12 @@ from .kernels import FORWARD, ForwardBuffers, RankContext
 
 @dataclass(frozen=True)
 class RegionFamily(abc.ABC):
-    """One dispatch layout's region: ``forward_kind`` (what the agreement names),
-    ``reads_every_rank`` (its contexts read every rank's routing) and ``saved_kind`` (what
-    its forward keeps); the methods below build everything else."""
+    """One dispatch layout's region: ``forward_kind`` (what the agreement names) and
+    ``reads_every_rank`` (its contexts read every rank's routing); the methods below build
+    everything else (both keep ``SavedActivations``)."""
 
     forward_kind: RegionKind
     reads_every_rank: bool
-    saved_kind: type
 
     @abc.abstractmethod
     def layout(self, plan: RoutingPlan, tiles: TileSpec) -> Any:
@@ -143,7 +141,7 @@ class _Deduplicated(RegionFamily):
         return DedupContext.build(weights, layout, routing, rank)
 
     def saved(self, buffers, recompute, symmetric=False):
-        return DedupSaved.from_forward(buffers, recompute)  # none of its saved fields is symmetric
+        return SavedActivations.from_forward(buffers, recompute)  # none of its saved fields is symmetric
 
     def backward_buffers(self, saved, dy, layout, tiles, rank, views=None):
         return DedupBackwardBuffers.allocate(saved, dy, layout, tiles, rank, views)
@@ -152,8 +150,8 @@ class _Deduplicated(RegionFamily):
         return DedupBackwardContext.build(weights, layout, routing, rank)
 
 
-PER_EXPERT = _PerExpert(RegionKind.FORWARD, reads_every_rank=False, saved_kind=SavedActivations)
-DEDUPLICATED = _Deduplicated(RegionKind.FORWARD_DEDUP, reads_every_rank=True, saved_kind=DedupSaved)
+PER_EXPERT = _PerExpert(RegionKind.FORWARD, reads_every_rank=False)
+DEDUPLICATED = _Deduplicated(RegionKind.FORWARD_DEDUP, reads_every_rank=True)
 
 
 def region_family(tiles: TileSpec) -> RegionFamily:

@@ -23,7 +23,7 @@ from ..exec.program import RankProgram, compile_program, compile_region
 from ..ir.schedule import Schedule
 from ..regions.backward_kernels import BackwardBuffers, SavedActivations
 from ..regions.base import Region
-from ..regions.dedup_backward_kernels import DedupBackwardBuffers, DedupSaved
+from ..regions.dedup_backward_kernels import DedupBackwardBuffers
 from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
 from ..weights import ExpertWeights, SlotGradients
@@ -47,7 +47,7 @@ class BackwardOutput:
     program: RankProgram
 
 
-def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations | DedupSaved, dy: torch.Tensor,
+def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations, dy: torch.Tensor,
                  weights: ExpertWeights, routing: Routing, options: ForwardOptions,
                  recompute: bool = False, agreed: bool = False) -> BackwardOutput:
     """This rank's part of the backward of the forward that ran ``plan`` with ``options``.
