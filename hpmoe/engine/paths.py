@@ -20,7 +20,7 @@ the backward call's agreement (``RegionFunction.backward``) before the path runs
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -344,12 +344,10 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
         *weight_tensors, gate, up, call = tensors
-        # detached: the runtime's worker threads run with grad mode on (it is per thread)
-        x, topk_weights = x.detach(), topk_weights.detach()
-        weights = ExpertWeights.routed(call.spec, *(t if t is None else t.detach() for t in weight_tensors),
-                                       slot_rows=call.slot_rows, checked=True)
+        x, routing, weights = _detached(x, Routing(call.ids, topk_weights, call.counts), call.spec,
+                                        weight_tensors, call.slot_rows)
         save = call.grad and any(ctx.needs_input_grad[:-1])
-        out, state = call.path.forward(x, Routing(call.ids, topk_weights, call.counts), weights, save)
+        out, state = call.path.forward(x, routing, weights, save)
         if state is not None:
             tensors, ctx.state = state.pack()
             ctx.fused = _refused(tensors, weights.shared_w13) if gate is not None else ()
@@ -398,15 +396,21 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
     tensors = (w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2)
     with timed(trial, x.device), clocked(clock, backward=False):
         if not _differentiated(x, routing.weights, *tensors, *(w.shared_parts or ())):
-            # no autograd node (its apply is a tiny call's largest host cost); detached: the
-            # runtime's worker threads run with grad mode on
-            plain = ExpertWeights.routed(w.spec, *(t if t is None else t.detach() for t in tensors),
-                                         slot_rows=w.slot_rows, checked=True)
-            detached = Routing(routing.ids, routing.weights.detach(), routing.counts)
-            return path.forward(x.detach(), detached, plain, False)[0]
+            # no autograd node: its apply is a tiny call's largest host cost
+            return path.forward(*_detached(x, routing, w.spec, tensors, w.slot_rows), False)[0]
         call = RegionCall(w.spec, routing.ids, path, True, trial, w.slot_rows, clock, session, tiles,
                           routing.counts)
         return RegionFunction.apply(x, routing.weights, *tensors, *(w.shared_parts or (None, None)), call)
+
+
+def _detached(x: torch.Tensor, routing: Routing, spec: MoESpec, tensors: Sequence[torch.Tensor | None],
+              slot_rows: tuple[int, ...] | None) -> tuple[torch.Tensor, Routing, ExpertWeights]:
+    """What a path computes on: the call's x, routing weights and expert ``tensors``
+    (w13, w2, shared_w13, shared_w2, b13, b2) detached, as the runtime's worker threads
+    run with grad mode on (it is per thread); the weights not checked again (they were)."""
+    weights = ExpertWeights.routed(spec, *(t if t is None else t.detach() for t in tensors),
+                                   slot_rows=slot_rows, checked=True)
+    return x.detach(), Routing(routing.ids, routing.weights.detach(), routing.counts), weights
 
 
 def _differentiated(*tensors: torch.Tensor | None) -> bool:
