@@ -17,7 +17,7 @@ from hpmoe.ir.graph import IS_PUT, TaskKind
 from hpmoe.ir.semantics import check_trace
 from hpmoe.ir.verify import verify_graph
 from hpmoe.regions.backward import BackwardEvent, lower_backward
-from hpmoe.regions.backward_kernels import BACKWARD, SavedActivations
+from hpmoe.regions.backward_kernels import BACKWARD, SavedActivations, rider, row_width
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
 from hpmoe.sim.presets import hardware_preset
@@ -296,3 +296,16 @@ def test_bad_backward_inputs_are_refused():
         execute_backward(saved, plan, dy.double(), w, r, TINY_TILES)
     with pytest.raises(ValueError, match="saved has 1 ranks"):
         execute_backward(saved[:1], plan, dy, w, r, TINY_TILES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [32, 33])
+def test_the_value_riding_after_a_row_leaves_the_row_alone(dtype, hidden):
+    """A travelling row's float32 rides after its H elements, aligned even for an odd H in
+    a 2-byte dtype, and holds a float32 exactly (a routing weight, a router gradient)."""
+    rows = torch.zeros(3, row_width(hidden), dtype=dtype)
+    rows[:, :hidden] = 1.0
+    value = torch.tensor([0.1234567, -3.5e-7, 12345.678], dtype=torch.float32)
+    rider(rows).copy_(value)
+    assert torch.equal(rider(rows), value)
+    assert bool((rows[:, :hidden] == 1.0).all())
