@@ -177,7 +177,8 @@ class Door:
         with _no_autocast(x.device.type):
             path, trial = self._select(w.spec, padded, x.device, received)
             self.last = CallRecord(path, padded, trial is not None and trial.tuning)
-            return run(path, xp, routing, w, trial, self.balance.own_slots(), self.balance.clock, s, o.tiles)
+            return run(path, xp, routing, w, trial, self.balance.own_slots(), self.balance.clock, s, o.tiles,
+                       o.offload)
 
     def _padded(self, tokens: int) -> int:
         """One process: ``tokens`` rounded up to a multiple of the virtual ranks (one at least)."""

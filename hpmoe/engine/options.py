@@ -92,6 +92,11 @@ class RegionOptions:
       named error one call late without a host sync in the call; ``"sync"`` in the call
       itself (``engine.check.CheckMode``).  On an EP group every call reads it at once
       for the agreement.
+    offload: the saved pre-activation waits for the backward in host memory (pinned,
+      copied on a side stream; each backward brings back the one before it while it
+      runs, ``engine.offload``).  On a CPU it moves nothing and warns so; the
+      persistent kernel keeps its activations in its arena, and ``recompute="gemm"``
+      keeps no pre-activation, so neither sends anything.  Default False.
     """
 
     ep_group: Any = None
@@ -107,6 +112,7 @@ class RegionOptions:
     redundant: int = 0
     shard_experts: bool = False
     check: CheckMode | str = CheckMode.DEFERRED
+    offload: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", as_backend(self.backend))
@@ -122,8 +128,9 @@ class RegionOptions:
             raise TypeError(f"tiles must be a TileSpec, got {type(self.tiles).__name__}")
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes <= 0:
             raise ValueError(f"nodes must be a positive int, got {self.nodes!r}")
-        if not isinstance(self.shard_experts, bool):
-            raise TypeError(f"shard_experts must be a bool, got {self.shard_experts!r}")
+        for name in ("shard_experts", "offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.runtime is not None:
             from ..runtime import RuntimeConfig
 

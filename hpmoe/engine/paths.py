@@ -41,6 +41,7 @@ from ..schedule.tuner import Trial, timed
 from ..sim.hardware import HardwareModel
 from ..spec import MoESpec, Recompute, TileSpec
 from ..weights import ExpertWeights
+from . import offload
 
 if TYPE_CHECKING:
     from ..gpu.slots import SlotProgram, SlotRun
@@ -51,6 +52,11 @@ class PathState(Protocol):
     def pack(self) -> tuple[list[torch.Tensor | None], PathState]: ...
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> PathState: ...
+
+    def preactivations(self) -> tuple[int, ...]:
+        """The places of the experts' pre-activations among ``pack``'s tensors (what
+        ``offload`` sends to host memory)."""
+        ...
 
 
 class RegionPath(Protocol):
@@ -94,6 +100,10 @@ class RegionState:
         bare = replace(self, saved=[None] * len(self.saved), weights=None, routing=None,
                        nbytes=self.saved_bytes(), slot_rows=w.slot_rows)
         return tensors, bare
+
+    def preactivations(self) -> tuple[int, ...]:
+        names = [f.name for f in fields(SavedActivations)]
+        return tuple(r * len(names) + names.index(n) for r in range(len(self.saved)) for n in ("h", "sh"))
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
         """The inverse of ``pack``: this bare state with ``tensors`` put back."""
@@ -181,6 +191,9 @@ class TritonState:
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> TritonState:
         return self
 
+    def preactivations(self) -> tuple[int, ...]:
+        return ()  # its arena holds them
+
 
 @dataclass
 class SlotState:
@@ -200,6 +213,9 @@ class SlotState:
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> SlotState:
         return self
+
+    def preactivations(self) -> tuple[int, ...]:
+        return ()  # its arena holds them
 
     def backward(self, dy: torch.Tensor) -> Gradients:
         p = self.program
@@ -318,7 +334,8 @@ class RegionCall:
     layer's clock (the backward's seconds go into both); on an EP group the session
     whose agreement opens the backward call, and the tiles it fingerprints; ``counts``:
     the rows per expert of ``ids`` where the call's scan counted them (None: the path
-    counts)."""
+    counts); ``offload``: the saved pre-activation waits in host memory for the backward
+    (``engine.offload``)."""
 
     spec: MoESpec
     ids: torch.Tensor
@@ -330,6 +347,7 @@ class RegionCall:
     session: Session | None = None
     tiles: TileSpec | None = None
     counts: torch.Tensor | None = None
+    offload: bool = False
 
 
 class RegionFunction(torch.autograd.Function):
@@ -351,6 +369,7 @@ class RegionFunction(torch.autograd.Function):
         if state is not None:
             tensors, ctx.state = state.pack()
             ctx.fused = _refused(tensors, weights.shared_w13) if gate is not None else ()
+            ctx.parcel = offload.send(tensors, state.preactivations()) if call.offload else None
             ctx.save_for_backward(*tensors, *((gate.detach(), up.detach()) if ctx.fused else ()))
             ctx.call = call
         return out
@@ -364,6 +383,7 @@ class RegionFunction(torch.autograd.Function):
             del tensors[-2:]
             for i in ctx.fused:
                 tensors[i] = parts
+        offload.receive(tensors, ctx.parcel)
         state, ctx.state = ctx.state.unpack(tensors), None
         dy = dout.to(call.spec.dtype).contiguous()
         with timed(call.trial, dy.device), clocked(call.clock, backward=True):
@@ -385,13 +405,13 @@ def _refused(tensors: list[torch.Tensor | None], fused: torch.Tensor | None) -> 
 
 def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeights,
         trial: Trial | None = None, own: slice | None = None, clock: RegionClock | None = None,
-        session: Session | None = None, tiles: TileSpec | None = None) -> torch.Tensor:
+        session: Session | None = None, tiles: TileSpec | None = None, offload: bool = False) -> torch.Tensor:
     """The region on ``path`` as one autograd node (gradients flow to x, the routing
     weights and every expert tensor); a tuning ``trial`` and a ``clock`` are timed
     forward and backward; ``session``: an EP group's, whose agreement opens the
     backward (``tiles``: fingerprinted).  Weights whose experts read slot rows are
     gathered first for a path that reads none (``own``: the only experts it reads, the
-    others left unfilled; None: every one)."""
+    others left unfilled; None: every one).  ``offload``: ``RegionCall.offload``."""
     w = weights if path.reads_slots else weights.gathered(own)
     tensors = (w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2)
     with timed(trial, x.device), clocked(clock, backward=False):
@@ -399,7 +419,7 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
             # no autograd node: its apply is a tiny call's largest host cost
             return path.forward(*_detached(x, routing, w.spec, tensors, w.slot_rows), False)[0]
         call = RegionCall(w.spec, routing.ids, path, True, trial, w.slot_rows, clock, session, tiles,
-                          routing.counts)
+                          routing.counts, offload)
         return RegionFunction.apply(x, routing.weights, *tensors, *(w.shared_parts or (None, None)), call)
 
 

@@ -77,7 +77,7 @@ class MoE(nn.Module):
                  virtual_ep: int = 1, tiles: TileSpec = DEFAULT_TILES, runtime: RuntimeConfig | None = None,
                  hardware: HardwareModel | None = None, seed: int = 0, backend: Backend | str = "exact",
                  nodes: int = 1, rebalance_every: int = 0, redundant: int = 0, shard_experts: bool = False,
-                 check: CheckMode | str = CheckMode.DEFERRED):
+                 check: CheckMode | str = CheckMode.DEFERRED, offload: bool = False):
         super().__init__()
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
@@ -88,7 +88,7 @@ class MoE(nn.Module):
         bias = w.router_bias.detach().clone() if spec.gate is GateKind.SIGMOID else None
         parts = (w.shared_w13[:fs], w.shared_w13[fs:], w.shared_w2) if fs else ()
         options = RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware, backend,
-                                nodes, rebalance_every, redundant, shard_experts, check)
+                                nodes, rebalance_every, redundant, shard_experts, check, offload)
         first, stored = None, slice(None)
         if shard_experts:
             first = starting_placement(spec.experts, options.ranks, options.redundant, options.nodes)
@@ -397,4 +397,5 @@ class MoE(nn.Module):
                  else f"virtual_ep={o.virtual_ep}")
         family = f"family={self.family.name}, " if self.family else ""
         backend = f", backend={o.backend.value}" if o.backend is not Backend.EXACT else ""
-        return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute.value}"
+        offload = ", offload=True" if o.offload else ""
+        return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute.value}{offload}"

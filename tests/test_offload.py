@@ -1,0 +1,173 @@
+"""``offload=True``: the saved pre-activation waits for the backward in host memory.
+
+On the CPU the option moves nothing and says so.  The moving itself is device-generic
+(``engine.offload``: on a device without streams its copies are synchronous), so it is
+run here with ``offload.pays`` made to answer yes: the gradients keep their bits on every
+path and recompute mode, the pre-activations leave autograd's saved tensors, a later
+layer's backward starts bringing back the earlier one's, activation checkpointing and a
+second backward of a kept graph work.  On a CUDA device (``-m gpu``) the device memory a
+call holds between its forward and backward drops by the pre-activation's bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from hpmoe.engine import offload
+from hpmoe.nn.layer import MoE
+from hpmoe.schedule.auto import Path
+from hpmoe.spec import DispatchMode, Recompute, preset
+from hpmoe.weights import ExpertWeights
+
+from .helpers import TINY_TILES, pin, ran
+
+SPEC = preset("tiny")  # with a shared expert: routed and shared pre-activations
+PINS = {"kernel-by-kernel": pin(Path.KERNEL_BY_KERNEL, 1), "taskflow": pin(Path.TASKFLOW, 2),
+        "taskflow-dedup": pin(Path.TASKFLOW, 2,
+                              dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK))}
+
+
+def _data(tokens: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, SPEC.hidden, generator=g), torch.randn(tokens, SPEC.hidden, generator=g)
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, saved: list | None = None):
+    """(out, dx, {name: grad}) of one step; ``saved``: gets the bytes of each tensor
+    autograd saved in the forward."""
+    x = x.clone().requires_grad_()
+    layer.zero_grad()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if saved is not None:
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    out.backward(dy)
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _equal(a, b) -> None:
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+
+
+@pytest.fixture
+def moved(monkeypatch):
+    """Offloading made to move on the CPU (synchronous copies), every copy counted."""
+    monkeypatch.setattr(offload, "pays", lambda device: True)
+    sent, fetched = [], []
+    send, fetch = offload.Offloaded.send, offload.Offloaded.fetch
+
+    def counted_send(t, stream):
+        sent.append(t.numel() * t.element_size())
+        return send(t, stream)
+
+    def counted_fetch(self):
+        if self.back is None:  # a return started
+            fetched.append(self)
+        return fetch(self)
+
+    monkeypatch.setattr(offload.Offloaded, "send", staticmethod(counted_send))
+    monkeypatch.setattr(offload.Offloaded, "fetch", counted_fetch)
+    return sent, fetched
+
+
+def test_on_the_cpu_offload_moves_nothing_and_says_so():
+    w = ExpertWeights.random(SPEC, 1)
+    x, dy = _data()
+    plain, kept = [], []
+    want = _step(MoE(SPEC, w), x, dy, plain)
+    with pytest.warns(UserWarning, match="offload=True moves nothing on a cpu device"):
+        got = _step(MoE(SPEC, w, offload=True), x, dy, kept)
+    _equal(got, want)
+    assert kept == plain
+
+
+@pytest.mark.parametrize("recompute", list(Recompute), ids=[r.value for r in Recompute])
+@pytest.mark.parametrize("where", list(PINS))
+def test_offloaded_pre_activations_leave_the_saved_tensors_and_keep_the_bits(moved, where, recompute):
+    sent, _ = moved
+    w, pinned = ExpertWeights.random(SPEC, 2), PINS[where]
+    x, dy = _data()
+    plain, kept = [], []
+    want = _step(MoE(SPEC, w, recompute=recompute, **pinned.options), x, dy, plain)
+    assert not sent
+    layer = MoE(SPEC, w, recompute=recompute, offload=True, **pinned.options)
+    got = _step(layer, x, dy, kept)
+    ran(layer, pinned.kind, **pinned.fields)
+    _equal(got, want)
+    assert sum(kept) + sum(sent) == sum(plain)  # what left the saved tensors went to the host
+    # the routed and the shared pre-activations (per virtual rank), unless kernel by
+    # kernel recomputes the first GEMMs
+    if recompute is Recompute.GEMM and where == "kernel-by-kernel":
+        assert not sent
+    else:
+        assert len(sent) == (2 if where == "kernel-by-kernel" else 2 * pinned.fields["ep"])
+
+
+def test_a_layer_backward_starts_bringing_back_the_layer_before(moved):
+    _, fetched = moved
+    w = ExpertWeights.random(SPEC, 3)
+    first, second = MoE(SPEC, w, offload=True), MoE(SPEC, w, offload=True)
+    model = torch.nn.Sequential(first, second)
+    order = []
+    for name, layer in (("first", first), ("second", second)):
+        layer.register_full_backward_pre_hook(lambda m, g, name=name: order.append((name, len(fetched))))
+    x, dy = _data()
+    want = _step(torch.nn.Sequential(MoE(SPEC, w), MoE(SPEC, w)), x, dy)
+    got = _step(model, x, dy)
+    _equal(got, want)
+    # the second layer's backward started bringing back its own two and the first's two
+    # before the first's backward began; the first's found its copies started
+    assert order == [("second", 0), ("first", 4)]
+    assert len(fetched) == 4
+
+
+def test_offload_under_activation_checkpointing(moved):
+    w = ExpertWeights.random(SPEC, 4)
+    x, dy = _data()
+    want = _step(MoE(SPEC, w), x, dy)
+    layer = MoE(SPEC, w, offload=True)
+    xg = x.clone().requires_grad_()
+    out = checkpoint(layer, xg, use_reentrant=False)
+    out.backward(dy)
+    _equal((out.detach(), xg.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}), want)
+
+
+def test_offload_is_a_bool():
+    with pytest.raises(TypeError, match="offload must be a bool, got 'yes'"):
+        MoE(SPEC, offload="yes")
+    assert "offload=True" in repr(MoE(SPEC, offload=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_forward_holds_less_device_memory_and_the_bits_stay():
+    cuda = torch.device("cuda")
+    spec = preset("small", torch.bfloat16)
+    w = ExpertWeights.random(spec, 5)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2048, spec.hidden, generator=g).to(spec.dtype).to(cuda)
+    dy = torch.randn(2048, spec.hidden, generator=g).to(spec.dtype).to(cuda)
+    runs = {}
+    for on in (False, True):
+        layer = MoE(spec, w, offload=on).to(cuda)
+        _step(layer, x, dy)  # warm: choose the path, fill the caches
+        torch.cuda.synchronize()
+        layer.zero_grad()
+        before = torch.cuda.memory_allocated()
+        xg = x.clone().requires_grad_()
+        out = layer(xg)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        out.backward(dy)
+        runs[on] = (held, out.detach(), xg.grad, {n: p.grad.clone() for n, p in layer.named_parameters()})
+    pre = 2048 * spec.top_k * 2 * spec.ffn * 2  # the routed pre-activation, bf16
+    assert runs[False][0] - runs[True][0] >= pre
+    assert torch.equal(runs[False][1], runs[True][1]) and torch.equal(runs[False][2], runs[True][2])
