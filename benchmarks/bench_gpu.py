@@ -17,6 +17,8 @@ the single-GPU training case), forward and forward+backward:
   hpmoe-default           the same path through the front door a user calls: ``hpmoe.MoE``
                           on these weights, ``layer.region(x, ids, weights)``, autograd
   hpmoe-default+cudagraph the same step captured in a CUDA graph (replayed)
+  hpmoe-default+offload   the same layer with ``offload=True`` (forward + backward; one
+                          layer, so the return of its pre-activation overlaps nothing)
   hpmoe-persistent        ``hpmoe.MoE(backend="triton")`` through the front door with a new
                           routing every step (balanced and zipf alternating, a new seed each):
                           the program made once for the shape (``hpmoe.gpu.slots``) bound to
@@ -37,7 +39,9 @@ call, counted under ``torch.cuda.set_sync_debug_mode("warn")``), ``peak_mib`` (p
 memory allocated during one call above what was allocated before it) and, for eager
 rows, ``saved_mib`` (bytes autograd saved for the backward, parameters excluded, each
 storage once); hpmoe-default rows ``host_us`` (the host's time to issue one call, the
-device idle before it) beside hpmoe-kernel-by-kernel's: the front door's host cost.
+device idle before it) beside hpmoe-kernel-by-kernel's: the front door's host cost;
+its forward + backward rows and hpmoe-default+offload's ``held_mib`` (device memory a
+training forward leaves allocated for its backward).
 ``--routing`` runs the peers on balanced and/or zipf routing.
 
 The stamped HYPERPARALLEL forward run is fitted to a GPU hardware model
@@ -328,8 +332,14 @@ def default_and_torch_rows(spec: MoESpec, inputs: tuple, reps: int, record: Call
     for region, backward in (("fwd", False), ("fwd+bwd", True)):
         step = layer_step(layer, x, routing, dy, backward)
         measured = {**measure(step, params), "host_us": host_us(step, reps)}
+        if backward:
+            measured["held_mib"] = held_mib(layer, x, routing)
         record(region, "hpmoe-default", step, measured=measured)
         record_graphed(record, region, "hpmoe-default", step)
+    offloading = MoE(spec, w, offload=True)
+    step = layer_step(offloading, x, routing, dy, True)
+    record("fwd+bwd", "hpmoe-default+offload", step, measured={"held_mib": held_mib(offloading, x, routing)})
+    del layer, offloading
     peer = Peer.of(routing, spec)
     for gemm_kind, gemm in grouped_gemms(x, w, peer, spec).items():
         record("fwd", f"grouped-mm/{gemm_kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))
@@ -427,6 +437,19 @@ def measure(fn: Callable[[], object], params: list) -> dict:
     torch.cuda.synchronize()
     return {"host_syncs": syncs, "peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20,
             "saved_mib": sum(sizes) / 2**20}
+
+
+def held_mib(layer: MoE, x: torch.Tensor, routing: Routing) -> float:
+    """Device memory (MiB) one training forward of ``layer`` leaves allocated for its
+    backward, its output included."""
+    xl, wl = (t.detach().requires_grad_() for t in (x, routing.weights))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = layer.region(xl, routing.ids, wl)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    del out
+    return held / 2**20
 
 
 def host_us(fn: Callable[[], object], reps: int) -> float:

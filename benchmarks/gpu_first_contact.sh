@@ -10,8 +10,9 @@
 #   benchmarks/gpu_first_contact.sh profile-ds   benchmarks/gpu_profile.py there: the default path's kernels
 #                                                and idle time against torch's grouped-GEMM layer
 #   benchmarks/gpu_first_contact.sh default      the default path's GPU tests (tests/test_gpu_default.py: no host
-#                                                sync, the graph-captured step, NCCL), then bench-default with the
-#                                                transformers blocks, host syncs, memory, host time (balanced)
+#                                                sync, the graph-captured step, NCCL; tests/test_offload.py's),
+#                                                then bench-default with the transformers blocks, host syncs,
+#                                                memory, held memory with and without offload, host time (balanced)
 #   benchmarks/gpu_first_contact.sh default-zipf the same bench on zipf routing, then profile-ds
 #   benchmarks/gpu_first_contact.sh persistent   the per-shape program's GPU tests (tests/test_triton_gpu_slots.py),
 #                                                then bench-default with the hpmoe-persistent rows (the layer on
@@ -87,7 +88,8 @@ default)
 "triton", triton.__version__, "transformers", transformers.__version__, "python", platform.python_version())'
     } >"$out/env.txt" 2>&1
     step "${FC_LIMIT_TESTS:-150}" "$out/default.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
-        $(timeout_opt) --junitxml "$out/default-tests.xml" tests/test_gpu_default.py
+        $(timeout_opt) --junitxml "$out/default-tests.xml" tests/test_gpu_default.py \
+        tests/test_offload.py
     FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-300} bench default small qwen3-30b-a3b mixtral-8x7b deepseek-v3-fit \
         --peers-only --routing balanced
     ;;

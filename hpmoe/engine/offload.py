@@ -11,7 +11,9 @@ comes next), so that return overlaps with this backward's kernels; the current s
 waits for its own tensors only.
 
 On a CPU saved tensors are in host memory already: ``send`` moves nothing and warns
-once that the option does nothing there (``pays``).  Where a path keeps its
+once that the option does nothing there (``pays``).  Under saved-tensor hooks
+(activation checkpointing, which keeps nothing, or ``save_on_cpu``) it leaves the
+tensors to them.  Where a path keeps its
 activations in an arena of its own (the persistent kernel) or keeps no pre-activation
 (``recompute="gemm"``), nothing is sent either."""
 
@@ -122,12 +124,21 @@ def _sent(device: torch.device) -> _Sent:
     return _SENT[device]
 
 
+def hooked() -> bool:
+    """Whether saved-tensor hooks are active (non-reentrant activation checkpointing,
+    ``save_on_cpu``, a user's): they decide where saved tensors go, and under
+    checkpointing none is kept at all."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 def send(tensors: list[torch.Tensor | None], places: Sequence[int]) -> Parcel | None:
     """Move ``tensors[i]`` for each of ``places`` to host memory, setting it to None in
     ``tensors``; the parcel ``receive`` takes back (None: nothing was moved: no tensor
-    there, or a device where it does not pay, which is warned about once)."""
+    there, saved-tensor hooks active, or a device where it does not pay, which is warned
+    about once)."""
     kept = [i for i in places if tensors[i] is not None and tensors[i].numel()]
-    if not kept:
+    if not kept or hooked():
         return None
     device = tensors[kept[0]].device
     if not pays(device):
