@@ -13,6 +13,7 @@ held between forward and backward (tensors autograd saves, plus the taskflow's
 
     .venv/bin/python benchmarks/bench_training.py [--preset small] [--tokens 4096]
         [--layers 1] [--virtual-ep 2 | --ep 2] [--steps 5] [--threads 1] [--backend kernel_by_kernel]
+        [--schedule task-order]
 
 With ``--ep N`` each mode runs on N gloo ranks on the runtime (per step, the slowest
 rank's time and the largest rank's peak are reported; saved bytes are the largest
@@ -40,6 +41,7 @@ from hpmoe.machine import record
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
 from hpmoe.runtime import RuntimeConfig, Session
+from hpmoe.schedule import SchedulePolicy
 from hpmoe.spec import MoESpec, Recompute, preset
 from hpmoe.testing import spawn_gloo
 
@@ -120,7 +122,9 @@ class Setting:
     that many processes on the runtime (gloo group, shared-memory transport, one matrix
     and one vector worker each), each with ``tokens`` tokens; else one process with
     ``tokens`` tokens over ``virtual_ep`` virtual ranks.  ``threads``: intra-op threads
-    (per worker).  ``backend``: the layers' (``hpmoe.MoE(backend=...)``; auto: AUTO's choice)."""
+    (per worker).  ``backend``: the layers' (``hpmoe.MoE(backend=...)``; auto: AUTO's choice);
+    ``schedule``: a ``SchedulePolicy`` value, or "task-order" (one process: the taskflow's
+    exact executors in task-id order)."""
 
     preset: str = "small"
     dtype: str = "auto"  # bf16 where this CPU computes it natively, else fp32
@@ -131,6 +135,7 @@ class Setting:
     steps: int = 5
     threads: int = 1
     backend: str = "auto"
+    schedule: str = "auto"  # "task-order": the taskflow in task-id order (one process: the exact executors)
 
     @property
     def spec(self) -> MoESpec:
@@ -147,8 +152,9 @@ def _stack(mode: str, s: Setting, session: Session | None, rank: int
     [s.tokens, H] of this rank."""
     spec = s.spec
     recompute = Recompute(mode.removeprefix("hpmoe-")) if mode.startswith("hpmoe-") else Recompute.PERMUTATION
+    schedule = None if s.schedule == "task-order" else SchedulePolicy(s.schedule)
     layers = [MoE(spec, ep_group=session, virtual_ep=1 if session else s.virtual_ep, recompute=recompute,
-                  seed=i, backend=s.backend) for i in range(s.layers)]
+                  seed=i, backend=s.backend, schedule=schedule) for i in range(s.layers)]
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(s.tokens, spec.hidden, generator=g).to(spec.dtype)
     return layers, x, torch.randn(s.tokens, spec.hidden, generator=g).to(spec.dtype)

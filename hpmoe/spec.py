@@ -240,12 +240,15 @@ class Recompute(enum.Enum):
     NOTHING      keeps the experts' gathered input rows and their pre-activation (a
                  taskflow also keeps the shared experts' gated activation);
     PERMUTATION  keeps the layer input and the pre-activation, and gathers the rows
-                 again (kernel by kernel in one process; on an EP group it keeps the
-                 received rows, as a taskflow does; a taskflow recomputes the shared
-                 experts' gated activation);
+                 again: in one process (kernel by kernel, the taskflow of virtual ranks:
+                 each row travels again beside its dy row); on an EP group the received
+                 rows are kept (the doubled backward dispatch would cross the link), and
+                 by the persistent kernel; a taskflow recomputes the shared experts'
+                 gated activation;
     GEMM         keeps the layer input alone, gathers the rows again (on an EP group:
                  dispatches them again beside their gradients) and recomputes the first
-                 GEMM (kernel by kernel; a taskflow: as PERMUTATION).
+                 GEMM (kernel by kernel; a taskflow keeps the pre-activation, its rows
+                 travelling again on an EP group too: ``engine.paths.taskflow_kept``).
     """
 
     NOTHING = "nothing"

@@ -18,6 +18,7 @@ from hpmoe.ir.semantics import check_trace
 from hpmoe.ir.verify import verify_graph
 from hpmoe.regions.backward import BackwardEvent, lower_backward
 from hpmoe.regions.backward_kernels import BACKWARD, SavedActivations, rider, row_width
+from hpmoe.regions.base import Kept
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing
 from hpmoe.schedule import QUEUE_POLICIES, schedule, verify_schedule
 from hpmoe.sim.presets import hardware_preset
@@ -71,7 +72,7 @@ def _assert_grads_equal(a: Gradients, b: Gradients, msg: object = "") -> None:
 
 
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", list(Kept), ids=[k.value for k in Kept])
 @pytest.mark.parametrize("ep", [1, 2, 4])
 @pytest.mark.parametrize("kind", list(RoutingKind))
 def test_graphs_verify_and_thresholds_equal_signal_counts(kind, ep, recompute, shared):
@@ -83,7 +84,7 @@ def test_graphs_verify_and_thresholds_equal_signal_counts(kind, ep, recompute, s
     counts = np.bincount(g.signals_global(), minlength=g.num_events)
     assert counts.tolist() == g.threshold.tolist()
     kinds = set(np.unique(g.kind).tolist())
-    assert (TaskKind.SWIGLU_RECOMPUTE in kinds) == (recompute and shared)  # the shared activation only
+    assert (TaskKind.SWIGLU_RECOMPUTE in kinds) == (recompute.activation and shared)  # the shared one only
     assert (TaskKind.SHARED_WGRAD_UP in kinds) == shared
     assert kinds <= set(BACKWARD.kernels) | set(BACKWARD.puts)
 
@@ -101,7 +102,7 @@ def _written_rows(g, p):
     return g.rank[p], g.row0[p], g.row1[p]
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", list(Kept), ids=[k.value for k in Kept])
 def test_expert_tasks_wait_on_exactly_the_tiles_producing_their_rows(recompute):
     g = lower_backward(tiny_plan(RoutingKind.ZIPF, ep=4, tokens=9), TINY_TILES, recompute=recompute)
     per_col_tiles = {TaskKind.DGRAD_DOWN: 1, TaskKind.WGRAD_DOWN: 1,
@@ -225,7 +226,7 @@ FORMS = {"gpt-oss": GPT_OSS_FORM,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ep", [1, 2, 4])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", list(Kept), ids=[k.value for k in Kept])
 @pytest.mark.parametrize("form", list(FORMS))
 def test_expert_biases_and_the_clamped_interleaved_glu_match_autograd(form, dtype, ep, recompute):
     """GPT-OSS's expert form (and a clamped GeGLU): every gradient (the biases' included)
@@ -247,10 +248,13 @@ def test_expert_biases_and_the_clamped_interleaved_glu_match_autograd(form, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_recompute_gives_the_same_bits(dtype):
+@pytest.mark.parametrize("recompute", [Kept.ROWS, Kept.INPUT], ids=["rows", "input"])
+def test_recompute_gives_the_same_bits(dtype, recompute):
+    """The shared activation recomputed, and the input rows travelling again beside their
+    dy rows instead of kept: every gradient keeps its bits."""
     x, w, r, dy = _inputs(_spec(True, dtype), 2, 7, RoutingKind.ZIPF, seed=3)
     plain = moe_forward_backward(x, w, r, dy, 2, TINY_TILES).backward.grads
-    again = moe_forward_backward(x, w, r, dy, 2, TINY_TILES, recompute=True).backward.grads
+    again = moe_forward_backward(x, w, r, dy, 2, TINY_TILES, recompute=recompute).backward.grads
     _assert_grads_equal(plain, again)
 
 
@@ -260,9 +264,9 @@ def test_bitwise_identical_across_random_valid_orders_and_runs(dtype):
     base = moe_forward_backward(x, w, r, dy, 4, TINY_TILES, recompute=True).backward.grads
     _assert_grads_equal(moe_forward_backward(x, w, r, dy, 4, TINY_TILES, recompute=True).backward.grads,
                         base, "across runs")
-    for seed in range(12):
-        got = moe_forward_backward(x, w, r, dy, 4, TINY_TILES, recompute=True, forward_order=seed,
-                                   backward_order=100 + seed).backward.grads
+    for seed in range(12):  # odd seeds: the input rows travel again beside their dy rows
+        got = moe_forward_backward(x, w, r, dy, 4, TINY_TILES, recompute=(Kept.ROWS, Kept.INPUT)[seed % 2],
+                                   forward_order=seed, backward_order=100 + seed).backward.grads
         _assert_grads_equal(got, base, f"order seed {seed}")
 
 
@@ -283,6 +287,8 @@ def test_saved_activations_shrink_with_recompute():
     assert kept - lean == 8 * spec.shared_ffn * 4  # the shared activation; the routed one is never kept
     # no expert output and no routed activation: the received rows and the pre-activations
     assert lean == (buf.recv.numel() + buf.h.numel() + buf.sh.numel()) * 4
+    # rows that travel again: the pre-activations alone (and the layer input, the caller's)
+    assert SavedActivations.from_forward(buf, Kept.INPUT).nbytes() == (buf.h.numel() + buf.sh.numel()) * 4
 
 
 def test_bad_backward_inputs_are_refused():

@@ -245,17 +245,21 @@ def test_recompute_and_task_order_leave_every_bit_unchanged(dtype):
         assert all(torch.equal(got[2][n], base[2][n]) for n in base[2]), options
 
 
-def test_a_taskflow_keeps_no_expert_output_and_recomputes_the_shared_activation():
+def test_a_taskflow_in_one_process_keeps_only_the_pre_activations():
+    """Under the default the taskflow recomputes the shared activation and its experts'
+    input rows travel again beside their dy rows: it keeps the pre-activations (and the
+    layer input, the caller's); with "nothing" the rows and the shared activation too.
+    No path keeps an expert output."""
     spec = preset("tiny")
     x, _ = _data(spec, 16)
-    layers = [MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES, schedule=None) for r in (False, True)]
-    kept, lean = (_saved_bytes(layer(x)) for layer in layers)
-    for layer, recompute in zip(layers, (False, True), strict=True):
-        ran(layer, ExactPath, ep=2, tiles=TINY_TILES, recompute=as_recompute(recompute))
-    assert kept - lean == 16 * spec.shared_ffn * 4  # the shared activation; the routed one is never kept
+    layers = [MoE(spec, virtual_ep=2, recompute=r, tiles=TINY_TILES, schedule=None) for r in Recompute]
+    kept, lean, gemm = (_saved_bytes(layer(x)) for layer in layers)
+    for layer, recompute in zip(layers, Recompute, strict=True):
+        ran(layer, ExactPath, ep=2, tiles=TINY_TILES, recompute=recompute)
     rows = 16 * spec.top_k  # every routed row is held by exactly one rank
-    acts = rows * (spec.hidden + 2 * spec.ffn) + 16 * 2 * spec.shared_ffn  # received rows, pre-activations
-    assert lean == acts * 4  # (the layer input is the caller's): no expert output
+    pre = rows * 2 * spec.ffn + 16 * 2 * spec.shared_ffn
+    assert lean == gemm == pre * 4  # (the layer input is the caller's)
+    assert kept == (pre + rows * spec.hidden + 16 * spec.shared_ffn) * 4  # + received rows, shared activation
 
 
 @pytest.mark.parametrize("path", ONE_PROCESS, ids=[p.value for p in ONE_PROCESS])
@@ -365,7 +369,8 @@ def _rank_step(rank, world, groups, tokens, options):
 
 
 RUNS = {
-    "world-hyperparallel-shm": ([[0, 1]], dict(schedule=SchedulePolicy.HYPERPARALLEL)),
+    "world-hyperparallel-shm-gemm": ([[0, 1]], dict(schedule=SchedulePolicy.HYPERPARALLEL,
+                                                     recompute="gemm")),  # the rows travel again
     "subgroups-serial-dist-recompute": ([[0, 2], [1, 3]], dict(
         schedule=SchedulePolicy.SERIAL, recompute=True,
         runtime=RuntimeConfig(transport=TransportKind.DIST), hardware=cpu_nominal(2, 2))),

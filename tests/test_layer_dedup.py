@@ -131,7 +131,7 @@ RUNS = {
     "2-per-node-dist-recompute": (2, "per-node", 2, dict(
         schedule=SchedulePolicy.CRITICAL_PATH, recompute=True, hardware=TWO_TIER,
         runtime=RuntimeConfig(transport=TransportKind.DIST))),
-    "4-per-node-shm": (4, "per-node", 2, dict(schedule=None)),
+    "4-per-node-shm-gemm": (4, "per-node", 2, dict(schedule=None, recompute="gemm")),  # rows travel again
 }
 
 

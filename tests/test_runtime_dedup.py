@@ -13,6 +13,7 @@ import torch
 from hpmoe.exec.exact import execute_forward
 from hpmoe.exec.exact_backward import moe_forward_backward
 from hpmoe.regions.backward_kernels import SavedActivations
+from hpmoe.regions.base import Kept
 from hpmoe.regions.dedup_backward_kernels import DedupBackwardBuffers
 from hpmoe.routing import Routing, RoutingKind
 from hpmoe.runtime import ForwardOptions, ForwardRunner, RuntimeConfig, Session, TransportKind, run_backward
@@ -86,7 +87,7 @@ def _backward(session, rank, world, nodes, kind, seed, dtype) -> list[str]:
     mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
     experts = slice(rank * weights.spec.experts // world, (rank + 1) * weights.spec.experts // world)
     local = Routing(routing.ids[mine], routing.weights[mine])
-    for (name, tiles), recompute in zip(MODES.items(), (False, True), strict=True):
+    for (name, tiles), recompute in zip(MODES.items(), (Kept.ROWS, Kept.INPUT), strict=True):
         exact = moe_forward_backward(x, weights, routing, dy, world, tiles, recompute, nodes=nodes).backward
         want = exact.buffers[rank]
         for policy in (SchedulePolicy.HYPERPARALLEL, SchedulePolicy.CRITICAL_PATH):

@@ -53,7 +53,7 @@ class Offloaded:
         """Start the copy of ``t`` to host memory."""
         if stream is None:
             return Offloaded(t.to("cpu", copy=True), t.device, None)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)

@@ -17,7 +17,7 @@ import torch
 from ..ir.graph import TaskGraph
 from ..ir.verify import random_order
 from ..regions.backward_kernels import BACKWARD, BackwardBuffers, BackwardContext, SavedActivations, row_width
-from ..regions.base import Region
+from ..regions.base import Kept, Region, as_kept
 from ..regions.dedup_backward_kernels import DedupBackwardBuffers
 from ..regions.family import region_family
 from ..regions.kernels import ForwardBuffers
@@ -68,16 +68,17 @@ class BackwardResult:
 
 def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan,
                      dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
-                     tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
+                     tiles: TileSpec = DEFAULT_TILES, recompute: Kept | bool = False,
                      order: Order = None) -> BackwardResult:
     """Lower and run the backward region of ``plan.par.ep`` virtual ranks (the region
     family of ``tiles``, as the forward ran).
 
-    saved: per rank, what the forward kept (``region_family(tiles).saved``); dy: [N, H]
-    spec.dtype output gradient; routing: every rank's ids/weights [N, k].
+    saved: per rank, what the forward kept (``region_family(tiles).saved`` of the same
+    ``recompute``, a ``regions.Kept``); dy: [N, H] spec.dtype output gradient; routing:
+    every rank's ids/weights [N, k].
     ``order``: task ids, an int seed for a random valid order, or None (task-id order)."""
     ep, family = plan.par.ep, region_family(tiles)
-    _check_inputs(saved, plan, dy, weights, recompute)
+    _check_inputs(saved, plan, dy, weights)
     layout = family.layout(plan, tiles)
     slots = SlotGradients.of(weights, slice(None))
     out = _full_outputs(dy, weights, slots)
@@ -85,18 +86,15 @@ def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan,
     buffers = [family.backward_buffers(saved[r], dys[r], layout, tiles, r, views[r]) for r in range(ep)]
     contexts = [family.backward_context(weights, layout, family.rank_routing(routing, plan, r), r)
                 for r in range(ep)]
-    region = family.backward(layout, recompute)
+    region = family.backward(layout, as_kept(recompute))
     return _run(region, plan, tiles, order, buffers, contexts, out, weights, slots)
 
 
-def _check_inputs(saved: Sequence, plan: RoutingPlan, dy: torch.Tensor, weights: ExpertWeights,
-                  recompute: object) -> None:
+def _check_inputs(saved: Sequence, plan: RoutingPlan, dy: torch.Tensor, weights: ExpertWeights) -> None:
     ep = plan.par.ep
     if len(saved) != ep:
         raise ValueError(f"saved has {len(saved)} ranks, expected ep={ep}")
     _check_dy(dy, weights, plan.par.tokens_per_rank * ep)
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {recompute!r}")
 
 
 def _run(region: Region, plan: RoutingPlan, tiles: TileSpec, order: Order, buffers: list, contexts: list,
@@ -169,15 +167,15 @@ class StepResult:
 
 
 def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, dy: torch.Tensor,
-                         ep: int = 1, tiles: TileSpec = DEFAULT_TILES, recompute: bool = False,
+                         ep: int = 1, tiles: TileSpec = DEFAULT_TILES, recompute: Kept | bool = False,
                          forward_order: Order = None, backward_order: Order = None,
                          nodes: int = 1) -> StepResult:
     """Forward then backward of the MoE region over ``ep`` virtual ranks on ``nodes``
     nodes (which only ``DispatchMode.PER_NODE`` tiles relay between).
 
-    x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]."""
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]; recompute: what the backward
+    finds kept (``regions.Kept``; a bool: whether the shared activation is recomputed)."""
+    recompute = as_kept(recompute)
     fwd = execute_forward(x, weights, routing, ep, tiles, forward_order, nodes)
     saved = [region_family(tiles).saved(b, recompute) for b in fwd.buffers]
     bwd = execute_backward(saved, fwd.plan, dy, weights, routing, tiles, recompute, backward_order)

@@ -3,7 +3,8 @@ MoE-FFN region, over the same pieces, GEMM blocks and token tiles as the forward
 graph (``layout.make_layout``), with its own event ids (``BackwardEvents``).
 
 With y = sum_j w_j o_j + shared(x) (o_j: expert outputs), per rank, in data-flow order:
-  GRAD_PERMUTE      one per piece: send rows = dy[token], each with its w_j riding;
+  GRAD_PERMUTE      one per piece: send rows = dy[token], each with its w_j riding
+                    (and x[token] beside it where the input rows travel again);
   GRAD_DISPATCH     one per piece: put them to the expert owner, signalling the
                     block's GROWS and the expert's GEXP ("all rows arrived");
   SWIGLU_RECOMPUTE  (recompute only) one per shared block row chunk: sa from saved sh,
@@ -17,8 +18,8 @@ With y = sum_j w_j o_j + shared(x) (o_j: expert outputs), per rank, in data-flow
                     gradients riding, after DX;
   WGRAD_DOWN        one per (expert, column tile of H): dw2[e][cols] = dy_e[:, cols].T @
                     (w * act(h))_e over all the expert's rows, after DHE;
-  WGRAD_UP          one per (expert, column tile of 2F): dw13[e][cols] = dh_e[:, cols].T @ x_e,
-                    after DHE;
+  WGRAD_UP          one per (expert, column tile of 2F): dw13[e][cols] = dh_e[:, cols].T @ x_e
+                    (kept, or arrived beside dy), after DHE;
   SHARED_*          dgrad, SwiGLU backward and wgrad tiles of the shared experts;
   GRAD_UNPERMUTE    one per token tile: dx = sum_j dx_j in slot order (fp32) + shared
                     dgrad, after exactly the pieces and shared tiles carrying its rows;
@@ -38,6 +39,7 @@ from ..ir.events import EventLayout
 from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import PLAIN_GLU, TileSpec
+from .base import Kept, as_kept
 from .layout import Layout, ceil_div, make_layout, piece_token_tiles
 from .tiles import (
     Lowering,
@@ -81,24 +83,25 @@ def backward_events(layout: Layout) -> EventLayout:
 
 
 def lower_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,
-                   recompute: bool = False) -> TaskGraph:
+                   recompute: Kept | bool = False) -> TaskGraph:
     """The backward task graph of ``ranks`` (default: every rank of the EP group).
 
-    ``recompute``: the shared experts' activation is recomputed from the saved
-    pre-activation by SWIGLU_RECOMPUTE tasks instead of being saved (the routed experts'
-    always is, by SWIGLU_BWD)."""
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    ``recompute``: what the backward finds kept (``base.Kept``; a bool: whether the
+    shared experts' activation is recomputed, rows kept).  With the activation
+    recomputed, SWIGLU_RECOMPUTE tasks compute it from the saved pre-activation (the
+    routed experts' always is, by SWIGLU_BWD); rows that travel again make GRAD_PERMUTE
+    gather each input row beside its dy row and GRAD_DISPATCH carry both."""
+    kept = as_kept(recompute)
     ranks, sel = select_ranks(plan.par.ep, ranks)
     layout = make_layout(plan, tiles)
-    low = Lowering(layout=layout, events=backward_events(layout), sel=sel, recompute=recompute)
+    low = Lowering(layout=layout, events=backward_events(layout), sel=sel, kept=kept)
     builder = GraphBuilder(plan.par.ep, ranks)
     # Phase order, so that task-id order is itself a valid (serial) execution order.
     for make in _PHASES:
         builder.add(make(low))
     shared_out = signals_per_token_tile(_shared_dgrad_up(low.only(0)), low, E.GOUT)
     for r in ranks:
-        builder.set_events(r, backward_thresholds(layout, r, shared_out, recompute))
+        builder.set_events(r, backward_thresholds(layout, r, shared_out, kept.activation))
     return builder.freeze(dtype=plan.moe.dtype, events=low.events, nodes=plan.par.nodes)
 
 
@@ -133,13 +136,19 @@ def _shared_thresholds(layout: Layout, recompute: bool) -> np.ndarray:
 
 # ------------------------------------------------------------------ source side: dispatch of dy
 
+def travelling(low: Lowering) -> int:
+    """Elements of H a backward dispatch row carries: dy's, and the input row's beside it
+    when rows travel again."""
+    return low.layout.plan.moe.hidden * (2 if low.kept.travels else 1)
+
+
 def _grad_permute(low: Lowering) -> TaskBlock:
     p = low.layout.pieces
     i = np.flatnonzero(low.sel[p.src])
-    h = low.layout.plan.moe.hidden
+    h, moved = low.layout.plan.moe.hidden, travelling(low)
     return task_block(TaskKind.GRAD_PERMUTE, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                      expert=p.expert[i], col1=np.full(len(i), h), flops=p.rows[i] * h,
-                      bytes=2 * p.rows[i] * h * low.esize + 4 * p.rows[i],
+                      expert=p.expert[i], col1=np.full(len(i), h), flops=p.rows[i] * moved,
+                      bytes=2 * p.rows[i] * moved * low.esize + 4 * p.rows[i],
                       sig_event=low.events.base(p.src[i], E.GPERM) + p.local[i])
 
 
@@ -151,7 +160,7 @@ def _grad_dispatch(low: Lowering) -> TaskBlock:
     return task_block(TaskKind.GRAD_DISPATCH, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
                       peer=dst, dst_row0=p.recv_row0[i], wait=ev.base(p.src[i], E.GPERM) + p.local[i],
                       sig_count=np.full(len(i), 2), sig_rank=np.repeat(dst, 2), sig_event=sig.ravel(),
-                      **put_columns(low, i))
+                      **put_columns(low, i, travelling(low)))
 
 
 def _grad_combine(low: Lowering) -> TaskBlock:
@@ -191,8 +200,8 @@ def _swiglu_bwd(low: Lowering) -> TaskBlock:
 
 def _recompute(low: Lowering) -> TaskBlock:
     """SWIGLU_RECOMPUTE of the shared blocks (signal SREC)."""
-    if not low.recompute:
-        low = Lowering(low.layout, low.events, np.zeros_like(low.sel), False)
+    if not low.kept.activation:
+        low = Lowering(low.layout, low.events, np.zeros_like(low.sel), low.kept)
     srank, _, c0, c1 = shared_chunks(low)
     fs = low.layout.plan.moe.shared_ffn
     return task_block(TaskKind.SWIGLU_RECOMPUTE, srank, c0, c1, col1=np.full(len(srank), fs),
@@ -274,7 +283,7 @@ def _shared_wgrad(kind: TaskKind, low: Lowering, width: int, depth: int, wait: E
 
 def _shared_wgrad_down(low: Lowering) -> TaskBlock:
     moe = low.layout.plan.moe
-    wait = E.SREC if low.recompute else None
+    wait = E.SREC if low.kept.activation else None
     return _shared_wgrad(TaskKind.SHARED_WGRAD_DOWN, low, moe.hidden, moe.shared_ffn, wait)
 
 

@@ -30,7 +30,7 @@ from ..routing import RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights, Rows, rows_shape
 from .backward import lower_backward
-from .base import PutSpec, Region, RegionKind, ShapeMap
+from .base import Kept, PutSpec, Region, RegionKind, ShapeMap, as_kept
 from .kernels import ACTIVATIONS_INTO, ForwardBuffers, glu
 
 
@@ -38,22 +38,30 @@ from .kernels import ACTIVATIONS_INTO, ForwardBuffers, glu
 class SavedActivations:
     """What one rank keeps from the forward pass for the backward pass.
 
-    x [T, H] (its tokens); xe [R, H] rows received in dispatch; h [R, 2F] expert
-    pre-activations; sh [T, 2Fs] and sa [T, Fs] (or None when recomputed) of the shared
-    experts.  All spec.dtype.  Neither the experts' gated activation (recomputed from h)
-    nor their outputs (the router gradient is <d, act(h)>) are kept."""
+    x [T, H] (its tokens); xe [R, H] rows received in dispatch (None: they travel again
+    beside their dy rows, ``Kept.INPUT``); h [R, 2F] expert pre-activations; sh [T, 2Fs]
+    and sa [T, Fs] (or None when recomputed) of the shared experts.  All spec.dtype.
+    Neither the experts' gated activation (recomputed from h) nor their outputs (the
+    router gradient is <d, act(h)>) are kept."""
 
     x: torch.Tensor
-    xe: torch.Tensor
+    xe: torch.Tensor | None
     h: torch.Tensor
     sh: torch.Tensor
     sa: torch.Tensor | None
 
     @staticmethod
-    def from_forward(buf: ForwardBuffers | Any, recompute: bool) -> SavedActivations:
-        """Keep the minimal forward buffers of one rank, per expert or deduplicated (both
-        name them alike; drop ``sa`` when recomputing)."""
-        return SavedActivations(x=buf.x, xe=buf.recv, h=buf.h, sh=buf.sh, sa=None if recompute else buf.sa)
+    def from_forward(buf: ForwardBuffers | Any, recompute: Kept | bool) -> SavedActivations:
+        """Keep what ``recompute`` (``base.as_kept``) says of one rank's forward buffers,
+        per expert or deduplicated (both name them alike)."""
+        kept = as_kept(recompute)
+        return SavedActivations(x=buf.x, xe=None if kept.travels else buf.recv, h=buf.h, sh=buf.sh,
+                                sa=buf.sa if kept is Kept.ALL else None)
+
+    @property
+    def travels(self) -> bool:
+        """Whether the experts' input rows travel again beside their dy rows."""
+        return self.xe is None
 
     def nbytes(self) -> int:
         """Bytes held by the saved tensors (``x`` excluded: the caller owns it)."""
@@ -116,7 +124,7 @@ class BackwardBuffers(GradientBuffers):
         outputs, ``dw13``/``dw2`` (``db13``/``db2``) the rows of zero-filled ones
         (``SlotGradients.views``) — the rest is allocated
         here, as are recomputed ``a``/``sa`` (``saved`` itself is not modified)."""
-        shapes = gradient_shapes(plan, dy.shape[0], saved.xe.shape[0])
+        shapes = gradient_shapes(plan, dy.shape[0], saved.h.shape[0], saved.travels)
         views = dict(views or {})
         _check_views(views, shapes)
         bufs = {name: views[name] if name in views else _new(field, dy.device)
@@ -132,10 +140,17 @@ FieldSpec = tuple[tuple[int, ...], torch.dtype, bool]
 ROW_TAIL = 8  # elements after a travelling row's H (16 bytes at bf16): one float32 rides there
 
 
-def row_width(hidden: int) -> int:
+def row_width(hidden: int, carried: bool = False) -> int:
     """Elements of a dy or input-gradient row that travels: its ``hidden`` (rounded up to
-    even, so that the float32 after it is aligned) and ``ROW_TAIL``."""
-    return hidden + hidden % 2 + ROW_TAIL
+    even, so that the float32 after it is aligned), where ``carried`` the expert's input
+    row beside a dy row (likewise rounded), and ``ROW_TAIL``."""
+    return (hidden + hidden % 2) * (2 if carried else 1) + ROW_TAIL
+
+
+def carried_rows(rows: torch.Tensor, hidden: int) -> torch.Tensor:
+    """[m, H] the input rows travelling beside dy rows [m, row_width(H, True)], a view."""
+    start = hidden + hidden % 2
+    return rows[:, start:start + hidden]
 
 
 def rider(rows: torch.Tensor) -> torch.Tensor:
@@ -144,14 +159,15 @@ def rider(rows: torch.Tensor) -> torch.Tensor:
     return rows[:, -ROW_TAIL:].view(torch.float32)[:, 0]
 
 
-def gradient_shapes(plan: RoutingPlan, tokens: int, rows: int) -> dict[str, FieldSpec]:
+def gradient_shapes(plan: RoutingPlan, tokens: int, rows: int, carried: bool = False) -> dict[str, FieldSpec]:
     """(shape, dtype, zero-filled) of every gradient field of ``BackwardBuffers`` for a
-    rank with ``tokens`` tokens that received ``rows`` rows."""
+    rank with ``tokens`` tokens that received ``rows`` rows (``carried``: the input rows
+    travel beside the dy rows)."""
     moe = plan.moe
     t, r, k, h, f, fs, el, d = (tokens, rows, moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn,
                                 plan.local_experts, moe.dtype)
-    w = row_width(h)
-    shapes = {"gsend": ((t * k, w), d, False), "grecv": ((r, w), d, False), "da": ((r, f), d, False),
+    w, wg = row_width(h), row_width(h, carried)
+    shapes = {"gsend": ((t * k, wg), d, False), "grecv": ((r, wg), d, False), "da": ((r, f), d, False),
               "aw": ((r, f), d, False), "dh": ((r, 2 * f), d, False), "dxe": ((r, w), d, False),
               "gcomb": ((t * k, w), d, False),
               "dx": ((t, h), d, False), "dw": ((t, k), torch.float32, False),
@@ -305,8 +321,18 @@ def glu_router_backward(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor | None
 
 def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     rows, h = slice(t.row0, t.row1), me.dy.shape[1]
-    me.gsend[rows, :h].copy_(me.dy.index_select(0, ctx.token_of_row[rows]))
+    tokens = ctx.token_of_row[rows]
+    me.gsend[rows, :h].copy_(me.dy.index_select(0, tokens))
+    if me.saved.travels:
+        carried_rows(me.gsend[rows], h).copy_(me.saved.x.index_select(0, tokens))
     rider(me.gsend[rows]).copy_(ctx.row_weight[rows])
+
+
+def expert_inputs(me: GradientBuffers, rows: slice) -> torch.Tensor:
+    """[m, H] the experts' input rows ``rows``: kept, or arrived beside their dy rows."""
+    if me.saved.travels:
+        return carried_rows(me.grecv[rows], me.dy.shape[1])
+    return me.saved.xe[rows]
 
 
 def _dgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
@@ -344,7 +370,7 @@ def _wgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backwa
 
 def _wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     g = me.dh[t.row0:t.row1, t.col0:t.col1]
-    torch.mm(g.t(), me.saved.xe[t.row0:t.row1], out=me.dw13[t.expert][t.col0:t.col1])
+    torch.mm(g.t(), expert_inputs(me, slice(t.row0, t.row1)), out=me.dw13[t.expert][t.col0:t.col1])
     if me.db13 is not None:
         torch.sum(g, 0, out=me.db13[t.expert][t.col0:t.col1])
 
@@ -408,20 +434,26 @@ BACKWARD_KERNELS: dict[TaskKind, BackwardKernel] = {
 }
 
 
-def backward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int) -> ShapeMap:
-    """grecv [R_rank, W] and gcomb [T*k, W] in the layer's dtype (W: ``row_width(H)``)."""
-    moe, t, w = plan.moe, plan.par.tokens_per_rank, row_width(plan.moe.hidden)
-    return {"grecv": ((plan.recv_rows(rank), w), moe.dtype), "gcomb": ((t * moe.top_k, w), moe.dtype)}
+def backward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int, carried: bool = False
+                              ) -> ShapeMap:
+    """grecv [R_rank, row_width(H, carried)] and gcomb [T*k, row_width(H)] in the layer's dtype."""
+    moe, t = plan.moe, plan.par.tokens_per_rank
+    return {"grecv": ((plan.recv_rows(rank), row_width(moe.hidden, carried)), moe.dtype),
+            "gcomb": ((t * moe.top_k, row_width(moe.hidden)), moe.dtype)}
 
 
-def _backward_region(recompute: bool) -> Region:
+_KINDS = {Kept.ALL: RegionKind.BACKWARD, Kept.ROWS: RegionKind.BACKWARD_RECOMPUTE,
+          Kept.INPUT: RegionKind.BACKWARD_REGATHER}
+
+
+def _backward_region(kept: Kept) -> Region:
     return Region(
-        kind=RegionKind.BACKWARD_RECOMPUTE if recompute else RegionKind.BACKWARD,
-        lower=functools.partial(lower_backward, recompute=recompute), kernels=BACKWARD_KERNELS,
+        kind=_KINDS[kept], lower=functools.partial(lower_backward, recompute=kept), kernels=BACKWARD_KERNELS,
         puts={TaskKind.GRAD_DISPATCH: PutSpec(src="gsend", dst="grecv"),
               TaskKind.GRAD_COMBINE: PutSpec(src="dxe", dst="gcomb")},
-        buffers=BackwardBuffers, symmetric_shapes=backward_symmetric_shapes)
+        buffers=BackwardBuffers,
+        symmetric_shapes=functools.partial(backward_symmetric_shapes, carried=kept.travels))
 
 
-BACKWARD = _backward_region(recompute=False)
-BACKWARD_RECOMPUTE = _backward_region(recompute=True)
+BACKWARDS = {k: _backward_region(k) for k in Kept}
+BACKWARD, BACKWARD_RECOMPUTE, BACKWARD_REGATHER = BACKWARDS.values()

@@ -33,6 +33,44 @@ class RegionKind(enum.Enum):
     BACKWARD_RECOMPUTE = "backward-recompute"  # recomputes them from the saved pre-activations
     BACKWARD_DEDUP = "backward-dedup"  # gradient of FORWARD_DEDUP: dy once per (token, rank)
     BACKWARD_DEDUP_RECOMPUTE = "backward-dedup-recompute"
+    BACKWARD_REGATHER = "backward-regather"  # the experts' input rows travel again beside dy's
+    BACKWARD_DEDUP_REGATHER = "backward-dedup-regather"
+
+
+class Kept(enum.Enum):
+    """What a taskflow's backward finds kept from its forward (the layer input and the
+    routed and shared pre-activations always are):
+
+    ALL    the experts' received input rows and the shared experts' gated activation;
+    ROWS   the received rows; the shared activation is recomputed from its pre-activation;
+    INPUT  neither: the shared activation is recomputed and each expert input row
+           travels again, beside its dy row in the backward's dispatch (gathered from
+           the kept layer input).
+    """
+
+    ALL = "all"
+    ROWS = "rows"
+    INPUT = "input"
+
+    @property
+    def activation(self) -> bool:
+        """Whether the shared experts' gated activation is recomputed."""
+        return self is not Kept.ALL
+
+    @property
+    def travels(self) -> bool:
+        """Whether the experts' input rows travel again with their gradients."""
+        return self is Kept.INPUT
+
+
+def as_kept(value: Kept | bool) -> Kept:
+    """``value`` as ``Kept``; a bool, the former flag "recompute the activation": True
+    is ROWS, False ALL."""
+    if isinstance(value, Kept):
+        return value
+    if isinstance(value, bool):
+        return Kept.ROWS if value else Kept.ALL
+    raise TypeError(f"recompute must be a Kept or a bool, got {value!r}")
 
 
 @dataclass(frozen=True)

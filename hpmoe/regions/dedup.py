@@ -106,6 +106,12 @@ class DedupLowering:
     def kind(self, k: TaskKind) -> TaskKind:
         return self.kinds.get(k, k)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a row the permute and the dispatch move: H elements, 2H where a
+        backward's input rows travel beside its dy rows."""
+        return self.d.base.plan.moe.hidden * self.low.esize * (2 if self.low.kept.travels else 1)
+
 
 def lower_dedup(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,
                 layout: DedupLayout | None = None) -> TaskGraph:
@@ -175,8 +181,7 @@ def _permute(dl: DedupLowering) -> TaskBlock:
     rank, row0 = np.concatenate([p.src[i], hp.src[j]]), np.concatenate([p.send_row0[i], hp.send_row0[j]])
     rows, local = np.concatenate([p.rows[i], hp.rows[j]]), np.concatenate([p.local[i], hp.local[j]])
     return task_block(dl.kind(TaskKind.PERMUTE), rank, row0, row0 + rows,
-                      bytes=2 * rows * dl.d.base.plan.moe.hidden * low.esize,
-                      sig_event=low.events.base(rank, dl.names.PERM) + local)
+                      bytes=2 * rows * dl.row_bytes, sig_event=low.events.base(rank, dl.names.PERM) + local)
 
 
 def _hop_dispatch(dl: DedupLowering) -> TaskBlock:
@@ -192,7 +197,7 @@ def _hop_dispatch(dl: DedupLowering) -> TaskBlock:
                       wait=ev.base(hp.src[i], dl.names.PERM) + hp.local[i],
                       sig_count=np.bincount(np.searchsorted(i, d.hop_feed[feed]), minlength=len(i)),
                       sig_rank=p.src[fp], sig_event=ev.base(p.src[fp], dl.names.HOP) + p.local[fp],
-                      **_put_bytes(hp, i, dl.d.base.plan.moe.hidden * dl.low.esize))
+                      **_put_bytes(hp, i, dl.row_bytes))
 
 
 def _relay_pack(dl: DedupLowering) -> TaskBlock:
@@ -200,8 +205,7 @@ def _relay_pack(dl: DedupLowering) -> TaskBlock:
     p, ev = dl.d.pieces, dl.low.events
     i = np.flatnonzero(dl.low.sel[p.src] & p.fwd)
     return task_block(TaskKind.RELAY_PACK, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                      bytes=2 * p.rows[i] * dl.d.base.plan.moe.hidden * dl.low.esize,
-                      wait=ev.base(p.src[i], dl.names.HOP) + p.local[i],
+                      bytes=2 * p.rows[i] * dl.row_bytes, wait=ev.base(p.src[i], dl.names.HOP) + p.local[i],
                       sig_event=ev.base(p.src[i], dl.names.PERM) + p.local[i])
 
 
@@ -212,7 +216,7 @@ def _dispatch(dl: DedupLowering) -> TaskBlock:
                       peer=p.dst[i], dst_row0=p.recv_row0[i], sig_rank=p.dst[i],
                       wait=ev.base(p.src[i], dl.names.PERM) + p.local[i],
                       sig_event=ev.base(p.dst[i], dl.names.LANDED) + p.rlocal[i],
-                      **_put_bytes(p, i, dl.d.base.plan.moe.hidden * dl.low.esize))
+                      **_put_bytes(p, i, dl.row_bytes))
 
 
 def _partial_sum(dl: DedupLowering) -> TaskBlock:

@@ -42,6 +42,7 @@ from ..routing import RoutingPlan
 from ..spec import TileSpec
 from . import backward as bw
 from . import dedup as dd
+from .base import Kept, as_kept
 from .dedup import DedupLowering, signal_fed_pieces
 from .dedup_layout import DedupLayout, make_dedup_layout
 from .tiles import Lowering, block_gemm, select_ranks, task_block
@@ -71,15 +72,15 @@ def dedup_backward_events(d: DedupLayout) -> EventLayout:
 
 
 def lower_dedup_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | None = None,
-                         recompute: bool = False, layout: DedupLayout | None = None) -> TaskGraph:
+                         recompute: Kept | bool = False, layout: DedupLayout | None = None) -> TaskGraph:
     """The backward task graph of the deduplicated forward, for ``ranks`` (default: all);
-    ``layout``: ``make_dedup_layout(plan, tiles)`` when the caller has it already."""
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    ``recompute``: what it finds kept (``backward.lower_backward``'s); ``layout``:
+    ``make_dedup_layout(plan, tiles)`` when the caller has it already."""
+    kept = as_kept(recompute)
     ranks, sel = select_ranks(plan.par.ep, ranks)
     d = layout or make_dedup_layout(plan, tiles)
     events = dedup_backward_events(d)
-    every = _Lowering(Lowering(d.base, events, np.ones(plan.par.ep, bool), recompute), d, tiles)
+    every = _Lowering(Lowering(d.base, events, np.ones(plan.par.ep, bool), kept), d, tiles)
     blocks = [make(every) for make in _PHASES]
     builder = GraphBuilder(plan.par.ep, ranks)
     for blk in blocks:
@@ -150,7 +151,7 @@ def _expand(dl: _Lowering) -> TaskBlock:
     order = np.argsort(piece, kind="stable")
     piece, event = piece[order], event[order]
     return task_block(TaskKind.EXPAND, p.dst, p.recv_row0, p.recv_row0 + p.rows,
-                      flops=copies * dl.hidden, bytes=(p.rows + copies) * dl.hidden * dl.low.esize,
+                      flops=copies * dl.hidden, bytes=(p.rows + copies) * dl.fwd.row_bytes,
                       wait=ev.base(p.dst, E.GLANDED) + p.rlocal,
                       sig_count=np.bincount(piece, minlength=len(p.src)), sig_rank=p.dst[piece],
                       sig_event=event)

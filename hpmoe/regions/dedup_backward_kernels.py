@@ -30,10 +30,11 @@ from .backward_kernels import (
     GradientBuffers,
     SavedActivations,
     bias_gradient_shapes,
+    carried_rows,
     rider,
     row_width,
 )
-from .base import PutSpec, Region, RegionKind, ShapeMap
+from .base import Kept, PutSpec, Region, RegionKind, ShapeMap, as_kept
 from .dedup_backward import lower_dedup_backward
 from .dedup_kernels import DedupContext, gather_sum, layout_shapes, send_rows_of_slots
 from .dedup_layout import DedupLayout, make_dedup_layout
@@ -78,7 +79,8 @@ class DedupBackwardBuffers(GradientBuffers):
         of full-size outputs) and ``dw13``, ``dw2`` (and ``db13``, ``db2``: the rows of
         zero-filled ones, ``SlotGradients.views``)."""
         moe = d.base.plan.moe
-        t, r, k, h, f, fs = dy.shape[0], saved.xe.shape[0], moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
+        t, r, k, h, f, fs = dy.shape[0], saved.h.shape[0], moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
+        hd = dy_width(h, saved.travels)
         sd, rd, el, dt, pd = (int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), d.base.plan.local_experts,
                               moe.dtype, tiles.partial_dtype)
         hr = int(d.hops.per_dst[rank])
@@ -95,12 +97,13 @@ class DedupBackwardBuffers(GradientBuffers):
         full = replace(saved, sa=sa)
         f32, w = torch.float32, row_width(h)
         return DedupBackwardBuffers(
-            saved=full, dy=dy, gsend=new("gsend", sd, h), gdrecv=new("gdrecv", rd, h),
-            grecv=new("grecv", r, w), da=new("da", r, f), aw=new("aw", r, f), dh=new("dh", r, 2 * f),
+            saved=full, dy=dy, gsend=new("gsend", sd, hd), gdrecv=new("gdrecv", rd, hd),
+            grecv=new("grecv", r, row_width(h, saved.travels)), da=new("da", r, f), aw=new("aw", r, f),
+            dh=new("dh", r, 2 * f),
             dxe=new("dxe", r, w),
             gpart=new("gpart", rd, h, dtype=pd), dwpart=new("dwpart", rd, k, dtype=f32),
             gpcomb=new("gpcomb", sd, h, dtype=pd), dwcomb=new("dwcomb", sd, k, dtype=f32),
-            ghrecv=new("ghrecv", hr, h), gnred=new("gnred", hr, h, dtype=pd),
+            ghrecv=new("ghrecv", hr, hd), gnred=new("gnred", hr, h, dtype=pd),
             dwnred=new("dwnred", hr, k, dtype=f32), dx=new("dx", t, h),
             dw=new("dw", t, k, dtype=f32), dw13=new("dw13", el, 2 * f, h, zero=True),
             dw2=new("dw2", el, h, f, zero=True), sda=new("sda", t, fs), sdh=new("sdh", t, 2 * fs),
@@ -144,15 +147,27 @@ class DedupBackwardContext:
 Buffers, Context = DedupBackwardBuffers, DedupBackwardContext
 
 
+def dy_width(hidden: int, carried: bool) -> int:
+    """Elements of a deduplicated dy row (no rider: receivers weigh rows): H, and where
+    ``carried`` the token's input row beside it (at ``carried_rows``' place)."""
+    return hidden + (hidden + hidden % 2 if carried else 0)
+
+
 def _grad_permute(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
-    torch.index_select(me.dy, 0, ctx.fwd.token_of_row[t.row0:t.row1], out=me.gsend[t.row0:t.row1])
+    tokens, h = ctx.fwd.token_of_row[t.row0:t.row1], me.dy.shape[1]
+    me.gsend[t.row0:t.row1, :h] = me.dy.index_select(0, tokens)
+    if me.saved.travels:
+        carried_rows(me.gsend[t.row0:t.row1], h).copy_(me.saved.x.index_select(0, tokens))
 
 
 def _expand(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
-    """Each expert row of the delivered rows: its token's dy row, its routing weight riding."""
+    """Each expert row of the delivered rows: its token's dy row, its routing weight riding
+    (and its input row beside it where rows travel)."""
     lo, hi = ctx.fwd.expand_ptr[t.row0], ctx.fwd.expand_ptr[t.row1]
-    dst, h = ctx.fwd.expand_dst[lo:hi], me.gdrecv.shape[1]
-    me.grecv[dst, :h] = me.gdrecv.index_select(0, ctx.fwd.expand_src[lo:hi])
+    dst, src, h = ctx.fwd.expand_dst[lo:hi], ctx.fwd.expand_src[lo:hi], me.dy.shape[1]
+    me.grecv[dst, :h] = me.gdrecv[:, :h].index_select(0, src)
+    if me.saved.travels:
+        carried_rows(me.grecv, h)[dst] = carried_rows(me.gdrecv, h).index_select(0, src)
     rider(me.grecv)[dst] = ctx.expand_weight[lo:hi]
 
 
@@ -201,38 +216,53 @@ DEDUP_BACKWARD_KERNELS = {
 }
 
 
-def gradient_layout_shapes(d: DedupLayout, tiles: TileSpec, rank: int) -> ShapeMap:
-    """gdrecv, ghrecv and gpcomb: the forward's ``layout_shapes`` of ``rank``; dwcomb [Sd, k] fp32."""
+def gradient_layout_shapes(d: DedupLayout, tiles: TileSpec, rank: int, carried: bool = False) -> ShapeMap:
+    """gdrecv, ghrecv and gpcomb: the forward's ``layout_shapes`` of ``rank`` (the dy rows
+    ``dy_width`` wide); dwcomb [Sd, k] fp32."""
     fwd = layout_shapes(d, tiles, rank)
-    return {"gdrecv": fwd["drecv"], "gpcomb": fwd["pcomb"], "ghrecv": fwd["hrecv"],
-            "dwcomb": ((int(d.send_rows[rank]), d.base.plan.moe.top_k), torch.float32)}
+    moe = d.base.plan.moe
+
+    def dy_rows(field: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return (fwd[field][0][0], dy_width(moe.hidden, carried)), fwd[field][1]
+
+    return {"gdrecv": dy_rows("drecv"), "gpcomb": fwd["pcomb"], "ghrecv": dy_rows("hrecv"),
+            "dwcomb": ((int(d.send_rows[rank]), moe.top_k), torch.float32)}
 
 
-def dedup_backward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int) -> ShapeMap:
+def dedup_backward_symmetric_shapes(plan: RoutingPlan, tiles: TileSpec, rank: int,
+                                    carried: bool = False) -> ShapeMap:
     """``gradient_layout_shapes`` of ``plan``'s layout under ``tiles``."""
-    return gradient_layout_shapes(make_dedup_layout(plan, tiles), tiles, rank)
+    return gradient_layout_shapes(make_dedup_layout(plan, tiles), tiles, rank, carried)
 
 
-def _region(recompute: bool) -> Region:
+_KINDS = {Kept.ALL: RegionKind.BACKWARD_DEDUP, Kept.ROWS: RegionKind.BACKWARD_DEDUP_RECOMPUTE,
+          Kept.INPUT: RegionKind.BACKWARD_DEDUP_REGATHER}
+
+
+def _region(kept: Kept) -> Region:
     return Region(
-        kind=RegionKind.BACKWARD_DEDUP_RECOMPUTE if recompute else RegionKind.BACKWARD_DEDUP,
-        lower=functools.partial(lower_dedup_backward, recompute=recompute), kernels=DEDUP_BACKWARD_KERNELS,
+        kind=_KINDS[kept], lower=functools.partial(lower_dedup_backward, recompute=kept),
+        kernels=DEDUP_BACKWARD_KERNELS,
         puts={TaskKind.GRAD_DISPATCH: PutSpec(src="gsend", dst="gdrecv"),
               TaskKind.GRAD_COMBINE: PutSpec(src="gpart", dst="gpcomb"),
               TaskKind.ROUTER_COMBINE: PutSpec(src="dwpart", dst="dwcomb"),
               TaskKind.HOP_DISPATCH: PutSpec(src="gsend", dst="ghrecv"),
               TaskKind.HOP_COMBINE: PutSpec(src="gnred", dst="gpcomb"),
               TaskKind.HOP_ROUTER_COMBINE: PutSpec(src="dwnred", dst="dwcomb")},
-        buffers=DedupBackwardBuffers, symmetric_shapes=dedup_backward_symmetric_shapes)
+        buffers=DedupBackwardBuffers,
+        symmetric_shapes=functools.partial(dedup_backward_symmetric_shapes, carried=kept.travels))
 
 
-BACKWARD_DEDUP = _region(False)
-BACKWARD_DEDUP_RECOMPUTE = _region(True)
+BACKWARD_DEDUPS = {k: _region(k) for k in Kept}
+BACKWARD_DEDUP, BACKWARD_DEDUP_RECOMPUTE, BACKWARD_DEDUP_REGATHER = BACKWARD_DEDUPS.values()
 
 
-def dedup_backward_region(d: DedupLayout, recompute: bool = False) -> Region:
-    """``BACKWARD_DEDUP`` (``_RECOMPUTE``) for the plan and tiles of layout ``d``, whose
-    lowering and symmetric shapes read ``d`` instead of rebuilding it."""
-    return replace(BACKWARD_DEDUP_RECOMPUTE if recompute else BACKWARD_DEDUP,
-                   lower=functools.partial(lower_dedup_backward, recompute=recompute, layout=d),
-                   symmetric_shapes=lambda plan, tiles, rank: gradient_layout_shapes(d, tiles, rank))
+def dedup_backward_region(d: DedupLayout, recompute: Kept | bool = False) -> Region:
+    """The deduplicated backward region of what is kept (``base.as_kept``) for the plan
+    and tiles of layout ``d``, whose lowering and symmetric shapes read ``d`` instead of
+    rebuilding it."""
+    kept = as_kept(recompute)
+    return replace(BACKWARD_DEDUPS[kept],
+                   lower=functools.partial(lower_dedup_backward, recompute=kept, layout=d),
+                   symmetric_shapes=lambda _plan, tiles, rank: gradient_layout_shapes(d, tiles, rank,
+                                                                                      kept.travels))

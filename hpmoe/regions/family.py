@@ -25,8 +25,8 @@ import torch
 from ..routing import Routing, RoutingPlan
 from ..spec import DispatchMode, TileSpec
 from ..weights import ExpertWeights
-from .backward_kernels import BACKWARD, BACKWARD_RECOMPUTE, BackwardBuffers, BackwardContext, SavedActivations
-from .base import Region, RegionKind
+from .backward_kernels import BACKWARDS, BackwardBuffers, BackwardContext, SavedActivations
+from .base import Kept, Region, RegionKind, as_kept
 from .dedup_backward_kernels import (
     DedupBackwardBuffers,
     DedupBackwardContext,
@@ -55,7 +55,8 @@ class RegionFamily(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def backward(self, layout: Any, recompute: bool) -> Region:
+    def backward(self, layout: Any, recompute: Kept | bool) -> Region:
+        """The backward region of what the forward kept (``base.as_kept``)."""
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -70,8 +71,8 @@ class RegionFamily(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def saved(self, buffers: Any, recompute: bool, symmetric: bool = False) -> Any:
-        """What the forward keeps (without the gated activations when ``recompute``);
+    def saved(self, buffers: Any, recompute: Kept | bool, symmetric: bool = False) -> Any:
+        """What the forward keeps (``base.as_kept``);
         ``symmetric``: the buffers view symmetric memory the next region reuses, so the
         saved fields that live there are copied."""
         raise NotImplementedError
@@ -101,8 +102,8 @@ class _PerExpert(RegionFamily):
     def forward(self, layout: RoutingPlan) -> Region:
         return FORWARD
 
-    def backward(self, layout: RoutingPlan, recompute: bool) -> Region:
-        return BACKWARD_RECOMPUTE if recompute else BACKWARD
+    def backward(self, layout: RoutingPlan, recompute: Kept | bool) -> Region:
+        return BACKWARDS[as_kept(recompute)]
 
     def forward_buffers(self, x, layout, tiles, rank, symmetric=None):
         sym = symmetric or {}
@@ -113,7 +114,7 @@ class _PerExpert(RegionFamily):
 
     def saved(self, buffers, recompute, symmetric=False):
         saved = SavedActivations.from_forward(buffers, recompute)
-        if symmetric:  # recv views the session's symmetric memory
+        if symmetric and saved.xe is not None:  # recv views the session's symmetric memory
             saved = replace(saved, xe=saved.xe.clone())
         return saved
 

@@ -15,18 +15,19 @@ import numpy as np
 from ..ir.events import EventLayout
 from ..ir.graph import TaskBlock, TaskKind
 from ..spec import TileSpec
+from .base import Kept
 from .layout import Layout, ceil_div, expand
 
 
 @dataclass(frozen=True)
 class Lowering:
     """What every builder reads: the layout, the event ids, the selected ranks
-    ([ep] bool) and, for backward, whether the SwiGLU activation is recomputed."""
+    ([ep] bool) and, for backward, what it finds kept (``base.Kept``)."""
 
     layout: Layout
     events: EventLayout
     sel: np.ndarray
-    recompute: bool = False
+    kept: Kept = Kept.ALL
 
     @property
     def esize(self) -> int:
@@ -37,7 +38,7 @@ class Lowering:
         """The same lowering restricted to ``rank``."""
         sel = np.zeros_like(self.sel)
         sel[rank] = True
-        return Lowering(self.layout, self.events, sel, self.recompute)
+        return Lowering(self.layout, self.events, sel, self.kept)
 
 
 def select_ranks(ep: int, ranks: tuple[int, ...] | None) -> tuple[tuple[int, ...], np.ndarray]:
@@ -123,11 +124,12 @@ def elementwise_chunks(kind: TaskKind, low: Lowering, rank: np.ndarray, row0: np
                       bytes=passes * m * width * low.esize, **cols)
 
 
-def put_columns(low: Lowering, i: np.ndarray) -> dict:
+def put_columns(low: Lowering, i: np.ndarray, width: int | None = None) -> dict:
     """Work columns shared by every put of pieces ``i``: read and write each row once,
-    and the rows cross the link when source and destination differ."""
+    and the rows cross the link when source and destination differ; ``width``: elements
+    a row carries (None: H)."""
     p = low.layout.pieces
-    nbytes = p.rows[i] * low.layout.plan.moe.hidden * low.esize
+    nbytes = p.rows[i] * (width or low.layout.plan.moe.hidden) * low.esize
     return {"expert": p.expert[i], "bytes": 2 * nbytes,
             "link_bytes": np.where(p.src[i] != p.dst[i], nbytes, 0)}
 

@@ -22,7 +22,7 @@ from ..exec.exact_backward import Gradients, full_expert_gradients
 from ..exec.program import RankProgram, compile_program, compile_region
 from ..ir.schedule import Schedule
 from ..regions.backward_kernels import BackwardBuffers, SavedActivations
-from ..regions.base import Region
+from ..regions.base import Kept, Region
 from ..regions.dedup_backward_kernels import DedupBackwardBuffers
 from ..regions.family import region_family
 from ..routing import Routing, RoutingPlan
@@ -49,11 +49,11 @@ class BackwardOutput:
 
 def run_backward(s: Session, plan: RoutingPlan, saved: SavedActivations, dy: torch.Tensor,
                  weights: ExpertWeights, routing: Routing, options: ForwardOptions,
-                 recompute: bool = False, agreed: bool = False) -> BackwardOutput:
+                 recompute: Kept | bool = False, agreed: bool = False) -> BackwardOutput:
     """This rank's part of the backward of the forward that ran ``plan`` with ``options``.
 
-    saved: what that forward kept (``region_family(options.tiles).saved``, symmetric
-    fields copied);
+    saved: what that forward kept (``region_family(options.tiles).saved`` of the same
+    ``recompute``, a ``regions.Kept``; symmetric fields copied);
     dy: [T, H] spec.dtype; routing: the forward's ``ForwardOutput.routing`` (this rank's
     [T, k], or every rank's [ep*T, k] when deduplicated); agreed: the caller's call
     agreement opened the region (``Session.open_call``: counters snapshotted, ranks in
