@@ -15,6 +15,8 @@ Variants (N tokens, balanced routing made outside the layer for hpmoe and the pe
                     2 virtual ranks in task-id order, one process
   hpmoe-runtime-rR  rank R of 2 gloo ranks, ``ep_group=Session``, ``SchedulePolicy.HYPERPARALLEL``
                     pinned, N tokens on each rank (per-rank bytes)
+  hpmoe-rt-gemm-rR  the same with ``recompute="gemm"`` (the received rows travel again beside
+                    their dy rows instead of being kept)
   hpmoe-triton      ``backend="triton"``: the persistent kernel (the Triton interpreter on a CPU,
                     which only small shapes at few tokens finish in reasonable time)
   grouped_mm        ``torch._grouped_mm`` + autograd (``hpmoe.bench.torch_peers.grouped_forward``)
@@ -545,19 +547,23 @@ def runtime_rows(name: str, spec: MoESpec, o: Options, tokens: int) -> list[dict
     if not o.runtime or o.device.type == "cuda":
         why = "--skip-runtime" if not o.runtime else "the runtime runs on the host (gloo, shared memory)"
         return [row(name, spec, tokens, "hpmoe-runtime", "-", None, None, why)]
-    ranks = spawn_gloo(_runtime_rank, 2, spec, tokens, timeout=1800)
-    return [row(name, spec, tokens, f"hpmoe-runtime-r{rank}", path, got, None)
-            for rank, (got, path) in enumerate(ranks)]
+    rows = []
+    for label, recompute in (("hpmoe-runtime", Recompute.PERMUTATION), ("hpmoe-rt-gemm", Recompute.GEMM)):
+        ranks = spawn_gloo(_runtime_rank, 2, spec, tokens, recompute, timeout=1800)
+        rows += [row(name, spec, tokens, f"{label}-r{rank}", path, got, None)
+                 for rank, (got, path) in enumerate(ranks)]
+    return rows
 
 
-def _runtime_rank(rank: int, world: int, spec: MoESpec, tokens: int) -> tuple[SavedBytes, str]:
+def _runtime_rank(rank: int, world: int, spec: MoESpec, tokens: int, recompute: Recompute
+                  ) -> tuple[SavedBytes, str]:
     from hpmoe.runtime import RuntimeConfig, Session
 
     x, w, routing, dy = device_inputs(spec, world * tokens, torch.device("cpu"))
     mine = slice(rank * tokens, (rank + 1) * tokens)
     routing = Routing(routing.ids[mine].contiguous(), routing.weights[mine].contiguous())
     with Session(RuntimeConfig(deadline_s=600.0)) as session:
-        layer = MoE(spec, w, ep_group=session, schedule=SchedulePolicy.HYPERPARALLEL)
+        layer = MoE(spec, w, ep_group=session, schedule=SchedulePolicy.HYPERPARALLEL, recompute=recompute)
         del w
         call = hpmoe_call(layer, x[mine].clone(), routing)  # its own storage, as a rank's input has
         got, _ = measure(call, dy[mine].clone(), weight_refs(layer.expert_weights()))

@@ -8,8 +8,8 @@ allocator; in the other, large allocations go through mmap (``MALLOC_MMAP_THRESH
 so that the resident set follows live memory, and peak = the high-water mark of the
 resident set during a step (reset through /proc/self/clear_refs) minus the resident
 set just before it (with ``--ep``: the whole process's high-water mark).  Saved = bytes
-held between forward and backward (tensors autograd saves, plus the taskflow's
-``SavedActivations``; parameters and the input excluded).
+held between forward and backward (tensors autograd saves, the taskflow's
+``SavedActivations`` among them; parameters and the input excluded).
 
     .venv/bin/python benchmarks/bench_training.py [--preset small] [--tokens 4096]
         [--layers 1] [--virtual-ep 2 | --ep 2] [--steps 5] [--threads 1] [--backend kernel_by_kernel]
@@ -36,7 +36,6 @@ import torch
 
 from hpmoe import refs
 from hpmoe.cli.common import dtype_choice
-from hpmoe.engine import RegionState
 from hpmoe.machine import record
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
@@ -84,23 +83,9 @@ def _forward(mode: str, layers: list[MoE], x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _region_states(out: torch.Tensor) -> list[RegionState]:
-    """Every taskflow region in the autograd graph of ``out``."""
-    found, stack, seen = [], [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(getattr(node, "state", None), RegionState):
-            found.append(node.state)
-        stack.extend(n for n, _ in node.next_functions)
-    return found
-
-
 def _saved_bytes(mode: str, layers: list[MoE], x: torch.Tensor) -> int:
-    """Bytes autograd saves for backward (distinct storages, not parameters or x) plus
-    the taskflows' saved activations."""
+    """Bytes autograd saves for backward (distinct storages, not parameters or x; every
+    path hands what it keeps to ``save_for_backward``, the taskflows' state included)."""
     skip = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
     skip.add(x.untyped_storage().data_ptr())
     seen: dict[int, int] = {}
@@ -112,8 +97,8 @@ def _saved_bytes(mode: str, layers: list[MoE], x: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _forward(mode, layers, x)
-    return sum(seen.values()) + sum(s.saved_bytes() for s in _region_states(out))
+        _forward(mode, layers, x)
+    return sum(seen.values())
 
 
 @dataclass(frozen=True)
