@@ -19,6 +19,9 @@ the single-GPU training case), forward and forward+backward:
   hpmoe-default+cudagraph the same step captured in a CUDA graph (replayed)
   hpmoe-default+offload   the same layer with ``offload=True`` (forward + backward; one
                           layer, so the return of its pre-activation overlaps nothing)
+  hpmoe-default+recompute-nothing, +recompute-gemm
+                          the same layer with ``recompute="nothing"`` / ``"gemm"``
+                          (forward + backward): what each option costs beside the default
   hpmoe-persistent        ``hpmoe.MoE(backend="triton")`` through the front door with a new
                           routing every step (balanced and zipf alternating, a new seed each):
                           the program made once for the shape (``hpmoe.gpu.slots``) bound to
@@ -40,7 +43,7 @@ memory allocated during one call above what was allocated before it) and, for ea
 rows, ``saved_mib`` (bytes autograd saved for the backward, parameters excluded, each
 storage once); hpmoe-default rows ``host_us`` (the host's time to issue one call, the
 device idle before it) beside hpmoe-kernel-by-kernel's: the front door's host cost;
-its forward + backward rows and hpmoe-default+offload's ``held_mib`` (device memory a
+its forward + backward rows and the hpmoe-default+* rows' ``held_mib`` (device memory a
 training forward leaves allocated for its backward).
 ``--routing`` runs the peers on balanced and/or zipf routing.
 
@@ -336,10 +339,13 @@ def default_and_torch_rows(spec: MoESpec, inputs: tuple, reps: int, record: Call
             measured["held_mib"] = held_mib(layer, x, routing)
         record(region, "hpmoe-default", step, measured=measured)
         record_graphed(record, region, "hpmoe-default", step)
-    offloading = MoE(spec, w, offload=True)
-    step = layer_step(offloading, x, routing, dy, True)
-    record("fwd+bwd", "hpmoe-default+offload", step, measured={"held_mib": held_mib(offloading, x, routing)})
-    del layer, offloading
+    del layer
+    for label, option in (("offload", dict(offload=True)), ("recompute-nothing", dict(recompute="nothing")),
+                          ("recompute-gemm", dict(recompute="gemm"))):
+        other = MoE(spec, w, **option)  # the default path with one option changed
+        step = layer_step(other, x, routing, dy, True)
+        record("fwd+bwd", f"hpmoe-default+{label}", step, measured={"held_mib": held_mib(other, x, routing)})
+        del other
     peer = Peer.of(routing, spec)
     for gemm_kind, gemm in grouped_gemms(x, w, peer, spec).items():
         record("fwd", f"grouped-mm/{gemm_kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))
