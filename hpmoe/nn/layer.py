@@ -392,10 +392,9 @@ class MoE(nn.Module):
         return tuple(self._door.auto.tuner.notes)
 
     def extra_repr(self) -> str:
-        o = self.options
+        o, family = self.options, self.family
         where = (f"ep_group, schedule={runtime_policy(o).value}" if o.distributed
                  else f"virtual_ep={o.virtual_ep}")
-        family = f"family={self.family.name}, " if self.family else ""
-        backend = f", backend={o.backend.value}" if o.backend is not Backend.EXACT else ""
-        offload = ", offload=True" if o.offload else ""
-        return f"{family}spec={self.spec}, {where}{backend}, recompute={o.recompute.value}{offload}"
+        parts = ([f"family={family.name}"] if family else []) + [f"spec={self.spec}", where]
+        parts += [f"backend={o.backend.value}"] if o.backend is not Backend.EXACT else []
+        return ", ".join([*parts, f"recompute={o.recompute.value}"] + ["offload=True"] * o.offload)
