@@ -13,9 +13,10 @@ waits for its own tensors only.
 On a CPU saved tensors are in host memory already: ``send`` moves nothing and warns
 once that the option does nothing there (``pays``).  Under saved-tensor hooks
 (activation checkpointing, which keeps nothing, or ``save_on_cpu``) it leaves the
-tensors to them.  Where a path keeps its
-activations in an arena of its own (the persistent kernel) or keeps no pre-activation
-(``recompute="gemm"``), nothing is sent either."""
+tensors to them, and while a CUDA graph is captured it sends nothing (a replay runs on
+static buffers).  Where a path keeps its activations in an arena of its own (the
+persistent kernel) or keeps no pre-activation (``recompute="gemm"``), nothing is sent
+either."""
 
 from __future__ import annotations
 
@@ -141,6 +142,8 @@ def send(tensors: list[torch.Tensor | None], places: Sequence[int]) -> Parcel | 
     if not kept or hooked():
         return None
     device = tensors[kept[0]].device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None  # a captured step replays on static buffers: nothing to send per call
     if not pays(device):
         warnings.warn(f"offload=True moves nothing on a {device.type} device: its saved tensors are in host "
                       "memory already", stacklevel=3)
