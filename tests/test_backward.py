@@ -89,6 +89,24 @@ def test_graphs_verify_and_thresholds_equal_signal_counts(kind, ep, recompute, s
     assert kinds <= set(BACKWARD.kernels) | set(BACKWARD.puts)
 
 
+def test_travelling_input_rows_double_the_backward_dispatch_in_the_cost_columns():
+    """The modelled bytes of GRAD_PERMUTE and GRAD_DISPATCH where the input rows travel
+    beside their dy rows: twice the rows' elements moved and on the link; every other
+    task and the graph's structure unchanged."""
+    plan = tiny_plan(RoutingKind.ZIPF, ep=2, tokens=8)
+    kept, again = (lower_backward(plan, TINY_TILES, recompute=k) for k in (Kept.ROWS, Kept.INPUT))
+    h, esize = plan.moe.hidden, plan.moe.dtype.itemsize
+    moved = np.isin(kept.kind, [TaskKind.GRAD_PERMUTE, TaskKind.GRAD_DISPATCH])
+    rows = (kept.row1 - kept.row0)[moved]
+    assert np.array_equal(kept.kind, again.kind) and np.array_equal(kept.wait, again.wait)
+    np.testing.assert_array_equal(again.link_bytes[moved], 2 * kept.link_bytes[moved])
+    permute = kept.kind[moved] == TaskKind.GRAD_PERMUTE
+    np.testing.assert_array_equal(again.bytes[moved][permute], (2 * rows * 2 * h * esize + 4 * rows)[permute])
+    np.testing.assert_array_equal(again.bytes[moved][~permute], 2 * rows[~permute] * 2 * h * esize)
+    assert kept.link_bytes[moved].sum() > 0
+    np.testing.assert_array_equal(again.bytes[~moved], kept.bytes[~moved])
+
+
 def _producers(g, task):
     """Tasks signalling the event ``task`` waits on."""
     signaller = g.signaller()

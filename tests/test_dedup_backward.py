@@ -213,6 +213,10 @@ def test_relayed_gradient_bytes_per_tier_are_the_forward_count(ep, nodes):
     rows = _analytical_rows(ids, spec.experts // ep, ep, nodes, 32)
     out = _tier_bytes(g, (TaskKind.GRAD_DISPATCH, TaskKind.HOP_DISPATCH))
     np.testing.assert_array_equal(out, rows * spec.hidden * 2)
+    # the input rows travelling again beside dy double the rows' bytes out, hop by hop
+    again = lower_dedup_backward(plan_routing(ids, spec, par), tiles, recompute=Kept.INPUT)
+    doubled = _tier_bytes(again, (TaskKind.GRAD_DISPATCH, TaskKind.HOP_DISPATCH))
+    np.testing.assert_array_equal(doubled, 2 * out)
     back = _tier_bytes(g, (TaskKind.GRAD_COMBINE, TaskKind.HOP_COMBINE)).sum(axis=1)
     np.testing.assert_array_equal(back, rows.sum(axis=1) * spec.hidden * 2)
     dw = _tier_bytes(g, (TaskKind.ROUTER_COMBINE, TaskKind.HOP_ROUTER_COMBINE)).sum(axis=1)

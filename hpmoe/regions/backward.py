@@ -136,16 +136,16 @@ def _shared_thresholds(layout: Layout, recompute: bool) -> np.ndarray:
 
 # ------------------------------------------------------------------ source side: dispatch of dy
 
-def travelling(low: Lowering) -> int:
-    """Elements of H a backward dispatch row carries: dy's, and the input row's beside it
-    when rows travel again."""
+def _travelling(low: Lowering) -> int:
+    """Elements a backward dispatch row moves: dy's H, and H more where the input rows
+    travel again beside it."""
     return low.layout.plan.moe.hidden * (2 if low.kept.travels else 1)
 
 
 def _grad_permute(low: Lowering) -> TaskBlock:
     p = low.layout.pieces
     i = np.flatnonzero(low.sel[p.src])
-    h, moved = low.layout.plan.moe.hidden, travelling(low)
+    h, moved = low.layout.plan.moe.hidden, _travelling(low)
     return task_block(TaskKind.GRAD_PERMUTE, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
                       expert=p.expert[i], col1=np.full(len(i), h), flops=p.rows[i] * moved,
                       bytes=2 * p.rows[i] * moved * low.esize + 4 * p.rows[i],
@@ -160,7 +160,7 @@ def _grad_dispatch(low: Lowering) -> TaskBlock:
     return task_block(TaskKind.GRAD_DISPATCH, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
                       peer=dst, dst_row0=p.recv_row0[i], wait=ev.base(p.src[i], E.GPERM) + p.local[i],
                       sig_count=np.full(len(i), 2), sig_rank=np.repeat(dst, 2), sig_event=sig.ravel(),
-                      **put_columns(low, i, travelling(low)))
+                      **put_columns(low, i, _travelling(low)))
 
 
 def _grad_combine(low: Lowering) -> TaskBlock:
