@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -125,13 +125,7 @@ class BackwardBuffers(GradientBuffers):
         (``SlotGradients.views``) — the rest is allocated
         here, as are recomputed ``a``/``sa`` (``saved`` itself is not modified)."""
         shapes = gradient_shapes(plan, dy.shape[0], saved.h.shape[0], saved.travels)
-        views = dict(views or {})
-        _check_views(views, shapes)
-        bufs = {name: views[name] if name in views else _new(field, dy.device)
-                for name, field in shapes.items()}
-        dtype, (t, fs) = plan.moe.dtype, shapes["sda"][0]
-        full = SavedActivations(x=saved.x, xe=saved.xe, h=saved.h, sh=saved.sh,
-                                sa=_or_new(saved.sa, (t, fs), dtype, dy.device))
+        full, bufs = gradient_fields(shapes, saved, dy, views)
         return BackwardBuffers(saved=full, dy=dy, **bufs)
 
 
@@ -192,10 +186,16 @@ def _new(field: FieldSpec, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _or_new(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
-    """``given``, or an empty tensor to recompute into."""
-    return torch.empty(shape, dtype=dtype, device=device) if given is None else given
+def gradient_fields(shapes: Mapping[str, FieldSpec], saved: SavedActivations, dy: torch.Tensor,
+                    views: Mapping[str, torch.Tensor | Rows] | None) -> tuple[SavedActivations, dict]:
+    """Every field of ``shapes``: the given ``views`` (checked against their shapes), the
+    rest allocated on dy's device; and ``saved`` with a place to recompute the shared
+    activation into where it was not kept (``saved`` itself is not modified)."""
+    views = dict(views or {})
+    _check_views(views, shapes)
+    made = {name: views[name] if name in views else _new(field, dy.device) for name, field in shapes.items()}
+    sa = saved.sa if saved.sa is not None else _new((shapes["sda"][0], dy.dtype, False), dy.device)
+    return replace(saved, sa=sa), made
 
 
 def _check_views(views: Mapping[str, torch.Tensor | Rows], shapes: Mapping[str, FieldSpec]) -> None:

@@ -29,10 +29,10 @@ from .backward_kernels import (
     BACKWARD_KERNELS,
     GradientBuffers,
     SavedActivations,
-    bias_gradient_shapes,
     carried_rows,
+    gradient_fields,
+    gradient_shapes,
     rider,
-    row_width,
 )
 from .base import Kept, PutSpec, Region, RegionKind, ShapeMap, as_kept
 from .dedup_backward import lower_dedup_backward
@@ -54,11 +54,12 @@ def __getattr__(name: str) -> object:
 
 @dataclass(kw_only=True)
 class DedupBackwardBuffers(GradientBuffers):
-    """One rank's deduplicated backward buffers (``GradientBuffers``; gsend [Sd, H], grecv
-    [R, H] its experts' rows, expanded here).  Symmetric: ``gdrecv`` [Rd, H] (dy rows
-    delivered here), ``gpcomb`` [Sd, H] partial dtype and ``dwcomb`` [Sd, k] float32 (what
-    comes back per send row), ``ghrecv`` [Hr, H] (dy rows this rank relays).  gpart [Rd, H]
-    and gnred [Hr, H] partial dtype; dwpart [Rd, k], dwnred [Hr, k] float32."""
+    """One rank's deduplicated backward buffers (``GradientBuffers``; gsend [Sd, D], grecv
+    [R, W] its experts' rows, expanded here; D = ``dy_width``: H, and the input rows beside
+    where they travel).  Symmetric: ``gdrecv`` [Rd, D] (dy rows delivered here), ``gpcomb``
+    [Sd, H] partial dtype and ``dwcomb`` [Sd, k] float32 (what comes back per send row),
+    ``ghrecv`` [Hr, D] (dy rows this rank relays).  gpart [Rd, H] and gnred [Hr, H] partial
+    dtype; dwpart [Rd, k], dwnred [Hr, k] float32."""
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("gdrecv", "gpcomb", "dwcomb", "ghrecv")
 
@@ -75,41 +76,23 @@ class DedupBackwardBuffers(GradientBuffers):
     @staticmethod
     def allocate(saved: SavedActivations, dy: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
                  views: Mapping[str, torch.Tensor | Rows] | None = None) -> DedupBackwardBuffers:
-        """Buffers of ``rank`` holding dy [T, H]; ``views`` may supply ``dx``, ``dw`` (slices
-        of full-size outputs) and ``dw13``, ``dw2`` (and ``db13``, ``db2``: the rows of
-        zero-filled ones, ``SlotGradients.views``)."""
+        """Buffers of ``rank`` holding dy [T, H]; ``views`` may supply any field (checked):
+        the symmetric ones in a symmetric heap, ``dx``, ``dw`` (slices of full-size
+        outputs) and ``dw13``, ``dw2`` (and ``db13``, ``db2``: the rows of zero-filled ones,
+        ``SlotGradients.views``)."""
         moe = d.base.plan.moe
-        t, r, k, h, f, fs = dy.shape[0], saved.h.shape[0], moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn
+        t, k, h, pd, f32 = dy.shape[0], moe.top_k, moe.hidden, tiles.partial_dtype, torch.float32
+        sd, rd, hr = int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), int(d.hops.per_dst[rank])
         hd = dy_width(h, saved.travels)
-        sd, rd, el, dt, pd = (int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), d.base.plan.local_experts,
-                              moe.dtype, tiles.partial_dtype)
-        hr = int(d.hops.per_dst[rank])
-        views = dict(views or {})
-
-        def new(name: str, *shape: int, dtype: torch.dtype = dt, zero: bool = False) -> torch.Tensor:
-            if name in views:
-                return views[name]
-            if zero:
-                return torch.zeros(shape, dtype=dtype, device=dy.device)
-            return torch.empty(shape, dtype=dtype, device=dy.device)
-
-        sa = torch.empty(t, fs, dtype=dt, device=dy.device) if saved.sa is None else saved.sa
-        full = replace(saved, sa=sa)
-        f32, w = torch.float32, row_width(h)
-        return DedupBackwardBuffers(
-            saved=full, dy=dy, gsend=new("gsend", sd, hd), gdrecv=new("gdrecv", rd, hd),
-            grecv=new("grecv", r, row_width(h, saved.travels)), da=new("da", r, f), aw=new("aw", r, f),
-            dh=new("dh", r, 2 * f),
-            dxe=new("dxe", r, w),
-            gpart=new("gpart", rd, h, dtype=pd), dwpart=new("dwpart", rd, k, dtype=f32),
-            gpcomb=new("gpcomb", sd, h, dtype=pd), dwcomb=new("dwcomb", sd, k, dtype=f32),
-            ghrecv=new("ghrecv", hr, hd), gnred=new("gnred", hr, h, dtype=pd),
-            dwnred=new("dwnred", hr, k, dtype=f32), dx=new("dx", t, h),
-            dw=new("dw", t, k, dtype=f32), dw13=new("dw13", el, 2 * f, h, zero=True),
-            dw2=new("dw2", el, h, f, zero=True), sda=new("sda", t, fs), sdh=new("sdh", t, 2 * fs),
-            sdx=new("sdx", t, h), dsw13=new("dsw13", 2 * fs, h, zero=True),
-            dsw2=new("dsw2", h, fs, zero=True),
-            **{n: new(n, *sh, zero=True) for n, (sh, _, _) in bias_gradient_shapes(d.base.plan).items()})
+        shapes = {n: v for n, v in gradient_shapes(d.base.plan, t, saved.h.shape[0], saved.travels).items()
+                  if n != "gcomb"}  # gsend: replaced below, one row per (token, destination)
+        for name, rows, width, dtype in (("gsend", sd, hd, moe.dtype), ("gdrecv", rd, hd, moe.dtype),
+                                         ("gpart", rd, h, pd), ("dwpart", rd, k, f32), ("gpcomb", sd, h, pd),
+                                         ("dwcomb", sd, k, f32), ("ghrecv", hr, hd, moe.dtype),
+                                         ("gnred", hr, h, pd), ("dwnred", hr, k, f32)):
+            shapes[name] = ((rows, width), dtype, False)
+        full, bufs = gradient_fields(shapes, saved, dy, views)
+        return DedupBackwardBuffers(saved=full, dy=dy, **bufs)
 
 
 @dataclass
