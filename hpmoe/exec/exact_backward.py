@@ -16,7 +16,14 @@ import torch
 
 from ..ir.graph import TaskGraph
 from ..ir.verify import random_order
-from ..regions.backward_kernels import BACKWARD, BackwardBuffers, BackwardContext, SavedActivations, row_width
+from ..regions.backward_kernels import (
+    BACKWARD,
+    BackwardBuffers,
+    BackwardContext,
+    SavedActivations,
+    gradient_fields,
+    gradient_shapes,
+)
 from ..regions.base import Kept, Region, as_kept
 from ..regions.dedup_backward_kernels import DedupBackwardBuffers
 from ..regions.family import region_family
@@ -233,14 +240,6 @@ def slot_backward_buffers(saved: SavedActivations, dy: torch.Tensor, spec: MoESp
     """One rank's backward buffers whose permuted buffers hold the ``capacity`` rows of a
     slot layout; ``views``: dx, dw and the expert gradients' rows (uninitialised, but the
     shared weights' gradients zero)."""
-    t, h, f, fs, w = dy.shape[0], spec.hidden, spec.ffn, spec.shared_ffn, row_width(spec.hidden)
-
-    def new(rows: int, cols: int) -> torch.Tensor:
-        return torch.empty(rows, cols, dtype=dy.dtype, device=dy.device)
-
-    return BackwardBuffers(saved=saved, dy=dy, gsend=new(capacity, w), grecv=new(capacity, w),
-                           da=new(capacity, f), aw=new(capacity, f), dh=new(capacity, 2 * f),
-                           dxe=new(capacity, w), gcomb=new(capacity, w), sda=new(t, fs), sdh=new(t, 2 * fs),
-                           sdx=new(t, h),
-                           dsw13=torch.zeros(2 * fs, h, dtype=dy.dtype, device=dy.device),
-                           dsw2=torch.zeros(h, fs, dtype=dy.dtype, device=dy.device), **views)
+    shapes = gradient_shapes(spec, spec.experts, dy.shape[0], capacity, sent=capacity)
+    full, bufs = gradient_fields(shapes, saved, dy, views)
+    return BackwardBuffers(saved=full, dy=dy, **bufs)

@@ -27,7 +27,7 @@ import torch
 from ..ir.graph import TaskKind, Tile
 from ..refs import clamped, glu_halves
 from ..routing import RoutingPlan
-from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
+from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights, Rows, rows_shape
 from .backward import lower_backward
 from .base import Kept, PutSpec, Region, RegionKind, ShapeMap, as_kept
@@ -124,7 +124,7 @@ class BackwardBuffers(GradientBuffers):
         outputs, ``dw13``/``dw2`` (``db13``/``db2``) the rows of zero-filled ones
         (``SlotGradients.views``) — the rest is allocated
         here, as are recomputed ``a``/``sa`` (``saved`` itself is not modified)."""
-        shapes = gradient_shapes(plan, dy.shape[0], saved.h.shape[0], saved.travels)
+        shapes = gradient_shapes(plan.moe, plan.local_experts, dy.shape[0], saved.h.shape[0], saved.travels)
         full, bufs = gradient_fields(shapes, saved, dy, views)
         return BackwardBuffers(saved=full, dy=dy, **bufs)
 
@@ -153,27 +153,27 @@ def rider(rows: torch.Tensor) -> torch.Tensor:
     return rows[:, -ROW_TAIL:].view(torch.float32)[:, 0]
 
 
-def gradient_shapes(plan: RoutingPlan, tokens: int, rows: int, carried: bool = False) -> dict[str, FieldSpec]:
+def gradient_shapes(moe: MoESpec, local_experts: int, tokens: int, rows: int, carried: bool = False,
+                    sent: int | None = None) -> dict[str, FieldSpec]:
     """(shape, dtype, zero-filled) of every gradient field of ``BackwardBuffers`` for a
-    rank with ``tokens`` tokens that received ``rows`` rows (``carried``: the input rows
-    travel beside the dy rows)."""
-    moe = plan.moe
+    rank of ``local_experts`` experts with ``tokens`` tokens that received ``rows`` rows
+    (``carried``: the input rows travel beside the dy rows); ``sent``: rows it sends and
+    gets back (None: tokens x top-k)."""
     t, r, k, h, f, fs, el, d = (tokens, rows, moe.top_k, moe.hidden, moe.ffn, moe.shared_ffn,
-                                plan.local_experts, moe.dtype)
-    w, wg = row_width(h), row_width(h, carried)
-    shapes = {"gsend": ((t * k, wg), d, False), "grecv": ((r, wg), d, False), "da": ((r, f), d, False),
+                                local_experts, moe.dtype)
+    w, wg, s = row_width(h), row_width(h, carried), t * k if sent is None else sent
+    shapes = {"gsend": ((s, wg), d, False), "grecv": ((r, wg), d, False), "da": ((r, f), d, False),
               "aw": ((r, f), d, False), "dh": ((r, 2 * f), d, False), "dxe": ((r, w), d, False),
-              "gcomb": ((t * k, w), d, False),
+              "gcomb": ((s, w), d, False),
               "dx": ((t, h), d, False), "dw": ((t, k), torch.float32, False),
               "dw13": ((el, 2 * f, h), d, True), "dw2": ((el, h, f), d, True), "sda": ((t, fs), d, False),
               "sdh": ((t, 2 * fs), d, False), "sdx": ((t, h), d, False), "dsw13": ((2 * fs, h), d, True),
               "dsw2": ((h, fs), d, True)}
-    return {**shapes, **bias_gradient_shapes(plan)}
+    return {**shapes, **_bias_gradient_shapes(moe, el)}
 
 
-def bias_gradient_shapes(plan: RoutingPlan) -> dict[str, FieldSpec]:
+def _bias_gradient_shapes(moe: MoESpec, el: int) -> dict[str, FieldSpec]:
     """db13 [L, 2F] and db2 [L, H] (zero-filled) when the experts carry biases, else none."""
-    moe, el = plan.moe, plan.local_experts
     if not moe.expert_bias:
         return {}
     return {"db13": ((el, 2 * moe.ffn), moe.dtype, True), "db2": ((el, moe.hidden), moe.dtype, True)}

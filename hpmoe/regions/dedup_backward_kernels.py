@@ -84,8 +84,8 @@ class DedupBackwardBuffers(GradientBuffers):
         t, k, h, pd, f32 = dy.shape[0], moe.top_k, moe.hidden, tiles.partial_dtype, torch.float32
         sd, rd, hr = int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), int(d.hops.per_dst[rank])
         hd = dy_width(h, saved.travels)
-        shapes = {n: v for n, v in gradient_shapes(d.base.plan, t, saved.h.shape[0], saved.travels).items()
-                  if n != "gcomb"}  # gsend: replaced below, one row per (token, destination)
+        common = gradient_shapes(moe, d.base.plan.local_experts, t, saved.h.shape[0], saved.travels)
+        shapes = {n: v for n, v in common.items() if n != "gcomb"}  # gsend: below, a row per (token, rank)
         for name, rows, width, dtype in (("gsend", sd, hd, moe.dtype), ("gdrecv", rd, hd, moe.dtype),
                                          ("gpart", rd, h, pd), ("dwpart", rd, k, f32), ("gpcomb", sd, h, pd),
                                          ("dwcomb", sd, k, f32), ("ghrecv", hr, hd, moe.dtype),
