@@ -34,6 +34,7 @@ from ..routing import Routing, RoutingPlan
 from ..spec import MoESpec, TileSpec
 from ..weights import ExpertWeights, Rows, SlotGradients
 from .exact import DEFAULT_TILES, Order, execute_forward, resolved_graph, run_graph
+from .program import lower
 
 
 @dataclass
@@ -109,7 +110,7 @@ def _run(region: Region, plan: RoutingPlan, tiles: TileSpec, order: Order, buffe
     """Lower ``region``, run it in ``order`` over the ranks' buffers, and complete ``out``
     (whose expert rows the ranks wrote) with the replicas' scratch rows (``slots``) and
     the shared experts' rank sums."""
-    graph = region.lower(plan, tiles, None)
+    graph = lower(plan, region, tiles)
     if isinstance(order, int):
         order = random_order(graph, order)
     run_graph(graph, region, buffers, contexts, order)

@@ -1,6 +1,6 @@
 """The one compile path: a routing plan becomes what an executor runs.
 
-``compile_region`` lowers every rank's graph of a ``Region``, schedules it on a
+``lower`` lowers every rank's graph of a ``Region``; ``compile_region`` schedules it on a
 ``HardwareModel``'s workers with a ``SchedulePolicy`` (and, in debug mode, proves
 the schedule deadlock-free); ``compile_program`` flattens one rank's part into a
 ``RankProgram``: Python lists for the worker threads' hot loop.  The simulator, the
@@ -34,17 +34,24 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") == "1"
 
 
-def compile_region(plan: RoutingPlan, region: Region, tiles: TileSpec, policy: SchedulePolicy,
-                   hardware: HardwareModel, debug: bool | None = None) -> Schedule:
-    """Every rank's tasks of ``region`` for ``plan``, scheduled with ``policy`` on
-    ``hardware``'s workers (the only source of worker counts).  ``debug`` (default:
-    ``HPMOE_DEBUG=1``) verifies the graph's thresholds and the schedule's deadlock freedom."""
+def lower(plan: RoutingPlan, region: Region, tiles: TileSpec, debug: bool | None = None) -> TaskGraph:
+    """Every rank's tasks of ``region`` for ``plan`` (what the exact executor runs in a
+    task order); ``debug`` (default: ``HPMOE_DEBUG=1``) verifies the graph's thresholds."""
     from ..ir.verify import verify_graph
 
     graph = region.lower(plan, tiles, None)
-    sched = schedule(graph, policy, hardware)
     if debug_enabled() if debug is None else debug:
         verify_graph(graph)
+    return graph
+
+
+def compile_region(plan: RoutingPlan, region: Region, tiles: TileSpec, policy: SchedulePolicy,
+                   hardware: HardwareModel, debug: bool | None = None) -> Schedule:
+    """``lower``'s graph scheduled with ``policy`` on ``hardware``'s workers (the only
+    source of worker counts); ``debug`` also proves the schedule deadlock-free."""
+    debug = debug_enabled() if debug is None else debug
+    sched = schedule(lower(plan, region, tiles, debug), policy, hardware)
+    if debug:
         verify_schedule(sched)
     return sched
 
