@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from ..exec.exact import DEFAULT_TILES
 from ..exec.exact_backward import Gradients
+from ..exec.program import lower
 from ..ir.analysis import GraphError
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..ir.schedule import Schedule, WorkerCounts
 from ..regions.backward import lower_backward
-from ..regions.backward_kernels import ROW_TAIL, row_width
+from ..regions.backward_kernels import BACKWARDS, ROW_TAIL, row_width
+from ..regions.base import as_kept
 from ..regions.forward import lower_forward
+from ..regions.kernels import FORWARD
 from ..regions.slot_backward import plan_slot_backward
 from ..regions.slot_routing import SlotRouting, live_rows, resolve_slots
 from ..regions.slots import SlotPlan, SlotShape, plan_slots
@@ -27,11 +30,11 @@ from ..sim.simulate import Timeline
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights, SlotGradients, slot_targets
 
-__all__ = ["DEFAULT_TILES", "ROW_TAIL", "ExpertWeights", "Gradients", "GraphError", "HangReport",
-           "HardwareModel", "IS_PUT", "LinkEntry", "MoESpec", "ParallelSpec", "RegionError", "Routing",
-           "RoutingPlan",
-           "Schedule", "SchedulePolicy", "SlotGradients", "SlotPlan", "SlotRouting", "SlotShape",
-           "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit", "WorkerCounts", "WorkerReport",
-           "WorkerStatus", "check_input", "gemm_dims", "hardware_preset", "live_rows", "lower_backward",
-           "lower_forward", "plan_routing", "plan_slot_backward", "plan_slots", "resolve_slots", "row_width",
-           "schedule", "slot_targets", "task_costs", "verify_schedule"]
+__all__ = ["BACKWARDS", "DEFAULT_TILES", "ExpertWeights", "FORWARD", "Gradients", "GraphError",
+           "HangReport", "HardwareModel", "IS_PUT", "LinkEntry", "MoESpec", "ParallelSpec", "ROW_TAIL",
+           "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy", "SlotGradients",
+           "SlotPlan", "SlotRouting", "SlotShape", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit",
+           "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "check_input", "gemm_dims",
+           "hardware_preset", "live_rows", "lower", "lower_backward", "lower_forward", "plan_routing",
+           "plan_slot_backward", "plan_slots", "resolve_slots", "row_width", "schedule", "slot_targets",
+           "task_costs", "verify_schedule"]
