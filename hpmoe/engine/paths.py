@@ -190,24 +190,28 @@ class RuntimePath:
                             self.options(), taskflow_kept(self.recompute, True), agreed=True).grads
 
 
+class _InArena:
+    """A state whose tensors live in its program's arena: it hands autograd none."""
+
+    def pack(self) -> tuple[list[torch.Tensor | None], _InArena]:
+        return [], self
+
+    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> _InArena:
+        return self
+
+    def preactivations(self) -> tuple[int, ...]:
+        return ()
+
+
 @dataclass
-class TritonState:
+class TritonState(_InArena):
     """The triton forward (its arena holds the saved activations)."""
 
     forward: Any
 
-    def pack(self) -> tuple[list[torch.Tensor | None], TritonState]:
-        return [], self
-
-    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> TritonState:
-        return self
-
-    def preactivations(self) -> tuple[int, ...]:
-        return ()  # its arena holds them
-
 
 @dataclass
-class SlotState:
+class SlotState(_InArena):
     """A forward of a per-shape program (``gpu.slots.SlotProgram``), whose one arena holds
     the activations of its last forward only: the backward of an earlier call (two in
     flight: micro-batches before their backwards, a checkpoint's recompute) runs this
@@ -218,15 +222,6 @@ class SlotState:
     x: torch.Tensor
     weights: ExpertWeights
     routing: Routing
-
-    def pack(self) -> tuple[list[torch.Tensor | None], SlotState]:
-        return [], self
-
-    def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> SlotState:
-        return self
-
-    def preactivations(self) -> tuple[int, ...]:
-        return ()  # its arena holds them
 
     def backward(self, dy: torch.Tensor) -> Gradients:
         p = self.program
