@@ -453,6 +453,7 @@ def held_mib(layer: MoE, x: torch.Tensor, routing: Routing) -> float:
     before = torch.cuda.memory_allocated()
     out = layer.region(xl, routing.ids, wl)
     torch.cuda.synchronize()
+    torch.empty(1, device=x.device)  # an allocation settles frees that waited on another stream's copies
     held = torch.cuda.memory_allocated() - before
     del out
     return held / 2**20
