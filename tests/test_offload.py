@@ -1,9 +1,9 @@
-"""``offload=True``: the saved pre-activation waits for the backward in host memory.
+"""``offload=True``: the activations a call keeps wait for its backward in host memory.
 
 On the CPU the option moves nothing and says so.  The moving itself is device-generic
 (``engine.offload``: on a device without streams its copies are synchronous), so it is
 run here with ``offload.pays`` made to answer yes: the gradients keep their bits on every
-path and recompute mode, the pre-activations leave autograd's saved tensors, a later
+path and recompute mode, the kept activations leave autograd's saved tensors, a later
 layer's backward starts bringing back the earlier one's, and under activation
 checkpointing it leaves the tensors to the checkpoint.  On a CUDA device (``-m gpu``) the
 device memory a call holds between its forward and backward drops by the pre-activation's
@@ -101,7 +101,7 @@ def test_on_the_cpu_offload_moves_nothing_and_says_so():
 
 @pytest.mark.parametrize("recompute", list(Recompute), ids=[r.value for r in Recompute])
 @pytest.mark.parametrize("where", list(PINS))
-def test_offloaded_pre_activations_leave_the_saved_tensors_and_keep_the_bits(moved, where, recompute):
+def test_offloaded_activations_leave_the_saved_tensors_and_keep_the_bits(moved, where, recompute):
     sent, _ = moved
     w, pinned = ExpertWeights.random(SPEC, 2), PINS[where]
     x, dy = _data()
@@ -113,12 +113,14 @@ def test_offloaded_pre_activations_leave_the_saved_tensors_and_keep_the_bits(mov
     ran(layer, pinned.kind, **pinned.fields)
     _equal(got, want)
     assert sum(kept) + sum(sent) == sum(plain)  # what left the saved tensors went to the host
-    # the routed and the shared pre-activations (per virtual rank), unless kernel by
-    # kernel recomputes the first GEMMs
-    if recompute is Recompute.GEMM and where == "kernel-by-kernel":
-        assert not sent
+    # what each keeps: kernel by kernel the routed and shared pre-activations (with the
+    # gathered rows under "nothing"; nothing but the input under "gemm"); a taskflow per
+    # virtual rank the two pre-activations (with the received rows and the shared
+    # activation under "nothing")
+    if where == "kernel-by-kernel":
+        assert len(sent) == {Recompute.NOTHING: 3, Recompute.PERMUTATION: 2, Recompute.GEMM: 0}[recompute]
     else:
-        assert len(sent) == (2 if where == "kernel-by-kernel" else 2 * pinned.fields["ep"])
+        assert len(sent) == pinned.fields["ep"] * (4 if recompute is Recompute.NOTHING else 2)
 
 
 def test_a_layer_backward_starts_bringing_back_the_layer_before(moved):

@@ -1,8 +1,9 @@
-"""Offloading a call's saved pre-activation to host memory (``RegionOptions.offload``),
+"""Offloading a call's saved activations to host memory (``RegionOptions.offload``),
 as Pangu Ultra MoE swaps activations to fit.
 
 ``send`` takes the tensors a path's state hands to autograd and moves the ones at the
-places the state names (the routed and shared experts' pre-activation) to host memory:
+places the state names (the routed and shared experts' pre-activation and, where
+kept, the experts' received rows and the shared activation) to host memory:
 on CUDA into pinned memory on a side stream, started once the current stream has
 written them, their device memory given back to the caching allocator once the copy is
 done (``record_stream``).  ``receive``, at the start of a call's backward, brings them
@@ -15,8 +16,8 @@ once that the option does nothing there (``pays``).  Under saved-tensor hooks
 (activation checkpointing, which keeps nothing, or ``save_on_cpu``) it leaves the
 tensors to them, and while a CUDA graph is captured it sends nothing (a replay runs on
 static buffers).  Where a path keeps its activations in an arena of its own (the
-persistent kernel) or keeps no pre-activation (``recompute="gemm"``), nothing is sent
-either."""
+persistent kernel) or keeps nothing but the input (kernel by kernel's ``recompute="gemm"``),
+nothing is sent either."""
 
 from __future__ import annotations
 

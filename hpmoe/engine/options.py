@@ -92,11 +92,13 @@ class RegionOptions:
       named error one call late without a host sync in the call; ``"sync"`` in the call
       itself (``engine.check.CheckMode``).  On an EP group every call reads it at once
       for the agreement.
-    offload: the saved pre-activation waits for the backward in host memory (pinned,
+    offload: the activations a call keeps for its backward (the experts' pre-activation
+      and, where kept, the rows an EP group received) wait for it in host memory (pinned,
       copied on a side stream; each backward brings back the one before it while it
       runs, ``engine.offload``).  On a CPU it moves nothing and warns so; the
-      persistent kernel keeps its activations in its arena, and ``recompute="gemm"``
-      keeps no pre-activation, so neither sends anything.  Default False.
+      persistent kernel keeps its activations in its arena, and kernel by kernel's
+      ``recompute="gemm"`` keeps nothing but the input, so neither sends anything.
+      Default False.
     """
 
     ep_group: Any = None

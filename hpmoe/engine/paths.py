@@ -53,9 +53,10 @@ class PathState(Protocol):
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> PathState: ...
 
-    def preactivations(self) -> tuple[int, ...]:
-        """The places of the experts' pre-activations among ``pack``'s tensors (what
-        ``offload`` sends to host memory)."""
+    def activations(self) -> tuple[int, ...]:
+        """The places among ``pack``'s tensors of the activations the call keeps (what
+        ``offload`` sends to host memory): all but the layer input, the routing and the
+        weights."""
         ...
 
 
@@ -101,9 +102,10 @@ class RegionState:
                        nbytes=self.saved_bytes(), slot_rows=w.slot_rows)
         return tensors, bare
 
-    def preactivations(self) -> tuple[int, ...]:
+    def activations(self) -> tuple[int, ...]:
         names = [f.name for f in fields(SavedActivations)]
-        return tuple(r * len(names) + names.index(n) for r in range(len(self.saved)) for n in ("h", "sh"))
+        mine = [i for i, n in enumerate(names) if n != "x"]  # the layer input is the caller's
+        return tuple(r * len(names) + i for r in range(len(self.saved)) for i in mine)
 
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> RegionState:
         """The inverse of ``pack``: this bare state with ``tensors`` put back."""
@@ -199,7 +201,7 @@ class _InArena:
     def unpack(self, tensors: tuple[torch.Tensor | None, ...]) -> _InArena:
         return self
 
-    def preactivations(self) -> tuple[int, ...]:
+    def activations(self) -> tuple[int, ...]:
         return ()
 
 
@@ -340,7 +342,7 @@ class RegionCall:
     layer's clock (the backward's seconds go into both); on an EP group the session
     whose agreement opens the backward call, and the tiles it fingerprints; ``counts``:
     the rows per expert of ``ids`` where the call's scan counted them (None: the path
-    counts); ``offload``: the saved pre-activation waits in host memory for the backward
+    counts); ``offload``: the activations it keeps wait in host memory for the backward
     (``engine.offload``)."""
 
     spec: MoESpec
@@ -375,7 +377,7 @@ class RegionFunction(torch.autograd.Function):
         if state is not None:
             tensors, ctx.state = state.pack()
             ctx.fused = _refused(tensors, weights.shared_w13) if gate is not None else ()
-            ctx.parcel = offload.send(tensors, state.preactivations()) if call.offload else None
+            ctx.parcel = offload.send(tensors, state.activations()) if call.offload else None
             ctx.save_for_backward(*tensors, *((gate.detach(), up.detach()) if ctx.fused else ()))
             ctx.call = call
         return out

@@ -467,9 +467,9 @@ class KernelByKernelState:
         return tensors, replace(self, **dict.fromkeys(self.TENSORS), weights=None, spec=w.spec,
                                 slot_rows=w.slot_rows)
 
-    def preactivations(self) -> tuple[int, ...]:
-        """The places of h and sh among ``pack``'s tensors."""
-        return self.TENSORS.index("h"), self.TENSORS.index("sh")
+    def activations(self) -> tuple[int, ...]:
+        """The places of the kept rows, h and sh among ``pack``'s tensors."""
+        return tuple(self.TENSORS.index(n) for n in ("rows", "h", "sh"))
 
     def unpack(self, tensors: Sequence[torch.Tensor | None]) -> KernelByKernelState:
         """The inverse of ``pack``: this state with its tensors put back."""
