@@ -155,6 +155,42 @@ def test_under_activation_checkpointing_offload_leaves_the_tensors_to_it(moved):
     assert not sent
 
 
+def _ep_rank(rank: int, world: int, path: str) -> dict:
+    """One training step of an EP-group layer on this rank's tokens, with and without
+    offload (its move forced on the CPU): the two steps' results and what was sent."""
+    import torch.distributed as dist
+
+    offload.pays = lambda device: True  # this child's module, as the fixture patches the parent's
+    sent = []
+    send = offload.Offloaded.send
+    offload.Offloaded.send = staticmethod(lambda t, stream: sent.append(tuple(t.shape)) or send(t, stream))
+    w = ExpertWeights.random(SPEC, 6)
+    x, dy = (t.reshape(world, -1, SPEC.hidden)[rank] for t in _data(16, seed=6))
+    steps = []
+    for on in (False, True):
+        options = dict(backend="kernel_by_kernel") if path == "kernel-by-kernel" else dict(schedule=None)
+        layer = MoE(SPEC, w, ep_group=dist.group.WORLD, tiles=TINY_TILES, offload=on, **options)
+        steps.append(_step(layer, x, dy))
+        layer.close()
+    return {"plain": steps[0], "offloaded": steps[1], "sent": sent}
+
+
+@pytest.mark.parametrize("path", ["kernel-by-kernel", "runtime"])
+def test_on_an_ep_group_the_received_rows_are_offloaded_too(path):
+    """An EP group keeps its received rows under the default: offload sends them beside
+    the pre-activations, and every bit of the step stays."""
+    from hpmoe.testing import spawn_gloo
+
+    for r in spawn_gloo(_ep_rank, 2, path, timeout=120):
+        _equal(r["offloaded"], r["plain"])
+        # the received rows and their pre-activation (as many rows), the shared
+        # pre-activation (a row per token of this rank)
+        rows = [shape[0] for shape in r["sent"]]
+        assert len(rows) == 3 and 8 in rows, r["sent"]
+        rows.remove(8)
+        assert rows[0] == rows[1] > 0, r["sent"]
+
+
 def test_offload_is_a_bool():
     with pytest.raises(TypeError, match="offload must be a bool, got 'yes'"):
         MoE(SPEC, offload="yes")
