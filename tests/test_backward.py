@@ -333,3 +333,13 @@ def test_the_value_riding_after_a_row_leaves_the_row_alone(dtype, hidden):
     rider(rows).copy_(value)
     assert torch.equal(rider(rows), value)
     assert bool((rows[:, :hidden] == 1.0).all())
+
+
+def test_the_former_bias_gradient_shapes_still_answers_with_a_deprecation_warning():
+    from hpmoe.regions.backward_kernels import bias_gradient_shapes, gradient_shapes
+
+    plan = tiny_plan(RoutingKind.ZIPF, ep=2, tokens=8, moe=FORMS["gpt-oss"])
+    with pytest.warns(DeprecationWarning, match="bias_gradient_shapes is deprecated"):
+        old = bias_gradient_shapes(plan)
+    new = gradient_shapes(plan.moe, plan.local_experts, 8, 0)
+    assert set(old) == {"db13", "db2"} and old == {n: new[n] for n in old}

@@ -24,7 +24,7 @@ from ..regions.backward_kernels import (
     gradient_fields,
     gradient_shapes,
 )
-from ..regions.base import Kept, Region, as_kept
+from ..regions.base import Kept, Region
 from ..regions.dedup_backward_kernels import DedupBackwardBuffers
 from ..regions.family import region_family
 from ..regions.kernels import ForwardBuffers
@@ -94,7 +94,7 @@ def execute_backward(saved: Sequence[SavedActivations], plan: RoutingPlan,
     buffers = [family.backward_buffers(saved[r], dys[r], layout, tiles, r, views[r]) for r in range(ep)]
     contexts = [family.backward_context(weights, layout, family.rank_routing(routing, plan, r), r)
                 for r in range(ep)]
-    region = family.backward(layout, as_kept(recompute))
+    region = family.backward(layout, recompute)
     return _run(region, plan, tiles, order, buffers, contexts, out, weights, slots)
 
 
@@ -183,7 +183,6 @@ def moe_forward_backward(x: torch.Tensor, weights: ExpertWeights, routing: Routi
 
     x, dy: [N, H] spec.dtype; routing: ids/weights [N, k]; recompute: what the backward
     finds kept (``regions.Kept``; a bool: whether the shared activation is recomputed)."""
-    recompute = as_kept(recompute)
     fwd = execute_forward(x, weights, routing, ep, tiles, forward_order, nodes)
     saved = [region_family(tiles).saved(b, recompute) for b in fwd.buffers]
     bwd = execute_backward(saved, fwd.plan, dy, weights, routing, tiles, recompute, backward_order)

@@ -12,10 +12,8 @@ from ..exec.program import lower
 from ..ir.analysis import GraphError
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..ir.schedule import Schedule, WorkerCounts
-from ..regions.backward import lower_backward
 from ..regions.backward_kernels import BACKWARDS, ROW_TAIL, row_width
 from ..regions.base import as_kept
-from ..regions.forward import lower_forward
 from ..regions.kernels import FORWARD
 from ..regions.slot_backward import plan_slot_backward
 from ..regions.slot_routing import SlotRouting, live_rows, resolve_slots
@@ -35,6 +33,6 @@ __all__ = ["BACKWARDS", "DEFAULT_TILES", "ExpertWeights", "FORWARD", "Gradients"
            "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy", "SlotGradients",
            "SlotPlan", "SlotRouting", "SlotShape", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit",
            "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "check_input", "gemm_dims",
-           "hardware_preset", "live_rows", "lower", "lower_backward", "lower_forward", "plan_routing",
+           "hardware_preset", "live_rows", "lower", "plan_routing",
            "plan_slot_backward", "plan_slots", "resolve_slots", "row_width", "schedule", "slot_targets",
            "task_costs", "verify_schedule"]

@@ -18,6 +18,7 @@ slots in top-k order in fp32 (then the shared-expert term).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -170,6 +171,14 @@ def gradient_shapes(moe: MoESpec, local_experts: int, tokens: int, rows: int, ca
               "sdh": ((t, 2 * fs), d, False), "sdx": ((t, h), d, False), "dsw13": ((2 * fs, h), d, True),
               "dsw2": ((h, fs), d, True)}
     return {**shapes, **_bias_gradient_shapes(moe, el)}
+
+
+def bias_gradient_shapes(plan: RoutingPlan) -> dict[str, FieldSpec]:
+    """Deprecated: ``gradient_shapes`` holds the bias fields (goes in the next release)."""
+    warnings.warn("regions.backward_kernels.bias_gradient_shapes is deprecated: gradient_shapes(moe, "
+                  "local_experts, ...) holds db13/db2; it goes in the next release", DeprecationWarning,
+                  stacklevel=2)
+    return _bias_gradient_shapes(plan.moe, plan.local_experts)
 
 
 def _bias_gradient_shapes(moe: MoESpec, el: int) -> dict[str, FieldSpec]:
@@ -328,7 +337,7 @@ def _grad_permute(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Back
     rider(me.gsend[rows]).copy_(ctx.row_weight[rows])
 
 
-def expert_inputs(me: GradientBuffers, rows: slice) -> torch.Tensor:
+def _expert_inputs(me: GradientBuffers, rows: slice) -> torch.Tensor:
     """[m, H] the experts' input rows ``rows``: kept, or arrived beside their dy rows."""
     if me.saved.travels:
         return carried_rows(me.grecv[rows], me.dy.shape[1])
@@ -370,7 +379,7 @@ def _wgrad_down(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: Backwa
 
 def _wgrad_up(t: Tile, me: BackwardBuffers, peer: BackwardBuffers, ctx: BackwardContext) -> None:
     g = me.dh[t.row0:t.row1, t.col0:t.col1]
-    torch.mm(g.t(), expert_inputs(me, slice(t.row0, t.row1)), out=me.dw13[t.expert][t.col0:t.col1])
+    torch.mm(g.t(), _expert_inputs(me, slice(t.row0, t.row1)), out=me.dw13[t.expert][t.col0:t.col1])
     if me.db13 is not None:
         torch.sum(g, 0, out=me.db13[t.expert][t.col0:t.col1])
 

@@ -27,12 +27,14 @@ from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
 from ..weights import ExpertWeights, Rows
 from .backward_kernels import (
     BACKWARD_KERNELS,
+    ROW_TAIL,
     GradientBuffers,
     SavedActivations,
     carried_rows,
     gradient_fields,
     gradient_shapes,
     rider,
+    row_width,
 )
 from .base import Kept, PutSpec, Region, RegionKind, ShapeMap, as_kept
 from .dedup_backward import lower_dedup_backward
@@ -131,9 +133,10 @@ Buffers, Context = DedupBackwardBuffers, DedupBackwardContext
 
 
 def dy_width(hidden: int, carried: bool) -> int:
-    """Elements of a deduplicated dy row (no rider: receivers weigh rows): H, and where
-    ``carried`` the token's input row beside it (at ``carried_rows``' place)."""
-    return hidden + (hidden + hidden % 2 if carried else 0)
+    """Elements of a deduplicated dy row: a travelling row (``row_width``) without the
+    rider, as receivers weigh rows (H, rounded up to even, and the token's input row
+    beside it where ``carried``)."""
+    return row_width(hidden, carried) - ROW_TAIL
 
 
 def _grad_permute(t: Tile, me: Buffers, peer: Buffers, ctx: Context) -> None:
