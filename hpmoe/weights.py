@@ -148,9 +148,13 @@ class ExpertWeights:
                   shared_w13, shared_w2, b13, b2, slot_rows, shared_parts)
         if not checked:
             return ExpertWeights(*values)
-        out = object.__new__(ExpertWeights)
-        out.__dict__.update(zip(_FIELDS, values, strict=True))
-        return out
+        return _unchecked(dict(zip(_FIELDS, values, strict=True)))
+
+    def detached(self) -> ExpertWeights:
+        """The same weights detached from autograd, not checked again (they were), without
+        ``shared_parts`` (a path computes on the fused tensor)."""
+        fields = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return _unchecked({**fields, "shared_parts": None})
 
     @staticmethod
     def gate_only(spec: MoESpec, router: torch.Tensor, router_bias: torch.Tensor) -> ExpertWeights:
@@ -188,6 +192,13 @@ class ExpertWeights:
             b13=draw(spec.experts, 2 * spec.ffn, fan_in=spec.hidden) if spec.expert_bias else None,
             b2=draw(spec.experts, spec.hidden, fan_in=spec.ffn) if spec.expert_bias else None,
         )
+
+
+def _unchecked(fields: dict[str, object]) -> ExpertWeights:
+    """An ``ExpertWeights`` of ``fields`` without ``__post_init__``'s checks."""
+    out = object.__new__(ExpertWeights)
+    out.__dict__.update(fields)
+    return out
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ the backward call's agreement (``RegionFunction.backward``) before the path runs
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -333,6 +334,18 @@ def clocked(clock: RegionClock | None, backward: bool) -> Iterator[None]:
             clock.add(backward, time.perf_counter() - t0)
 
 
+def _timing(trial: Trial | None, clock: RegionClock | None, device: torch.device,
+            backward: bool) -> contextlib.AbstractContextManager:
+    """The block timed for a tuning ``trial`` and for ``clock``; where neither times it,
+    nothing to enter (two generator contexts are a tiny call's host time)."""
+    if clock is None and (trial is None or not trial.tuning):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(timed(trial, device))
+    stack.enter_context(clocked(clock, backward))
+    return stack
+
+
 @dataclass(frozen=True)
 class RegionCall:
     """Non-tensor inputs of one region call: the spec (dtype: the compute dtype), ids
@@ -370,8 +383,8 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, *tensors: Any) -> torch.Tensor:
         *weight_tensors, gate, up, call = tensors
-        x, routing, weights = _detached(x, Routing(call.ids, topk_weights, call.counts), call.spec,
-                                        weight_tensors, call.slot_rows)
+        weights = ExpertWeights.routed(call.spec, *weight_tensors, slot_rows=call.slot_rows, checked=True)
+        x, routing, weights = _detached(x, Routing(call.ids, topk_weights, call.counts), weights)
         save = call.grad and any(ctx.needs_input_grad[:-1])
         out, state = call.path.forward(x, routing, weights, save)
         if state is not None:
@@ -394,7 +407,7 @@ class RegionFunction(torch.autograd.Function):
         offload.receive(tensors, ctx.parcel)
         state, ctx.state = ctx.state.unpack(tensors), None
         dy = dout.to(call.spec.dtype).contiguous()
-        with timed(call.trial, dy.device), clocked(call.clock, backward=True):
+        with _timing(call.trial, call.clock, dy.device, backward=True):
             if call.session is not None:  # ranks in step on the region, not on dy's values (an inf
                 # gradient reaches a loss scaler)
                 call.session.open_call(RegionKind.BACKWARD, state.weights, call.tiles, dy.shape[0])
@@ -422,23 +435,20 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
     others left unfilled; None: every one).  ``offload``: ``RegionCall.offload``."""
     w = weights if path.reads_slots else weights.gathered(own)
     tensors = (w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2)
-    with timed(trial, x.device), clocked(clock, backward=False):
+    with _timing(trial, clock, x.device, backward=False):
         if not _differentiated(x, routing.weights, *tensors, *(w.shared_parts or ())):
             # no autograd node: its apply is a tiny call's largest host cost
-            return path.forward(*_detached(x, routing, w.spec, tensors, w.slot_rows), False)[0]
+            return path.forward(*_detached(x, routing, w), False)[0]
         call = RegionCall(w.spec, routing.ids, path, True, trial, w.slot_rows, clock, session, tiles,
                           routing.counts, offload)
         return RegionFunction.apply(x, routing.weights, *tensors, *(w.shared_parts or (None, None)), call)
 
 
-def _detached(x: torch.Tensor, routing: Routing, spec: MoESpec, tensors: Sequence[torch.Tensor | None],
-              slot_rows: tuple[int, ...] | None) -> tuple[torch.Tensor, Routing, ExpertWeights]:
-    """What a path computes on: the call's x, routing weights and expert ``tensors``
-    (w13, w2, shared_w13, shared_w2, b13, b2) detached, as the runtime's worker threads
-    run with grad mode on (it is per thread); the weights not checked again (they were)."""
-    weights = ExpertWeights.routed(spec, *(t if t is None else t.detach() for t in tensors),
-                                   slot_rows=slot_rows, checked=True)
-    return x.detach(), Routing(routing.ids, routing.weights.detach(), routing.counts), weights
+def _detached(x: torch.Tensor, routing: Routing, weights: ExpertWeights
+              ) -> tuple[torch.Tensor, Routing, ExpertWeights]:
+    """What a path computes on: the call's x, routing weights and expert tensors detached,
+    as the runtime's worker threads run with grad mode on (it is per thread)."""
+    return x.detach(), Routing(routing.ids, routing.weights.detach(), routing.counts), weights.detached()
 
 
 def _differentiated(*tensors: torch.Tensor | None) -> bool:
