@@ -36,25 +36,23 @@ import enum
 import numpy as np
 
 from ..ir.events import EventLayout
-from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import PLAIN_GLU, TileSpec
 from .base import Kept, as_kept
-from .layout import Layout, ceil_div, make_layout, piece_token_tiles
+from .layout import Layout, make_layout, piece_token_tiles
 from .tiles import (
     Lowering,
     block_chunks,
     block_gemm,
     col_tiles,
     elementwise_chunks,
-    ntiles,
+    lower_graph,
     put_columns,
     select_ranks,
-    shared_block_rows,
     shared_chunks,
     shared_gemm,
     signal_token_tiles,
-    signals_per_token_tile,
     task_block,
     token_tile_sums,
     token_tiles,
@@ -92,46 +90,10 @@ def lower_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | 
     routed experts' always is, by SWIGLU_BWD); rows that travel again make GRAD_PERMUTE
     gather each input row beside its dy row and GRAD_DISPATCH carry both."""
     kept = as_kept(recompute)
-    ranks, sel = select_ranks(plan.par.ep, ranks)
+    _, sel = select_ranks(plan.par.ep, ranks)
     layout = make_layout(plan, tiles)
     low = Lowering(layout=layout, events=backward_events(layout), sel=sel, kept=kept)
-    builder = GraphBuilder(plan.par.ep, ranks)
-    # Phase order, so that task-id order is itself a valid (serial) execution order.
-    for make in _PHASES:
-        builder.add(make(low))
-    shared_out = signals_per_token_tile(_shared_dgrad_up(low.only(0)), low, E.GOUT)
-    for r in ranks:
-        builder.set_events(r, backward_thresholds(layout, r, shared_out, kept.activation))
-    return builder.freeze(dtype=plan.moe.dtype, events=low.events, nodes=plan.par.nodes)
-
-
-def backward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray, recompute: bool = False
-                        ) -> np.ndarray:
-    """Thresholds of ``rank``'s backward events, computed from the layout alone;
-    ``shared_out``: shared-expert dgrad tiles signalling each token tile."""
-    moe, blocks, pieces, local = layout.plan.moe, layout.blocks, layout.pieces, layout.plan.local_experts
-    mine = blocks.rank == rank
-    nb = int(blocks.count[rank])
-    to_me = pieces.dst == rank
-    chunks = ceil_div(blocks.row1[mine] - blocks.row0[mine], layout.tiles.rows)
-    per_expert = np.bincount(blocks.expert[mine], weights=chunks, minlength=local).astype(np.int64)
-    gexp = np.bincount(pieces.expert[to_me], minlength=local)
-    _, tt = piece_token_tiles(layout, pieces.src == rank)
-    gout = np.bincount(tt, minlength=layout.token_tiles) + shared_out
-    return np.concatenate([
-        np.bincount(pieces.block[to_me], minlength=nb), np.full(nb, ntiles(moe.ffn, layout.tiles)),
-        chunks, np.full(nb, ntiles(moe.hidden, layout.tiles)), gexp, per_expert, gout,
-        _shared_thresholds(layout, recompute), np.ones(int(pieces.per_src[rank]), np.int64)]).astype(np.int64)
-
-
-def _shared_thresholds(layout: Layout, recompute: bool) -> np.ndarray:
-    """SDA, SDH, SALL, SREC thresholds (empty without shared experts)."""
-    if not layout.shared_blocks:
-        return np.zeros(0, np.int64)
-    chunks = ceil_div(shared_block_rows(layout), layout.tiles.rows)
-    sda = np.full(layout.shared_blocks, ntiles(layout.plan.moe.shared_ffn, layout.tiles))
-    total = int(chunks.sum())
-    return np.concatenate([sda, chunks, [total, total if recompute else 0]]).astype(np.int64)
+    return lower_graph(_PHASES, low, low.incoming(), sel, low.events, plan.moe.dtype, plan.par.nodes)
 
 
 # ------------------------------------------------------------------ source side: dispatch of dy
@@ -154,7 +116,7 @@ def _grad_permute(low: Lowering) -> TaskBlock:
 
 def _grad_dispatch(low: Lowering) -> TaskBlock:
     p, ev = low.layout.pieces, low.events
-    i = np.flatnonzero(low.sel[p.src])
+    i = np.flatnonzero(low.picks(p.src, p.dst))
     dst = p.dst[i]
     sig = np.stack([ev.base(dst, E.GROWS) + p.block[i], ev.base(dst, E.GEXP) + p.expert[i]], axis=1)
     return task_block(TaskKind.GRAD_DISPATCH, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
@@ -165,8 +127,9 @@ def _grad_dispatch(low: Lowering) -> TaskBlock:
 
 def _grad_combine(low: Lowering) -> TaskBlock:
     p, ev = low.layout.pieces, low.events
-    i = np.flatnonzero(low.sel[p.dst])
-    piece, tt = piece_token_tiles(low.layout, low.sel[p.dst])
+    picked = low.picks(p.dst, p.src)
+    i = np.flatnonzero(picked)
+    piece, tt = piece_token_tiles(low.layout, picked)
     return task_block(TaskKind.GRAD_COMBINE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
                       peer=p.src[i], dst_row0=p.send_row0[i], wait=ev.base(p.dst[i], E.DX) + p.block[i],
                       sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),

@@ -37,30 +37,29 @@ crosses back:
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..ir.events import EventLayout
-from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import TileSpec
 from .dedup_layout import DedupLayout, DedupPieces, make_dedup_layout, pair_pieces
-from .layout import ceil_div, expand
+from .layout import expand
 from .tiles import (
     Lowering,
-    block_chunks,
     block_gemm,
-    elementwise_chunks,
-    ntiles,
+    gemm_up,
+    lower_graph,
     select_ranks,
-    shared_block_rows,
-    shared_chunks,
-    shared_gemm,
-    signal_token_tiles,
-    signals_per_token_tile,
+    shared_down,
+    shared_swiglu,
+    shared_up,
+    swiglu,
     task_block,
+    token_tiles,
 )
 
 PER_RANK_KINDS = frozenset({TaskKind.EXPAND, TaskKind.PARTIAL_REDUCE, TaskKind.PARTIAL_SUM,
@@ -117,52 +116,12 @@ def lower_dedup(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, ...] | Non
                 layout: DedupLayout | None = None) -> TaskGraph:
     """The deduplicated forward task graph of ``ranks`` (default: every rank); ``layout``:
     ``make_dedup_layout(plan, tiles)`` when the caller has it already."""
-    ranks, sel = select_ranks(plan.par.ep, ranks)
+    _, sel = select_ranks(plan.par.ep, ranks)
     d = layout or make_dedup_layout(plan, tiles)
-    dl = DedupLowering(Lowering(layout=d.base, events=dedup_events(d), sel=sel), d,
-                       tiles.partial_dtype.itemsize)
-    builder = GraphBuilder(plan.par.ep, ranks)
-    for make in _PHASES:
-        builder.add(make(dl))
-    every = DedupLowering(Lowering(d.base, dl.low.events, np.ones(plan.par.ep, bool)), d, dl.partial_size)
-    signals = [make(every) for make in (_expand, _gemm_down, _combine, _hop_dispatch, _hop_combine)]
-    shared_out = signals_per_token_tile(_shared_down(DedupLowering(dl.low.only(0), d, dl.partial_size)),
-                                        dl.low, DedupEvent.OUT)
-    for r in ranks:
-        builder.set_events(r, dedup_thresholds(dl, r, signals, shared_out))
-    return builder.freeze(dtype=plan.moe.dtype, events=dl.low.events, nodes=plan.par.nodes)
-
-
-def dedup_thresholds(dl: DedupLowering, rank: int, signals: list[TaskBlock],
-                     shared_out: np.ndarray) -> np.ndarray:
-    """Thresholds of ``rank``'s events: the number of signals each receives from the
-    EXPAND, GEMM_DOWN, COMBINE, HOP_DISPATCH and HOP_COMBINE tasks of every rank
-    (``signals``), the rest one per producer as in the per-expert forward."""
-    base, d, ev = dl.d.base, dl.d, dl.low.events
-    moe, count = base.plan.moe, ev.count(rank)
-    got = np.zeros(count, np.int64)
-    for blk in signals:
-        mine = blk.sig_rank == rank
-        got += np.bincount(blk.sig_event[mine], minlength=count)
-    out = got.copy()
-    lo = ev.offset[rank]
-
-    def fill(cat: DedupEvent, n: int, value: np.ndarray | int) -> None:
-        out[lo[cat]:lo[cat] + n] = value
-
-    nb, npieces = int(base.blocks.count[rank]), int(d.pieces.per_dst[rank])
-    nhops = int(d.hop_pieces.per_dst[rank])
-    mine = base.blocks.rank == rank
-    fill(DedupEvent.H, nb, ntiles(2 * moe.ffn, base.tiles))
-    fill(DedupEvent.A, nb, ceil_div(base.blocks.row1[mine] - base.blocks.row0[mine], base.tiles.rows))
-    fill(DedupEvent.LANDED, npieces, 1)
-    fill(DedupEvent.PART, npieces, 1)
-    fill(DedupEvent.HDONE, nhops, 1)
-    out[lo[DedupEvent.OUT]:lo[DedupEvent.OUT] + base.token_tiles] += shared_out
-    fill(DedupEvent.SH, base.shared_blocks, ntiles(2 * moe.shared_ffn, base.tiles))
-    fill(DedupEvent.SA, base.shared_blocks, ceil_div(shared_block_rows(base), base.tiles.rows))
-    fill(DedupEvent.PERM, int(d.pieces.per_src[rank] + d.hop_pieces.per_src[rank]), 1)
-    return out
+    low = Lowering(layout=d.base, events=dedup_events(d), sel=sel)
+    size = tiles.partial_dtype.itemsize
+    return lower_graph(_PHASES, DedupLowering(low, d, size), DedupLowering(low.every(), d, size), sel,
+                       low.events, plan.moe.dtype, plan.par.nodes)
 
 
 # ------------------------------------------------------------------ source side
@@ -224,7 +183,7 @@ def _partial_sum(dl: DedupLowering) -> TaskBlock:
     reached) and per (token, other node it reached)."""
     low, pairs, hops = dl.low, dl.d.pairs, dl.d.hops
     base = dl.d.base
-    rank, t, r0, r1 = _token_tiles(low)
+    rank, t, r0, r1 = token_tiles(low)
     h, rows, tt = base.plan.moe.hidden, base.tiles.rows, base.token_tiles
     direct = ~pairs.fwd
     key = np.concatenate([pairs.origin[direct] * tt + pairs.token[direct] // rows,
@@ -236,13 +195,6 @@ def _partial_sum(dl: DedupLowering) -> TaskBlock:
                       flops=(terms + shared) * h,
                       bytes=(terms * dl.partial_size + (shared + m) * low.esize) * h,
                       wait=low.events.base(rank, dl.names.OUT) + t)
-
-
-def _token_tiles(low: Lowering) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    layout = low.layout
-    tpr, rows = layout.plan.par.tokens_per_rank, layout.tiles.rows
-    rank, t = expand(np.where(low.sel, layout.token_tiles, 0))
-    return rank, t, t * rows, np.minimum((t + 1) * rows, tpr)
 
 
 # ------------------------------------------------------------------ destination side
@@ -260,21 +212,6 @@ def _expand(dl: DedupLowering) -> TaskBlock:
                       sig_rank=p.dst[d.feed_piece[feed]],
                       sig_event=ev.base(p.dst[d.feed_piece[feed]], DedupEvent.ROWS)
                       + d.base.blocks.local[d.feed_block[feed]])
-
-
-def _gemm_up(dl: DedupLowering) -> TaskBlock:
-    moe = dl.d.base.plan.moe
-    return block_gemm(TaskKind.GEMM_UP, dl.low, 2 * moe.ffn, moe.hidden, DedupEvent.ROWS, DedupEvent.H)
-
-
-def _swiglu(dl: DedupLowering) -> TaskBlock:
-    b, ev = dl.d.base.blocks, dl.low.events
-    i, r0, r1 = block_chunks(dl.low)
-    moe = dl.d.base.plan.moe
-    return elementwise_chunks(TaskKind.SWIGLU, dl.low, b.rank[i], r0, r1, moe.ffn, passes=3,
-                              flops=moe.glu.flops, expert=b.expert[i],
-                              wait=ev.base(b.rank[i], DedupEvent.H) + b.local[i],
-                              sig_event=ev.base(b.rank[i], DedupEvent.A) + b.local[i])
 
 
 def _gemm_down(dl: DedupLowering) -> TaskBlock:
@@ -378,27 +315,11 @@ def _hop_combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
                        ev.base(hp.src[piece], dl.names.OUT) + tile, row_bytes)
 
 
-# ------------------------------------------------------------------ shared expert
-
-def _shared_up(dl: DedupLowering) -> TaskBlock:
-    moe = dl.d.base.plan.moe
-    return shared_gemm(TaskKind.SHARED_UP, dl.low, 2 * moe.shared_ffn, moe.hidden, None, DedupEvent.SH)
+def on_experts(make: Callable[[Lowering], TaskBlock]) -> Callable[[DedupLowering], TaskBlock]:
+    """A builder of the per-expert lowering (the experts' phases) on a deduplicated one."""
+    return lambda dl: make(dl.low)
 
 
-def _shared_swiglu(dl: DedupLowering) -> TaskBlock:
-    low = dl.low
-    rank, b, c0, c1 = shared_chunks(low)
-    return elementwise_chunks(TaskKind.SHARED_SWIGLU, low, rank, c0, c1, dl.d.base.plan.moe.shared_ffn,
-                              passes=3, flops=5.0, wait=low.events.base(rank, DedupEvent.SH) + b,
-                              sig_event=low.events.base(rank, DedupEvent.SA) + b)
-
-
-def _shared_down(dl: DedupLowering) -> TaskBlock:
-    moe = dl.d.base.plan.moe
-    blk = shared_gemm(TaskKind.SHARED_DOWN, dl.low, moe.hidden, moe.shared_ffn, DedupEvent.SA, None)
-    return signal_token_tiles(blk, dl.low, DedupEvent.OUT)
-
-
-_PHASES = (_permute, _hop_dispatch, _relay_pack, _dispatch, _expand, _gemm_up, _swiglu, _gemm_down,
-           _partial_reduce, _combine, _node_reduce, _hop_combine, _shared_up, _shared_swiglu, _shared_down,
-           _partial_sum)
+_PHASES = (_permute, _hop_dispatch, _relay_pack, _dispatch, _expand, on_experts(gemm_up), on_experts(swiglu),
+           _gemm_down, _partial_reduce, _combine, _node_reduce, _hop_combine, on_experts(shared_up),
+           on_experts(shared_swiglu), on_experts(shared_down), _partial_sum)

@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..ir.events import EventLayout
-from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import TileSpec
 from . import backward as bw
@@ -45,7 +45,7 @@ from . import dedup as dd
 from .base import Kept, as_kept
 from .dedup import DedupLowering, signal_fed_pieces
 from .dedup_layout import DedupLayout, make_dedup_layout
-from .tiles import Lowering, block_gemm, select_ranks, task_block
+from .tiles import Lowering, block_gemm, lower_graph, select_ranks, task_block
 
 # The per-expert backward's categories (same values, so its builders apply; DX is empty
 # here); one per received piece: GLANDED (rows arrived), GRED (every expert input gradient
@@ -77,21 +77,11 @@ def lower_dedup_backward(plan: RoutingPlan, tiles: TileSpec, ranks: tuple[int, .
     ``recompute``: what it finds kept (``backward.lower_backward``'s); ``layout``:
     ``make_dedup_layout(plan, tiles)`` when the caller has it already."""
     kept = as_kept(recompute)
-    ranks, sel = select_ranks(plan.par.ep, ranks)
+    _, sel = select_ranks(plan.par.ep, ranks)
     d = layout or make_dedup_layout(plan, tiles)
     events = dedup_backward_events(d)
     every = _Lowering(Lowering(d.base, events, np.ones(plan.par.ep, bool), kept), d, tiles)
-    blocks = [make(every) for make in _PHASES]
-    builder = GraphBuilder(plan.par.ep, ranks)
-    for blk in blocks:
-        builder.add(_only(blk, sel))
-    ptr = np.concatenate([[0], np.cumsum(events.offset[:, -1])])
-    got = np.zeros(int(ptr[-1]), np.int64)
-    for blk in blocks:
-        np.add.at(got, ptr[blk.sig_rank] + blk.sig_event, 1)
-    for r in ranks:
-        builder.set_events(r, got[ptr[r]:ptr[r + 1]])
-    return builder.freeze(dtype=plan.moe.dtype, events=events, nodes=plan.par.nodes)
+    return lower_graph(_PHASES, every, every, sel, events, plan.moe.dtype, plan.par.nodes)
 
 
 class _Lowering:
@@ -104,19 +94,6 @@ class _Lowering:
     @property
     def hidden(self) -> int:
         return self.d.base.plan.moe.hidden
-
-
-def _only(blk: TaskBlock, sel: np.ndarray) -> TaskBlock:
-    """The tasks of ``blk`` on the selected ranks, with their signals."""
-    keep = sel[blk.rank]
-    if keep.all():
-        return blk
-    sig_keep = np.repeat(keep, blk.sig_count)
-    cols = {name: getattr(blk, name)[keep] for name in ("rank", "peer", "expert", "row0", "row1", "col0",
-                                                         "col1", "dst_row0", "flops", "bytes", "link_bytes",
-                                                         "wait", "sig_count")}
-    return TaskBlock(kind=blk.kind, sig_rank=blk.sig_rank[sig_keep], sig_event=blk.sig_event[sig_keep],
-                     **cols)
 
 
 # ------------------------------------------------------------------ dy out, gradients back
@@ -182,18 +159,13 @@ def _partial_reduce(dl: _Lowering) -> TaskBlock:
                       wait=ev.base(p.dst, E.GRED) + p.rlocal, sig_event=ev.base(p.dst, E.GPART) + p.rlocal)
 
 
-def _per_expert(make: Callable[[Lowering], TaskBlock]) -> Callable[[_Lowering], TaskBlock]:
-    """A builder of the per-expert backward applied to the dedup lowering."""
-    return lambda dl: make(dl.low)
-
-
+_E = dd.on_experts  # a builder of the per-expert backward on this lowering
 _PHASES = (_forward(dd._permute), _forward(dd._hop_dispatch), _forward(dd._relay_pack),
-           _forward(dd._dispatch), _expand, _per_expert(bw._recompute),
-           _per_expert(bw._dgrad_down), _per_expert(bw._swiglu_bwd), _dgrad_up, _router_grad, _partial_reduce,
-           _forward(dd._combine), _router_back(dd._combine, TaskKind.ROUTER_COMBINE),
+           _forward(dd._dispatch), _expand, _E(bw._recompute), _E(bw._dgrad_down), _E(bw._swiglu_bwd),
+           _dgrad_up, _router_grad, _partial_reduce, _forward(dd._combine),
+           _router_back(dd._combine, TaskKind.ROUTER_COMBINE),
            _forward(dd._node_reduce), _forward(dd._hop_combine),
-           _router_back(dd._hop_combine, TaskKind.HOP_ROUTER_COMBINE),
-           _per_expert(bw._wgrad_down), _per_expert(bw._wgrad_up),
-           *(_per_expert(make) for make in (bw._shared_dgrad_down, bw._shared_swiglu_bwd, bw._shared_dgrad_up,
-                                            bw._shared_wgrad_down, bw._shared_wgrad_up)),
+           _router_back(dd._hop_combine, TaskKind.HOP_ROUTER_COMBINE), _E(bw._wgrad_down), _E(bw._wgrad_up),
+           *(_E(make) for make in (bw._shared_dgrad_down, bw._shared_swiglu_bwd, bw._shared_dgrad_up,
+                                   bw._shared_wgrad_down, bw._shared_wgrad_up)),
            _forward(dd._partial_sum))

@@ -26,12 +26,12 @@ import enum
 import numpy as np
 
 from ..ir.events import EventLayout
-from ..ir.graph import GraphBuilder, TaskBlock, TaskKind
-from .layout import ceil_div
+from ..ir.graph import TaskBlock, TaskKind
 from .slots import (
     ExpertTasks,
     SlotPlan,
     SlotShape,
+    lower_slots,
     shared_gemm,
     shared_rows,
     slot_chunks,
@@ -39,7 +39,7 @@ from .slots import (
     slot_tasks,
     token_sums,
 )
-from .tiles import col_tiles, ntiles, row_chunks, task_block
+from .tiles import col_tiles, row_chunks, task_block
 
 
 class SlotBackwardEvent(enum.IntEnum):
@@ -59,26 +59,9 @@ def slot_backward_events(shape: SlotShape) -> EventLayout:
     return EventLayout.from_sizes(E, np.array([[s * c, s, s, s, s, 1, 1, b, b, 1 if b else 0]]))
 
 
-def slot_backward_thresholds(shape: SlotShape) -> np.ndarray:
-    """Thresholds of the per-shape backward's events: the same for every routing."""
-    moe, tiles, s, c = shape.moe, shape.tiles, shape.slots, shape.chunks
-    _, r0, r1 = shared_rows(shape)
-    chunks = ceil_div(r1 - r0, tiles.rows)
-    shared = [np.full(len(r0), ntiles(moe.shared_ffn, tiles)), chunks, [int(chunks.sum())] if len(r0) else []]
-    parts = [np.ones(s * c), np.full(s, c), np.full(s, ntiles(moe.ffn, tiles)), np.full(s, c),
-             np.full(s, ntiles(moe.hidden, tiles)), [s * c],
-             [s * c + len(r0) * ntiles(moe.hidden, tiles)], *shared]
-    return np.concatenate([np.asarray(p, np.int64) for p in parts])
-
-
 def plan_slot_backward(shape: SlotShape) -> SlotPlan:
     """The per-shape backward plan of ``shape`` (a pure function of it)."""
-    ev = slot_backward_events(shape)
-    builder = GraphBuilder(1, (0,))
-    for make in _PHASES:
-        builder.add(make(shape, ev))
-    builder.set_events(0, slot_backward_thresholds(shape))
-    graph = builder.freeze(dtype=shape.moe.dtype, events=ev)
+    graph = lower_slots(shape, _PHASES, slot_backward_events(shape))
     kinds = [TaskKind.GRAD_PERMUTE, TaskKind.GRAD_DISPATCH, TaskKind.DGRAD_DOWN, TaskKind.SWIGLU_BWD,
              TaskKind.DGRAD_UP, TaskKind.GRAD_COMBINE]
     return SlotPlan(shape=shape, graph=graph,

@@ -28,15 +28,17 @@ Only EP = 1 (one device's region) is built here.
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..ir.events import EventLayout
-from ..ir.graph import GraphBuilder, TaskBlock, TaskGraph, TaskKind
+from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..spec import DispatchMode, MoESpec, TileSpec
 from .layout import ceil_div
-from .tiles import col_tiles, ntiles, row_chunks, task_block
+from .tiles import col_tiles, lower_graph, row_chunks, task_block
 
 
 @dataclass(frozen=True)
@@ -152,30 +154,19 @@ def slot_events(shape: SlotShape) -> EventLayout:
     return EventLayout.from_sizes(SlotEvent, np.array([[s * shape.chunks, s, s, s, s, 1, b, b]]))
 
 
-def slot_thresholds(shape: SlotShape) -> np.ndarray:
-    """Thresholds of the per-shape forward's events: the same for every routing."""
-    moe, tiles, s, c = shape.moe, shape.tiles, shape.slots, shape.chunks
-    blocks = shape.shared_blocks
-    shared_rows = np.minimum(np.arange(1, blocks + 1) * tiles.gemm_rows, shape.tokens) \
-        - np.arange(blocks) * tiles.gemm_rows
-    out = s * c + blocks * ntiles(moe.hidden, tiles)
-    parts = [np.ones(s * c), np.full(s, c), np.full(s, ntiles(2 * moe.ffn, tiles)), np.full(s, c),
-             np.full(s, ntiles(moe.hidden, tiles)), [out],
-             np.full(blocks, ntiles(2 * moe.shared_ffn, tiles)), ceil_div(shared_rows, tiles.rows)]
-    return np.concatenate([np.asarray(p, np.int64) for p in parts])
-
-
 def plan_slots(shape: SlotShape) -> SlotPlan:
     """The per-shape forward plan of ``shape`` (a pure function of it)."""
-    ev = slot_events(shape)
-    builder = GraphBuilder(1, (0,))
-    blocks = [make(shape, ev) for make in _PHASES]
-    for blk in blocks:
-        builder.add(blk)
-    builder.set_events(0, slot_thresholds(shape))
-    graph = builder.freeze(dtype=shape.moe.dtype, events=ev)
+    graph = lower_slots(shape, _PHASES, slot_events(shape))
     return SlotPlan(shape=shape, graph=graph, slot_tasks=slot_tasks(shape, graph, _SLOT_KINDS, _EXPERT_GEMMS),
                     expert_tasks=ExpertTasks.of(graph, []))
+
+
+def lower_slots(shape: SlotShape, phases: Sequence[Callable[[SlotShape, EventLayout], TaskBlock]],
+                events: EventLayout) -> TaskGraph:
+    """The graph of a per-shape plan's ``phases`` (its one rank), every threshold static:
+    tasks at capacity all signal, whatever the routing."""
+    return lower_graph([functools.partial(make, shape) for make in phases], events, events, np.ones(1, bool),
+                       events, shape.moe.dtype)
 
 
 _SLOT_KINDS = [TaskKind.PERMUTE, TaskKind.DISPATCH, TaskKind.GEMM_UP, TaskKind.SWIGLU, TaskKind.GEMM_DOWN,

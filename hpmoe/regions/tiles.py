@@ -8,12 +8,15 @@ list of its builders in phase order.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import numpy as np
+import torch
 
 from ..ir.events import EventLayout
-from ..ir.graph import TaskBlock, TaskKind
+from ..ir.graph import IS_PUT, GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..spec import TileSpec
 from .base import Kept
 from .layout import Layout, ceil_div, expand
@@ -22,23 +25,33 @@ from .layout import Layout, ceil_div, expand
 @dataclass(frozen=True)
 class Lowering:
     """What every builder reads: the layout, the event ids, the selected ranks
-    ([ep] bool) and, for backward, what it finds kept (``base.Kept``)."""
+    ([ep] bool), for backward what it finds kept (``base.Kept``), and ``toward``: ranks
+    whose incoming puts are built too ([ep] bool; None: none)."""
 
     layout: Layout
     events: EventLayout
     sel: np.ndarray
     kept: Kept = Kept.ALL
+    toward: np.ndarray | None = None
 
     @property
     def esize(self) -> int:
         """Bytes per element of the layer's dtype."""
         return self.layout.plan.moe.dtype.itemsize
 
-    def only(self, rank: int) -> Lowering:
-        """The same lowering restricted to ``rank``."""
-        sel = np.zeros_like(self.sel)
-        sel[rank] = True
-        return Lowering(self.layout, self.events, sel, self.kept)
+    def picks(self, rank: np.ndarray, peer: np.ndarray) -> np.ndarray:
+        """Which puts (run by ``rank``, into ``peer``) this lowering builds."""
+        mine = self.sel[rank]
+        return mine if self.toward is None else mine | self.toward[peer]
+
+    def every(self) -> Lowering:
+        """The same lowering over every rank."""
+        return Lowering(self.layout, self.events, np.ones_like(self.sel), self.kept)
+
+    def incoming(self) -> Lowering:
+        """The puts of every rank into the selected ones, and nothing else: what the
+        selected ranks' thresholds count besides their own tasks' signals."""
+        return Lowering(self.layout, self.events, np.zeros_like(self.sel), self.kept, toward=self.sel)
 
 
 def select_ranks(ep: int, ranks: tuple[int, ...] | None) -> tuple[tuple[int, ...], np.ndarray]:
@@ -49,6 +62,43 @@ def select_ranks(ep: int, ranks: tuple[int, ...] | None) -> tuple[tuple[int, ...
     sel = np.zeros(ep, bool)
     sel[list(ranks)] = True
     return ranks, sel
+
+
+L = TypeVar("L")
+
+
+def lower_graph(phases: Sequence[Callable[[L], TaskBlock]], low: L, every: L, sel: np.ndarray,
+                events: EventLayout, dtype: torch.dtype, nodes: int = 1) -> TaskGraph:
+    """The task graph of the selected ranks (``sel``, [ep] bool): each phase's tasks on
+    them, in phase order (so that task-id order is itself a valid serial execution order),
+    and each event's threshold the number of signals it receives.  A task signals its own
+    rank's events, a put its peer's: short of every rank, the puts are counted from
+    ``every``, a lowering that builds (at least) every put into the selected ranks.  A
+    phase may build tasks of other ranks too; they are left out."""
+    ptr = np.concatenate([[0], np.cumsum(events.offset[:, -1])])
+    ranks = tuple(int(r) for r in np.flatnonzero(sel))
+    builder, signalled = GraphBuilder(len(sel), ranks), []
+    for make in phases:
+        blk = make(low)
+        counted = make(every) if IS_PUT[blk.kind] and not sel.all() else blk
+        signalled.append(ptr[counted.sig_rank] + counted.sig_event)
+        builder.add(only_ranks(blk, sel))
+    got = np.bincount(np.concatenate(signalled), minlength=int(ptr[-1]))
+    for r in ranks:
+        builder.set_events(r, got[ptr[r]:ptr[r + 1]])
+    return builder.freeze(dtype=dtype, events=events, nodes=nodes)
+
+
+def only_ranks(blk: TaskBlock, sel: np.ndarray) -> TaskBlock:
+    """The tasks of ``blk`` on the selected ranks, with their signals."""
+    keep = sel[blk.rank]
+    if keep.all():
+        return blk
+    sig_keep = np.repeat(keep, blk.sig_count)
+    cols = {f.name: getattr(blk, f.name)[keep] for f in fields(TaskBlock)
+            if f.name not in ("kind", "sig_rank", "sig_event")}
+    return TaskBlock(kind=blk.kind, sig_rank=blk.sig_rank[sig_keep], sig_event=blk.sig_event[sig_keep],
+                     **cols)
 
 
 def ntiles(width: int, tiles: TileSpec) -> int:
@@ -205,7 +255,42 @@ def signal_token_tiles(blk: TaskBlock, low: Lowering, category: enum.IntEnum) ->
     return blk
 
 
-def signals_per_token_tile(blk: TaskBlock, low: Lowering, category: enum.IntEnum) -> np.ndarray:
-    """How many signals of ``blk`` (built for rank 0 alone) reach each of rank 0's
-    token tiles of ``category``."""
-    return np.bincount(blk.sig_event - low.events.base(0, category), minlength=low.layout.token_tiles)
+# ------------------------------------------------------------------ every forward's expert phases
+# Each reads its event categories by name from the region's enum (``low.events.categories``):
+# ROWS, H, A one per GEMM block; SH, SA one per shared block; OUT one per token tile.
+
+def gemm_up(low: Lowering) -> TaskBlock:
+    e, moe = low.events.categories, low.layout.plan.moe
+    return block_gemm(TaskKind.GEMM_UP, low, 2 * moe.ffn, moe.hidden, e.ROWS, e.H)
+
+
+def swiglu(low: Lowering) -> TaskBlock:
+    b, ev, e = low.layout.blocks, low.events, low.events.categories
+    i, r0, r1 = block_chunks(low)
+    moe = low.layout.plan.moe
+    return elementwise_chunks(TaskKind.SWIGLU, low, b.rank[i], r0, r1, moe.ffn, passes=3,
+                              flops=moe.glu.flops, expert=b.expert[i],
+                              wait=ev.base(b.rank[i], e.H) + b.local[i],
+                              sig_event=ev.base(b.rank[i], e.A) + b.local[i])
+
+
+def shared_up(low: Lowering) -> TaskBlock:
+    moe = low.layout.plan.moe
+    sh = low.events.categories.SH
+    return shared_gemm(TaskKind.SHARED_UP, low, 2 * moe.shared_ffn, moe.hidden, None, sh)
+
+
+def shared_swiglu(low: Lowering) -> TaskBlock:
+    rank, b, c0, c1 = shared_chunks(low)
+    ev, e = low.events, low.events.categories
+    return elementwise_chunks(TaskKind.SHARED_SWIGLU, low, rank, c0, c1, low.layout.plan.moe.shared_ffn,
+                              passes=3, flops=5.0, wait=ev.base(rank, e.SH) + b,
+                              sig_event=ev.base(rank, e.SA) + b)
+
+
+def shared_down(low: Lowering) -> TaskBlock:
+    """The shared experts' down GEMM tiles, each signalling the token tiles its rows overlap."""
+    moe, e = low.layout.plan.moe, low.events.categories
+    blk = shared_gemm(TaskKind.SHARED_DOWN, low, moe.hidden, moe.shared_ffn, e.SA, None)
+    return signal_token_tiles(blk, low, e.OUT)
+
