@@ -69,3 +69,18 @@ def test_a_graph_without_events_verifies():
     g = chain_graph([-1, -1], [[], []], [])
     verify_graph(g)
     assert sorted(random_order(g, 0).tolist()) == [0, 1]
+
+
+def test_an_extended_event_enum_keeps_its_bases_values_and_pickles():
+    import pickle
+
+    from hpmoe.regions.dedup import DedupEvent
+    from hpmoe.regions.dedup_backward import DedupBackwardEvent
+    from hpmoe.regions.forward import ForwardEvent
+
+    for e in ForwardEvent:
+        assert DedupEvent[e.name] == e.value
+    assert DedupEvent.LANDED == len(ForwardEvent)
+    assert DedupBackwardEvent.PERM is DedupBackwardEvent.GPERM  # an alias names the same category
+    for member in (DedupEvent.HDONE, DedupBackwardEvent.GLANDED):
+        assert pickle.loads(pickle.dumps(member)) is member

@@ -25,7 +25,7 @@ from ..ir.verify import random_order
 from ..regions.base import Region
 from ..regions.dedup_kernels import DedupBuffers
 from ..regions.family import region_family
-from ..regions.kernels import FORWARD, ForwardBuffers, RankContext
+from ..regions.kernels import FORWARD, ForwardBuffers, RankContext, expert_fields
 from ..regions.slot_routing import SlotRouting, live_rows, resolve_slots
 from ..regions.slots import SlotPlan
 from ..routing import Routing, RoutingPlan, check_input, plan_routing
@@ -175,11 +175,5 @@ def resolved_graph(plan: SlotPlan, slots: SlotRouting) -> TaskGraph:
 def slot_buffers(x: torch.Tensor, spec: MoESpec, capacity: int) -> ForwardBuffers:
     """One rank's forward buffers for ``x`` [T, H] whose permuted buffers hold the
     ``capacity`` rows of a slot layout (uninitialised)."""
-    t, h, f, fs = x.shape[0], spec.hidden, spec.ffn, spec.shared_ffn
-
-    def new(rows: int, cols: int) -> torch.Tensor:
-        return torch.empty(rows, cols, dtype=x.dtype, device=x.device)
-
-    return ForwardBuffers(x=x, send=new(capacity, h), recv=new(capacity, h), h=new(capacity, 2 * f),
-                          a=new(capacity, f), y=new(capacity, h), comb=new(capacity, h), out=new(t, h),
-                          sh=new(t, 2 * fs), sa=new(t, fs), so=new(t, h))
+    comb = torch.empty(capacity, spec.hidden, dtype=spec.dtype, device=x.device)
+    return ForwardBuffers(**expert_fields(x, spec, capacity, capacity), comb=comb)

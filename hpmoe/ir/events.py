@@ -8,7 +8,7 @@ rank computes its peers' event ids without asking them.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,3 +54,16 @@ class EventLayout:
             return f"event r{rank}:{event} (schedule barrier)"
         k = int(np.searchsorted(self.offset[rank], event, side="right")) - 1
         return f"event r{rank}:{event} ({self.categories(k).name} {event - int(self.offset[rank, k])})"
+
+
+def extended(name: str, module: str, base: type[enum.IntEnum], extra: Sequence[str],
+             aliases: Mapping[str, str] | None = None) -> type[enum.IntEnum]:
+    """An event enum ``name`` of ``module`` (where pickle finds it): ``base``'s categories
+    with their values (so the builders of ``base``'s region apply), then ``extra``;
+    ``aliases``: more names of its categories (alias -> category), under which builders
+    written for another enum find them."""
+    values = {e.name: e.value for e in base}
+    values |= {n: len(values) + i for i, n in enumerate(extra)}
+    members = [*values.items(), *((a, values[n]) for a, n in (aliases or {}).items())]
+    return enum.IntEnum(name, members, module=module)
+

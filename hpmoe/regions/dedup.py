@@ -42,11 +42,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir.events import EventLayout
+from ..ir.events import EventLayout, extended
 from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import TileSpec
 from .dedup_layout import DedupLayout, DedupPieces, make_dedup_layout, pair_pieces
+from .forward import ForwardEvent
 from .layout import expand
 from .tiles import (
     Lowering,
@@ -68,39 +69,40 @@ PER_RANK_KINDS = frozenset({TaskKind.EXPAND, TaskKind.PARTIAL_REDUCE, TaskKind.P
 """Task kinds only the per-rank (and per-node) forward has."""
 
 
-class DedupEvent(enum.IntEnum):
-    """Event categories of a rank: ROWS, H, A one per GEMM block; LANDED, RED, PART
-    one per piece received (rows arrived; every expert output of its rows ready; its
-    partials written); OUT one per token tile; SH, SA one per shared block; PERM one
-    per piece sent (delivery pieces, then hop pieces).  Under ``PER_NODE``: HOP one
-    per delivery piece sent (every hop piece a forwarded one gathers from arrived);
-    HRED, HDONE one per hop piece received (every partial of its rows is back; its
-    node partials written)."""
-
-    ROWS, H, A, LANDED, RED, PART, OUT, SH, SA, PERM, HOP, HRED, HDONE = range(13)
+DedupEvent = extended("DedupEvent", __name__, ForwardEvent, ("LANDED", "RED", "PART", "HOP", "HRED", "HDONE"))
+"""Event categories of a rank: the per-expert forward's (Y empty here: the GEMM_DOWN tiles
+signal the pieces they feed); one per piece received: LANDED (its rows arrived), RED
+(every expert output of its rows ready), PART (its partials written); under
+``PER_NODE``, HOP one per delivery piece sent (every hop piece a forwarded one gathers
+from arrived), HRED and HDONE one per hop piece received (every partial of its rows is
+back; its node partials written).  PERM: one per piece sent, delivery pieces then hops."""
 
 
 def dedup_events(d: DedupLayout) -> EventLayout:
     base = d.base
     nb, recv, hops, sb = base.blocks.count, d.pieces.per_dst, d.hop_pieces.per_dst, base.shared_blocks
     return EventLayout.from_columns(DedupEvent, base.plan.par.ep, [
-        nb, nb, nb, recv, recv, recv, base.token_tiles, sb, sb, d.pieces.per_src + d.hop_pieces.per_src,
-        d.pieces.per_src, hops, hops])
+        nb, nb, nb, 0, base.token_tiles, sb, sb, d.pieces.per_src + d.hop_pieces.per_src,
+        recv, recv, recv, d.pieces.per_src, hops, hops])
 
 
 @dataclass(frozen=True)
 class DedupLowering:
     """A ``Lowering`` over the per-expert layout plus the deduplicated layout.  The
-    builders that move rows (permute, puts, relays, partial sum) name their events
-    through ``names`` (an event enum with PERM, HOP, LANDED, PART, HRED, HDONE, OUT
-    members) and their kinds through ``kinds`` (forward kind -> this region's), so the
-    backward lowering reuses them."""
+    builders that move rows (permute, puts, relays, partial sum) name their events by
+    name in the region's enum (``e``: PERM, HOP, LANDED, PART, HRED, HDONE, OUT) and
+    their kinds through ``kinds`` (forward kind -> this region's), so the backward
+    lowering reuses them."""
 
     low: Lowering
     d: DedupLayout
     partial_size: int  # bytes per element of the partials on the wire
-    names: type[enum.IntEnum] = DedupEvent
     kinds: Mapping[TaskKind, TaskKind] = field(default_factory=dict)
+
+    @property
+    def e(self) -> type[enum.IntEnum]:
+        """The region's event categories."""
+        return self.low.events.categories
 
     def kind(self, k: TaskKind) -> TaskKind:
         return self.kinds.get(k, k)
@@ -140,7 +142,7 @@ def _permute(dl: DedupLowering) -> TaskBlock:
     rank, row0 = np.concatenate([p.src[i], hp.src[j]]), np.concatenate([p.send_row0[i], hp.send_row0[j]])
     rows, local = np.concatenate([p.rows[i], hp.rows[j]]), np.concatenate([p.local[i], hp.local[j]])
     return task_block(dl.kind(TaskKind.PERMUTE), rank, row0, row0 + rows,
-                      bytes=2 * rows * dl.row_bytes, sig_event=low.events.base(rank, dl.names.PERM) + local)
+                      bytes=2 * rows * dl.row_bytes, sig_event=low.events.base(rank, dl.e.PERM) + local)
 
 
 def _hop_dispatch(dl: DedupLowering) -> TaskBlock:
@@ -153,9 +155,9 @@ def _hop_dispatch(dl: DedupLowering) -> TaskBlock:
     fp = d.fwd_feed[feed]
     return task_block(TaskKind.HOP_DISPATCH, hp.src[i], hp.send_row0[i], hp.send_row0[i] + hp.rows[i],
                       peer=hp.dst[i], dst_row0=hp.recv_row0[i],
-                      wait=ev.base(hp.src[i], dl.names.PERM) + hp.local[i],
+                      wait=ev.base(hp.src[i], dl.e.PERM) + hp.local[i],
                       sig_count=np.bincount(np.searchsorted(i, d.hop_feed[feed]), minlength=len(i)),
-                      sig_rank=p.src[fp], sig_event=ev.base(p.src[fp], dl.names.HOP) + p.local[fp],
+                      sig_rank=p.src[fp], sig_event=ev.base(p.src[fp], dl.e.HOP) + p.local[fp],
                       **_put_bytes(hp, i, dl.row_bytes))
 
 
@@ -164,8 +166,8 @@ def _relay_pack(dl: DedupLowering) -> TaskBlock:
     p, ev = dl.d.pieces, dl.low.events
     i = np.flatnonzero(dl.low.sel[p.src] & p.fwd)
     return task_block(TaskKind.RELAY_PACK, p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
-                      bytes=2 * p.rows[i] * dl.row_bytes, wait=ev.base(p.src[i], dl.names.HOP) + p.local[i],
-                      sig_event=ev.base(p.src[i], dl.names.PERM) + p.local[i])
+                      bytes=2 * p.rows[i] * dl.row_bytes, wait=ev.base(p.src[i], dl.e.HOP) + p.local[i],
+                      sig_event=ev.base(p.src[i], dl.e.PERM) + p.local[i])
 
 
 def _dispatch(dl: DedupLowering) -> TaskBlock:
@@ -173,8 +175,8 @@ def _dispatch(dl: DedupLowering) -> TaskBlock:
     i = np.flatnonzero(dl.low.sel[p.src])
     return task_block(dl.kind(TaskKind.DISPATCH), p.src[i], p.send_row0[i], p.send_row0[i] + p.rows[i],
                       peer=p.dst[i], dst_row0=p.recv_row0[i], sig_rank=p.dst[i],
-                      wait=ev.base(p.src[i], dl.names.PERM) + p.local[i],
-                      sig_event=ev.base(p.dst[i], dl.names.LANDED) + p.rlocal[i],
+                      wait=ev.base(p.src[i], dl.e.PERM) + p.local[i],
+                      sig_event=ev.base(p.dst[i], dl.e.LANDED) + p.rlocal[i],
                       **_put_bytes(p, i, dl.row_bytes))
 
 
@@ -194,7 +196,7 @@ def _partial_sum(dl: DedupLowering) -> TaskBlock:
     return task_block(TaskKind.PARTIAL_SUM, rank, r0, r1, col1=np.full(len(rank), h),
                       flops=(terms + shared) * h,
                       bytes=(terms * dl.partial_size + (shared + m) * low.esize) * h,
-                      wait=low.events.base(rank, dl.names.OUT) + t)
+                      wait=low.events.base(rank, dl.e.OUT) + t)
 
 
 # ------------------------------------------------------------------ destination side
@@ -265,12 +267,12 @@ def _combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
     direct = ~pairs.fwd
     key = np.unique(pair_pieces(p)[direct] * tt + pairs.token[direct] // rows)
     piece = np.concatenate([key // tt, d.fwd_feed])
-    event = np.concatenate([ev.base(p.src[key // tt], dl.names.OUT) + key % tt,
-                            ev.base(hp.dst[d.hop_feed], dl.names.HRED) + hp.rlocal[d.hop_feed]])
+    event = np.concatenate([ev.base(p.src[key // tt], dl.e.OUT) + key % tt,
+                            ev.base(hp.dst[d.hop_feed], dl.e.HRED) + hp.rlocal[d.hop_feed]])
     order = np.argsort(piece, kind="stable")
     piece, event = piece[order], event[order]
     keep = dl.low.sel[p.dst[piece]]
-    return _return_put(dl, TaskKind.COMBINE, p, i, dl.names.PART, piece[keep], event[keep], row_bytes)
+    return _return_put(dl, TaskKind.COMBINE, p, i, dl.e.PART, piece[keep], event[keep], row_bytes)
 
 
 def _return_put(dl: DedupLowering, kind: TaskKind, p: DedupPieces, i: np.ndarray, after: enum.IntEnum,
@@ -298,8 +300,8 @@ def _node_reduce(dl: DedupLowering) -> TaskBlock:
     return task_block(TaskKind.NODE_REDUCE, hp.dst[i], hp.recv_row0[i], hp.recv_row0[i] + hp.rows[i],
                       col1=np.full(len(i), h), flops=terms * h,
                       bytes=(terms + hp.rows[i]) * dl.partial_size * h,
-                      wait=ev.base(hp.dst[i], dl.names.HRED) + hp.rlocal[i],
-                      sig_event=ev.base(hp.dst[i], dl.names.HDONE) + hp.rlocal[i])
+                      wait=ev.base(hp.dst[i], dl.e.HRED) + hp.rlocal[i],
+                      sig_event=ev.base(hp.dst[i], dl.e.HDONE) + hp.rlocal[i])
 
 
 def _hop_combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
@@ -311,8 +313,8 @@ def _hop_combine(dl: DedupLowering, row_bytes: int | None = None) -> TaskBlock:
     piece, tile = key // tt, key % tt
     keep = dl.low.sel[hp.dst[piece]]
     piece, tile = piece[keep], tile[keep]
-    return _return_put(dl, TaskKind.HOP_COMBINE, hp, i, dl.names.HDONE, piece,
-                       ev.base(hp.src[piece], dl.names.OUT) + tile, row_bytes)
+    return _return_put(dl, TaskKind.HOP_COMBINE, hp, i, dl.e.HDONE, piece,
+                       ev.base(hp.src[piece], dl.e.OUT) + tile, row_bytes)
 
 
 def on_experts(make: Callable[[Lowering], TaskBlock]) -> Callable[[DedupLowering], TaskBlock]:

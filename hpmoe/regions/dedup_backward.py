@@ -30,13 +30,12 @@ Every threshold is the number of signals its event receives from the graph of ev
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
-from ..ir.events import EventLayout
+from ..ir.events import EventLayout, extended
 from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import TileSpec
@@ -47,17 +46,14 @@ from .dedup import DedupLowering, signal_fed_pieces
 from .dedup_layout import DedupLayout, make_dedup_layout
 from .tiles import Lowering, block_gemm, lower_graph, select_ranks, task_block
 
-# The per-expert backward's categories (same values, so its builders apply; DX is empty
-# here); one per received piece: GLANDED (rows arrived), GRED (every expert input gradient
-# of its rows ready), GPART (its partials and router gradients written); as in the forward,
-# HOP one per delivery piece sent, HRED and HDONE one per hop piece received.  PERM, LANDED,
-# PART and OUT name GPERM, GLANDED, GPART and GOUT for the forward's builders.
-_EXTRA = ("GLANDED", "GRED", "GPART", "HOP", "HRED", "HDONE")
-_ALIASES = {"PERM": "GPERM", "LANDED": "GLANDED", "PART": "GPART", "OUT": "GOUT"}
-_VALUES = {e.name: e.value for e in bw.BackwardEvent}
-_VALUES |= {n: len(_VALUES) + i for i, n in enumerate(_EXTRA)}
-DedupBackwardEvent = enum.IntEnum("DedupBackwardEvent", [*_VALUES.items(),
-                                                         *((a, _VALUES[n]) for a, n in _ALIASES.items())])
+DedupBackwardEvent = extended("DedupBackwardEvent", __name__, bw.BackwardEvent,
+                              ("GLANDED", "GRED", "GPART", "HOP", "HRED", "HDONE"),
+                              {"PERM": "GPERM", "LANDED": "GLANDED", "PART": "GPART", "OUT": "GOUT"})
+"""The per-expert backward's categories (DX empty here); one per received piece: GLANDED
+(rows arrived), GRED (every expert input gradient of its rows ready), GPART (its partials
+and router gradients written); as in the forward, HOP one per delivery piece sent, HRED
+and HDONE one per hop piece received.  PERM, LANDED, PART and OUT name GPERM, GLANDED,
+GPART and GOUT for the forward's builders."""
 
 E = DedupBackwardEvent
 
@@ -89,7 +85,7 @@ class _Lowering:
 
     def __init__(self, low: Lowering, d: DedupLayout, tiles: TileSpec):
         self.low, self.d, self.partial_size = low, d, tiles.partial_dtype.itemsize
-        self.fwd = DedupLowering(low, d, self.partial_size, DedupBackwardEvent, _GRAD_KINDS)
+        self.fwd = DedupLowering(low, d, self.partial_size, _GRAD_KINDS)
 
     @property
     def hidden(self) -> int:

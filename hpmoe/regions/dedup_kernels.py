@@ -21,58 +21,42 @@ from ..weights import ExpertWeights, Rows
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .dedup import lower_dedup
 from .dedup_layout import DedupLayout, make_dedup_layout
-from .kernels import KERNELS
+from .kernels import KERNELS, ExpertBuffers, expert_fields
 
 
-@dataclass
-class DedupBuffers:
-    """One rank's buffers.  Symmetric: ``drecv`` [Rd, H] (one row per (token, this
-    rank) delivered here), ``pcomb`` [Sd, H] partial dtype (one partial per send row)
-    and ``hrecv`` [Hr, H] (one row per hop relayed by this rank).  x, out, so [T, H];
-    send [Sd, H] (delivered rows, then hops); recv, y [R, H] per-expert rows; h [R, 2F];
-    a [R, F]; part [Rd, H] and nred [Hr, H] partial dtype; sh [T, 2Fs]; sa [T, Fs]."""
+@dataclass(kw_only=True)
+class DedupBuffers(ExpertBuffers):
+    """One rank's deduplicated forward buffers (``ExpertBuffers``; send [Sd, H]: delivered
+    rows, then hops).  Symmetric: ``drecv`` [Rd, H] (one row per (token, this rank)
+    delivered here), ``pcomb`` [Sd, H] partial dtype (one partial per send row) and
+    ``hrecv`` [Hr, H] (one row per hop relayed by this rank).  part [Rd, H] and nred
+    [Hr, H] partial dtype."""
 
     SYMMETRIC: ClassVar[tuple[str, ...]] = ("drecv", "pcomb", "hrecv")
 
-    x: torch.Tensor
-    send: torch.Tensor
     drecv: torch.Tensor
-    recv: torch.Tensor
-    h: torch.Tensor
-    a: torch.Tensor
-    y: torch.Tensor
     part: torch.Tensor
     pcomb: torch.Tensor
     hrecv: torch.Tensor
     nred: torch.Tensor
-    out: torch.Tensor
-    sh: torch.Tensor
-    sa: torch.Tensor
-    so: torch.Tensor
 
     @staticmethod
     def allocate(x: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int,
                  symmetric: Mapping[str, torch.Tensor] | None = None) -> DedupBuffers:
         """Buffers of ``rank`` holding its tokens ``x`` [T, H]; ``symmetric`` may supply
         the symmetric fields (views of a symmetric heap)."""
-        out = DedupBuffers._new(x, d, tiles, rank)
-        return replace(out, **dict(symmetric or {}))
-
-    @staticmethod
-    def _new(x: torch.Tensor, d: DedupLayout, tiles: TileSpec, rank: int) -> DedupBuffers:
         plan = d.base.plan
-        moe = plan.moe
-        t, r, h, f, fs = x.shape[0], plan.recv_rows(rank), moe.hidden, moe.ffn, moe.shared_ffn
+        moe, sym = plan.moe, dict(symmetric or {})
         sd, rd, hr = int(d.send_rows[rank]), int(d.pairs.per_dst[rank]), int(d.hops.per_dst[rank])
 
-        def new(*shape: int, dtype: torch.dtype = moe.dtype) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=x.device)
+        def new(name: str, rows: int, dtype: torch.dtype = moe.dtype) -> torch.Tensor:
+            made = sym.get(name)
+            return torch.empty(rows, moe.hidden, dtype=dtype, device=x.device) if made is None else made
 
-        return DedupBuffers(x=x, send=new(sd, h), drecv=new(rd, h), recv=new(r, h), h=new(r, 2 * f),
-                            a=new(r, f), y=new(r, h), part=new(rd, h, dtype=tiles.partial_dtype),
-                            pcomb=new(sd, h, dtype=tiles.partial_dtype), hrecv=new(hr, h),
-                            nred=new(hr, h, dtype=tiles.partial_dtype), out=new(t, h),
-                            sh=new(t, 2 * fs), sa=new(t, fs), so=new(t, h))
+        pd = tiles.partial_dtype
+        return DedupBuffers(**expert_fields(x, moe, sd, plan.recv_rows(rank)), drecv=new("drecv", rd),
+                            part=new("part", rd, pd), pcomb=new("pcomb", sd, pd), hrecv=new("hrecv", hr),
+                            nred=new("nred", hr, pd))
 
 
 @dataclass

@@ -16,19 +16,17 @@ import torch
 from ..ir.graph import TaskKind, Tile
 from ..refs import gated, topk_sum
 from ..routing import Routing, RoutingPlan
-from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
+from ..spec import PLAIN_GLU, Activation, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights, Rows
 from .base import PutSpec, Region, RegionKind, ShapeMap
 from .forward import lower_forward
 
 
-@dataclass
-class ForwardBuffers:
-    """One rank's forward buffers.  ``recv`` and ``comb`` are the symmetric ones:
-    peers put into them.  Shapes: x, out, so [T, H]; send, comb [T*k, H];
-    recv, y [R, H]; h [R, 2F]; a [R, F]; sh [T, 2Fs]; sa [T, Fs] (R = rows received)."""
-
-    SYMMETRIC: ClassVar[tuple[str, ...]] = ("recv", "comb")
+@dataclass(kw_only=True)
+class ExpertBuffers:
+    """What one rank's forward buffers hold in every family: x, out, so [T, H]; send the
+    rows it sends; recv, y [R, H] its experts' rows; h [R, 2F]; a [R, F]; sh [T, 2Fs];
+    sa [T, Fs] (R = rows its experts receive)."""
 
     x: torch.Tensor
     send: torch.Tensor
@@ -36,28 +34,47 @@ class ForwardBuffers:
     h: torch.Tensor
     a: torch.Tensor
     y: torch.Tensor
-    comb: torch.Tensor
     out: torch.Tensor
     sh: torch.Tensor
     sa: torch.Tensor
     so: torch.Tensor
+
+
+def expert_fields(x: torch.Tensor, moe: MoESpec, sent: int, received: int) -> dict[str, torch.Tensor]:
+    """``ExpertBuffers``' fields for tokens ``x`` [T, H], ``sent`` rows sent and
+    ``received`` rows its experts read, uninitialised (x itself)."""
+    t, h, f, fs = x.shape[0], moe.hidden, moe.ffn, moe.shared_ffn
+
+    def new(rows: int, cols: int) -> torch.Tensor:
+        return torch.empty(rows, cols, dtype=moe.dtype, device=x.device)
+
+    return {"x": x, "send": new(sent, h), "recv": new(received, h), "h": new(received, 2 * f),
+            "a": new(received, f), "y": new(received, h), "out": new(t, h), "sh": new(t, 2 * fs),
+            "sa": new(t, fs), "so": new(t, h)}
+
+
+@dataclass(kw_only=True)
+class ForwardBuffers(ExpertBuffers):
+    """One rank's per-expert forward buffers (``ExpertBuffers``; send [T*k, H]) and comb
+    [T*k, H], the expert outputs back at the source.  ``recv`` and ``comb`` are the
+    symmetric ones: peers put into them."""
+
+    SYMMETRIC: ClassVar[tuple[str, ...]] = ("recv", "comb")
+
+    comb: torch.Tensor
 
     @staticmethod
     def allocate(x: torch.Tensor, plan: RoutingPlan, rank: int,
                  recv: torch.Tensor | None = None, comb: torch.Tensor | None = None) -> ForwardBuffers:
         """Buffers for ``rank`` holding its tokens ``x`` [T, H]; ``recv``/``comb`` may
         be passed in (views of a symmetric heap), else they are allocated here."""
-        moe = plan.moe
-        t, r, k, h, f, fs = (x.shape[0], plan.recv_rows(rank), moe.top_k, moe.hidden, moe.ffn,
-                             moe.shared_ffn)
-
-        def new(*shape: int) -> torch.Tensor:
-            return torch.empty(*shape, dtype=moe.dtype, device=x.device)
-
-        return ForwardBuffers(x=x, send=new(t * k, h), recv=new(r, h) if recv is None else recv,
-                              h=new(r, 2 * f), a=new(r, f), y=new(r, h),
-                              comb=new(t * k, h) if comb is None else comb, out=new(t, h),
-                              sh=new(t, 2 * fs), sa=new(t, fs), so=new(t, h))
+        rows = x.shape[0] * plan.moe.top_k
+        fields = expert_fields(x, plan.moe, rows, plan.recv_rows(rank))
+        if recv is not None:
+            fields["recv"] = recv
+        if comb is None:
+            comb = torch.empty(rows, plan.moe.hidden, dtype=plan.moe.dtype, device=x.device)
+        return ForwardBuffers(**fields, comb=comb)
 
 
 @dataclass
