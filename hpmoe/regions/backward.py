@@ -40,7 +40,8 @@ from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
 from ..spec import PLAIN_GLU, TileSpec
 from .base import Kept, as_kept
-from .layout import Layout, make_layout, piece_token_tiles
+from .forward import return_puts
+from .layout import Layout, make_layout
 from .tiles import (
     Lowering,
     block_chunks,
@@ -126,15 +127,7 @@ def _grad_dispatch(low: Lowering) -> TaskBlock:
 
 
 def _grad_combine(low: Lowering) -> TaskBlock:
-    p, ev = low.layout.pieces, low.events
-    picked = low.picks(p.dst, p.src)
-    i = np.flatnonzero(picked)
-    piece, tt = piece_token_tiles(low.layout, picked)
-    return task_block(TaskKind.GRAD_COMBINE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
-                      peer=p.src[i], dst_row0=p.send_row0[i], wait=ev.base(p.dst[i], E.DX) + p.block[i],
-                      sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
-                      sig_rank=p.src[piece], sig_event=ev.base(p.src[piece], E.GOUT) + tt,
-                      **put_columns(low, i))
+    return return_puts(TaskKind.GRAD_COMBINE, low, E.DX, E.GOUT)
 
 
 # ------------------------------------------------------------------ experts: dgrad

@@ -86,15 +86,21 @@ def _dispatch(low: Lowering) -> TaskBlock:
 
 
 def _combine(low: Lowering) -> TaskBlock:
+    return return_puts(TaskKind.COMBINE, low, ForwardEvent.Y, ForwardEvent.OUT)
+
+
+def return_puts(kind: TaskKind, low: Lowering, after: enum.IntEnum, arrived: enum.IntEnum) -> TaskBlock:
+    """One put per piece back to its source (the expert's output rows, or their input
+    gradients), after its block's ``after`` event; each signals the ``arrived`` event of
+    every source token tile it carries rows of."""
     p, ev = low.layout.pieces, low.events
     picked = low.picks(p.dst, p.src)
     i = np.flatnonzero(picked)
     piece, tt = piece_token_tiles(low.layout, picked)
-    return task_block(TaskKind.COMBINE, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i],
-                      peer=p.src[i], dst_row0=p.send_row0[i],
-                      wait=ev.base(p.dst[i], ForwardEvent.Y) + p.block[i],
+    return task_block(kind, p.dst[i], p.recv_row0[i], p.recv_row0[i] + p.rows[i], peer=p.src[i],
+                      dst_row0=p.send_row0[i], wait=ev.base(p.dst[i], after) + p.block[i],
                       sig_count=np.bincount(np.searchsorted(i, piece), minlength=len(i)),
-                      sig_rank=p.src[piece], sig_event=ev.base(p.src[piece], ForwardEvent.OUT) + tt,
+                      sig_rank=p.src[piece], sig_event=ev.base(p.src[piece], arrived) + tt,
                       **put_columns(low, i))
 
 
