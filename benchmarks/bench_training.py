@@ -13,7 +13,7 @@ held between forward and backward (tensors autograd saves, the taskflow's
 
     .venv/bin/python benchmarks/bench_training.py [--preset small] [--tokens 4096]
         [--layers 1] [--virtual-ep 2 | --ep 2] [--steps 5] [--threads 1] [--backend kernel_by_kernel]
-        [--schedule task-order]
+        [--schedule task-order] [--modes hpmoe-permutation,hpmoe-gemm]
 
 With ``--ep N`` each mode runs on N gloo ranks on the runtime (per step, the slowest
 rank's time and the largest rank's peak are reported; saved bytes are the largest
@@ -201,6 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in fields(Setting):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    ap.add_argument("--modes", default=None, help=f"comma-separated modes to run (default: all of {MODES})")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "WHAT"), help="internal: one measurement")
     a = ap.parse_args()
     s = Setting(**{f.name: getattr(a, f.name) for f in fields(Setting)})
@@ -220,7 +221,13 @@ def main() -> None:
     peak = "peak RSS MiB (whole process)" if s.ep else "peak MiB (growth during the step)"
     print(f"| mode | step ms (median) | step ms (min) | {peak} | saved for backward MiB |")
     print("|---|---:|---:|---:|---:|")
-    for mode in MODES[1:] if s.ep else MODES:
+    modes = MODES[1:] if s.ep else MODES
+    if a.modes:
+        unknown = sorted(set(a.modes.split(",")) - set(modes))
+        if unknown:
+            ap.error(f"--modes: {unknown} not among {modes}")
+        modes = tuple(m for m in modes if m in a.modes.split(","))
+    for mode in modes:
         m = run(mode, s)
         print(f"| {m.mode} | {m.median_ms:.0f} | {m.min_ms:.0f} | {m.peak_mib:.1f} | {m.saved_mib:.1f} |",
               flush=True)
