@@ -80,7 +80,18 @@ def test_an_extended_event_enum_keeps_its_bases_values_and_pickles():
 
     for e in ForwardEvent:
         assert DedupEvent[e.name] == e.value
-    assert DedupEvent.LANDED == len(ForwardEvent)
+    assert len(ForwardEvent) == DedupEvent.LANDED
     assert DedupBackwardEvent.PERM is DedupBackwardEvent.GPERM  # an alias names the same category
     for member in (DedupEvent.HDONE, DedupBackwardEvent.GLANDED):
         assert pickle.loads(pickle.dumps(member)) is member
+
+
+def test_the_former_exec_program_lower_answers_with_a_deprecation_warning():
+    from hpmoe.exec.program import lower
+    from hpmoe.regions.kernels import FORWARD
+
+    plan = tiny_plan(RoutingKind.ZIPF, 2)
+    with pytest.warns(DeprecationWarning, match="Region.graph"):
+        old = lower(plan, FORWARD, TINY_TILES)
+    new = FORWARD.graph(plan, TINY_TILES, debug=True)
+    assert np.array_equal(old.kind, new.kind) and np.array_equal(old.threshold, new.threshold)

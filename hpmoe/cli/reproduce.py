@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from ..exec.program import lower
 from ..ir.graph import TaskGraph
 from ..regions import RegionKind, region
 from ..routing import RoutingKind, RoutingPlan, plan_routing, ranks_per_token, synthetic_routing
@@ -66,7 +65,7 @@ def reproduce_rows(args: argparse.Namespace, direction: RegionKind, ep: int, rou
     par = ParallelSpec(ep=ep, tokens_per_rank=args.tokens)
     ids = synthetic_routing(routing, moe, par, seed=args.seed).ids
     plan = plan_routing(ids, moe, par)
-    graph, paper = (lower(plan, region(direction), tiles) for tiles in (TileSpec(), paper_tiles(hardware)))
+    graph, paper = (region(direction).graph(plan, tiles) for tiles in (TileSpec(), paper_tiles(hardware)))
     base = {"direction": direction.value, "ep": ep, "routing": routing.value,
             "ranks_per_token": round(ranks_per_token(ids, moe, par), 3)}
     regions = [("full", lambda g: g)]

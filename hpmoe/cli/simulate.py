@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..exec.program import lower
 from ..ir.graph import TaskGraph
 from ..migration import Moves, adam_row
 from ..placement import starting_placement
@@ -104,7 +103,7 @@ def run_simulation(args: argparse.Namespace) -> SimRun:
     family = region_family(layer.tiles)
     layout = family.layout(layer.plan, layer.tiles)
     region = family.backward(layout, args.recompute) if args.backward else family.forward(layout)
-    graph = lower(layer.plan, region, layer.tiles)
+    graph = region.graph(layer.plan, layer.tiles)
     t1 = time.perf_counter()
     _progress(f"lowered {graph.num_tasks} tasks in {t1 - t0:.1f} s; scheduling ({args.schedule})")
     sched = schedule(graph, SchedulePolicy(args.schedule), hardware)

@@ -31,7 +31,7 @@ from ..regions.slots import SlotPlan
 from ..routing import Routing, RoutingPlan, check_input, plan_routing
 from ..spec import MoESpec, ParallelSpec, TileSpec
 from ..weights import ExpertWeights
-from .program import PeerView, lower, rank_program, task_calls
+from .program import PeerView, rank_program, task_calls
 
 DEFAULT_TILES = TileSpec()
 Order = Sequence[int] | np.ndarray | int | None
@@ -130,7 +130,7 @@ def prepare_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, e
     family = region_family(tiles)
     layout = family.layout(plan, tiles)
     region = family.forward(layout)
-    graph = lower(plan, region, tiles)
+    graph = region.graph(plan, tiles)
     xs = x.chunk(ep) if x.shape[0] else [x] * ep
     buffers = [family.forward_buffers(xs[r], layout, tiles, r) for r in range(ep)]
     contexts = [family.forward_context(weights, layout, family.rank_routing(routing, plan, r), r)

@@ -34,7 +34,6 @@ from ..routing import Routing, RoutingPlan
 from ..spec import MoESpec, TileSpec
 from ..weights import ExpertWeights, Rows, SlotGradients
 from .exact import DEFAULT_TILES, Order, execute_forward, resolved_graph, run_graph
-from .program import lower
 
 
 @dataclass
@@ -110,7 +109,7 @@ def _run(region: Region, plan: RoutingPlan, tiles: TileSpec, order: Order, buffe
     """Lower ``region``, run it in ``order`` over the ranks' buffers, and complete ``out``
     (whose expert rows the ranks wrote) with the replicas' scratch rows (``slots``) and
     the shared experts' rank sums."""
-    graph = lower(plan, region, tiles)
+    graph = region.graph(plan, tiles)
     if isinstance(order, int):
         order = random_order(graph, order)
     run_graph(graph, region, buffers, contexts, order)

@@ -1,16 +1,17 @@
 """The one compile path: a routing plan becomes what an executor runs.
 
-``lower`` lowers every rank's graph of a ``Region``; ``compile_region`` schedules it on a
-``HardwareModel``'s workers with a ``SchedulePolicy`` (and, in debug mode, proves
-the schedule deadlock-free); ``compile_program`` flattens one rank's part into a
-``RankProgram``: Python lists for the worker threads' hot loop.  The simulator, the
-exact executor, the multi-rank runtime and the GPU backend all start here.
+``Region.graph`` lowers every rank's graph of a region (AUTO's forecast reads it there,
+below this floor); ``compile_region`` schedules it on a ``HardwareModel``'s workers with
+a ``SchedulePolicy`` (and, in debug mode, proves the schedule deadlock-free);
+``compile_program`` flattens one rank's part into a ``RankProgram``: Python lists for the
+worker threads' hot loop.  The simulator, the exact executor, the multi-rank runtime and
+the GPU backend all start here.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -20,29 +21,19 @@ import torch
 from ..ir.analysis import gather_csr
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit, task_columns, tiles_of
 from ..ir.schedule import Schedule
+from ..ir.verify import debug_enabled
 from ..regions.base import Kernel, PutSpec, Region
 from ..routing import RoutingPlan
 from ..schedule import SchedulePolicy, schedule, verify_schedule
 from ..sim.hardware import HardwareModel
 from ..spec import TileSpec
 
-DEBUG_ENV = "HPMOE_DEBUG"  # "1": verify the graph and schedule of every compiled region
-
-
-def debug_enabled() -> bool:
-    """Whether ``HPMOE_DEBUG=1`` asks every compile to verify what it builds."""
-    return os.environ.get(DEBUG_ENV, "") == "1"
-
 
 def lower(plan: RoutingPlan, region: Region, tiles: TileSpec, debug: bool | None = None) -> TaskGraph:
-    """Every rank's tasks of ``region`` for ``plan`` (what the exact executor runs in a
-    task order); ``debug`` (default: ``HPMOE_DEBUG=1``) verifies the graph's thresholds."""
-    from ..ir.verify import verify_graph
-
-    graph = region.lower(plan, tiles, None)
-    if debug_enabled() if debug is None else debug:
-        verify_graph(graph)
-    return graph
+    """Deprecated: ``region.graph(plan, tiles, debug)`` (goes in the next release)."""
+    warnings.warn("exec.program.lower is deprecated: Region.graph(plan, tiles, debug) compiles a region "
+                  "everywhere; lower goes in the next release", DeprecationWarning, stacklevel=2)
+    return region.graph(plan, tiles, debug)
 
 
 def compile_region(plan: RoutingPlan, region: Region, tiles: TileSpec, policy: SchedulePolicy,
@@ -50,7 +41,7 @@ def compile_region(plan: RoutingPlan, region: Region, tiles: TileSpec, policy: S
     """``lower``'s graph scheduled with ``policy`` on ``hardware``'s workers (the only
     source of worker counts); ``debug`` also proves the schedule deadlock-free."""
     debug = debug_enabled() if debug is None else debug
-    sched = schedule(lower(plan, region, tiles, debug), policy, hardware)
+    sched = schedule(region.graph(plan, tiles, debug), policy, hardware)
     if debug:
         verify_schedule(sched)
     return sched

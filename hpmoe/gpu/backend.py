@@ -38,7 +38,6 @@ from .core import (
     as_kept,
     check_input,
     hardware_preset,
-    lower,
     plan_routing,
 )
 from .ops import aligned_addresses, aligned_layout, describe
@@ -202,7 +201,7 @@ def triton_forward(x: torch.Tensor, weights: ExpertWeights, routing: Routing, ep
     par = ParallelSpec(ep=ep, tokens_per_rank=x.shape[0] // ep)
     plan = plan_routing(routing.ids.cpu(), spec, par, checked)
     arena = forward_arena(x, weights, routing, plan, region_space(plan, weights))
-    region = prepare(lower(plan, FORWARD, tiles), arena, options)
+    region = prepare(FORWARD.graph(plan, tiles), arena, options)
     info = region.run()
     return TritonForward(out=arena.gather("out"), region=region, plan=plan, tiles=tiles, weights=weights,
                          routing=routing, x=x, info=info)
@@ -245,7 +244,7 @@ def triton_backward(fwd: TritonForward, dy: torch.Tensor, recompute: bool = Fals
         for name in ("dsw13", "dsw2"):
             for r in range(plan.par.ep):
                 arena.rank_view(name, r).fill_(nan)
-    region = prepare(lower(plan, BACKWARDS[as_kept(recompute)], fwd.tiles), arena, options)
+    region = prepare(BACKWARDS[as_kept(recompute)].graph(plan, fwd.tiles), arena, options)
     info = region.run()
     slots.zero_idle((plan.counts.sum(dim=0).reshape(-1) > 0).tolist())  # experts without rows: no task
     slots.fold()

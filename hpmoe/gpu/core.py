@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..exec.exact import DEFAULT_TILES
 from ..exec.exact_backward import Gradients
-from ..exec.program import lower
 from ..ir.analysis import GraphError
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
 from ..ir.schedule import Schedule, WorkerCounts
@@ -33,6 +32,6 @@ __all__ = ["BACKWARDS", "DEFAULT_TILES", "ExpertWeights", "FORWARD", "Gradients"
            "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy", "SlotGradients",
            "SlotPlan", "SlotRouting", "SlotShape", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit",
            "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "check_input", "gemm_dims",
-           "hardware_preset", "live_rows", "lower", "plan_routing",
+           "hardware_preset", "live_rows", "plan_routing",
            "plan_slot_backward", "plan_slots", "resolve_slots", "row_width", "schedule", "slot_targets",
            "task_costs", "verify_schedule"]

@@ -11,10 +11,19 @@ when none exists.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .analysis import GraphError, completion_levels, ready_at_start, waiters
 from .graph import TaskGraph
+
+DEBUG_ENV = "HPMOE_DEBUG"  # "1": verify the graph and schedule of every compiled region
+
+
+def debug_enabled() -> bool:
+    """Whether ``HPMOE_DEBUG=1`` asks every compile to verify what it builds."""
+    return os.environ.get(DEBUG_ENV, "") == "1"
 
 
 def verify_graph(graph: TaskGraph) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile
+from ..ir.verify import debug_enabled, verify_graph
 from ..routing import RoutingPlan
 from ..spec import TileSpec
 
@@ -118,6 +119,15 @@ class Region:
         overlap = set(self.kernels) & set(self.puts)
         if overlap:
             raise ValueError(f"Region.kernels also lists put kinds {sorted(overlap)}")
+
+    def graph(self, plan: RoutingPlan, tiles: TileSpec, debug: bool | None = None) -> TaskGraph:
+        """Every rank's tasks for ``plan``: the one way a region is compiled (the exact
+        executor, the runtime, the simulator, AUTO's forecast and the GPU packer start
+        here); ``debug`` (default: ``HPMOE_DEBUG=1``) verifies the graph's thresholds."""
+        graph = self.lower(plan, tiles, None)
+        if debug_enabled() if debug is None else debug:
+            verify_graph(graph)
+        return graph
 
     @property
     def name(self) -> str:

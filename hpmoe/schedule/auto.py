@@ -288,7 +288,7 @@ def _graphs(plan: RoutingPlan, tiles: TileSpec, backward: bool) -> list:
     family = region_family(tiles)
     layout = family.layout(plan, tiles)
     regions = [family.forward(layout)] + ([family.backward(layout, False)] if backward else [])
-    return [r.lower(plan, tiles, None) for r in regions]
+    return [r.graph(plan, tiles) for r in regions]
 
 
 def shape_plan(shape: RoutingShape) -> RoutingPlan:
