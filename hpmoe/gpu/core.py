@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..exec.exact import DEFAULT_TILES
 from ..exec.exact_backward import Gradients
 from ..ir.analysis import GraphError
-from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Unit
+from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit
 from ..ir.schedule import Schedule, WorkerCounts
 from ..regions.backward_kernels import BACKWARDS, ROW_TAIL, row_width
 from ..regions.base import as_kept
@@ -30,8 +30,8 @@ from ..weights import ExpertWeights, SlotGradients, slot_targets
 __all__ = ["BACKWARDS", "DEFAULT_TILES", "ExpertWeights", "FORWARD", "Gradients", "GraphError",
            "HangReport", "HardwareModel", "IS_PUT", "LinkEntry", "MoESpec", "ParallelSpec", "ROW_TAIL",
            "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy", "SlotGradients",
-           "SlotPlan", "SlotRouting", "SlotShape", "TaskGraph", "TaskKind", "TileSpec", "Timeline", "Unit",
-           "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "check_input", "gemm_dims",
+           "SlotPlan", "SlotRouting", "SlotShape", "TaskGraph", "TaskKind", "Tile", "TileSpec", "Timeline",
+           "Unit", "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "check_input", "gemm_dims",
            "hardware_preset", "live_rows", "plan_routing",
            "plan_slot_backward", "plan_slots", "resolve_slots", "row_width", "schedule", "slot_targets",
            "task_costs", "verify_schedule"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .buffers import BufferSpace
-from .core import ROW_TAIL, TaskGraph, TaskKind, row_width
+from .core import ROW_TAIL, TaskGraph, TaskKind, Tile, row_width
 
 
 class Op(enum.IntEnum):
@@ -77,8 +77,7 @@ class Tasks:
 
     @staticmethod
     def of(graph: TaskGraph, ids: np.ndarray) -> Tasks:
-        return Tasks(*(getattr(graph, c)[ids].astype(np.int64) for c in
-                       ("rank", "peer", "expert", "row0", "row1", "col0", "col1", "dst_row0")))
+        return Tasks(*(getattr(graph, c)[ids].astype(np.int64) for c in Tile._fields[1:]))
 
     @property
     def rows(self) -> np.ndarray:

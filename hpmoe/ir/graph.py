@@ -14,7 +14,7 @@ so graphs with millions of tasks stay cheap to build and to read.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -116,9 +116,11 @@ class TaskBlock:
         return len(self.rank)
 
 
-_TASK_DTYPES = {"rank": np.int32, "peer": np.int32, "expert": np.int32, "row0": np.int64,
+TASK_COLUMNS = {"rank": np.int32, "peer": np.int32, "expert": np.int32, "row0": np.int64,
                 "row1": np.int64, "col0": np.int64, "col1": np.int64, "dst_row0": np.int64,
                 "flops": np.float64, "bytes": np.float64, "link_bytes": np.float64, "wait": np.int64}
+"""The per-task columns a ``TaskBlock`` builds and a ``TaskGraph`` holds, with their
+dtypes in the graph (besides ``kind`` and ``unit``): declared here once."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,7 @@ class GraphBuilder:
     def freeze(self, dtype: torch.dtype = torch.bfloat16, events: EventLayout | None = None,
                nodes: int = 1) -> TaskGraph:
         cols = {name: _concat([getattr(b, name) for b in self.blocks], dt)
-                for name, dt in _TASK_DTYPES.items()}
+                for name, dt in TASK_COLUMNS.items()}
         kind = _concat([np.full(len(b), int(b.kind), np.int16) for b in self.blocks], np.int16)
         counts = _concat([b.sig_count for b in self.blocks], np.int64)
         sig_ptr = np.zeros(len(kind) + 1, np.int64)
@@ -240,9 +242,7 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 
 def task_columns() -> tuple[str, ...]:
     """Names of the per-task arrays of a ``TaskGraph``."""
-    return tuple(f.name for f in fields(TaskGraph)
-                 if f.name not in {"ep", "ranks", "sig_ptr", "sig_rank", "sig_event", "event_ptr",
-                                   "threshold", "dtype", "events", "nodes"})
+    return ("kind", "unit", *TASK_COLUMNS)
 
 
 class Tile(NamedTuple):
@@ -261,6 +261,5 @@ class Tile(NamedTuple):
 
 def tiles_of(graph: TaskGraph) -> list[Tile]:
     """Every task of ``graph`` as a ``Tile`` (built once, read by the executors)."""
-    cols = [graph.kind, graph.rank, graph.peer, graph.expert, graph.row0, graph.row1,
-            graph.col0, graph.col1, graph.dst_row0]
-    return [Tile(*row) for row in zip(*(c.tolist() for c in cols), strict=True)]
+    cols = [getattr(graph, name).tolist() for name in Tile._fields]
+    return [Tile(*row) for row in zip(*cols, strict=True)]
