@@ -38,7 +38,7 @@ def lower(plan: RoutingPlan, region: Region, tiles: TileSpec, debug: bool | None
 
 def compile_region(plan: RoutingPlan, region: Region, tiles: TileSpec, policy: SchedulePolicy,
                    hardware: HardwareModel, debug: bool | None = None) -> Schedule:
-    """``lower``'s graph scheduled with ``policy`` on ``hardware``'s workers (the only
+    """``Region.graph``'s graph scheduled with ``policy`` on ``hardware``'s workers (the only
     source of worker counts); ``debug`` also proves the schedule deadlock-free."""
     debug = debug_enabled() if debug is None else debug
     sched = schedule(region.graph(plan, tiles, debug), policy, hardware)

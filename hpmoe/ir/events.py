@@ -66,4 +66,3 @@ def extended(name: str, module: str, base: type[enum.IntEnum], extra: Sequence[s
     values |= {n: len(values) + i for i, n in enumerate(extra)}
     members = [*values.items(), *((a, values[n]) for a, n in (aliases or {}).items())]
     return enum.IntEnum(name, members, module=module)
-

@@ -293,4 +293,3 @@ def shared_down(low: Lowering) -> TaskBlock:
     moe, e = low.layout.plan.moe, low.events.categories
     blk = shared_gemm(TaskKind.SHARED_DOWN, low, moe.hidden, moe.shared_ffn, e.SA, None)
     return signal_token_tiles(blk, low, e.OUT)
-
