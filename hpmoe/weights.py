@@ -143,8 +143,7 @@ class ExpertWeights:
         router and bias are zero placeholders that allocate nothing.  ``checked``: the
         tensors are (detached views of) those of an ``ExpertWeights`` of ``spec`` checked
         already, so they are not checked again (a call's host time)."""
-        zero = placeholder(torch.float32, w13.device)
-        values = (spec, zero.expand(spec.experts, spec.hidden), zero.expand(spec.experts), w13, w2,
+        values = (spec, *router_placeholders(spec.experts, spec.hidden, w13.device), w13, w2,
                   shared_w13, shared_w2, b13, b2, slot_rows, shared_parts)
         if not checked:
             return ExpertWeights(*values)
@@ -339,6 +338,22 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 @functools.cache
 def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device)
+
+
+def router_placeholders(experts: int, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(router [E, H], score-correction bias [E]) float32 placeholders (``placeholder``'s
+    expansions), made once per shape and device."""
+    if torch.compiler.is_compiling():
+        zero = placeholder(torch.float32, device)
+        return zero.expand(experts, hidden), zero.expand(experts)
+    return _router_placeholders(experts, hidden, torch.device(device))
+
+
+@functools.cache
+def _router_placeholders(experts: int, hidden: int,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    zero = _placeholder(torch.float32, device)
+    return zero.expand(experts, hidden), zero.expand(experts)
 
 
 class _RowGather(torch.autograd.Function):

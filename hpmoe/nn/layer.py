@@ -42,7 +42,7 @@ from ..schedule.auto import AutoDecision
 from ..schedule.tune import TuneResult
 from ..sim.hardware import HardwareModel
 from ..spec import GateKind, MoESpec, ParallelSpec, Recompute, TileSpec
-from ..weights import ExpertWeights, placeholder
+from ..weights import ExpertWeights, router_placeholders
 from .experts_impl import register, runs_region
 from .experts_impl import select as select_experts
 from .families import FAMILIES, computing_experts, family_of, read_block
@@ -214,11 +214,9 @@ class MoE(nn.Module):
     def _router(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(router [E, H], score-correction bias [E]) float32: hpmoe's own, or zeros for a
         transformers block (its router module routes)."""
-        e, h = self.spec.experts, self.spec.hidden
-        zero = placeholder(torch.float32, device)
-        bias = zero.expand(e)
+        router, bias = router_placeholders(self.spec.experts, self.spec.hidden, device)
         if self.family is not None:
-            return zero.expand(e, h), bias
+            return router, bias
         b = getattr(self.gate, "e_score_correction_bias", None)
         return self.gate.weight.float(), bias if b is None else b.float()
 
