@@ -50,15 +50,12 @@ from .dedup_layout import DedupLayout, DedupPieces, make_dedup_layout, pair_piec
 from .forward import ForwardEvent
 from .layout import expand
 from .tiles import (
+    SHARED_PHASES,
+    UP_PHASES,
     Lowering,
     block_gemm,
-    gemm_up,
     lower_graph,
     select_ranks,
-    shared_down,
-    shared_swiglu,
-    shared_up,
-    swiglu,
     task_block,
     token_tiles,
 )
@@ -322,6 +319,6 @@ def on_experts(make: Callable[[Lowering], TaskBlock]) -> Callable[[DedupLowering
     return lambda dl: make(dl.low)
 
 
-_PHASES = (_permute, _hop_dispatch, _relay_pack, _dispatch, _expand, on_experts(gemm_up), on_experts(swiglu),
-           _gemm_down, _partial_reduce, _combine, _node_reduce, _hop_combine, on_experts(shared_up),
-           on_experts(shared_swiglu), on_experts(shared_down), _partial_sum)
+_PHASES = (_permute, _hop_dispatch, _relay_pack, _dispatch, _expand, *map(on_experts, UP_PHASES),
+           _gemm_down, _partial_reduce, _combine, _node_reduce, _hop_combine, *map(on_experts, SHARED_PHASES),
+           _partial_sum)

@@ -27,16 +27,13 @@ from ..routing import RoutingPlan
 from ..spec import TileSpec
 from .layout import Layout, make_layout, piece_token_tiles
 from .tiles import (
+    SHARED_PHASES,
+    UP_PHASES,
     Lowering,
     block_gemm,
-    gemm_up,
     lower_graph,
     put_columns,
     select_ranks,
-    shared_down,
-    shared_swiglu,
-    shared_up,
-    swiglu,
     task_block,
     token_tile_sums,
 )
@@ -117,5 +114,4 @@ def _unpermute(low: Lowering) -> TaskBlock:
     return token_tile_sums(TaskKind.UNPERMUTE, low, 2.0, ForwardEvent.OUT)  # weighted: 2 flops a term
 
 
-_PHASES = (_permute, _dispatch, gemm_up, swiglu, _gemm_down, _combine, shared_up, shared_swiglu, shared_down,
-           _unpermute)
+_PHASES = (_permute, _dispatch, *UP_PHASES, _gemm_down, _combine, *SHARED_PHASES, _unpermute)

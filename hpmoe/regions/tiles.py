@@ -293,3 +293,7 @@ def shared_down(low: Lowering) -> TaskBlock:
     moe, e = low.layout.plan.moe, low.events.categories
     blk = shared_gemm(TaskKind.SHARED_DOWN, low, moe.hidden, moe.shared_ffn, e.SA, None)
     return signal_token_tiles(blk, low, e.OUT)
+
+
+UP_PHASES = (gemm_up, swiglu)  # every forward's experts up to their activation
+SHARED_PHASES = (shared_up, shared_swiglu, shared_down)  # every forward's shared experts
