@@ -13,16 +13,19 @@ held between forward and backward (tensors autograd saves, the taskflow's
 
     .venv/bin/python benchmarks/bench_training.py [--preset small] [--tokens 4096]
         [--layers 1] [--virtual-ep 2 | --ep 2] [--steps 5] [--threads 1] [--backend kernel_by_kernel]
-        [--schedule task-order] [--modes hpmoe-permutation,hpmoe-gemm]
+        [--schedule task-order] [--modes hpmoe-permutation,hpmoe-gemm] [--link 2gbit]
 
 With ``--ep N`` each mode runs on N gloo ranks on the runtime (per step, the slowest
 rank's time and the largest rank's peak are reported; saved bytes are the largest
-rank's); dense autograd has no distributed counterpart and is left out.
+rank's); dense autograd has no distributed counterpart and is left out.  ``--link RATE`` runs the
+ranks in a network namespace whose loopback is shaped to RATE (``launch.netns.shaped_loopback``:
+one pipe the ranks share; needs root, ``ip`` and ``tc``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -36,6 +39,7 @@ import torch
 
 from hpmoe import refs
 from hpmoe.cli.common import dtype_choice
+from hpmoe.launch.netns import shaped_loopback
 from hpmoe.machine import record
 from hpmoe.nn.layer import MoE
 from hpmoe.routing import route
@@ -179,20 +183,21 @@ def _measure_child(mode: str, what: str, s: Setting) -> list[float]:
     return [max(values) for values in zip(*per_rank, strict=True)]
 
 
-def _run_child(mode: str, what: str, s: Setting) -> list[float]:
-    """``_measure_child`` in a fresh interpreter; for memory, large allocations go
-    through mmap so the resident set follows live memory (this slows steps down: time
-    is measured in a separate interpreter with the default allocator)."""
+def _run_child(mode: str, what: str, s: Setting, prefix: list[str]) -> list[float]:
+    """``_measure_child`` in a fresh interpreter (run after ``prefix``: inside a shaped
+    namespace with ``--link``); for memory, large allocations go through mmap so the
+    resident set follows live memory (this slows steps down: time is measured in a
+    separate interpreter with the default allocator)."""
     env = dict(os.environ)
     if what == "memory":
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    cmd = [sys.executable, __file__, "--child", mode, what, *s.argv()]
+    cmd = [*prefix, sys.executable, __file__, "--child", mode, what, *s.argv()]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(mode: str, s: Setting) -> Measurement:
-    times, memory = _run_child(mode, "time", s), _run_child(mode, "memory", s)
+def run(mode: str, s: Setting, prefix: list[str]) -> Measurement:
+    times, memory = _run_child(mode, "time", s, prefix), _run_child(mode, "memory", s, prefix)
     return Measurement(mode, statistics.median(times) * 1e3, min(times) * 1e3, max(memory[:-1]) / 2**20,
                        memory[-1] / 2**20)
 
@@ -202,6 +207,8 @@ def main() -> None:
     for f in fields(Setting):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     ap.add_argument("--modes", default=None, help=f"comma-separated modes to run (default: all of {MODES})")
+    ap.add_argument("--link", default=None, metavar="RATE",
+                    help="with --ep: the ranks in a namespace whose loopback is shaped to RATE (e.g. 2gbit)")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "WHAT"), help="internal: one measurement")
     a = ap.parse_args()
     s = Setting(**{f.name: getattr(a, f.name) for f in fields(Setting)})
@@ -216,6 +223,7 @@ def main() -> None:
         print(f"dtype {why}")
     where = (f"{s.tokens} tokens per rank, EP {s.ep} processes on the runtime" if s.ep
              else f"{s.tokens} tokens, virtual EP {s.virtual_ep}")
+    where += f", loopback shaped to {a.link}" if a.link else ""
     print(f"{s.preset} {s.dtype}, {s.layers} layer(s), {where}, "
           f"{s.threads} thread(s), {s.steps} steps")
     peak = "peak RSS MiB (whole process)" if s.ep else "peak MiB (growth during the step)"
@@ -227,10 +235,13 @@ def main() -> None:
         if unknown:
             ap.error(f"--modes: {unknown} not among {modes}")
         modes = tuple(m for m in modes if m in a.modes.split(","))
-    for mode in modes:
-        m = run(mode, s)
-        print(f"| {m.mode} | {m.median_ms:.0f} | {m.min_ms:.0f} | {m.peak_mib:.1f} | {m.saved_mib:.1f} |",
-              flush=True)
+    if a.link and not s.ep:
+        ap.error("--link shapes the link between ranks: it needs --ep")
+    with shaped_loopback(a.link) if a.link else contextlib.nullcontext([]) as prefix:
+        for mode in modes:
+            m = run(mode, s, prefix)
+            print(f"| {m.mode} | {m.median_ms:.0f} | {m.min_ms:.0f} | {m.peak_mib:.1f} | {m.saved_mib:.1f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -96,3 +96,18 @@ def test_both_ends_of_every_ranks_link_are_shaped_to_the_links_rate():
     finally:
         delete_topology(topo)
     assert not {*topo.ranks, topo.hub} & set(list_namespaces())
+
+
+@needs_namespaces
+def test_a_shaped_loopback_is_shaped_inside_and_gone_after():
+    from hpmoe.launch.netns import shaped_loopback
+
+    with shaped_loopback("1gbit") as prefix:
+        shown = subprocess.run([*prefix, "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert shown[:2] == ["qdisc", "tbf"] and shown[shown.index("rate") + 1] == "1Gbit"
+        ns = prefix[-1]
+        assert ns in list_namespaces()
+    assert ns not in list_namespaces()
+    with pytest.raises(ValueError, match="rate"), shaped_loopback("fast"):
+        pass

@@ -20,10 +20,12 @@ socket cannot be retrieved", depending on how the machine resolves names.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,6 +239,24 @@ def delete_topology(topo: Topology) -> list[str]:
             _delete(ns)
             gone.append(ns)
     return gone
+
+
+@contextlib.contextmanager
+def shaped_loopback(rate: str) -> Iterator[list[str]]:
+    """One namespace whose loopback is shaped to ``rate`` with ``tc tbf``: every process
+    run inside shares that one pipe, both directions of an exchange queue on it (a
+    coarser model than ``create_topology``'s links, for one host's local ranks).  Yields
+    the argv prefix that runs a command inside; the namespace is deleted on exit."""
+    _check_rate("rate", rate)
+    ns = f"hpm-p{os.getpid()}-{os.urandom(4).hex()}-hub"
+    try:
+        _run("ip", "netns", "add", ns)
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+             "burst", _burst(rate), "latency", "20ms")
+        yield ["ip", "netns", "exec", ns]
+    finally:
+        _delete(ns)
 
 
 def list_namespaces(prefix: str = "hpm-") -> list[str]:
