@@ -95,3 +95,26 @@ def test_the_former_exec_program_lower_answers_with_a_deprecation_warning():
         old = lower(plan, FORWARD, TINY_TILES)
     new = FORWARD.graph(plan, TINY_TILES, debug=True)
     assert np.array_equal(old.kind, new.kind) and np.array_equal(old.threshold, new.threshold)
+
+
+def test_a_lowering_refuses_a_task_that_signals_another_rank_without_being_a_put():
+    import enum
+
+    import torch
+
+    from hpmoe.ir.events import EventLayout
+    from hpmoe.regions.tiles import lower_graph, task_block
+
+    class Ev(enum.IntEnum):
+        A = 0
+
+    events = EventLayout.from_columns(Ev, 2, [1])
+    one = np.array([0])
+
+    def phase(_):
+        return task_block(TaskKind.SWIGLU, one, one, one + 1, sig_rank=np.array([1]), sig_event=one)
+
+    with pytest.raises(AssertionError, match="SWIGLU tasks signal another rank"):
+        lower_graph([phase], None, None, np.array([True, False]), events, torch.float32)
+    graph = lower_graph([phase], None, None, np.array([True, True]), events, torch.float32)
+    assert graph.threshold.tolist() == [0, 1]  # every rank lowered: rank 1's event counts the signal

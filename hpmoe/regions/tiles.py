@@ -81,6 +81,9 @@ def lower_graph(phases: Sequence[Callable[[L], TaskBlock]], low: L, every: L, se
     for make in phases:
         blk = make(low)
         counted = make(every) if IS_PUT[blk.kind] and not sel.all() else blk
+        if counted is blk and not sel.all() and (blk.sig_rank != np.repeat(blk.rank, blk.sig_count)).any():
+            raise AssertionError(f"{TaskKind(blk.kind).name} tasks signal another rank's events but are not "
+                                 "puts: the selected ranks' thresholds would miss those signals")
         signalled.append(ptr[counted.sig_rank] + counted.sig_event)
         builder.add(only_ranks(blk, sel))
     got = np.bincount(np.concatenate(signalled), minlength=int(ptr[-1]))
