@@ -80,3 +80,17 @@ def test_a_bf16_default_dtype_builds_and_runs_layers():
     w, x32 = _fp32(layer.expert_weights()), x.float()
     torch.testing.assert_close(out.float(), refs.dense_moe(x32, w, route(x32, w)), **BF16)
     torch.testing.assert_close(logits.float(), original.float()(input_ids=IDS).logits, **BF16)
+
+
+def test_detached_weights_share_the_storage_and_record_no_gradient():
+    from hpmoe.spec import preset
+    from hpmoe.weights import ExpertWeights
+
+    spec = preset("tiny")
+    w = ExpertWeights.random(spec, 0)
+    leaves = [t.requires_grad_() for t in (w.w13, w.w2, w.shared_w13, w.shared_w2)]
+    parts = tuple(w.shared_w13.detach().chunk(2))
+    d = ExpertWeights.routed(spec, *leaves, shared_parts=parts).detached()
+    for mine, theirs in zip((d.w13, d.w2, d.shared_w13, d.shared_w2), leaves, strict=True):
+        assert not mine.requires_grad and mine.data_ptr() == theirs.data_ptr()
+    assert d.spec is spec and d.shared_parts is None and d.router.shape == (spec.experts, spec.hidden)
