@@ -118,3 +118,12 @@ def test_a_lowering_refuses_a_task_that_signals_another_rank_without_being_a_put
         lower_graph([phase], None, None, np.array([True, False]), events, torch.float32)
     graph = lower_graph([phase], None, None, np.array([True, True]), events, torch.float32)
     assert graph.threshold.tolist() == [0, 1]  # every rank lowered: rank 1's event counts the signal
+
+
+def test_the_debug_switch_answers_at_its_former_place_with_a_deprecation_warning():
+    import hpmoe.exec.program as program
+    from hpmoe.ir.verify import DEBUG_ENV
+
+    with pytest.warns(DeprecationWarning, match="ir.verify.DEBUG_ENV"):
+        assert program.DEBUG_ENV == DEBUG_ENV == "HPMOE_DEBUG"
+    assert program.debug_enabled is not None  # imported there: it still answers

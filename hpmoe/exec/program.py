@@ -21,12 +21,23 @@ import torch
 from ..ir.analysis import gather_csr
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit, task_columns, tiles_of
 from ..ir.schedule import Schedule
+from ..ir.verify import DEBUG_ENV as _DEBUG_ENV
 from ..ir.verify import debug_enabled
 from ..regions.base import Kernel, PutSpec, Region
 from ..routing import RoutingPlan
 from ..schedule import SchedulePolicy, schedule, verify_schedule
 from ..sim.hardware import HardwareModel
 from ..spec import TileSpec
+
+
+def __getattr__(name: str) -> object:
+    """``DEBUG_ENV`` lives with the graph verifier now (``ir.verify``); the old place
+    answers with a warning until the next release."""
+    if name == "DEBUG_ENV":
+        warnings.warn("exec.program.DEBUG_ENV is ir.verify.DEBUG_ENV now; the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return _DEBUG_ENV
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def lower(plan: RoutingPlan, region: Region, tiles: TileSpec, debug: bool | None = None) -> TaskGraph:
