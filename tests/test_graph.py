@@ -127,3 +127,52 @@ def test_the_debug_switch_answers_at_its_former_place_with_a_deprecation_warning
     with pytest.warns(DeprecationWarning, match="ir.verify.DEBUG_ENV"):
         assert program.DEBUG_ENV == DEBUG_ENV == "HPMOE_DEBUG"
     assert program.debug_enabled is not None  # imported there: it still answers
+
+
+def test_the_former_threshold_functions_answer_with_a_deprecation_warning():
+    """The per-region formulas gave way to the lowering's count: each former name warns
+    and answers that count, rank by rank."""
+    import dataclasses
+
+    from hpmoe.regions.backward import backward_thresholds, lower_backward
+    from hpmoe.regions.dedup import DedupLowering, dedup_events, dedup_thresholds, lower_dedup
+    from hpmoe.regions.dedup_layout import make_dedup_layout
+    from hpmoe.regions.forward import forward_events, forward_thresholds, lower_forward
+    from hpmoe.regions.layout import make_layout
+    from hpmoe.regions.slot_backward import plan_slot_backward, slot_backward_thresholds
+    from hpmoe.regions.slots import SlotShape, plan_slots, slot_thresholds
+    from hpmoe.regions.tiles import Lowering, shared_down, signals_per_token_tile
+    from hpmoe.spec import DispatchMode, TileSpec, preset
+
+    plan = tiny_plan(RoutingKind.ZIPF, 2)
+    layout = make_layout(plan, TINY_TILES)
+    dedup_tiles = dataclasses.replace(TINY_TILES, dispatch=DispatchMode.PER_RANK)
+    d = make_dedup_layout(plan, dedup_tiles)
+    full = {"forward": lower_forward(plan, TINY_TILES), "backward": lower_backward(plan, TINY_TILES),
+            "dedup": lower_dedup(plan, dedup_tiles)}
+    low = Lowering(d.base, dedup_events(d), np.ones(2, bool))
+    for rank in range(2):
+        with pytest.warns(DeprecationWarning, match="forward_thresholds is deprecated"):
+            got = forward_thresholds(layout, rank, None)
+        assert np.array_equal(got, full["forward"].threshold[full["forward"].event_ptr[rank]:
+                                                             full["forward"].event_ptr[rank + 1]])
+        with pytest.warns(DeprecationWarning, match="backward_thresholds"):
+            got = backward_thresholds(layout, rank, None)
+        assert np.array_equal(got, full["backward"].threshold[full["backward"].event_ptr[rank]:
+                                                              full["backward"].event_ptr[rank + 1]])
+        with pytest.warns(DeprecationWarning, match="dedup_thresholds"):
+            got = dedup_thresholds(DedupLowering(low, d, 4), rank)
+        assert np.array_equal(got, full["dedup"].threshold[full["dedup"].event_ptr[rank]:
+                                                           full["dedup"].event_ptr[rank + 1]])
+    shape = SlotShape(preset("tiny"), 8, TileSpec(rows=4, gemm_rows=8))
+    with pytest.warns(DeprecationWarning, match="slot_thresholds"):
+        assert np.array_equal(slot_thresholds(shape), plan_slots(shape).graph.threshold)
+    with pytest.warns(DeprecationWarning, match="slot_backward_thresholds"):
+        assert np.array_equal(slot_backward_thresholds(shape), plan_slot_backward(shape).graph.threshold)
+    fwd = Lowering(layout, forward_events(layout), np.ones(2, bool))
+    with pytest.warns(DeprecationWarning, match="Lowering.only"):
+        rank0 = fwd.only(0)
+    assert rank0.sel.tolist() == [True, False]
+    with pytest.warns(DeprecationWarning, match="signals_per_token_tile"):
+        counts = signals_per_token_tile(shared_down(rank0), rank0, fwd.events.categories.OUT)
+    assert counts.sum() == len(shared_down(rank0).sig_event)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..deprecation import deprecated
 from ..exec.arena import ArenaPool
 from ..exec.backend import Backend
 from ..exec.exact import DEFAULT_TILES
@@ -98,8 +98,7 @@ def runtime_policy(o: RegionOptions) -> SchedulePolicy:
 
 
 def _deprecated_policy(o: RegionOptions) -> SchedulePolicy:
-    warnings.warn("RegionOptions.policy is deprecated: use hpmoe.engine.selection.runtime_policy(options)",
-                  DeprecationWarning, stacklevel=2)
+    deprecated("RegionOptions.policy", "use hpmoe.engine.selection.runtime_policy(options)")
     return runtime_policy(o)
 
 

@@ -11,13 +11,13 @@ the GPU backend all start here.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from ..deprecation import deprecated
 from ..ir.analysis import gather_csr
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit, task_columns, tiles_of
 from ..ir.schedule import Schedule
@@ -34,16 +34,14 @@ def __getattr__(name: str) -> object:
     """``DEBUG_ENV`` lives with the graph verifier now (``ir.verify``); the old place
     answers with a warning until the next release."""
     if name == "DEBUG_ENV":
-        warnings.warn("exec.program.DEBUG_ENV is ir.verify.DEBUG_ENV now; the old name goes in the next "
-                      "release", DeprecationWarning, stacklevel=2)
+        deprecated("exec.program.DEBUG_ENV", "ir.verify.DEBUG_ENV")
         return _DEBUG_ENV
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def lower(plan: RoutingPlan, region: Region, tiles: TileSpec, debug: bool | None = None) -> TaskGraph:
     """Deprecated: ``region.graph(plan, tiles, debug)`` (goes in the next release)."""
-    warnings.warn("exec.program.lower is deprecated: Region.graph(plan, tiles, debug) compiles a region "
-                  "everywhere; lower goes in the next release", DeprecationWarning, stacklevel=2)
+    deprecated("exec.program.lower", "Region.graph(plan, tiles, debug) compiles a region everywhere")
     return region.graph(plan, tiles, debug)
 
 

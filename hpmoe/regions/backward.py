@@ -35,6 +35,7 @@ import enum
 
 import numpy as np
 
+from ..deprecation import deprecated
 from ..ir.events import EventLayout
 from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
@@ -267,3 +268,11 @@ def _router_grad(low: Lowering) -> TaskBlock:
 _PHASES = (_grad_permute, _grad_dispatch, _recompute, _dgrad_down, _swiglu_bwd, _dgrad_up,
            _grad_combine, _wgrad_down, _wgrad_up, _shared_dgrad_down, _shared_swiglu_bwd,
            _shared_dgrad_up, _shared_wgrad_down, _shared_wgrad_up, _grad_unpermute, _router_grad)
+
+
+def backward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray, recompute: bool = False
+                        ) -> np.ndarray:
+    """Deprecated: ``rank``'s backward thresholds, now counted by the lowering
+    (``shared_out`` is not read)."""
+    deprecated("regions.backward.backward_thresholds", "lower_backward(plan, tiles, (rank,), kept).threshold")
+    return lower_backward(layout.plan, layout.tiles, (rank,), recompute).threshold

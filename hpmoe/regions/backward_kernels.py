@@ -18,13 +18,13 @@ slots in top-k order in fp32 (then the shared-expert term).
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 
+from ..deprecation import deprecated
 from ..ir.graph import TaskKind, Tile
 from ..refs import clamped, glu_halves
 from ..routing import RoutingPlan
@@ -175,9 +175,8 @@ def gradient_shapes(moe: MoESpec, local_experts: int, tokens: int, rows: int, ca
 
 def bias_gradient_shapes(plan: RoutingPlan) -> dict[str, FieldSpec]:
     """Deprecated: ``gradient_shapes`` holds the bias fields (goes in the next release)."""
-    warnings.warn("regions.backward_kernels.bias_gradient_shapes is deprecated: gradient_shapes(moe, "
-                  "local_experts, ...) holds db13/db2; it goes in the next release", DeprecationWarning,
-                  stacklevel=2)
+    deprecated("regions.backward_kernels.bias_gradient_shapes",
+               "gradient_shapes(moe, local_experts, ...) holds db13/db2")
     return _bias_gradient_shapes(plan.moe, plan.local_experts)
 
 

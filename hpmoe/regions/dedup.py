@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..deprecation import deprecated
 from ..ir.events import EventLayout, extended
 from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
@@ -322,3 +323,12 @@ def on_experts(make: Callable[[Lowering], TaskBlock]) -> Callable[[DedupLowering
 _PHASES = (_permute, _hop_dispatch, _relay_pack, _dispatch, _expand, *map(on_experts, UP_PHASES),
            _gemm_down, _partial_reduce, _combine, _node_reduce, _hop_combine, *map(on_experts, SHARED_PHASES),
            _partial_sum)
+
+
+def dedup_thresholds(dl: DedupLowering, rank: int, signals: object = None, shared_out: object = None
+                     ) -> np.ndarray:
+    """Deprecated: ``rank``'s thresholds of the deduplicated forward, now counted by the
+    lowering (``signals`` and ``shared_out`` are not read)."""
+    deprecated("regions.dedup.dedup_thresholds", "lower_dedup(plan, tiles, (rank,)).threshold")
+    base = dl.d.base
+    return lower_dedup(base.plan, base.tiles, (rank,), layout=dl.d).threshold

@@ -14,13 +14,13 @@ with unit weights).
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
+from ..deprecation import deprecated
 from ..ir.graph import TaskKind, Tile
 from ..routing import Routing, RoutingPlan
 from ..spec import PLAIN_GLU, Activation, GluForm, TileSpec
@@ -47,9 +47,8 @@ def __getattr__(name: str) -> object:
     its class is ``SavedActivations`` now (the old name works, with a warning, until the
     next release)."""
     if name == "DedupSaved":
-        warnings.warn("regions.dedup_backward_kernels.DedupSaved is backward_kernels.SavedActivations now "
-                      "(the same fields); DedupSaved goes in the next release", DeprecationWarning,
-                      stacklevel=2)
+        deprecated("regions.dedup_backward_kernels.DedupSaved",
+                   "backward_kernels.SavedActivations (the same fields)")
         return SavedActivations
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -21,6 +21,7 @@ import enum
 
 import numpy as np
 
+from ..deprecation import deprecated
 from ..ir.events import EventLayout
 from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..routing import RoutingPlan
@@ -115,3 +116,10 @@ def _unpermute(low: Lowering) -> TaskBlock:
 
 
 _PHASES = (_permute, _dispatch, *UP_PHASES, _gemm_down, _combine, *SHARED_PHASES, _unpermute)
+
+
+def forward_thresholds(layout: Layout, rank: int, shared_out: np.ndarray) -> np.ndarray:
+    """Deprecated: ``rank``'s forward thresholds, now counted by the lowering (``shared_out``
+    is not read)."""
+    deprecated("regions.forward.forward_thresholds", "lower_forward(plan, tiles, (rank,)).threshold")
+    return lower_forward(layout.plan, layout.tiles, (rank,)).threshold

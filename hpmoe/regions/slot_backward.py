@@ -25,6 +25,7 @@ import enum
 
 import numpy as np
 
+from ..deprecation import deprecated
 from ..ir.events import EventLayout
 from ..ir.graph import TaskBlock, TaskKind
 from .slots import (
@@ -192,3 +193,9 @@ def _router_grad(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 _PHASES = (_grad_permute, _grad_dispatch, _dgrad_down, _swiglu_bwd, _dgrad_up, _grad_combine, _wgrad_down,
            _wgrad_up, _shared_dgrad_down, _shared_swiglu_bwd, _shared_dgrad_up, _shared_wgrad_down,
            _shared_wgrad_up, _grad_unpermute, _router_grad)
+
+
+def slot_backward_thresholds(shape: SlotShape) -> np.ndarray:
+    """Deprecated: the per-shape backward's thresholds, now counted by the lowering."""
+    deprecated("regions.slot_backward.slot_backward_thresholds", "plan_slot_backward(shape).graph.threshold")
+    return plan_slot_backward(shape).graph.threshold

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..deprecation import deprecated
 from ..ir.events import EventLayout
 from ..ir.graph import TaskBlock, TaskGraph, TaskKind
 from ..spec import DispatchMode, MoESpec, TileSpec
@@ -319,3 +320,9 @@ def _unpermute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 _PHASES = (_permute, _dispatch, _gemm_up, _swiglu, _gemm_down, _combine, _shared_up, _shared_swiglu,
            _shared_down, _unpermute)
+
+
+def slot_thresholds(shape: SlotShape) -> np.ndarray:
+    """Deprecated: the per-shape forward's thresholds, now counted by the lowering."""
+    deprecated("regions.slots.slot_thresholds", "plan_slots(shape).graph.threshold")
+    return plan_slots(shape).graph.threshold

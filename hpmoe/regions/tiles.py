@@ -15,6 +15,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from ..deprecation import deprecated
 from ..ir.events import EventLayout
 from ..ir.graph import IS_PUT, GraphBuilder, TaskBlock, TaskGraph, TaskKind
 from ..spec import TileSpec
@@ -43,6 +44,13 @@ class Lowering:
         """Which puts (run by ``rank``, into ``peer``) this lowering builds."""
         mine = self.sel[rank]
         return mine if self.toward is None else mine | self.toward[peer]
+
+    def only(self, rank: int) -> Lowering:
+        """Deprecated: the same lowering restricted to ``rank``."""
+        deprecated("Lowering.only", "a Lowering of its own sel (lower_graph restricts every phase)")
+        sel = np.zeros_like(self.sel)
+        sel[rank] = True
+        return Lowering(self.layout, self.events, sel, self.kept)
 
     def every(self) -> Lowering:
         """The same lowering over every rank."""
@@ -300,3 +308,10 @@ def shared_down(low: Lowering) -> TaskBlock:
 
 UP_PHASES = (gemm_up, swiglu)  # every forward's experts up to their activation
 SHARED_PHASES = (shared_up, shared_swiglu, shared_down)  # every forward's shared experts
+
+
+def signals_per_token_tile(blk: TaskBlock, low: Lowering, category: enum.IntEnum) -> np.ndarray:
+    """Deprecated: how many signals of ``blk`` (built for rank 0 alone) reach each of rank
+    0's token tiles of ``category`` (the lowering counts thresholds itself now)."""
+    deprecated("regions.tiles.signals_per_token_tile", "lower_graph counts every threshold")
+    return np.bincount(blk.sig_event - low.events.base(0, category), minlength=low.layout.token_tiles)
