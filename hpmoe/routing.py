@@ -108,26 +108,35 @@ def _check_values(spec: MoESpec, x: torch.Tensor | None = None, name: str = "x",
 def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None, name: str = "x") -> ValueError | None:
     """The first fault of x (non-finite rows), ids (outside ``[0, experts)``) and weights
-    (non-finite), each where given, or None: the (min, max) of each (``aminmax``
-    propagates NaN), read exactly (a CPU's each at once; a device's stacked in float64,
-    which holds every expert id exactly, in one host read); only a fault costs the scan
-    that names its row (``input_status``)."""
+    (non-finite), each where given, or None; only a fault costs the scan that names its
+    row (``input_status``).  A CPU reads each at once (no device to wait for): a float
+    tensor's sum, finite unless it holds a NaN or inf (or overflows: the scan then finds
+    nothing), and the ids' (min, max); a device's (min, max) of each (``aminmax``
+    propagates NaN) stacked in float64, which holds every expert id exactly, in one read."""
     named = [t for t in (x, ids, weights) if t is not None and t.numel()]
     if not named:
         return None
-    # detached: a verdict keeps no history of x (cheaper than entering no_grad)
-    spans = [m for t in named for m in torch.aminmax(t.detach())]
-    if spans[0].is_cpu:  # no device to wait for: six reads cost less than one stack
-        lo_hi = [m.item() for m in spans]
-    else:
+    if named[0].is_cpu:
+        clean = all(_clean_on_cpu(t, experts) for t in named)
+    else:  # detached: a verdict keeps no history of x (cheaper than entering no_grad)
+        spans = [m for t in named for m in torch.aminmax(t.detach())]
         lo_hi = torch.stack([spans[0].double(), *spans[1:]]).tolist()
-    clean = all(map(math.isfinite, lo_hi))  # expert ids are always finite
-    if any(t is ids for t in named):
-        at = 2 * [t is ids for t in named].index(True)
-        clean = clean and lo_hi[at] >= 0 and lo_hi[at + 1] < experts
+        clean = all(map(math.isfinite, lo_hi))  # expert ids are always finite
+        if any(t is ids for t in named):
+            at = 2 * [t is ids for t in named].index(True)
+            clean = clean and lo_hi[at] >= 0 and lo_hi[at + 1] < experts
     if clean:
         return None
     return status_error(input_status(experts, x, ids, weights).tolist(), experts, name)
+
+
+def _clean_on_cpu(t: torch.Tensor, experts: int) -> bool:
+    """A CPU tensor's values pass: floats sum to a finite value (fp16 summed in fp32, whose
+    range a sum of finite values rarely leaves), integers lie in ``[0, experts)``."""
+    if t.is_floating_point():
+        return math.isfinite(t.detach().sum(dtype=torch.float32 if t.dtype == torch.float16 else None).item())
+    lo, hi = torch.aminmax(t)
+    return lo.item() >= 0 and hi.item() < experts
 
 
 class InputFault(enum.IntEnum):

@@ -152,6 +152,9 @@ class ExpertWeights:
     def detached(self) -> ExpertWeights:
         """The same weights detached from autograd, not checked again (they were), without
         ``shared_parts`` (a path computes on the fused tensor)."""
+        if self.shared_parts is None and not any(isinstance(v, torch.Tensor) and v.requires_grad
+                                                  for v in self.__dict__.values()):
+            return self  # detached already (a layer's cached weights of calls without gradients)
         fields = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
         return _unchecked({**fields, "shared_parts": None})
 

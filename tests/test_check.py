@@ -6,7 +6,7 @@ import torch
 
 import hpmoe.engine.check as check_module
 from hpmoe import MoE
-from hpmoe.routing import InputFault, input_status, route, status_error
+from hpmoe.routing import InputFault, input_status, route, status_error, value_error
 from hpmoe.spec import preset
 from hpmoe.weights import ExpertWeights
 
@@ -138,3 +138,24 @@ def test_sync_raises_in_the_call_itself():
 def test_a_check_mode_that_is_none_is_named():
     with pytest.raises(ValueError, match=r"check='later' is not one of \['sync', 'deferred'\]"):
         _layer(check="later")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_host_read_names_what_a_host_walk_finds(seed):
+    g = torch.Generator().manual_seed(seed)
+    x, ids = torch.randn(9, 4, generator=g), torch.randint(0, 8, (9, 2), generator=g)
+    w = torch.rand(9, 2, generator=g)
+    x[seed, seed % 4] = (float("nan"), float("inf"), -float("inf"), 1.0, 2.0, 3.0)[seed]
+    if seed >= 3:
+        ids[seed, 1] = (-3, 8, 5)[seed - 3]
+    if seed == 5:
+        w[3, 0] = float("nan")
+    want = _reference_status(x, ids, w, 8)
+    got = value_error(8, x, ids, w)
+    assert str(got) == str(status_error([want[0], want[1] or 0, want[2] or 0], 8))
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float32, 3e38), (torch.bfloat16, 3e38), (torch.float16, 6e4)])
+def test_finite_values_whose_sum_overflows_hold_no_fault(dtype, value):
+    x = torch.full((16, 4), value, dtype=dtype)
+    assert value_error(8, x, torch.zeros(16, 2, dtype=torch.int64), torch.ones(16, 2)) is None

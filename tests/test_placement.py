@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hpmoe import refs
+from hpmoe.engine.balance import FOLD, LOAD_DECAY
 from hpmoe.migration import Moves
 from hpmoe.nn.layer import MoE
 from hpmoe.placement import Placement, plan_placement, rank_loads, replicate
@@ -329,3 +330,18 @@ def test_bench_with_a_placement_runs_the_physical_layer(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["balance"] == "replicate:2" and report["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("calls", [1, FOLD - 1, FOLD, FOLD + 1, 2 * FOLD + 5])
+def test_the_load_folded_in_bulk_is_the_moving_average_call_by_call(calls):
+    layer = MoE(SPEC, ExpertWeights.random(SPEC, 0))
+    g = torch.Generator().manual_seed(calls)
+    want = torch.zeros(SPEC.experts, dtype=torch.float64)
+    for i in range(calls):
+        rows = torch.randint(0, 50, (SPEC.experts,), generator=g)
+        layer._door.balance.measure(rows)
+        want = want * LOAD_DECAY + rows.double() * (1.0 - LOAD_DECAY)
+        if i == calls // 2:  # a read between calls folds what is kept
+            torch.testing.assert_close(torch.from_numpy(layer.expert_load()), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.from_numpy(layer.expert_load()), want, rtol=1e-12, atol=1e-12)
+    assert layer._door.balance.calls == calls

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ..runtime import Session
 
 LOAD_DECAY = 0.9  # of the measured per-expert load, per call
+FOLD = 64  # a CPU's calls whose rows per expert are folded into the load at once
 MIN_REBALANCE_GAIN = 1.05  # a new placement must lower the busiest rank's predicted load this much
 
 
@@ -45,7 +46,8 @@ class Balance:
     def __init__(self, spec: MoESpec, options: RegionOptions, session: Callable[[], Session | None],
                  placement: Placement | None = None):
         self.spec, self.options, self._session = spec, options, session
-        self.load = torch.zeros(spec.experts, dtype=torch.float64, device="cpu")  # moves to the routing's
+        self._load = torch.zeros(spec.experts, dtype=torch.float64, device="cpu")  # moves to the routing's
+        self._pending: list[torch.Tensor] = []  # a CPU's rows per call, not folded in yet
         self.calls = 0
         self.clock = RegionClock() if options.shard_experts else None  # what a move would save
         self._placement = self.checked(placement)
@@ -129,17 +131,46 @@ class Balance:
         return ExpertWeights.routed(p.physical_spec(spec), tensors[0], tensors[1], shared_w13, shared_w2,
                                     *tensors[2:], slot_rows=rows, shared_parts=shared_parts)
 
+    @property
+    def load(self) -> torch.Tensor:
+        """[E] float64: the rows routed to each expert, a moving average over calls
+        (``LOAD_DECAY`` per call)."""
+        if self._pending:
+            self._fold()
+        return self._load
+
+    @load.setter
+    def load(self, value: torch.Tensor) -> None:
+        self._pending.clear()
+        self._load = value
+
     def measure(self, rows: torch.Tensor) -> None:
-        """Fold a call's rows per expert ([E], any integer dtype) into the load's moving
-        average, in place (no host read; a CUDA graph's replays update it too), and run
-        the periodic rebalance (``rebalance_every``; eager training calls only)."""
-        if self.load.device != rows.device:
-            self.load = self.load.to(rows.device)
-        self.load.mul_(LOAD_DECAY).add_(rows, alpha=1.0 - LOAD_DECAY)
+        """Fold a call's rows per expert ([E], any integer dtype, not written after) into
+        the load's moving average, and run the periodic rebalance (``rebalance_every``;
+        eager training calls only).  A device's in place (no host read; a CUDA graph's
+        replays update it too); a CPU's kept and folded ``FOLD`` calls at a time (two
+        tensor operations a call are a small call's largest host cost after its check)."""
+        if rows.is_cpu and self._load.is_cpu:
+            self._pending.append(rows)
+            if len(self._pending) == FOLD:
+                self._fold()
+        else:
+            if self._load.device != rows.device:
+                self._load = self.load.to(rows.device)
+            self._load.mul_(LOAD_DECAY).add_(rows, alpha=1.0 - LOAD_DECAY)
         self.calls += 1
         every = self.options.rebalance_every
         if every and self.calls % every == 0 and torch.is_grad_enabled():
             self.rebalance(self.options.redundant, [])
+
+    def _fold(self) -> None:
+        """The kept calls' rows into the load: n calls decay it by ``LOAD_DECAY**n`` and
+        add each call's rows decayed by the calls after it."""
+        rows = torch.stack(self._pending).to(torch.float64)
+        n = rows.shape[0]
+        after = torch.arange(n - 1, -1, -1, dtype=torch.float64)
+        self._load.mul_(LOAD_DECAY ** n).add_((LOAD_DECAY ** after) @ rows, alpha=1.0 - LOAD_DECAY)
+        self._pending.clear()
 
     def expert_load(self) -> np.ndarray:
         """[E] this rank's measured routed rows per expert."""

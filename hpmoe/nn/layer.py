@@ -48,6 +48,7 @@ from .experts_impl import select as select_experts
 from .families import FAMILIES, computing_experts, family_of, read_block
 from .families.base import ExpertsLayout, ExpertTensors, Family, ScoreSide, expert_tensors, experts_dtype
 from .modules import FusedExperts, SharedMLP, TopkRouter
+from .weights_cache import WeightsCache
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
     from ..runtime import RuntimeConfig, Session
@@ -107,6 +108,7 @@ class MoE(nn.Module):
         self.fused_shared = fused_shared
         self.options = options
         self._door = Door(spec, options, placement)
+        self._weights_cache = WeightsCache()
         self._computing: int | None = None  # computing experts when some are identity ones
         if options.shard_experts:  # its state dict in logical expert order
             attach(self, self._door.balance, [f"experts.{n}" for n, _ in self.experts.named_parameters()])
@@ -315,7 +317,13 @@ class MoE(nn.Module):
         tokens.  The same front door as ``forward`` (``engine.door``: check, agreement,
         placement, AUTO).  Computes in the experts' dtype, or the autocast dtype; pads the
         batch to equal token counts per (virtual) rank with zero rows of weight 0."""
-        return self._door.call(x, ids, topk_weights, self._region_weights())
+        cached = not self.options.shard_experts  # a sharded layer's weights follow its placement
+        w = self._weights_cache.get(self, self._region_weights) if cached else self._region_weights()
+        return self._door.call(x, ids, topk_weights, w)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoE:  # .to(), .half(): drop the old storages' weights
+        self._weights_cache.clear()
+        return super()._apply(fn, recurse)
 
     # ------------------------------------------------------------------ placement
 

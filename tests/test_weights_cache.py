@@ -1,0 +1,94 @@
+"""A layer's calls without gradients reuse the region weights of the last one
+(``nn.weights_cache``) only while none of its parameters has changed: each change a
+user or a library makes is seen by the next call, which equals the dense reference on
+the layer's current parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hpmoe import MoE, refs
+from hpmoe.routing import Routing, route
+from hpmoe.spec import preset
+from hpmoe.weights import ExpertWeights
+
+SPEC = preset("tiny")
+
+
+def _layer() -> MoE:
+    return MoE(SPEC, ExpertWeights.random(SPEC, 0))
+
+
+def _inputs() -> tuple[torch.Tensor, Routing]:
+    x = torch.randn(24, SPEC.hidden, generator=torch.Generator().manual_seed(3))
+    return x, route(x, ExpertWeights.random(SPEC, 1))
+
+
+def _agrees(layer: MoE, x: torch.Tensor, routing: Routing) -> None:
+    with torch.no_grad():
+        got = layer.region(x, routing.ids, routing.weights)
+    torch.testing.assert_close(got, refs.dense_moe(x, layer.expert_weights().detached(), routing))
+
+
+def _in_place(layer: MoE) -> None:
+    layer.shared_experts.up_proj.weight.mul_(-2.0)  # the fused gate/up is a copy
+    layer.experts.down_proj.add_(0.5)
+
+
+def _new_storage(layer: MoE) -> None:
+    layer.experts.gate_up_proj.data = layer.experts.gate_up_proj.data * 3.0
+
+
+def _replaced_parameter(layer: MoE) -> None:  # as FSDP registers its unsharded parameters
+    old = layer.experts.down_proj
+    layer.experts._parameters["down_proj"] = nn.Parameter(old.detach() * -1.0)
+
+
+def _replaced_module(layer: MoE) -> None:
+    old = layer.shared_experts.gate_proj
+    new = nn.Linear(old.in_features, old.out_features, bias=False)
+    new.weight.data = old.weight.detach() + 1.0
+    layer.shared_experts.gate_proj = new
+
+
+def _loaded_state(layer: MoE) -> None:
+    state = {k: v * 0.5 for k, v in layer.state_dict().items()}
+    layer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("change", [_in_place, _new_storage, _replaced_parameter, _replaced_module,
+                                    _loaded_state], ids=lambda f: f.__name__.strip("_"))
+def test_a_call_after_a_parameter_change_computes_on_the_new_parameters(change):
+    layer, (x, routing) = _layer(), _inputs()
+    _agrees(layer, x, routing)
+    with torch.no_grad():
+        before = layer.region(x, routing.ids, routing.weights)
+        change(layer)
+        after = layer.region(x, routing.ids, routing.weights)
+    assert not torch.equal(before, after)
+    _agrees(layer, x, routing)
+
+
+def test_calls_without_a_change_reuse_one_build_and_a_cast_layer_builds_again():
+    layer, (x, routing) = _layer(), _inputs()
+    builds = []
+    build = layer._region_weights
+    layer._region_weights = lambda: builds.append(1) or build()
+    with torch.no_grad():
+        for _ in range(3):
+            layer.region(x, routing.ids, routing.weights)
+        assert len(builds) == 1
+        layer.bfloat16()
+        out = layer.region(x.bfloat16(), routing.ids, routing.weights)
+    assert len(builds) == 2 and out.dtype == torch.bfloat16
+
+
+def test_calls_with_gradients_build_afresh_and_reach_every_parameter():
+    layer, (x, routing) = _layer(), _inputs()
+    with torch.no_grad():
+        layer.region(x, routing.ids, routing.weights)  # cached: detached
+    layer.region(x, routing.ids, routing.weights).sum().backward()
+    grads = {n: p.grad for n, p in layer.named_parameters() if n != "gate.weight"}
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), sorted(grads)
