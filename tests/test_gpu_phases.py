@@ -9,11 +9,23 @@ import torch
 pytest.importorskip("triton")
 
 from hpmoe.exec.phases import permute  # noqa: E402
-from hpmoe.gpu.phases import scan, triton_glu, triton_glu_backward, triton_permute  # noqa: E402
+from hpmoe.gpu import phases  # noqa: E402
+from hpmoe.gpu.phases import (  # noqa: E402
+    SLOT_IDS,
+    resolve_slots,
+    scan,
+    triton_glu,
+    triton_glu_backward,
+    triton_permute,
+)
 from hpmoe.regions.backward_kernels import glu_backward  # noqa: E402
 from hpmoe.regions.kernels import glu  # noqa: E402
+from hpmoe.regions.slot_routing import resolve_slots as torch_resolve_slots  # noqa: E402
+from hpmoe.regions.slots import SlotShape  # noqa: E402
 from hpmoe.routing import expert_counts, input_status, status_error  # noqa: E402
-from hpmoe.spec import Activation, GluForm  # noqa: E402
+from hpmoe.spec import Activation, GateKind, GluForm, MoESpec, TileSpec  # noqa: E402
+
+from .slot_routings import twenty_routings  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(37, 48), (5, 16), (64, 300)]  # (rows, F): a partial row block, one small block, a partial
@@ -130,3 +142,28 @@ def test_the_router_gradient_backward_against_torch(dtype, weighted):
         torch.testing.assert_close(out["triton"][2], out["torch"][2], rtol=1e-5, atol=1e-4)
     else:
         assert out["triton"][2] is None and out["torch"][2] is None
+
+
+SLOT_SPEC = MoESpec(hidden=32, ffn=16, experts=6, top_k=2, shared_experts=0, gate=GateKind.SOFTMAX,
+                    dtype=torch.float32)  # experts not a power of two: padded lanes
+
+
+@pytest.mark.parametrize("tokens,gemm_rows,block,every", [(16, 8, 64, 1), (700, 16, 64, 4),
+                                                          (700, 16, SLOT_IDS, 10)])
+def test_the_slot_resolution_gives_the_torch_integers_for_every_routing(tokens, gemm_rows, block, every,
+                                                                        monkeypatch):
+    """Three launches against ``regions.slot_routing``'s sort, over the twenty routings'
+    kinds (``every``: one in so many, the interpreter's time): one block of ids, more
+    blocks than the layout program reads at once (64 ids a block), and two blocks of the
+    kernels' own size; 700 tokens have more slots than it lays out at once."""
+    monkeypatch.setattr(phases, "SLOT_IDS", block)
+    shape = SlotShape(SLOT_SPEC, tokens, TileSpec(rows=8, gemm_rows=gemm_rows, gemm_cols=16))
+    t, per = tokens, tokens * SLOT_SPEC.top_k // SLOT_SPEC.experts
+    splits = [[2 * t - 5 * per] + [per] * 5, [t, t] + [0] * 4, [0] * 4 + [t, t], [t] + [0] * 4 + [t],
+              [1, 1] + [per] * 3 + [2 * t - 2 - 3 * per]]
+    assert -(-2 * t // block) == {16: 1, 700: 22 if block == 64 else 2}[t]
+    assert shape.slots > phases.SLOT_SLOTS or t == 16
+    for r in twenty_routings(SLOT_SPEC, tokens, splits[:1], splits[1:])[::every]:
+        got, want = resolve_slots(r.ids, shape, interpret=True), torch_resolve_slots(r.ids, shape)
+        for field in ("counts", "first", "slot_expert", "slot_rows", "pos", "row_token"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field

@@ -680,3 +680,80 @@ def verdict_kernel(facts, status, held, experts, MERGE: tl.constexpr):
         tl.store(held, tl.where(keep, tl.load(held), fault))
         tl.store(held + 1, tl.where(keep, tl.load(held + 1), row))
         tl.store(held + 2, tl.where(keep, tl.load(held + 2), value))
+
+
+# ---------------------------------------------------------------------------- a routing's slots
+
+
+@triton.jit
+def slot_count_kernel(ids, hist, row_token, n, capacity, EP: tl.constexpr, B: tl.constexpr,
+                      SB: tl.constexpr, ZB: tl.constexpr):
+    """Program b: hist[b, e] = ids of block b (B flat ids) routed to expert e; it also
+    zeroes its share of ``row_token`` (``capacity`` rows over the programs, ZB at a time)."""
+    b = tl.program_id(0)
+    e = tl.arange(0, EP)
+    seen = tl.full((EP,), 0, tl.int64)
+    for s0 in range(0, B, SB):
+        i = b * B + s0 + tl.arange(0, SB)
+        v = tl.load(ids + i, mask=i < n, other=-1)
+        seen += tl.reduce((v[:, None] == e[None, :]).to(tl.int64), 0, _add)
+    tl.store(hist + b * EP + e, seen)
+    share = (capacity + tl.num_programs(0) - 1) // tl.num_programs(0)
+    for z0 in range(0, share, ZB):
+        r = b * share + z0 + tl.arange(0, ZB)
+        mine = (r < capacity) & (z0 + tl.arange(0, ZB) < share)
+        tl.store(row_token + r, tl.full((ZB,), 0, tl.int64), mask=mine)
+
+
+@triton.jit
+def slot_layout_kernel(hist, blocks, counts, first, slot_expert, slot_rows, experts, slots, g,
+                       EP: tl.constexpr, HB: tl.constexpr, SS: tl.constexpr):
+    """One program: hist's rows become each block's first rank per expert (an exclusive
+    prefix over blocks, HB blocks at a time); then counts, each expert's first slot
+    (the exclusive cumsum of ceil(count / g)), and each slot's expert (the first whose
+    slots end past it, the last for unused slots) and live rows, SS slots at a time."""
+    e = tl.arange(0, EP)
+    run = tl.full((EP,), 0, tl.int64)
+    for h0 in range(0, blocks, HB):
+        hb = h0 + tl.arange(0, HB)
+        at = hb[:, None] * EP + e[None, :]
+        h = tl.load(hist + at, mask=hb[:, None] < blocks, other=0)
+        inclusive = tl.associative_scan(h, 0, _add)
+        tl.store(hist + at, inclusive - h + run[None, :], mask=hb[:, None] < blocks)
+        run += tl.reduce(h, 0, _add)
+    own = e < experts
+    nslots = tl.where(own, (run + g - 1) // g, 0)
+    last = tl.associative_scan(nslots, 0, _add)
+    start = last - nslots
+    tl.store(counts + e, run, mask=own)
+    tl.store(first + e, start, mask=own)
+    for s0 in range(0, slots, SS):
+        s = s0 + tl.arange(0, SS)
+        ended = own[None, :] & (last[None, :] <= s[:, None].to(tl.int64))
+        se = tl.minimum(tl.reduce(ended.to(tl.int64), 1, _add), experts - 1)
+        pick = (e[None, :] == se[:, None]).to(tl.int64)
+        into = s.to(tl.int64) - tl.reduce(pick * start[None, :], 1, _add)  # slots into its expert's
+        live = tl.reduce(pick * run[None, :], 1, _add) - into * g
+        tl.store(slot_expert + s, se, mask=s < slots)
+        tl.store(slot_rows + s, tl.minimum(tl.maximum(live, 0), g), mask=s < slots)
+
+
+@triton.jit
+def slot_rows_kernel(ids, hist, first, pos, row_token, n, experts, g, K: tl.constexpr, EP: tl.constexpr,
+                     B: tl.constexpr, SB: tl.constexpr):
+    """Program b: each of its B flat ids' row in the slot layout, the stable sort's order
+    (expert e's rows by flat index from row first[e] * g): its block's first rank for e,
+    plus the earlier ids of the block routed to e; pos[i] = row, row_token[row] = i // K."""
+    b = tl.program_id(0)
+    e = tl.arange(0, EP)
+    base = tl.load(hist + b * EP + e)
+    start = tl.load(first + e, mask=e < experts, other=0)
+    for s0 in range(0, B, SB):
+        i = b * B + s0 + tl.arange(0, SB)
+        v = tl.load(ids + i, mask=i < n, other=-1)
+        hot = (v[:, None] == e[None, :]).to(tl.int64)
+        earlier = tl.associative_scan(hot, 0, _add) - hot
+        row = tl.reduce(hot * (start[None, :] * g + base[None, :] + earlier), 1, _add)
+        tl.store(pos + i, row, mask=i < n)
+        tl.store(row_token + row, (i // K).to(tl.int64), mask=i < n)
+        base += tl.reduce(hot, 0, _add)

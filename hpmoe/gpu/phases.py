@@ -23,6 +23,9 @@ from ..exec.arena import Arena
 from ..exec.phases import Phases, glu_router_backward, permute, slot_sum, weighted_sum, weighted_sum_backward
 from ..regions.backward_kernels import glu_backward
 from ..regions.kernels import glu
+from ..regions.slot_routing import SlotRouting
+from ..regions.slot_routing import resolve_slots as torch_resolve_slots
+from ..regions.slots import SlotShape
 from ..routing import Scanned
 from ..spec import Activation, GluForm
 from .runner import TL_DTYPES, device_module
@@ -30,6 +33,9 @@ from .runner import TL_DTYPES, device_module
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 256, 4
 BACKWARD_ROWS = 16  # a backward program keeps k dot products a row
 SCAN_ROWS, SCAN_COLS = 16, 256
+SLOT_IDS, SLOT_SUB = 1024, 32  # a slot program's flat ids, and how many it compares at once
+SLOT_BLOCKS, SLOT_SLOTS = 16, 32  # the layout program's blocks and slots at once
+SLOT_ZERO = 1024  # rows of tokens a count program zeroes at once
 BIG = 1 << 62  # ``device.BIG``: "nothing found" in the scan's facts
 
 
@@ -217,6 +223,39 @@ def _start(experts: int, device: torch.device) -> torch.Tensor:
     start = torch.zeros(4 + experts, dtype=torch.int64, device=device)
     start[:3] = torch.tensor([BIG, BIG, -BIG], dtype=torch.int64, device=device)
     return start
+
+
+# ---------------------------------------------------------------------------- a routing's slots
+
+
+def resolve_slots(ids: torch.Tensor, shape: SlotShape, interpret: bool = False) -> SlotRouting:
+    """``regions.slot_routing.resolve_slots`` (the reference, which a CPU and a compiled
+    graph run) in three launches and no host read, the same integers: each block of
+    ``SLOT_IDS`` flat ids counted per expert (``device.slot_count_kernel``, which also
+    zeroes the rows' tokens), one program's prefix over the blocks and the slot layout
+    (``slot_layout_kernel``), then each id's row (``slot_rows_kernel``): where torch
+    needs about 37 operations, a stable sort among them."""
+    if not ((ids.is_cuda and not torch.compiler.is_compiling() and _has_triton()) or interpret):
+        return torch_resolve_slots(ids, shape)
+    g, experts, k = shape.tiles.gemm_rows, shape.moe.experts, shape.moe.top_k
+    flat = ids.reshape(-1).contiguous()
+    n, ep, dev = flat.numel(), _pow2(experts), device_module(interpret)
+    blocks = max(-(-n // SLOT_IDS), 1)
+
+    def empty(*size: int) -> torch.Tensor:
+        return torch.empty(*size, dtype=torch.int64, device=flat.device)
+
+    hist, pos, row_token = empty(blocks, ep), empty(n), empty(shape.capacity)
+    counts, first = empty(experts), empty(experts)
+    slot_expert, slot_rows = empty(shape.slots), empty(shape.slots)
+    dev.slot_count_kernel[(blocks,)](flat, hist, row_token, n, shape.capacity, EP=ep, B=SLOT_IDS, SB=SLOT_SUB,
+                                     ZB=SLOT_ZERO)
+    dev.slot_layout_kernel[(1,)](hist, blocks, counts, first, slot_expert, slot_rows, experts, shape.slots, g,
+                                 EP=ep, HB=SLOT_BLOCKS, SS=SLOT_SLOTS)
+    dev.slot_rows_kernel[(blocks,)](flat, hist, first, pos, row_token, n, experts, g, K=k, EP=ep, B=SLOT_IDS,
+                                    SB=SLOT_SUB)
+    return SlotRouting(counts=counts, first=first, slot_expert=slot_expert, slot_rows=slot_rows,
+                       pos=pos.view(-1, k), row_token=row_token)
 
 
 # ---------------------------------------------------------------------------- launches
