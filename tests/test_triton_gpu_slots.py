@@ -69,3 +69,27 @@ def test_twenty_launches_of_one_routing_give_the_same_bits():
         again = program.launch(x, w, routings[5])
         torch.cuda.synchronize()
         assert torch.equal(again.out, first) and int(again.errors[:, 0].sum()) == 0
+
+
+@pytest.mark.parametrize("kind", ["balanced", "zipf", "hot"])
+def test_the_slot_resolution_launched_on_the_gpu_gives_the_torch_integers(kind):
+    """Qwen3-30B-A3B's 4096 tokens (32,768 ids, 32 blocks, 128 experts) resolved by the
+    three launches against the torch sort on the same device, without a host read."""
+    from hpmoe.gpu.phases import resolve_slots
+    from hpmoe.regions.slot_routing import resolve_slots as torch_resolve_slots
+    from hpmoe.regions.slots import SlotShape
+    from hpmoe.routing import RoutingKind, synthetic_routing
+    from hpmoe.spec import ParallelSpec, TileSpec, preset
+
+    spec = preset("qwen3-30b-a3b", torch.bfloat16)
+    shape = SlotShape(spec, 4096, TileSpec(rows=64, gemm_rows=128, gemm_cols=128))
+    ids = synthetic_routing(RoutingKind(kind), spec, ParallelSpec(1, 4096), 3).ids.cuda()
+    with torch.cuda.device(ids.device):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = resolve_slots(ids, shape)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    want = torch_resolve_slots(ids, shape)
+    for field in ("counts", "first", "slot_expert", "slot_rows", "pos", "row_token"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
