@@ -17,7 +17,8 @@
 #   benchmarks/gpu_first_contact.sh persistent   the per-shape program's GPU tests (tests/test_triton_gpu_slots.py),
 #                                                then bench-default with the hpmoe-persistent rows (the layer on
 #                                                the persistent kernel, a new routing every step) on small,
-#                                                Qwen3-30B-A3B and DeepSeek-V3
+#                                                Qwen3-30B-A3B and DeepSeek-V3; before the bench, a step's host
+#                                                time with a cached plan (benchmarks/slot_plan_cost.py on cuda)
 #
 # Writes under $OUT (default benchmarks/results/first-contact), each file as soon as its step
 # ends: env.txt, check.log, smoke.json (resources compiled on the device, a smoke run with a
@@ -25,8 +26,9 @@
 # bench-SHAPE.json, one timeline PNG; gpu_profile.json (its log goes to bench.log): at
 # most 8 files for check, bench-ds and profile-ds, or check and two benches, in one
 # folder; default writes default-tests.xml, default.log and bench-default.json, default-zipf
-# bench-default-zipf.json and gpu_profile.json; persistent writes persistent-tests.xml and
-# bench-persistent.json.  Every step runs under `timeout -s KILL`; a call stays under 9 minutes.
+# bench-default-zipf.json and gpu_profile.json; persistent writes persistent-tests.xml,
+# slot-plan-cost.json and bench-persistent.json.  Every step runs under `timeout -s KILL`; a call
+# stays under 9 minutes.
 # Without a CUDA device it exits 2 at once.
 set -u
 mode=${1:-check}
@@ -101,6 +103,8 @@ default-zipf)
 persistent)
     step "${FC_LIMIT_TESTS:-150}" "$out/persistent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
         $(timeout_opt) --junitxml "$out/persistent-tests.xml" tests/test_triton_gpu_slots.py
+    step "${FC_LIMIT_PLAN:-120}" "$out/persistent.log" "$py" benchmarks/slot_plan_cost.py --device cuda \
+        --shapes qwen3-30b-a3b small --steps 40 --json "$out/slot-plan-cost.json"
     FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-300} bench persistent small qwen3-30b-a3b deepseek-v3-fit \
         --peers-only --persistent-layer --routing balanced
     ;;

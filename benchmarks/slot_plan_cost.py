@@ -10,15 +10,19 @@ a new seed each step), for ``bench_gpu.py``'s 4096 tokens and tiles, one rank, f
 on the CPU: there every tensor operation runs its work on the host too, so the figure
 bounds from above what a GPU's host spends launching the same operations (counted per
 step: ``ops``).  The program is built for the CPU (the interpreter's device); nothing is
-launched.
+launched.  With ``--device cuda`` (a GPU) the program is built there and a step's
+host time is timed from an idle device to the step's return, its operations launched
+(the routing's resolution three Triton launches, ``gpu.phases.resolve_slots``), and the
+device's time to the end of its work beside it.
 
     .venv/bin/python benchmarks/slot_plan_cost.py [--shapes qwen3-30b-a3b small] [--steps 40]
-        [--threads 1] [--json FILE]
+        [--threads 1] [--device cpu] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -55,11 +59,12 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def routings(spec: MoESpec, steps: int) -> list[Routing]:
+def routings(spec: MoESpec, steps: int, device: torch.device) -> list[Routing]:
     """A new routing every step: balanced and zipf alternating, seed = step."""
     par = ParallelSpec(1, TOKENS)
-    return [synthetic_routing(RoutingKind.BALANCED if s % 2 else RoutingKind.ZIPF, spec, par, s)
+    made = [synthetic_routing(RoutingKind.BALANCED if s % 2 else RoutingKind.ZIPF, spec, par, s)
             for s in range(steps)]
+    return [Routing(r.ids.to(device), r.weights.to(device)) for r in made]
 
 
 def step(program: SlotProgram, x: torch.Tensor, w: ExpertWeights, r: Routing) -> None:
@@ -67,27 +72,38 @@ def step(program: SlotProgram, x: torch.Tensor, w: ExpertWeights, r: Routing) ->
     program.addresses()
 
 
-def measure(spec: MoESpec, steps: int) -> dict[str, float]:
-    """Build once (timed), then per step: median and fastest milliseconds, ops."""
+def _idle(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(spec: MoESpec, steps: int, device: torch.device) -> dict[str, float]:
+    """Build once (timed), then per step: median and fastest host milliseconds (and on a
+    GPU the device's, to the end of the step's work), ops."""
     w = ExpertWeights.random(spec, 0)
-    x = torch.randn(TOKENS, spec.hidden, generator=torch.Generator().manual_seed(1)).to(spec.dtype)
-    rs = routings(spec, steps + 1)
+    w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)
+                                  if isinstance(getattr(w, f.name), torch.Tensor)})
+    x = torch.randn(TOKENS, spec.hidden, generator=torch.Generator().manual_seed(1)).to(spec.dtype).to(device)
+    rs = routings(spec, steps + 1, device)
     cache = PlanCache()
     t0 = time.perf_counter()
     program = cache.program(x, w, rs[0], TILES, OPTIONS)
     build = (time.perf_counter() - t0) * 1e3
-    step(program, x, w, rs[0])  # warm-up
-    times = []
+    step(program, x, w, rs[0])  # warm-up (on a GPU: the resolution's kernels compiled)
+    times, done = [], []
     for r in rs[1:]:
+        _idle(device)
         t0 = time.perf_counter()
         step(program, x, w, r)
         times.append((time.perf_counter() - t0) * 1e3)
+        _idle(device)
+        done.append((time.perf_counter() - t0) * 1e3)
     counter = _CountOps()
     with counter:
         step(program, x, w, rs[1])
     return {"build_ms": build, "step_median_ms": statistics.median(times), "step_min_ms": min(times),
-            "ops_per_step": counter.ops, "builds": cache.builds, "slots": program.key.shape.slots,
-            "tasks": program.plan.graph.num_tasks}
+            "step_done_median_ms": statistics.median(done), "ops_per_step": counter.ops,
+            "builds": cache.builds, "slots": program.key.shape.slots, "tasks": program.plan.graph.num_tasks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,19 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a "
                    "step's operations are small; on a GPU they are launches)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the program on a GPU (bf16)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("slot_plan_cost.py: --device cuda, but no CUDA device here", file=sys.stderr)
+        return 2
     torch.set_num_threads(a.threads)
     known = {**base_shapes(), "tiny": preset("tiny")}
     report = {"machine": machine().to_json(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "threads": torch.get_num_threads(), "tokens": TOKENS, "shapes": {}}
+              "threads": torch.get_num_threads(), "tokens": TOKENS, "device": str(device), "shapes": {}}
     print(machine().line(), "| capability", report["cpu_capability"], "| threads", report["threads"])
     for name in a.shapes:
-        r = measure(known[name], a.steps)
+        r = measure(known[name], a.steps, device)
         report["shapes"][name] = r
         print(f"{name:>14}  build {r['build_ms']:8.1f} ms  step median {r['step_median_ms']:.3f} ms  "
-              f"fastest {r['step_min_ms']:.3f} ms  {r['ops_per_step']} ops  {r['slots']} slots  "
-              f"{r['tasks']} tasks  builds {r['builds']}", flush=True)
+              f"fastest {r['step_min_ms']:.3f} ms  done {r['step_done_median_ms']:.3f} ms  "
+              f"{r['ops_per_step']} ops  {r['slots']} slots  {r['tasks']} tasks  builds {r['builds']}",
+              flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -81,3 +81,9 @@ def test_the_model_check_refits_a_saved_run_and_predicts_it(capsys):
     assert len(rows) == 1
     predicted, measured = (float(c) for c in rows[0].split("|")[4:6])
     assert measured == pytest.approx(9.174, abs=1e-3) and 0.95 <= predicted / measured <= 1.05
+
+
+def test_the_plan_cost_on_a_gpu_exits_2_without_cuda(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "slot_plan_cost.py"), "--device", "cuda",
+                           "--json", str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert done.returncode == 2 and "no CUDA device" in done.stderr and not (tmp_path / "x.json").exists()
