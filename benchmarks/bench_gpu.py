@@ -59,7 +59,13 @@ device copy as the memory bandwidth; a variant's roofline fraction is
 graph.  Medians over ``--reps`` after ``--warmup`` runs, CUDA events.
 
     python benchmarks/bench_gpu.py --out benchmarks/results [--shapes small qwen3 ...] [--ep 1] [--peers-only]
-        [--routing balanced zipf]
+        [--routing balanced zipf] [--dry-run]
+
+``--dry-run``: every row's code on shapes cut to a few experts of width 64 and
+``DRY_TOKENS`` tokens, one repeat, on the GPU or, without one, on the CPU (Triton's
+interpreter for the persistent kernel), before a GPU's time is spent on a script that
+fails: what needs CUDA (a CUDA graph, memory statistics, host syncs) is reported as
+such, and no figure of a dry run is a measurement.
 
 ``--peers-only``: no persistent-kernel rows, only the default path against the torch variants
 (``--persistent-layer`` adds back ``hpmoe-persistent``).
@@ -81,7 +87,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +125,7 @@ from hpmoe.spec import MoESpec, ParallelSpec, TileSpec, preset
 from hpmoe.weights import ExpertWeights
 
 TOKENS = 4096
+DRY_TOKENS = 64
 TILES = TileSpec(rows=128, gemm_rows=128, gemm_cols=512)
 FAMILIES = {"deepseek-v3-fit": "deepseek_v3", "qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral",
             "small": "qwen3_moe"}  # the transformers block each shape is timed against
@@ -138,10 +145,45 @@ def shapes(device: torch.device) -> dict[str, MoESpec]:
             for name, spec in base_shapes().items()}
 
 
+def dry_shapes() -> dict[str, MoESpec]:
+    """Each benchmarked layer's family cut to 16 experts of width 64 (``--dry-run``)."""
+    def cut(spec: MoESpec) -> MoESpec:
+        groups = min(spec.groups, 4)
+        return dataclasses.replace(spec, hidden=64, ffn=32, experts=16, top_k=min(spec.top_k, 4),
+                                   groups=groups, top_groups=min(spec.top_groups, groups))
+    return {name: cut(spec) for name, spec in base_shapes().items()}
+
+
+def on_gpu() -> bool:
+    """Whether this run has a CUDA device (a dry run may not)."""
+    return torch.cuda.is_available()
+
+
+def sync() -> None:
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
+    """``gpu.split.cuda_ms``; without a GPU the host clock's median (a dry run)."""
+    if on_gpu():
+        return cuda_ms(fn, reps, warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
 # ---------------------------------------------------------------------------- timing
 
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured in a CUDA graph (warmed up on a side stream first)."""
+    if not on_gpu():
+        raise RuntimeError("a CUDA graph needs a CUDA device (dry run)")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -155,7 +197,10 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def device_peaks(reps: int) -> tuple[float, float]:
-    """(bf16 GEMM FLOP/s, device copy bytes/s read + write) measured on this GPU."""
+    """(bf16 GEMM FLOP/s, device copy bytes/s read + write) measured on this GPU (NaN
+    without one)."""
+    if not on_gpu():
+        return float("nan"), float("nan")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = cuda_ms(lambda: a @ a, reps, 3)
     src = torch.empty(1 << 29, device="cuda", dtype=torch.int16)
@@ -209,29 +254,32 @@ def phase_programs(region, queues: int) -> list[Phase]:
     return out
 
 
-def shape_routing(spec: MoESpec, ep: int, kind: RoutingKind = RoutingKind.BALANCED) -> Routing:
-    """The routing of ``TOKENS`` tokens every variant runs (on the CPU)."""
-    return synthetic_routing(kind, spec, ParallelSpec(ep, TOKENS // ep), 0)
+def shape_routing(spec: MoESpec, ep: int, kind: RoutingKind = RoutingKind.BALANCED,
+                  tokens: int = TOKENS) -> Routing:
+    """The routing of ``tokens`` tokens every variant runs (on the CPU)."""
+    return synthetic_routing(kind, spec, ParallelSpec(ep, tokens // ep), 0)
 
 
-def shape_inputs(spec: MoESpec, ep: int, kind: RoutingKind = RoutingKind.BALANCED
+def shape_inputs(spec: MoESpec, ep: int, kind: RoutingKind = RoutingKind.BALANCED, tokens: int = TOKENS
                  ) -> tuple[torch.Tensor, ExpertWeights, Routing, torch.Tensor]:
-    """(x, weights, the routing of ``kind``, dy) of ``TOKENS`` tokens on the GPU."""
-    dev = torch.device("cuda")
+    """(x, weights, the routing of ``kind``, dy) of ``tokens`` tokens on the GPU (a dry
+    run without one: the CPU)."""
+    dev = torch.device("cuda" if on_gpu() else "cpu")
     w = ExpertWeights.random(spec, 0)
     w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dev) for f in dataclasses.fields(w)
                                   if isinstance(getattr(w, f.name), torch.Tensor)})
-    routing = shape_routing(spec, ep, kind)
+    routing = shape_routing(spec, ep, kind, tokens)
     routing = Routing(ids=routing.ids.to(dev), weights=routing.weights.to(dev))
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
-    dy = torch.randn(TOKENS, spec.hidden, generator=g).to(spec.dtype).to(dev)
+    x = torch.randn(tokens, spec.hidden, generator=g).to(spec.dtype).to(dev)
+    dy = torch.randn(tokens, spec.hidden, generator=g).to(spec.dtype).to(dev)
     return x, w, routing, dy
 
 
 def region_work(spec: MoESpec, ep: int, routing: Routing) -> dict[str, tuple[float, float]]:
     """FLOPs and bytes of the forward and forward+backward task graphs (host only)."""
-    plan = plan_routing(routing.ids.cpu(), spec, ParallelSpec(ep=ep, tokens_per_rank=TOKENS // ep))
+    par = ParallelSpec(ep=ep, tokens_per_rank=routing.ids.shape[0] // ep)
+    plan = plan_routing(routing.ids.cpu(), spec, par)
     gf, gb = lower_forward(plan, TILES), lower_backward(plan, TILES)
     fwd = (float(gf.flops.sum()), float(gf.bytes.sum()))
     return {"fwd": fwd, "fwd+bwd": (fwd[0] + float(gb.flops.sum()), fwd[1] + float(gb.bytes.sum()))}
@@ -280,8 +328,9 @@ def persistent_rows(name: str, spec: MoESpec, ep: int, inputs: tuple, record: Ca
 
 def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: tuple[float, float],
               out_dir: Path, details: dict, persistent: bool = True,
-              kind: RoutingKind = RoutingKind.BALANCED, layer_persistent: bool = False) -> list[dict]:
-    x, w, routing, dy = shape_inputs(spec, ep, kind)
+              kind: RoutingKind = RoutingKind.BALANCED, layer_persistent: bool = False,
+              tokens: int = TOKENS) -> list[dict]:
+    x, w, routing, dy = shape_inputs(spec, ep, kind, tokens)
     rows: list[dict] = []
     work = region_work(spec, ep, routing)
 
@@ -291,7 +340,7 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
         ms = float("nan")
         if fn is not None:
             try:
-                ms = cuda_ms(fn, reps, warmup)
+                ms = timed_ms(fn, reps, warmup)
                 error = late_waits(launchers)
             except Exception as e:  # a peer a torch build does not support is reported, not fatal
                 error = f"{type(e).__name__}: {e}"
@@ -306,7 +355,8 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
               flush=True)
 
     if persistent and kind is RoutingKind.BALANCED:
-        persistent_rows(name, spec, ep, (x, w, routing, dy), record, rows, out_dir, details)
+        with reported(record, "fwd", "persistent"):
+            persistent_rows(name, spec, ep, (x, w, routing, dy), record, rows, out_dir, details)
     default_and_torch_rows(spec, (x, w, routing, dy), reps, record)
     if (persistent or layer_persistent) and kind is RoutingKind.BALANCED:  # its own routings, new each step
         persistent_layer_rows(spec, (x, w, dy), reps, record)
@@ -314,6 +364,17 @@ def run_shape(name: str, spec: MoESpec, ep: int, reps: int, warmup: int, peaks: 
     torch.cuda.empty_cache()
     hf_rows(name, spec, x, dy, record)
     return rows
+
+
+@contextlib.contextmanager
+def reported(record: Callable, region: str, variant: str) -> Iterator[None]:
+    """A failure while a row is set up or measured is that row's error, not the end of the
+    shape's other rows (a GPU's time is scarce)."""
+    try:
+        yield
+    except Exception as e:
+        traceback.print_exc()
+        record(region, variant, None, f"{type(e).__name__}: {e}")
 
 
 def default_and_torch_rows(spec: MoESpec, inputs: tuple, reps: int, record: Callable) -> None:
@@ -328,31 +389,35 @@ def default_and_torch_rows(spec: MoESpec, inputs: tuple, reps: int, record: Call
         return lambda: kbk_backward(kbk_forward(x, routing, w, pool=pool, save=True)[1], dy, pool)
 
     for region, save in (("fwd", False), ("fwd+bwd", True)):
-        step = kbk(save)
-        record(region, "hpmoe-kernel-by-kernel", step, measured={"host_us": host_us(step, reps)})
+        with reported(record, region, "hpmoe-kernel-by-kernel"):
+            step = kbk(save)
+            record(region, "hpmoe-kernel-by-kernel", step, measured={"host_us": host_us(step, reps)})
     layer = MoE(spec, w)  # a copy of the same weights
     params = list(layer.parameters())
     for region, backward in (("fwd", False), ("fwd+bwd", True)):
         step = layer_step(layer, x, routing, dy, backward)
-        measured = {**measure(step, params), "host_us": host_us(step, reps)}
-        if backward:
-            measured["held_mib"] = held_mib(layer, x, routing)
-        record(region, "hpmoe-default", step, measured=measured)
+        with reported(record, region, "hpmoe-default"):
+            measured = {**measure(step, params), "host_us": host_us(step, reps)}
+            if backward:
+                measured["held_mib"] = held_mib(layer, x, routing)
+            record(region, "hpmoe-default", step, measured=measured)
         record_graphed(record, region, "hpmoe-default", step)
     del layer
     for label, option in (("offload", dict(offload=True)), ("recompute-nothing", dict(recompute="nothing")),
                           ("recompute-gemm", dict(recompute="gemm"))):
-        other = MoE(spec, w, **option)  # the default path with one option changed
-        step = layer_step(other, x, routing, dy, True)
-        record("fwd+bwd", f"hpmoe-default+{label}", step, measured={"held_mib": held_mib(other, x, routing)})
-        del other
+        with reported(record, "fwd+bwd", f"hpmoe-default+{label}"):
+            other = MoE(spec, w, **option)  # the default path with one option changed
+            step = layer_step(other, x, routing, dy, True)
+            held = held_mib(other, x, routing)
+            record("fwd+bwd", f"hpmoe-default+{label}", step, measured={"held_mib": held})
     peer = Peer.of(routing, spec)
     for gemm_kind, gemm in grouped_gemms(x, w, peer, spec).items():
         record("fwd", f"grouped-mm/{gemm_kind.name.lower()}", gemm, phase_work=(gemm.flops, gemm.bytes))
     for label, forward in (("torch-eager", eager_forward), ("torch-grouped-mm", grouped_forward)):
         for region, backward in (("fwd", False), ("fwd+bwd", True)):
             step = torch_step(forward, x, w, routing, dy, peer, backward)
-            record(region, label, step, measured=measure(step, [w.w13, w.w2, w.shared_w13, w.shared_w2]))
+            with reported(record, region, label):
+                record(region, label, step, measured=measure(step, [w.w13, w.w2, w.shared_w13, w.shared_w2]))
             record_graphed(record, region, label, step)
 
 
@@ -361,6 +426,12 @@ def persistent_layer_rows(spec: MoESpec, inputs: tuple, reps: int, record: Calla
     persistent kernel, each call on the next of ``steps`` routings (new ones every
     step as far as the timing's repeats go)."""
     x, w, dy = inputs
+    with reported(record, "fwd", "hpmoe-persistent"):
+        _persistent_layer_rows(spec, x, w, dy, reps, record, steps)
+
+
+def _persistent_layer_rows(spec: MoESpec, x: torch.Tensor, w: ExpertWeights, dy: torch.Tensor, reps: int,
+                           record: Callable, steps: int) -> None:
     layer = MoE(spec, w, backend="triton", tiles=TILES)
     par = ParallelSpec(1, x.shape[0])
     drawn = [synthetic_routing(RoutingKind.ZIPF if s % 2 else RoutingKind.BALANCED, spec, par, s)
@@ -390,7 +461,8 @@ def hf_rows(name: str, spec: MoESpec, x: torch.Tensor, dy: torch.Tensor, record:
         for label, module, impl in (("hf-grouped-mm", block, "grouped_mm"), ("hf-eager", block, "eager"),
                                     ("hpmoe-from-hf", layer, "hpmoe")):
             step = block_step(module, block, impl, x, dy, backward)
-            record(region, label, step, measured=measure(step, params))
+            with reported(record, region, label):
+                record(region, label, step, measured=measure(step, params))
     del layer, block, params
     torch.cuda.empty_cache()
 
@@ -405,9 +477,11 @@ def record_graphed(record: Callable, region: str, label: str, step: Callable[[],
     record(region, f"{label}+cudagraph", replay, measured={"peak_mib": measure(replay, [])["peak_mib"]})
 
 
-def host_syncs(fn: Callable[[], object]) -> int:
+def host_syncs(fn: Callable[[], object]) -> int | None:
     """Synchronizing CUDA calls one call of ``fn`` makes (torch's sync debug mode warns
-    at each)."""
+    at each; None without a GPU)."""
+    if not on_gpu():
+        return None
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -435,20 +509,24 @@ def measure(fn: Callable[[], object], params: list) -> dict:
         return t
 
     sizes: list[int] = []
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    sync()
+    if on_gpu():
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if on_gpu() else 0
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    torch.cuda.synchronize()
-    return {"host_syncs": syncs, "peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20,
-            "saved_mib": sum(sizes) / 2**20}
+    sync()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20 if on_gpu() else float("nan")
+    return {"host_syncs": syncs, "peak_mib": peak, "saved_mib": sum(sizes) / 2**20}
 
 
 def held_mib(layer: MoE, x: torch.Tensor, routing: Routing) -> float:
     """Device memory (MiB) one training forward of ``layer`` leaves allocated for its
-    backward, its output included."""
+    backward, its output included (without a GPU the forward runs, NaN)."""
     xl, wl = (t.detach().requires_grad_() for t in (x, routing.weights))
+    if not on_gpu():
+        layer.region(xl, routing.ids, wl)
+        return float("nan")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     out = layer.region(xl, routing.ids, wl)
@@ -464,11 +542,11 @@ def host_us(fn: Callable[[], object], reps: int) -> float:
     before each (the call's Python and launches, without waiting for its kernels)."""
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return float(np.median(times))
 
 
@@ -488,7 +566,7 @@ def calibrated_critical_path(x, w: ExpertWeights, routing: Routing, dy, ep: int,
 def late_waits(launchers: tuple) -> str:
     """"" when no launch of ``launchers`` (``DeviceProgram.launcher``) had a wait pass its
     deadline, else what to report instead of a time."""
-    torch.cuda.synchronize()
+    sync()
     late = sum(int((go.errors[:, 0] != 0).sum()) for go in launchers)
     return f"{late} wait(s) passed the deadline: not timed" if late else ""
 
@@ -562,29 +640,35 @@ def main(argv: list[str] | None = None) -> int:
                         "kernel, a new routing every step)")
     p.add_argument("--routing", nargs="*", default=["balanced"], choices=[k.value for k in RoutingKind],
                    help="routings the peers run (the persistent rows: balanced only)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="every row's code on cut shapes, one repeat (on the CPU without a GPU): no "
+                        "measurement")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if not on_gpu() and not a.dry_run:
         print("bench_gpu.py needs a CUDA device; none is available", file=sys.stderr)
         return 2
     import triton
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if on_gpu() else "cpu")
+    tokens = DRY_TOKENS if a.dry_run else TOKENS
+    if a.dry_run:
+        a.reps, a.warmup = 1, 0
     a.out.mkdir(parents=True, exist_ok=True)
     peak, bw = device_peaks(a.reps)
-    meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(), "peak_tflops": peak / 1e12,
-            "copy_gbs": bw / 1e9, "machine": machine().to_json(),
-            "tokens": TOKENS, "tiles": dataclasses.asdict(TILES), "command": " ".join(sys.argv)}
+    meta = {"device": torch.cuda.get_device_name(dev) if on_gpu() else "cpu", "dry_run": a.dry_run,
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "peak_tflops": peak / 1e12, "copy_gbs": bw / 1e9, "machine": machine().to_json(),
+            "tokens": tokens, "tiles": dataclasses.asdict(TILES), "command": " ".join(sys.argv)}
     rows: list[dict] = []
     details: dict[str, dict] = {}
-    for name, spec in shapes(dev).items():
+    for name, spec in (dry_shapes() if a.dry_run else shapes(dev)).items():
         if a.shapes and name not in a.shapes:
             continue
         for kind in map(RoutingKind, a.routing):
             try:
                 rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details,
                                   persistent=not a.peers_only, kind=kind,
-                                  layer_persistent=a.persistent_layer)
+                                  layer_persistent=a.persistent_layer, tokens=tokens)
             except Exception:
                 traceback.print_exc()
                 rows.append({"shape": name, "experts": spec.experts, "ep": a.ep, "routing": kind.value,

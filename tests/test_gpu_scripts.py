@@ -1,6 +1,7 @@
 """The GPU scripts on a machine without CUDA: each says so and exits 2 before any work,
 so a first contact that lands on the wrong machine costs seconds, not a lease."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,27 @@ def test_the_plan_cost_on_a_gpu_exits_2_without_cuda(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "slot_plan_cost.py"), "--device", "cuda",
                            "--json", str(tmp_path / "x.json")], capture_output=True, text=True)
     assert done.returncode == 2 and "no CUDA device" in done.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_the_gpu_bench_dry_run_reaches_every_peer_row_on_the_cpu(tmp_path):
+    """``bench_gpu.py --dry-run`` runs each row's code on a cut shape before a GPU's time is
+    spent on it: every row the default modes record is there, timed, or failed only for
+    what needs CUDA; one failing row does not end the shape's others."""
+    args = ["--dry-run", "--peers-only", "--shapes", "small", "--routing", "balanced", "zipf",
+            "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert report["meta"]["dry_run"] and report["meta"]["tokens"] == 64
+    rows = report["rows"]
+    for routing in ("balanced", "zipf"):
+        seen = {(r["region"], r["variant"]) for r in rows if r["routing"] == routing}
+        for region in ("fwd", "fwd+bwd"):
+            for variant in ("hpmoe-kernel-by-kernel", "hpmoe-default", "torch-eager", "torch-grouped-mm",
+                            "hf-grouped-mm", "hf-eager", "hpmoe-from-hf"):
+                assert (region, variant) in seen, (routing, region, variant)
+        assert ("fwd+bwd", "hpmoe-default+offload") in seen
+    for r in rows:
+        assert r["ms"] == r["ms"] or "CUDA" in r["error"], r  # timed, or refused for want of CUDA
+        assert r["ms"] != r["ms"] or not r["error"], r
