@@ -340,7 +340,8 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @functools.cache
 def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros((), dtype=dtype, device=device)
+    with torch.inference_mode(False):  # made in inference mode, it is saved for a backward after
+        return torch.zeros((), dtype=dtype, device=device)
 
 
 def router_placeholders(experts: int, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +357,8 @@ def router_placeholders(experts: int, hidden: int, device: torch.device) -> tupl
 def _router_placeholders(experts: int, hidden: int,
                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     zero = _placeholder(torch.float32, device)
-    return zero.expand(experts, hidden), zero.expand(experts)
+    with torch.inference_mode(False):
+        return zero.expand(experts, hidden), zero.expand(experts)
 
 
 class _RowGather(torch.autograd.Function):

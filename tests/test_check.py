@@ -159,3 +159,19 @@ def test_the_host_read_names_what_a_host_walk_finds(seed):
 def test_finite_values_whose_sum_overflows_hold_no_fault(dtype, value):
     x = torch.full((16, 4), value, dtype=dtype)
     assert value_error(8, x, torch.zeros(16, 2, dtype=torch.int64), torch.ones(16, 2)) is None
+
+
+def test_a_deferred_check_made_in_inference_mode_keeps_working_outside_it(held):
+    """The verdict a first call keeps (on a GPU in a status tensor written in place) is
+    made under ``torch.inference_mode()`` by an evaluation and written by training after."""
+    layer, x = _layer(), _x()
+    r = _routing(x)
+    with torch.inference_mode():
+        layer.region(x, r.ids, r.weights)
+    bad = x.clone()
+    bad[4, 1] = float("nan")
+    with torch.no_grad():
+        layer.region(bad, r.ids, r.weights)
+    with pytest.raises(ValueError, match="x has NaN at row 4"):
+        layer.check()
+    layer.region(x.requires_grad_(), r.ids, r.weights).sum().backward()

@@ -93,7 +93,17 @@ class Door:
              w: ExpertWeights) -> torch.Tensor:
         """The region on x [N, H] routed by ids [N, k] (logical expert ids) with weights
         [N, k] over the layer's expert weights ``w`` -> [N, H] in x's dtype, computed in
-        the experts' dtype (or the autocast dtype)."""
+        the experts' dtype (or the autocast dtype).  Under ``torch.inference_mode()`` the
+        call runs outside it, without gradients: what a call keeps for later ones (scratch
+        buffers, programs, verdicts, the load) must not be inference tensors, which a
+        later call outside inference mode could not write."""
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                return self._call(x, ids, topk_weights, w)
+        return self._call(x, ids, topk_weights, w)
+
+    def _call(self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
+              w: ExpertWeights) -> torch.Tensor:
         dtype = _compute_dtype(x, w.spec.dtype)
         w = w if dtype == w.spec.dtype else _cast(w, dtype)
         xc, routing = x.to(dtype), Routing(ids.to(torch.int64), topk_weights.float())
