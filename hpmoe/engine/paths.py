@@ -400,14 +400,20 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: RegionCall = ctx.call
-        tensors = list(ctx.saved_tensors)
+        if ctx.state is None:
+            raise RuntimeError("Trying to backward through an hpmoe region a second time: the persistent "
+                               "kernel's state goes with its first backward (retain_graph=True is not "
+                               "supported with backend='triton')")
+        tensors = list(ctx.saved_tensors)  # the usual error where autograd freed them (no retain_graph)
         if ctx.fused:
             parts = torch.cat(tensors[-2:])
             del tensors[-2:]
             for i in ctx.fused:
                 tensors[i] = parts
         offload.receive(tensors, ctx.parcel)
-        state, ctx.state = ctx.state.unpack(tensors), None
+        state = ctx.state.unpack(tensors)
+        if isinstance(state, _InArena):  # it holds its buffers itself: they go as saved tensors would
+            ctx.state = None
         dy = dout.to(call.spec.dtype).contiguous()
         with _timing(call.trial, call.clock, dy.device, backward=True):
             if call.session is not None:  # ranks in step on the region, not on dy's values (an inf
