@@ -168,7 +168,7 @@ class Balance:
         add each call's rows decayed by the calls after it."""
         rows = torch.stack(self._pending).to(torch.float64)
         n = rows.shape[0]
-        after = torch.arange(n - 1, -1, -1, dtype=torch.float64)
+        after = torch.arange(n - 1, -1, -1, dtype=torch.float64, device=rows.device)
         self._load.mul_(LOAD_DECAY ** n).add_((LOAD_DECAY ** after) @ rows, alpha=1.0 - LOAD_DECAY)
         self._pending.clear()
 
