@@ -158,6 +158,11 @@ class ExpertWeights:
         fields = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
         return _unchecked({**fields, "shared_parts": None})
 
+    def with_shared_w13(self, shared_w13: torch.Tensor) -> ExpertWeights:
+        """These weights with ``shared_w13`` in place of theirs (the same shape and dtype:
+        not checked again)."""
+        return _unchecked({**self.__dict__, "shared_w13": shared_w13})
+
     @staticmethod
     def gate_only(spec: MoESpec, router: torch.Tensor, router_bias: torch.Tensor) -> ExpertWeights:
         """The router of a layer whose expert tensors the caller does not read (routing):

@@ -92,3 +92,57 @@ def test_calls_with_gradients_build_afresh_and_reach_every_parameter():
     layer.region(x, routing.ids, routing.weights).sum().backward()
     grads = {n: p.grad for n, p in layer.named_parameters() if n != "gate.weight"}
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), sorted(grads)
+
+
+def _one_family_per_layout() -> list:
+    from hpmoe.nn.families import FAMILIES
+
+    seen: dict = {}
+    for f in FAMILIES:
+        if not f.refused:
+            seen.setdefault(f.layout, f)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("family", _one_family_per_layout(), ids=lambda f: f"{f.name}-{f.layout.name}")
+def test_a_replaced_model_evaluated_again_after_an_update_in_place_matches_transformers(family):
+    """Every expert layout (views of the block's tensors, or a copy its region reads): a
+    model evaluated, its parameters then updated in place as an optimizer does, and
+    evaluated again, equals transformers' model updated alike."""
+    pytest.importorskip("transformers")
+    import copy
+
+    from hpmoe.nn.conformance import tiny_model
+    from hpmoe.nn.replace import replace_moe_blocks
+
+    model = tiny_model(family, 0)
+    original = copy.deepcopy(model)
+    replace_moe_blocks(model, backend="kernel_by_kernel")
+    ids = torch.arange(24, device="cpu").view(2, 12) % 61 + 2
+    with torch.no_grad():
+        model(input_ids=ids)
+        for m in (model, original):
+            for name, p in m.named_parameters():
+                p.mul_(1.01 + 0.01 * (len(name) % 7))
+        got, want = model(input_ids=ids), original(input_ids=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=2e-5, atol=2e-5)
+
+
+def test_a_replaced_models_evaluations_build_each_layers_weights_once():
+    """A transformers model slices its layers' ModuleList each forward (a registration of
+    modules into a new list): that is no change to a layer, whose weights stay kept."""
+    pytest.importorskip("transformers")
+    from hpmoe.nn.conformance import tiny_model
+    from hpmoe.nn.families import FAMILIES
+    from hpmoe.nn.replace import replace_moe_blocks
+
+    model = tiny_model(next(f for f in FAMILIES if f.name == "qwen3_moe"), 0)
+    replace_moe_blocks(model, backend="kernel_by_kernel")
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    builds = []
+    for layer in layers:
+        layer._region_weights = lambda build=layer._region_weights: builds.append(1) or build()
+    with torch.no_grad():
+        for _ in range(3):
+            model(input_ids=torch.arange(24, device="cpu").view(2, 12) % 61 + 2)
+    assert len(layers) == 2 and len(builds) == 2
