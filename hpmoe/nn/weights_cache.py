@@ -7,11 +7,11 @@ optimizer step, ``load_state_dict``) reaches them.  The shared experts' fused ga
 copy, is fused again each call from the kept views of its parts (keeping it would hold a
 copy of those weights between calls); weights holding any other copy (a layout the
 region reads only through one) are built each call.  A parameter is replaced by
-``setattr`` into the layer's modules (torch's global registration hooks report it, and
-a module replaced so),
-by FSDP's direct registration (its identity) or by a new storage (``.data =``, ``.to()``:
-its address and shape).  Calls with gradients build afresh (their tensors belong to that
-call's graph), and so does a traced call (``torch.compile`` reads the parameters itself)."""
+``setattr`` into one of the layer's modules (torch's global registration hooks report
+it, and a module replaced so), by FSDP's direct registration (its identity) or with a
+new storage (``.data =``, ``.to()``: its address and shape).  Calls with gradients build
+afresh (their tensors belong to that call's graph), and so does a traced call
+(``torch.compile`` reads the parameters itself)."""
 
 from __future__ import annotations
 
