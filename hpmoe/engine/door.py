@@ -220,13 +220,18 @@ class Door:
                          o.nodes)
         return _unpadded(out, n)
 
-    def decision(self, spec: MoESpec, tokens: int, backward: bool) -> AutoDecision:
-        """AUTO's forecast for a call of ``tokens`` tokens computing ``spec`` (``MoE.decision``)."""
+    def decision(self, spec: MoESpec, tokens: int, backward: bool | None) -> AutoDecision:
+        """AUTO's forecast for a call of ``tokens`` tokens computing ``spec`` (``MoE.decision``;
+        ``backward`` None: whether grad mode is on)."""
+        backward = torch.is_grad_enabled() if backward is None else backward
         return decision(self.options, self.balance.region_spec(spec), tokens, backward, self.auto,
                         self.session())
 
-    def tuned(self, spec: MoESpec, tokens: int, backward: bool, device: torch.device) -> TuneResult | None:
-        """What AUTO's tuning settled on (``MoE.tuned``)."""
+    def tuned(self, spec: MoESpec, tokens: int, backward: bool | None,
+              device: torch.device) -> TuneResult | None:
+        """What AUTO's tuning settled on (``MoE.tuned``; ``backward`` None: whether grad
+        mode is on)."""
+        backward = torch.is_grad_enabled() if backward is None else backward
         return tuned(self.options, self.balance.region_spec(spec), tokens, backward, self.auto,
                      self.session(), device)
 

@@ -108,7 +108,7 @@ class MoE(nn.Module):
         self.fused_shared = fused_shared
         self.options = options
         self._door = Door(spec, options, placement)
-        self._weights_cache = WeightsCache()
+        self._weights_cache = WeightsCache(keeps=not options.shard_experts)
         self._computing: int | None = None  # computing experts when some are identity ones
         if options.shard_experts:  # its state dict in logical expert order
             attach(self, self._door.balance, [f"experts.{n}" for n, _ in self.experts.named_parameters()])
@@ -120,11 +120,9 @@ class MoE(nn.Module):
         the block's router module routes.  Raises ``TypeError`` for a block of no known family
         and ``ValueError`` naming the family and the feature for one whose maths the region
         does not compute.  ``options``: fields of ``RegionOptions``."""
-        family = family_of(module)
-        if family is None:
-            names = sorted(f.block for f in FAMILIES)
-            raise TypeError(f"module must be a transformers MoE block of {names}, "
-                            f"got {type(module).__name__}")
+        if (family := family_of(module)) is None:
+            raise TypeError(f"module must be a transformers MoE block of {sorted(f.block for f in FAMILIES)},"
+                            f" got {type(module).__name__}")
         checked = RegionOptions(**options)
         if checked.shard_experts:
             raise ValueError("shard_experts=True is for layers built from a spec (MoE(spec, ...)): a "
@@ -317,9 +315,7 @@ class MoE(nn.Module):
         tokens.  The same front door as ``forward`` (``engine.door``: check, agreement,
         placement, AUTO).  Computes in the experts' dtype, or the autocast dtype; pads the
         batch to equal token counts per (virtual) rank with zero rows of weight 0."""
-        cached = not self.options.shard_experts  # a sharded layer's weights follow its placement
-        w = self._weights_cache.get(self, self._region_weights) if cached else self._region_weights()
-        return self._door.call(x, ids, topk_weights, w)
+        return self._door.call(x, ids, topk_weights, self._weights_cache.get(self, self._region_weights))
 
     def _apply(self, fn: Any, recurse: bool = True) -> MoE:  # .to(), .half(): drop the old storages' weights
         self._weights_cache.clear()
@@ -378,7 +374,6 @@ class MoE(nn.Module):
         (default: grad mode is on), computing in ``dtype`` (default: the parameters').
         Made at the first call of each shape (collective over the ep_group: group rank 0
         forecasts and broadcasts), then cached."""
-        backward = torch.is_grad_enabled() if backward is None else backward
         return self._door.decision(self._spec(dtype), tokens, backward)
 
     def tuned(self, tokens: int, backward: bool | None = None,
@@ -389,7 +384,6 @@ class MoE(nn.Module):
         kernel-by-kernel path's time and the tuning's cost; None while it is still tuning
         (or the layer does not tune: one process without ``backend='auto'``, a fixed
         schedule, an explicit ``hardware`` model)."""
-        backward = torch.is_grad_enabled() if backward is None else backward
         return self._door.tuned(self._spec(dtype), tokens, backward, next(self.parameters()).device)
 
     @property

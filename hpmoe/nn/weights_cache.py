@@ -50,7 +50,8 @@ class WeightsCache:
     detached), and what they were built from: its parameters (found where they are
     registered), their identities, addresses and shapes."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeps: bool = True) -> None:
+        self.keeps = keeps  # False: every call builds (weights that follow more than the parameters)
         self.clear()
 
     def clear(self) -> None:
@@ -65,7 +66,7 @@ class WeightsCache:
     def get(self, module: nn.Module, build: Callable[[], ExpertWeights]) -> ExpertWeights:
         """``build()``; in a call without gradients (not traced) the kept views while none of
         ``module``'s parameters was replaced, the shared gate/up fused again."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not self.keeps or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return build()
         if self._seen != _registrations[0]:
             self.clear()
