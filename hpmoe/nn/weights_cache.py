@@ -1,17 +1,19 @@
-"""A layer's region weights kept between its calls without gradients while none of the
-parameters they read is replaced: an inference call's largest host cost after its
-kernels is building them (the expert tensors' views, the checks of ``ExpertWeights``).
+"""A layer's region weights kept between its calls while none of the parameters they
+read is replaced: a call's largest host cost after its kernels and its input check is
+building them (the expert tensors' views, the checks of ``ExpertWeights``).
 
 Only views are kept: they read the parameters' storage, so an update in place (an
 optimizer step, ``load_state_dict``) reaches them.  The shared experts' fused gate/up, a
 copy, is fused again each call from the kept views of its parts (keeping it would hold a
 copy of those weights between calls); weights holding any other copy (a layout the
-region reads only through one) are built each call.  A parameter is replaced by
-``setattr`` into one of the layer's modules (torch's global registration hooks report
-it, and a module replaced so), by FSDP's direct registration (its identity) or with a
-new storage (``.data =``, ``.to()``: its address and shape).  Calls with gradients build
-afresh (their tensors belong to that call's graph), and so does a traced call
-(``torch.compile`` reads the parameters itself)."""
+region reads only through one) are built each call.  Calls with gradients reuse them
+where every tensor is a parameter itself (hpmoe's own layer, the fused layouts): a view
+made in a call with gradients belongs to that call's graph, so those are built each
+call.  A parameter is replaced by ``setattr`` into one of the layer's modules (torch's
+global registration hooks report it, and a module replaced so), by FSDP's direct
+registration (its identity) or with a new storage (``.data =``, ``.to()``: its address
+and shape).  A traced call builds afresh (``torch.compile`` reads the parameters
+itself)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ def _watch(modules: Iterable[nn.Module]) -> None:
 
 
 class WeightsCache:
-    """One layer's region weights of a call without gradients (views of its parameters,
-    detached), and what they were built from: its parameters (found where they are
-    registered), their identities, addresses and shapes."""
+    """One layer's region weights between calls: their views of its parameters (detached,
+    for calls without gradients) and, where every tensor is a parameter itself, the
+    weights as they are (for calls with gradients); what they were built from: its
+    parameters (found where they are registered), their identities, addresses and shapes."""
 
     def __init__(self, keeps: bool = True) -> None:
         self.keeps = keeps  # False: every call builds (weights that follow more than the parameters)
@@ -60,14 +63,18 @@ class WeightsCache:
         self._owners: tuple[tuple[nn.Module, str], ...] = ()
         self._params: tuple[torch.Tensor | None, ...] = ()
         self._stamp: tuple[tuple[int, int, torch.Size], ...] = ()
-        self._weights: ExpertWeights | None = None  # None: not built, or holding a copy
-        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused shared gate/up's
+        self._views: ExpertWeights | None = None  # None: not built, or holding a copy
+        self._leaves: ExpertWeights | None = None  # None: not built, or holding a view or a copy
+        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the views' fused gate/up parts
 
     def get(self, module: nn.Module, build: Callable[[], ExpertWeights]) -> ExpertWeights:
-        """``build()``; in a call without gradients (not traced) the kept views while none of
-        ``module``'s parameters was replaced, the shared gate/up fused again."""
-        if not self.keeps or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        """``build()``, or (not traced) what it built last while none of ``module``'s
+        parameters was replaced, the shared gate/up fused again: without gradients the
+        views, detached; with gradients the parameters themselves, where they are all it
+        holds (a view would belong to an earlier call's graph)."""
+        if not self.keeps or torch.compiler.is_compiling():
             return build()
+        grad = torch.is_grad_enabled()
         if self._seen != _registrations[0]:
             self.clear()
             tree = list(module.modules())
@@ -79,24 +86,25 @@ class WeightsCache:
         if stamp != self._stamp:
             self._params, self._stamp = params, stamp
             built = build()
-            self._weights, self._parts = _views(built, params)
-            return built.detached()
-        if self._weights is None:  # it holds a copy: built each call
-            return build().detached()
-        if self._parts is None:
-            return self._weights
-        return self._weights.with_shared_w13(torch.cat(self._parts))
+            self._views, self._leaves, self._parts = _kept(built, params)
+            return built if grad else built.detached()
+        kept, parts = (self._leaves, self._leaves and self._leaves.shared_parts) if grad else \
+            (self._views, self._parts)
+        if kept is None:  # it holds a copy (or, with gradients, a view): built each call
+            return build() if grad else build().detached()
+        return kept if parts is None else kept.with_shared_w13(torch.cat(parts))
 
 
-def _views(w: ExpertWeights, params: tuple[torch.Tensor | None, ...]
-           ) -> tuple[ExpertWeights | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """(``w`` detached, the fused shared gate/up's parts detached) when every expert tensor
-    reads a parameter's storage in place but the fused gate/up (fused from such parts);
-    (None, None) where another is a copy."""
-    stored = {p.untyped_storage().data_ptr() for p in params if p is not None}
+def _kept(w: ExpertWeights, params: tuple[torch.Tensor | None, ...]) -> tuple[
+        ExpertWeights | None, ExpertWeights | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """What ``w`` leaves to later calls, its fused shared gate/up (a copy) left out: (its
+    views, detached; itself where every tensor is a parameter; the views of the fused
+    gate/up's parts), each None where ``w`` holds another copy."""
     parts = w.shared_parts
-    read = [w.w13, w.w2, w.shared_w2, *w.biases, *(parts or (w.shared_w13,))]
-    if any(t is not None and t.untyped_storage().data_ptr() not in stored for t in read):
-        return None, None
-    kept = w.detached()
-    return kept, None if parts is None else (parts[0].detach(), parts[1].detach())
+    read = [t for t in (w.w13, w.w2, w.shared_w2, *w.biases, *(parts or (w.shared_w13,))) if t is not None]
+    stored = {p.untyped_storage().data_ptr() for p in params if p is not None}
+    if any(t.untyped_storage().data_ptr() not in stored for t in read):
+        return None, None, None
+    bare = w if parts is None else w.with_shared_w13(None)
+    leaves = bare if {id(t) for t in read} <= {id(p) for p in params} else None
+    return bare.detached(), leaves, None if parts is None else (parts[0].detach(), parts[1].detach())
