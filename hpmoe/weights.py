@@ -362,8 +362,7 @@ def router_placeholders(experts: int, hidden: int, device: torch.device) -> tupl
 def _router_placeholders(experts: int, hidden: int,
                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     zero = _placeholder(torch.float32, device)
-    with torch.inference_mode(False):
-        return zero.expand(experts, hidden), zero.expand(experts)
+    return zero.expand(experts, hidden), zero.expand(experts)  # views of a normal tensor stay normal
 
 
 class _RowGather(torch.autograd.Function):
