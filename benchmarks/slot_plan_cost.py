@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         report["shapes"][name] = r
         print(f"{name:>14}  build {r['build_ms']:8.1f} ms  step median {r['step_median_ms']:.3f} ms  "
               f"fastest {r['step_min_ms']:.3f} ms  done {r['step_done_median_ms']:.3f} ms  "
-              f"{r['ops_per_step']} ops ({r['resolution_ops']} resolving)  {r['slots']} slots  {r['tasks']} tasks  "
-              f"builds {r['builds']}",
+              f"{r['ops_per_step']} ops ({r['resolution_ops']} resolving)  {r['slots']} slots  "
+              f"{r['tasks']} tasks  builds {r['builds']}",
               flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
