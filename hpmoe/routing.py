@@ -200,6 +200,17 @@ def status_error(status: Sequence[int], experts: int, name: str = "x") -> ValueE
     return None
 
 
+def cpu_expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor | None:
+    """A CPU's int64 [experts] rows routed to each expert, counted by ``bincount``, which
+    reads the ids' range on the way: None where an id lies outside ``[0, experts)`` (a
+    negative one it refuses, a larger one it counts past ``experts``)."""
+    try:
+        counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    except RuntimeError:  # "bincount only supports 1-d non-negative integral inputs"
+        return None
+    return counts if counts.shape[0] == experts else None
+
+
 def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
     """int64 [experts] rows routed to each expert (ids in range): ``bincount`` without its
     two device syncs on CUDA (a scatter-add of ones; integer sums, so exact in any order)."""

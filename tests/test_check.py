@@ -6,7 +6,15 @@ import torch
 
 import hpmoe.engine.check as check_module
 from hpmoe import MoE
-from hpmoe.routing import InputFault, input_status, route, status_error, value_error
+from hpmoe.routing import (
+    InputFault,
+    cpu_expert_counts,
+    expert_counts,
+    input_status,
+    route,
+    status_error,
+    value_error,
+)
 from hpmoe.spec import preset
 from hpmoe.weights import ExpertWeights
 
@@ -93,16 +101,29 @@ def test_deferred_reports_a_nan_row_at_the_next_call_and_says_so(held):
     torch.testing.assert_close(layer(clean), _layer(check="sync")(clean), rtol=0, atol=0)  # reported once
 
 
-def test_an_out_of_range_id_runs_clamped_and_is_reported_by_check(held):
+@pytest.mark.parametrize("bad", [99, 8, -3])
+def test_an_out_of_range_id_runs_clamped_and_is_reported_by_check(held, bad):
     layer = _layer()
     x = _x()
     r = _routing(x)
     ids = r.ids.clone()
-    ids[4, 1] = 99
-    layer.region(x, ids, r.weights)  # no out-of-bounds read
-    with pytest.raises(ValueError, match=r"routing.ids contains expert id 99, outside \[0, 8\)"):
+    ids[4, 1] = bad
+    out = layer.region(x, ids, r.weights)  # no out-of-bounds read
+    clamped = _layer(check="sync").region(x, ids.clamp(0, 7), r.weights)
+    torch.testing.assert_close(out, clamped, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=rf"routing.ids contains expert id {bad}, outside \[0, 8\)"):
         layer.check()
     layer.check()  # nothing left
+
+
+@pytest.mark.parametrize("bad", [None, 8, 1000, -1])
+def test_a_cpu_counts_ids_in_range_and_refuses_any_other(bad):
+    ids = torch.randint(0, 8, (12, 2), generator=torch.Generator().manual_seed(0))
+    if bad is None:
+        assert torch.equal(cpu_expert_counts(ids, 8), expert_counts(ids, 8))
+        return
+    ids[3, 1] = bad
+    assert cpu_expert_counts(ids, 8) is None
 
 
 def test_the_next_call_raises_before_it_runs_and_holds_nothing_of_its_own(held):

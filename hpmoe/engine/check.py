@@ -20,7 +20,15 @@ import enum
 import numpy as np
 import torch
 
-from ..routing import InputFault, Scanned, expert_counts, input_status, status_error, value_error
+from ..routing import (
+    InputFault,
+    Scanned,
+    cpu_expert_counts,
+    expert_counts,
+    input_status,
+    status_error,
+    value_error,
+)
 
 LATE = ("found by the device-side input check of an earlier call (check='deferred' reports a fault one "
         "call late; check='sync' raises in the call itself)")
@@ -68,20 +76,32 @@ class InputCheck:
         on a CPU read at once (no device to wait for), on a GPU on the device.  Returns
         the ids the call runs on (under ``DEFERRED`` clamped into range) and their rows
         per expert ([E] int64), counted in the same scan on a GPU."""
-        if self.mode is CheckMode.SYNC:
-            if (err := self.error(x, ids, weights)) is not None:
-                raise err
-            return ids, expert_counts(ids, self.experts)
-        if not _capturing(x.device):  # a CUDA graph's capture runs no host read
-            self._report(wait=False)
-        if held_on_device(x.device):
-            scanned = device_scan(self.experts, x, ids, weights, self._keeper(x.device))
-            self._host.copy_(self._held, non_blocking=True)
-            return scanned.ids, scanned.counts
-        self._late = self.error(x, ids, weights)
-        if self._late is not None:  # read already: only a faulty call's ids need clamping
+        if self.mode is CheckMode.DEFERRED:
+            if not _capturing(x.device):  # a CUDA graph's capture runs no host read
+                self._report(wait=False)
+            if held_on_device(x.device):
+                scanned = device_scan(self.experts, x, ids, weights, self._keeper(x.device))
+                self._host.copy_(self._held, non_blocking=True)
+                return scanned.ids, scanned.counts
+        err, counts = self._read(x, ids, weights)
+        if err is not None and self.mode is CheckMode.SYNC:
+            raise err
+        self._late = err  # a CPU's, read in the call: raised at the next
+        if counts is None:  # only a faulty call's ids need clamping
             ids = ids.clamp(0, self.experts - 1)
-        return ids, torch.bincount(ids.reshape(-1), minlength=self.experts)  # a CPU's: no device to wait for
+            counts = expert_counts(ids, self.experts)
+        return ids, counts
+
+    def _read(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+              ) -> tuple[ValueError | None, torch.Tensor | None]:
+        """The call's fault read at once, and the ids' rows per expert where they are all
+        in range (None: not counted).  A CPU counts them first, which reads their range
+        (``cpu_expert_counts``); then only x and the weights are read."""
+        if not ids.is_cpu:
+            err = self.error(x, ids, weights)
+            return err, expert_counts(ids, self.experts) if err is None else None
+        counts = cpu_expert_counts(ids, self.experts)
+        return self.error(x, ids if counts is None else None, weights), counts
 
     def check(self) -> None:
         """Wait for the device and raise the first fault no call has reported yet."""

@@ -68,7 +68,7 @@ class Door:
         self.balance = Balance(spec, options, self.session, placement)
         self.last: CallRecord | None = None
         self._specs: dict[torch.dtype, MoESpec] = {}
-        self._paths: dict[tuple, RegionPath] = {}
+        self._paths: dict[tuple, CallRecord] = {}
 
     def session(self) -> Session | None:
         """The runtime session of a distributed layer, opened at first use (collective
@@ -106,10 +106,10 @@ class Door:
               w: ExpertWeights) -> torch.Tensor:
         dtype = _compute_dtype(x, w.spec.dtype)
         w = w if dtype == w.spec.dtype else _cast(w, dtype)
-        xc, routing = x.to(dtype), Routing(ids.to(torch.int64), topk_weights.float())
+        xc, routing = _as(x, dtype), Routing(_as(ids, torch.int64), _as(topk_weights, torch.float32))
         o = self.options
         if compiled(o):
-            return self._compiled(xc, routing, w).to(x.dtype)
+            return _as(self._compiled(xc, routing, w), x.dtype)
         logical = self.logical(dtype)
         if o.distributed:
             routing, opened = self._agreed(xc, routing, w, logical)
@@ -118,7 +118,7 @@ class Door:
             routing, received, tokens = self._checked(xc, routing, logical), None, None
         self.balance.measure(routing.counts)
         out = self._placed(xc, routing, w, received, tokens)
-        return _unpadded(out, x.shape[0]).to(x.dtype)
+        return _as(_unpadded(out, x.shape[0]), x.dtype)
 
     def reject(self, tokens: int, w: ExpertWeights, error: BaseException) -> None:
         """Report this rank's ``error`` (its gate refused its input) through the call's
@@ -185,10 +185,9 @@ class Door:
         xp, routing = _pad(x, routing, padded, w.spec, o.virtual_ep, o.group)
         s = self.session()
         with _no_autocast(x.device.type):
-            path, trial = self._select(w.spec, padded, x.device, received)
-            self.last = CallRecord(path, padded, trial is not None and trial.tuning)
-            return run(path, xp, routing, w, trial, self.balance.own_slots(), self.balance.clock, s, o.tiles,
-                       o.offload)
+            self.last, trial = self._select(w.spec, padded, x.device, received)
+            return run(self.last.path, xp, routing, w, trial, self.balance.own_slots(), self.balance.clock, s,
+                       o.tiles, o.offload)
 
     def _padded(self, tokens: int) -> int:
         """One process: ``tokens`` rounded up to a multiple of the virtual ranks (one at least)."""
@@ -196,17 +195,19 @@ class Door:
         return max(-(-tokens // ranks), 1) * ranks
 
     def _select(self, spec: MoESpec, tokens: int, device: torch.device,
-                received: torch.Tensor | None) -> tuple[RegionPath, Trial | None]:
-        """``selection.select``; in one process a choice that is not a tuning trial is
-        kept per (layer, tokens, grad mode, device) and looked up at later calls."""
+                received: torch.Tensor | None) -> tuple[CallRecord, Trial | None]:
+        """``selection.select``, as the call's record; in one process a choice that is not
+        a tuning trial is kept per (layer, tokens, grad mode, device) and looked up at later
+        calls."""
         key = spec, tokens, torch.is_grad_enabled(), device
-        if (path := self._paths.get(key)) is not None:
-            return path, None
+        if (record := self._paths.get(key)) is not None:
+            return record, None
         path, trial = select(self.options, spec, tokens, self.auto, self.session(), self.arenas, device,
                              received)
+        record = CallRecord(path, tokens, trial is not None and trial.tuning)
         if trial is None and not self.options.distributed:
-            self._paths[key] = path
-        return path, trial
+            self._paths[key] = record
+        return record, trial
 
     def _compiled(self, x: torch.Tensor, routing: Routing, w: ExpertWeights) -> torch.Tensor:
         """Under ``torch.compile`` in one process: the region's custom op (``compiled``),
@@ -242,6 +243,11 @@ def _compute_dtype(x: torch.Tensor, weights_dtype: torch.dtype) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return weights_dtype
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: itself where it is already (``Tensor.to`` is a dispatch even then)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _no_autocast(device: str) -> contextlib.AbstractContextManager:
