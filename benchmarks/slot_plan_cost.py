@@ -9,11 +9,13 @@ one launch.  This times that, with a new routing every step (balanced and zipf a
 a new seed each step), for ``bench_gpu.py``'s 4096 tokens and tiles, one rank, forward,
 on the CPU: there every tensor operation runs its work on the host too, so the figure
 bounds from above what a GPU's host spends launching the same operations (counted per
-step: ``ops``).  The program is built for the CPU (the interpreter's device); nothing is
-launched.  With ``--device cuda`` (a GPU) the program is built there and a step's
-host time is timed from an idle device to the step's return, its operations launched
-(the routing's resolution three Triton launches, ``gpu.phases.resolve_slots``), and the
-device's time to the end of its work beside it.
+step: ``ops``; of them the routing's resolution, with the copy of its row indices into
+the arena, and the task table's entries, which a GPU runs as three launches and one).
+The program is built for the CPU (the interpreter's device); nothing is launched.
+With ``--device cuda`` (a GPU) the program is built there and a step's host time is
+timed from an idle device to the step's return, its operations launched (the routing's
+resolution three Triton launches, ``gpu.phases.resolve_slots``, the entries one), and
+the device's time to the end of its work beside it.
 
     .venv/bin/python benchmarks/slot_plan_cost.py [--shapes qwen3-30b-a3b small] [--steps 40]
         [--threads 1] [--device cpu] [--json FILE]
@@ -39,7 +41,6 @@ from bench_gpu import TILES, TOKENS, base_shapes  # noqa: E402
 from hpmoe.gpu.backend import TritonOptions  # noqa: E402
 from hpmoe.gpu.slots import PlanCache, SlotProgram  # noqa: E402
 from hpmoe.machine import machine  # noqa: E402
-from hpmoe.regions.slot_routing import resolve_slots as torch_resolve_slots  # noqa: E402
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.schedule import SchedulePolicy, WorkerCounts  # noqa: E402
 from hpmoe.spec import MoESpec, ParallelSpec, preset  # noqa: E402
@@ -99,14 +100,16 @@ def measure(spec: MoESpec, steps: int, device: torch.device) -> dict[str, float]
         times.append((time.perf_counter() - t0) * 1e3)
         _idle(device)
         done.append((time.perf_counter() - t0) * 1e3)
-    counter, resolving = _CountOps(), _CountOps()
+    counter, resolving, columns = _CountOps(), _CountOps(), _CountOps()
     with counter:
         step(program, x, w, rs[1])
     with resolving:  # the torch version's share, which a GPU runs as three launches
-        torch_resolve_slots(rs[1].ids, program.key.shape)
+        slots = program._resolved(rs[1])
+    with columns:  # the task table's entries, one launch on a GPU
+        program.forward_region.columns.apply(program.program.arrays["tasks"], slots)
     return {"build_ms": build, "step_median_ms": statistics.median(times), "step_min_ms": min(times),
             "step_done_median_ms": statistics.median(done), "ops_per_step": counter.ops,
-            "resolution_ops": resolving.ops,
+            "resolution_ops": resolving.ops, "columns_ops": columns.ops,
             "builds": cache.builds, "slots": program.key.shape.slots, "tasks": program.plan.graph.num_tasks}
 
 
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         report["shapes"][name] = r
         print(f"{name:>14}  build {r['build_ms']:8.1f} ms  step median {r['step_median_ms']:.3f} ms  "
               f"fastest {r['step_min_ms']:.3f} ms  done {r['step_done_median_ms']:.3f} ms  "
-              f"{r['ops_per_step']} ops ({r['resolution_ops']} resolving)  {r['slots']} slots  "
+              f"{r['ops_per_step']} ops ({r['resolution_ops']} resolving, {r['columns_ops']} the task "
+              f"table's entries)  {r['slots']} slots  "
               f"{r['tasks']} tasks  builds {r['builds']}",
               flush=True)
     if a.json:

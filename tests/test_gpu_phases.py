@@ -25,7 +25,7 @@ from hpmoe.regions.slots import SlotShape  # noqa: E402
 from hpmoe.routing import expert_counts, input_status, status_error  # noqa: E402
 from hpmoe.spec import Activation, GateKind, GluForm, MoESpec, TileSpec  # noqa: E402
 
-from .slot_routings import twenty_routings  # noqa: E402
+from .slot_routings import from_counts, twenty_routings  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(37, 48), (5, 16), (64, 300)]  # (rows, F): a partial row block, one small block, a partial
@@ -164,6 +164,19 @@ def test_the_slot_resolution_gives_the_torch_integers_for_every_routing(tokens, 
     assert -(-2 * t // block) == {16: 1, 300: 19, 600: 2}[t]
     assert shape.slots > phases.SLOT_SLOTS or t == 16
     for r in twenty_routings(SLOT_SPEC, tokens, splits[:1], splits[1:])[::every]:
-        got, want = resolve_slots(r.ids, shape, interpret=True), torch_resolve_slots(r.ids, shape)
+        tok, pos = (torch.full(size, -7, dtype=torch.int32) for size in ((shape.capacity, 1), r.ids.shape))
+        got = resolve_slots(r.ids, shape, interpret=True, into=(tok, pos))
+        want = torch_resolve_slots(r.ids, shape)
         for field in ("counts", "first", "slot_expert", "slot_rows", "pos", "row_token"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert torch.equal(tok.view(-1), want.row_token.int()) and torch.equal(pos, want.pos.int())
+
+
+def test_the_torch_resolution_writes_a_programs_row_indices_too_and_refuses_other_ones():
+    shape = SlotShape(SLOT_SPEC, 16, TileSpec(rows=8, gemm_rows=8, gemm_cols=16))
+    r = from_counts([7, 5, 5, 5, 5, 5], 16, 2, 0)
+    tok, pos = (torch.full(size, -7, dtype=torch.int32) for size in ((shape.capacity, 1), (16, 2)))
+    want = resolve_slots(r.ids, shape, into=(tok, pos))  # no CUDA here: the reference
+    assert torch.equal(tok.view(-1), want.row_token.int()) and torch.equal(pos, want.pos.int())
+    with pytest.raises(ValueError, match="into must be two contiguous int32 tensors"):
+        resolve_slots(r.ids, shape, into=(tok.long(), pos))

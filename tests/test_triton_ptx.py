@@ -147,22 +147,29 @@ def test_kernel_by_kernels_other_phases_and_the_input_scan_build_for_sm90():
 
 
 def test_the_slot_resolution_builds_for_sm90_without_atomics():
-    """The routing's three slot launches (``gpu.phases.resolve_slots``) compile for sm_90
-    as launched, for 256 experts, and write their integers with plain stores: no
-    atomic, so their results do not depend on the programs' order."""
+    """The routing's three slot launches (``gpu.phases.resolve_slots``) and the task
+    table's entries (``SlotColumns.apply``) compile for sm_90 as launched, for 256
+    experts, and write their integers with plain stores: no atomic, so their results do
+    not depend on the programs' order."""
     from hpmoe.gpu.hopper import compile_phase
-    from hpmoe.gpu.phases import SLOT_BLOCKS, SLOT_IDS, SLOT_SLOTS, SLOT_SUB, SLOT_ZERO
+    from hpmoe.gpu.phases import SLOT_BLOCKS, SLOT_ENTRIES, SLOT_IDS, SLOT_SLOTS, SLOT_SUB, SLOT_ZERO
 
     ids = {"EP": 256, "B": SLOT_IDS, "SB": SLOT_SUB}
     count = compile_phase("slot_count_kernel", {"ids": "*i64", "hist": "*i64", "row_token": "*i64",
-                                                "n": "i32", "capacity": "i32"},
-                          {**ids, "ZB": SLOT_ZERO}, rows=("n", "capacity"))
+                                                "tok": "*i32", "n": "i32", "capacity": "i32"},
+                          {**ids, "ZB": SLOT_ZERO, "INTO": True}, rows=("n", "capacity"))
     layout = compile_phase("slot_layout_kernel", {
         "hist": "*i64", "blocks": "i32", "counts": "*i64", "first": "*i64", "slot_expert": "*i64",
         "slot_rows": "*i64", "experts": "i32", "slots": "i32", "g": "i32"},
         {"EP": 256, "HB": SLOT_BLOCKS, "SS": SLOT_SLOTS}, rows=("blocks", "experts", "slots"))
     rows = compile_phase("slot_rows_kernel", {"ids": "*i64", "hist": "*i64", "first": "*i64", "pos": "*i64",
-                                              "row_token": "*i64", "n": "i32", "experts": "i32", "g": "i32"},
-                         {"K": 8, **ids}, rows=("n", "experts"))
-    for ptx in (count, layout, rows):
+                                              "row_token": "*i64", "pos32": "*i32", "tok": "*i32", "n": "i32",
+                                              "experts": "i32", "g": "i32"},
+                         {"K": 8, **ids, "INTO": True}, rows=("n", "experts"))
+    pointers = ("at", "task", "base", "per_row0", "per_rows", "per_read", "slot", "offset", "cap",
+                "slot_row0", "expert", "read", "counts", "first", "slot_expert", "slot_rows")
+    columns = compile_phase("slot_columns_kernel", {"tasks": "*i32", **dict.fromkeys(pointers, "*i64"),
+                                                    "entries": "i32", "slot_tasks": "i32", "block": "i32"},
+                            {"B": SLOT_ENTRIES}, rows=("entries", "slot_tasks"))
+    for ptx in (count, layout, rows, columns):
         assert "st.global" in ptx and not re.search(r"\b(atom|red)\.global", ptx)

@@ -15,8 +15,9 @@ from hpmoe.exec.exact import resolved_graph  # noqa: E402
 from hpmoe.gpu.backend import TritonOptions, triton_backward, triton_forward  # noqa: E402
 from hpmoe.gpu.buffers import Elem  # noqa: E402
 from hpmoe.gpu.ops import COL, describe  # noqa: E402
-from hpmoe.gpu.slots import PlanCache, slot_forward  # noqa: E402
+from hpmoe.gpu.slots import PlanCache, SlotColumns, slot_forward  # noqa: E402
 from hpmoe.refs import dense_moe  # noqa: E402
+from hpmoe.regions.slot_backward import plan_slot_backward  # noqa: E402
 from hpmoe.regions.slot_routing import resolve_slots  # noqa: E402
 from hpmoe.schedule import SchedulePolicy  # noqa: E402
 from hpmoe.spec import GateKind, MoESpec, TileSpec  # noqa: E402
@@ -84,6 +85,29 @@ def test_a_call_writes_the_operands_of_its_resolved_graph(case):
         assert np.array_equal(got, want)
         st = program.plan.slot_tasks
         assert got[st.task, COL["m"]].sum() > 0 and (got[st.task, COL["m"]] <= st.cap).all()
+
+
+def test_the_task_tables_entries_in_one_launch_are_the_torch_integers(case):
+    """``SlotColumns.apply`` as a GPU runs it (one launch, here in the interpreter)
+    against its torch version, forward and backward (whose weight gradients are expert
+    tasks), over the twenty routings."""
+    x, w, routings = case
+    program = PlanCache().program(x, w, routings[0], TILES, TritonOptions())
+    shape, space = program.key.shape, program.arena.space
+    backward = plan_slot_backward(shape)
+    assert backward.expert_tasks.task.size and not program.plan.expert_tasks.task.size
+    for plan in (program.plan, backward):
+        columns = SlotColumns.of(plan, space, x.device)
+        table = torch.from_numpy(describe(plan.graph, space)).to(program.program.arrays["tasks"].dtype)
+        changed = 0
+        for r in routings:
+            slots = resolve_slots(r.ids, shape)
+            want, got = table.clone(), table.clone()
+            columns.apply(want, slots)
+            columns.apply(got, slots, interpret=True)
+            assert torch.equal(got, want)
+            changed += not torch.equal(want, table)
+        assert changed >= 15  # the table at capacity is not what most routings write
 
 
 def test_a_step_before_its_launch_reads_nothing_of_the_device(case):

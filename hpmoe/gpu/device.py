@@ -686,10 +686,11 @@ def verdict_kernel(facts, status, held, experts, MERGE: tl.constexpr):
 
 
 @triton.jit
-def slot_count_kernel(ids, hist, row_token, n, capacity, EP: tl.constexpr, B: tl.constexpr,
-                      SB: tl.constexpr, ZB: tl.constexpr):
+def slot_count_kernel(ids, hist, row_token, tok, n, capacity, EP: tl.constexpr, B: tl.constexpr,
+                      SB: tl.constexpr, ZB: tl.constexpr, INTO: tl.constexpr):
     """Program b: hist[b, e] = ids of block b (B flat ids) routed to expert e; it also
-    zeroes its share of ``row_token`` (``capacity`` rows over the programs, ZB at a time)."""
+    zeroes its share of ``row_token`` (``capacity`` rows over the programs, ZB at a time),
+    and (INTO) of its int32 copy ``tok``."""
     b = tl.program_id(0)
     e = tl.arange(0, EP)
     seen = tl.full((EP,), 0, tl.int64)
@@ -703,6 +704,8 @@ def slot_count_kernel(ids, hist, row_token, n, capacity, EP: tl.constexpr, B: tl
         r = b * share + z0 + tl.arange(0, ZB)
         mine = (r < capacity) & (z0 + tl.arange(0, ZB) < share)
         tl.store(row_token + r, tl.full((ZB,), 0, tl.int64), mask=mine)
+        if INTO:
+            tl.store(tok + r, tl.full((ZB,), 0, tl.int32), mask=mine)
 
 
 @triton.jit
@@ -739,11 +742,12 @@ def slot_layout_kernel(hist, blocks, counts, first, slot_expert, slot_rows, expe
 
 
 @triton.jit
-def slot_rows_kernel(ids, hist, first, pos, row_token, n, experts, g, K: tl.constexpr, EP: tl.constexpr,
-                     B: tl.constexpr, SB: tl.constexpr):
+def slot_rows_kernel(ids, hist, first, pos, row_token, pos32, tok, n, experts, g, K: tl.constexpr,
+                     EP: tl.constexpr, B: tl.constexpr, SB: tl.constexpr, INTO: tl.constexpr):
     """Program b: each of its B flat ids' row in the slot layout, the stable sort's order
     (expert e's rows by flat index from row first[e] * g): its block's first rank for e,
-    plus the earlier ids of the block routed to e; pos[i] = row, row_token[row] = i // K."""
+    plus the earlier ids of the block routed to e; pos[i] = row, row_token[row] = i // K,
+    and (INTO) the same in int32 into ``pos32`` and ``tok``."""
     b = tl.program_id(0)
     e = tl.arange(0, EP)
     base = tl.load(hist + b * EP + e)
@@ -756,4 +760,34 @@ def slot_rows_kernel(ids, hist, first, pos, row_token, n, experts, g, K: tl.cons
         row = tl.reduce(hot * (start[None, :] * g + base[None, :] + earlier), 1, _add)
         tl.store(pos + i, row, mask=i < n)
         tl.store(row_token + row, (i // K).to(tl.int64), mask=i < n)
+        if INTO:
+            tl.store(pos32 + i, row.to(tl.int32), mask=i < n)
+            tl.store(tok + row, (i // K).to(tl.int32), mask=i < n)
         base += tl.reduce(hot, 0, _add)
+
+
+@triton.jit
+def slot_columns_kernel(tasks, at, task, base, per_row0, per_rows, per_read, slot, offset, cap, slot_row0,
+                        expert, read, counts, first, slot_expert, slot_rows, entries, slot_tasks, block,
+                        B: tl.constexpr):
+    """Program p: B of a call's task-table entries (``slots.SlotColumns``), each
+    ``base + per_row0 * row0 + per_rows * rows + per_read * read[expert]`` of its task,
+    stored as int32 at its flat index ``at``.  A slot task (``task`` < ``slot_tasks``)
+    has its static first row and ``clip(slot_rows[slot] - offset, 0, cap)`` rows of its
+    slot's expert; an expert task j the rows of expert[j] from ``first * block``."""
+    z = tl.program_id(0) * B + tl.arange(0, B)
+    live = z < entries
+    t = tl.load(task + z, mask=live, other=0)
+    on_slot = live & (t < slot_tasks)
+    ts = tl.where(on_slot, t, 0)
+    e = tl.load(expert + tl.where(on_slot, 0, t - slot_tasks), mask=live & (t >= slot_tasks), other=0)
+    s = tl.load(slot + ts, mask=on_slot, other=0)
+    held = tl.load(slot_rows + s) - tl.load(offset + ts, mask=on_slot, other=0)
+    held = tl.minimum(tl.maximum(held, 0), tl.load(cap + ts, mask=on_slot, other=0))
+    rows = tl.where(on_slot, held, tl.load(counts + e))
+    row0 = tl.where(on_slot, tl.load(slot_row0 + ts, mask=on_slot, other=0), tl.load(first + e) * block)
+    reads = tl.load(read + tl.where(on_slot, tl.load(slot_expert + s), e))
+    value = tl.load(base + z, mask=live, other=0) + tl.load(per_row0 + z, mask=live, other=0) * row0
+    value += tl.load(per_rows + z, mask=live, other=0) * rows
+    value += tl.load(per_read + z, mask=live, other=0) * reads
+    tl.store(tasks + tl.load(at + z, mask=live, other=0), value.to(tl.int32), mask=live)

@@ -36,6 +36,7 @@ SCAN_ROWS, SCAN_COLS = 16, 256
 SLOT_IDS, SLOT_SUB = 1024, 32  # a slot program's flat ids, and how many it compares at once
 SLOT_BLOCKS, SLOT_SLOTS = 16, 32  # the layout program's blocks and slots at once
 SLOT_ZERO = 1024  # rows of tokens a count program zeroes at once
+SLOT_ENTRIES = 256  # task-table entries a columns program writes
 BIG = 1 << 62  # ``device.BIG``: "nothing found" in the scan's facts
 
 
@@ -43,6 +44,12 @@ def available(t: torch.Tensor) -> bool:
     """Whether the phases' kernels run for ``t``: a CUDA tensor of a dtype they take,
     triton installed, not inside ``torch.compile``."""
     return t.is_cuda and t.dtype in TL_DTYPES and not torch.compiler.is_compiling() and _has_triton()
+
+
+def integers_launch(t: torch.Tensor) -> bool:
+    """Whether the routing's integer kernels (its slots, a plan's task-table entries) run
+    for ``t``: a CUDA tensor, triton installed, not inside ``torch.compile``."""
+    return t.is_cuda and not torch.compiler.is_compiling() and _has_triton()
 
 
 @functools.cache
@@ -228,15 +235,24 @@ def _start(experts: int, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------------------- a routing's slots
 
 
-def resolve_slots(ids: torch.Tensor, shape: SlotShape, interpret: bool = False) -> SlotRouting:
+def resolve_slots(ids: torch.Tensor, shape: SlotShape, interpret: bool = False,
+                  into: tuple[torch.Tensor, torch.Tensor] | None = None) -> SlotRouting:
     """``regions.slot_routing.resolve_slots`` (the reference, which a CPU and a compiled
     graph run) in three launches and no host read, the same integers: each block of
     ``SLOT_IDS`` flat ids counted per expert (``device.slot_count_kernel``, which also
     zeroes the rows' tokens), one program's prefix over the blocks and the slot layout
     (``slot_layout_kernel``), then each id's row (``slot_rows_kernel``): where torch
-    needs 33 operations, a stable sort among them."""
-    if not ((ids.is_cuda and not torch.compiler.is_compiling() and _has_triton()) or interpret):
-        return torch_resolve_slots(ids, shape)
+    needs 33 operations, a stable sort among them.  ``into``: (tok [capacity, 1], pos
+    [T, k]) int32 contiguous, a program's row indices, written too (by the launches
+    themselves: no copy)."""
+    if into is not None and not all(t.dtype == torch.int32 and t.is_contiguous() for t in into):
+        raise ValueError("resolve_slots: into must be two contiguous int32 tensors (tok, pos)")
+    if not (integers_launch(ids) or interpret):
+        slots = torch_resolve_slots(ids, shape)
+        if into is not None:
+            into[0].copy_(slots.row_token.view(-1, 1))
+            into[1].copy_(slots.pos)
+        return slots
     g, experts, k = shape.tiles.gemm_rows, shape.moe.experts, shape.moe.top_k
     flat = ids.reshape(-1).contiguous()
     n, ep, dev = flat.numel(), _pow2(experts), device_module(interpret)
@@ -248,12 +264,13 @@ def resolve_slots(ids: torch.Tensor, shape: SlotShape, interpret: bool = False) 
     hist, pos, row_token = empty(blocks, ep), empty(n), empty(shape.capacity)
     counts, first = empty(experts), empty(experts)
     slot_expert, slot_rows = empty(shape.slots), empty(shape.slots)
-    dev.slot_count_kernel[(blocks,)](flat, hist, row_token, n, shape.capacity, EP=ep, B=SLOT_IDS, SB=SLOT_SUB,
-                                     ZB=SLOT_ZERO)
+    tok, pos32 = into if into is not None else (row_token, pos)  # (unread without INTO)
+    dev.slot_count_kernel[(blocks,)](flat, hist, row_token, tok, n, shape.capacity, EP=ep, B=SLOT_IDS,
+                                     SB=SLOT_SUB, ZB=SLOT_ZERO, INTO=into is not None)
     dev.slot_layout_kernel[(1,)](hist, blocks, counts, first, slot_expert, slot_rows, experts, shape.slots, g,
                                  EP=ep, HB=SLOT_BLOCKS, SS=SLOT_SLOTS)
-    dev.slot_rows_kernel[(blocks,)](flat, hist, first, pos, row_token, n, experts, g, K=k, EP=ep, B=SLOT_IDS,
-                                    SB=SLOT_SUB)
+    dev.slot_rows_kernel[(blocks,)](flat, hist, first, pos, row_token, pos32, tok, n, experts, g, K=k, EP=ep,
+                                    B=SLOT_IDS, SB=SLOT_SUB, INTO=into is not None)
     return SlotRouting(counts=counts, first=first, slot_expert=slot_expert, slot_rows=slot_rows,
                        pos=pos.view(-1, k), row_token=row_token)
 

@@ -53,8 +53,8 @@ from .core import (
 )
 from .ops import NCOL, aligned_addresses, describe
 from .pack import pack
-from .phases import resolve_slots
-from .runner import DeviceProgram, RunInfo
+from .phases import SLOT_ENTRIES, integers_launch, resolve_slots
+from .runner import DeviceProgram, RunInfo, device_module
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ class SlotColumns:
         coef = affine_columns(plan, space)
         pos, col = np.nonzero(coef[1:].any(axis=0))
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(a, np.int64), device=device)
+        def dev(a: np.ndarray) -> torch.Tensor:  # contiguous: a launch reads them flat
+            return torch.as_tensor(np.ascontiguousarray(a, np.int64), device=device)
 
         return SlotColumns(at=dev(ids[pos] * NCOL + col), task=dev(pos),
                            **{n: dev(coef[i][pos, col]) for i, n in enumerate(_COEFFICIENTS)},
@@ -119,8 +119,13 @@ class SlotColumns:
                            slot_row0=dev(plan.graph.row0[st.task]), expert=dev(et.expert),
                            read=dev(space.read[0]), block=plan.shape.tiles.gemm_rows)
 
-    def apply(self, tasks: torch.Tensor, slots: SlotRouting) -> None:
-        """Write this call's entries (``slots``) into ``tasks`` [n, NCOL] int32."""
+    def apply(self, tasks: torch.Tensor, slots: SlotRouting, interpret: bool = False) -> None:
+        """Write this call's entries (``slots``) into ``tasks`` [n, NCOL] int32: on a GPU
+        in one launch (``device.slot_columns_kernel``; ``interpret``: in Triton's
+        interpreter), elsewhere in torch, the same integers."""
+        if integers_launch(tasks) or interpret:
+            self._launch(tasks, slots, interpret)
+            return
         live = live_rows(slots.slot_rows, self.slot, self.offset, self.cap)
         rows = torch.cat([live, slots.counts[self.expert]])
         row0 = torch.cat([self.slot_row0, slots.first[self.expert] * self.block])
@@ -129,6 +134,17 @@ class SlotColumns:
         value = (self.base + self.per_row0 * row0[t] + self.per_rows * rows[t]
                  + self.per_read * self.read[expert[t]])
         tasks.view(-1).index_put_((self.at,), value.int())
+
+
+    def _launch(self, tasks: torch.Tensor, slots: SlotRouting, interpret: bool) -> None:
+        entries = self.at.numel()
+        if not entries:
+            return
+        expert = self.expert if self.expert.numel() else self.read  # never read: no expert tasks
+        device_module(interpret).slot_columns_kernel[(-(-entries // SLOT_ENTRIES),)](
+            tasks, self.at, self.task, self.base, self.per_row0, self.per_rows, self.per_read, self.slot,
+            self.offset, self.cap, self.slot_row0, expert, self.read, slots.counts, slots.first,
+            slots.slot_expert, slots.slot_rows, entries, self.slot.numel(), self.block, B=SLOT_ENTRIES)
 
 
 _COEFFICIENTS = ("base", "per_row0", "per_rows", "per_read")
@@ -188,9 +204,8 @@ class SlotProgram:
         self.key = key
         space = slot_buffer_space(key.shape, key.slot_rows, key.stored)
         self.arena = Arena(space, key.shape.moe.dtype, key.device)
-        for name in ("tok", "pos"):  # valid rows until the first call resolves them
-            self.arena.rank_view(name, 0).zero_()
-        self._bind(x, weights, routing, resolve_slots(routing.ids, key.shape))
+        self._resolved(routing)
+        self._bind(x, weights, routing)
         self.forward_region = ResidentRegion.build(plan_slots(key.shape), self.arena, key.options)
         self.backward_region: ResidentRegion | None = None
         self.last: SlotRun | None = None  # the checked forward whose activations the arena holds
@@ -205,12 +220,16 @@ class SlotProgram:
         """The forward's device program."""
         return self.forward_region.program
 
-    def _bind(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing,
-              slots: SlotRouting) -> torch.Tensor:
-        """Bind this call's tensors and row indices; returns the output tensor bound."""
+    def _resolved(self, routing: Routing) -> SlotRouting:
+        """The call's routing resolved onto the slots, its row indices written into the
+        arena on the way."""
+        return resolve_slots(routing.ids, self.key.shape, into=(self.arena.rank_view("tok", 0),
+                                                                 self.arena.rank_view("pos", 0)))
+
+    def _bind(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torch.Tensor:
+        """Bind this call's tensors (its row indices are in the arena already); returns the
+        output tensor bound."""
         a = self.arena
-        a.rank_view("tok", 0).copy_(slots.row_token.view(-1, 1))
-        a.rank_view("pos", 0).copy_(slots.pos)
         out = torch.empty_like(x)
         a.bind_all({"x": x.contiguous(), "out": out, "topk": routing.weights.contiguous()})
         if weights.has_shared:
@@ -224,9 +243,9 @@ class SlotProgram:
         binding): (the output tensor, the resolved routing).  The arena's activations
         stop being ``last``'s."""
         self.last = None
-        slots = resolve_slots(routing.ids, self.key.shape)
+        slots = self._resolved(routing)
         self.forward_region.columns.apply(self.program.arrays["tasks"], slots)
-        return self._bind(x, weights, routing, slots), slots
+        return self._bind(x, weights, routing), slots
 
     def addresses(self, program: DeviceProgram | None = None) -> tuple[torch.Tensor, bool]:
         """(the bound buffers' addresses [num_buffers] int64 on the device, whether
