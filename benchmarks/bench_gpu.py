@@ -25,8 +25,8 @@ the single-GPU training case), forward and forward+backward:
   hpmoe-persistent        ``hpmoe.MoE(backend="triton")`` through the front door with a new
                           routing every step (balanced and zipf alternating, a new seed each):
                           the program made once for the shape (``hpmoe.gpu.slots``) bound to
-                          each routing, everything a step costs counted (each region call
-                          still synchronises once to check its run)
+                          each routing, everything a step costs counted (launched without
+                          a host sync: a late wait is raised at the next launch)
   torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
                           fixed-order top-k sum; backward by autograd
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute

@@ -93,3 +93,35 @@ def test_the_slot_resolution_launched_on_the_gpu_gives_the_torch_integers(kind):
     want = torch_resolve_slots(ids, shape)
     for field in ("counts", "first", "slot_expert", "slot_rows", "pos", "row_token"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+def test_a_triton_layer_steps_on_new_routings_without_a_host_sync():
+    """``hpmoe.MoE(backend="triton")`` on its per-shape program: after a first step (the
+    program built, the kernels compiled), forward and backward on new routings make no
+    synchronising call, give the dense reference's output and gradient, and ``check``
+    then finds no late wait."""
+    from hpmoe import MoE
+    from hpmoe.engine.paths import TritonPath
+    from hpmoe.refs import dense_moe
+
+    cuda = torch.device("cuda")
+    w = weights_on(ExpertWeights.random(SPEC, 0), cuda)
+    layer = MoE(SPEC, w, tiles=TILES, backend="triton")
+    g = torch.Generator().manual_seed(3)
+    for i, r in enumerate(twenty_routings(SPEC, TOKENS, FULL, SKEWED)[::4]):
+        x = torch.randn(TOKENS, SPEC.hidden, generator=g).cuda().requires_grad_()
+        ids, tw, dy = r.ids.cuda(), r.weights.cuda(), torch.randn(TOKENS, SPEC.hidden, generator=g).cuda()
+        if i:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = layer.region(x, ids, tw)
+            (dx,) = torch.autograd.grad(out, [x], dy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert isinstance(layer.last_call.path, TritonPath), layer.last_call.path
+        xr = x.detach().clone().requires_grad_()
+        want = dense_moe(xr, w, dataclasses.replace(r, ids=ids, weights=tw))
+        (want_dx,) = torch.autograd.grad(want, [xr], dy)
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dx, want_dx, atol=1e-4, rtol=1e-4)
+    layer.check()

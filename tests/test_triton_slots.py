@@ -19,6 +19,7 @@ from hpmoe.gpu.slots import PlanCache, SlotColumns, slot_forward  # noqa: E402
 from hpmoe.refs import dense_moe  # noqa: E402
 from hpmoe.regions.slot_backward import plan_slot_backward  # noqa: E402
 from hpmoe.regions.slot_routing import resolve_slots  # noqa: E402
+from hpmoe.runtime.forensics import RegionError  # noqa: E402
 from hpmoe.schedule import SchedulePolicy  # noqa: E402
 from hpmoe.spec import GateKind, MoESpec, TileSpec  # noqa: E402
 from hpmoe.weights import ExpertWeights  # noqa: E402
@@ -122,8 +123,33 @@ def test_a_step_before_its_launch_reads_nothing_of_the_device(case):
             out, _ = program.prepare(x, w, r)
             program.addresses()
         assert out.shape == x.shape
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        program.launch(x, w, routings[0])
+    launched = program.launch(x, w, routings[3])  # in the interpreter: rounds, no check
+    assert torch.equal(launched.out, triton_forward(x, w, routings[3], 1, TILES).out)
+    assert program.last is launched and not launched.errors.any()
+
+
+def test_a_late_wait_of_a_launch_is_raised_by_the_next_one_and_its_program_built_again(case):
+    """A late wait (the device's deadline; written here into the error rows as the
+    kernel writes them) is raised one launch late, once, naming the waiting task; the
+    cache then builds the shape's program again (its counters are out of step)."""
+    x, w, routings = case
+    cache = PlanCache()
+    program = cache.program(x, w, routings[0], TILES, TritonOptions())
+    program.launch(x, w, routings[0])
+    device = program.program
+    task = int(device.packed.queue_task[0])
+    device.launch_state[1][0] = torch.tensor([1, task, 0, 0], dtype=torch.int32)
+    device._seen.copy_(device.launch_state[1])  # the copy a GPU's launch makes to host memory
+    with pytest.raises(RegionError, match=r"1 wait\(s\) passed the deadline.*seen after its launch returned"):
+        program.launch(x, w, routings[1])
+    assert program.failed and not device.launch_state[1].any()
+    rebuilt = cache.program(x, w, routings[1], TILES, TritonOptions())
+    assert rebuilt is not program and cache.builds == 2 and not rebuilt.failed
+    rebuilt.launch(x, w, routings[1])
+    rebuilt.program.launch_state[1][2, 0] = 1  # not yet seen in host memory: check() waits and reads
+    with pytest.raises(RegionError, match="passed the deadline"):
+        cache.report()
+    cache.report()  # reported once
 
 
 def test_bf16_one_program_gives_the_per_routing_kernels_bits(case):

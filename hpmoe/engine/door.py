@@ -127,8 +127,10 @@ class Door:
 
     def check(self) -> None:
         """Raise the first input fault that a call found on the device and has not
-        reported yet (``CheckMode.DEFERRED``); waits for the device."""
+        reported yet (``CheckMode.DEFERRED``), then a persistent launch's late wait not
+        reported yet; waits for the device."""
         self.inputs.check()
+        self.arenas.report()
 
     def logical(self, dtype: torch.dtype) -> MoESpec:
         """The layer's logical spec in ``dtype`` (made once per dtype in eager calls; a

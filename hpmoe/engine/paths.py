@@ -45,7 +45,7 @@ from ..weights import ExpertWeights
 from . import offload
 
 if TYPE_CHECKING:
-    from ..gpu.slots import SlotProgram, SlotRun
+    from ..gpu.slots import SlotLaunch, SlotProgram
     from ..runtime import ForwardOptions, Session
 
 
@@ -222,15 +222,15 @@ class SlotState(_InArena):
     call's forward again first, with the same bits."""
 
     program: SlotProgram
-    run: SlotRun
+    run: SlotLaunch
     x: torch.Tensor
     weights: ExpertWeights
     routing: Routing
 
     def backward(self, dy: torch.Tensor) -> Gradients:
         p = self.program
-        run = self.run if p.last is self.run else p.forward(self.x, self.weights, self.routing, checked=True)
-        return p.backward(run, dy, self.weights, self.routing).grads
+        run = self.run if p.last is self.run else p.launch(self.x, self.weights, self.routing)
+        return p.launch_backward(run, dy, self.weights, self.routing).grads
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,10 @@ class TritonPath:
     With a ``pool`` (the layer's), a call that a per-shape program serves
     (``gpu.slots.per_shape``: one rank, per-expert dispatch, no expert biases) runs the
     program kept there for its shape, made once and bound to each new routing on the
-    device; other calls plan their routing on the host (``gpu.backend``).  The program
-    keeps its activations (``recompute`` applies to the per-routing kernels)."""
+    device and launched without a host sync (a late wait of a launch is raised at the
+    program's next launch, or by ``MoE.check``); other calls plan their routing on the
+    host (``gpu.backend``) and are checked at once.  The program keeps its activations
+    (``recompute`` applies to the per-routing kernels)."""
 
     reads_slots: ClassVar[bool] = True
 
@@ -260,7 +262,7 @@ class TritonPath:
         if self.pool is not None and per_shape(weights.spec, self.ep, self.tiles):
             plans = self.pool.resident(PlanCache, PlanCache)
             program = plans.program(x, weights, routing, self.tiles, options)
-            run = program.forward(x, weights, routing, checked=True)
+            run = program.launch(x, weights, routing)  # no host sync: a late wait is raised one call late
             return run.out, SlotState(program, run, x, weights, routing) if save else None
         fwd = triton_forward(x, weights, routing, self.ep, self.tiles, options, checked=True)
         return fwd.out, TritonState(fwd) if save else None

@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class Reports(Protocol):
+    """What a layer keeps resident and checks one call late (a launch's late wait):
+    ``report`` waits for the device and raises what is not reported yet."""
+
+    def report(self) -> None: ...
 
 
 class Arena:
@@ -58,6 +66,12 @@ class ArenaPool:
         if key not in self._resident:
             self._resident[key] = build()
         return self._resident[key]  # type: ignore[return-value]
+
+    def report(self) -> None:
+        """Each resident's ``report`` (``Reports``), where it has one."""
+        for kept in self._resident.values():
+            if isinstance(kept, Reports):
+                kept.report()
 
     def acquire(self, device: torch.device | str) -> Arena:
         """An idle arena on ``device``, or a new one."""

@@ -22,7 +22,7 @@ import importlib.util
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -167,6 +167,12 @@ class DeviceProgram:
                              torch.zeros(q, 4, dtype=torch.int32, device=self.device),
                              torch.zeros(1, 2, dtype=torch.int64, device=self.device))
         self.checked_variants: set[bool] = set()
+        # launch()'s error rows as last copied to host memory (pinned on a GPU: copied without
+        # waiting), read by the next launch; failed: a late wait was reported (the counters
+        # are no longer in step with ``calls``: the program must be built again)
+        self._seen = torch.zeros(q, 4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._seen_rows = self._seen.numpy()  # read without a tensor operation
+        self.failed = False
 
     def _aligned(self, addresses: torch.Tensor) -> bool:
         """The kernel variant for ``addresses``: aligned when the layout is and every
@@ -249,30 +255,54 @@ class DeviceProgram:
         return go
 
     def launch(self, addresses: torch.Tensor, aligned: bool, deadline_s: float = 10.0) -> torch.Tensor:
-        """Run every queue once as call ``self.calls`` in ONE launch on the GPU without
-        waiting for it or reading anything of the device's: a training step's launch.
-        ``aligned``: the kernel variant, which the caller decides from its buffers'
-        host addresses (``ops.aligned_addresses``).  Returns the errors [Q, 4] int32 this
-        program's launches write (a late wait sets its queue's row): read them after
-        synchronising.  The kernel is compiled and its residency checked on the first
-        launch of each variant."""
-        if self.interpret:
-            raise ValueError("launch needs a CUDA device (the interpreter runs in rounds: run())")
+        """Run every queue once as call ``self.calls`` in ONE launch without waiting for it
+        or reading anything of the device's: a training step's launch (the interpreter
+        runs it in rounds, whose stall raises at once).  ``aligned``: the kernel variant,
+        which the caller decides from its buffers' host addresses
+        (``ops.aligned_addresses``).  A late wait of an earlier launch, seen in the copy of
+        its error rows in host memory, is raised first (``report``), one launch late.
+        Returns the error rows [Q, 4] int32 the launches write (a late wait sets its
+        queue's row).  On a GPU the kernel is compiled and its residency checked on the
+        first launch of each variant."""
         if self.calls >= self.packed.max_calls():
             raise RuntimeError(f"counters would overflow int32 after {self.calls} calls: repack the region")
+        self.report(wait=False)
         q, (cursor, errors, dummy) = self.packed.num_queues, self.launch_state
         cursor.zero_()
-        kernel = device_module(False).taskflow_kernel
-        meta = kernel_meta(self.dtype, self.config, False, True, 0, False, aligned)
-        launch = launch_options(self.config)
+        kernel = device_module(self.interpret).taskflow_kernel
+        meta = kernel_meta(self.dtype, self.config, self.interpret, not self.interpret, 0, False, aligned)
         args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
-        if aligned not in self.checked_variants:
-            compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
-            check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(self.device)))
-            self.checked_variants.add(aligned)
-        cooperative_launch(kernel, q, args, {**meta, **launch})
+        if self.interpret:
+            self._rounds(kernel, args, meta, cursor, None)
+        else:
+            launch = launch_options(self.config)
+            if aligned not in self.checked_variants:
+                compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
+                check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(self.device)))
+                self.checked_variants.add(aligned)
+            cooperative_launch(kernel, q, args, {**meta, **launch})
+        self._seen.copy_(errors, non_blocking=True)
         self.calls += 1
         return errors
+
+    def report(self, wait: bool) -> None:
+        """Raise ``RegionError`` for a late wait of an earlier ``launch``: seen in the
+        copy of its error rows in host memory (a copy may still be on its way), or with
+        ``wait`` after waiting for the device.  The error rows are cleared and the
+        program marked ``failed``."""
+        cursor, errors, _ = self.launch_state
+        if wait and not self.interpret:
+            torch.cuda.synchronize(self.device)
+        if not (self._seen_rows[:, 0].any() or (wait and bool(errors[:, 0].any()))):
+            return
+        if not self.interpret:
+            torch.cuda.synchronize(self.device)
+        report = self.hang_report(errors.cpu().numpy(), cursor.cpu().numpy(), 0.0, self.calls - 1)
+        errors.zero_()
+        self._seen.zero_()
+        self.failed = True
+        raise RegionError(replace(report, cause=f"{report.cause}, seen after its launch returned (launches "
+                                                f"are checked at the next one; run() checks at once)"))
 
     def _rounds(self, kernel, args: tuple, meta: dict, cursor: torch.Tensor, max_rounds: int | None) -> int:
         lengths = torch.from_numpy(np.diff(self.packed.queue_ptr).astype(np.int32))
@@ -321,8 +351,10 @@ class DeviceProgram:
         if err[:, 0].any() or not done.all():
             raise RegionError(self.hang_report(err, cur, elapsed))
 
-    def hang_report(self, errors: np.ndarray, cursor: np.ndarray, elapsed: float) -> HangReport:
-        """The runtime's report from the device's error rows [Q, 4] and cursors [Q]."""
+    def hang_report(self, errors: np.ndarray, cursor: np.ndarray, elapsed: float,
+                    call: int | None = None) -> HangReport:
+        """The runtime's report from the device's error rows [Q, 4] and cursors [Q] of
+        call number ``call`` (default ``calls``, the one running)."""
         p, g = self.packed, self.packed.graph
         workers = []
         for qi in range(p.num_queues):
@@ -333,7 +365,7 @@ class DeviceProgram:
             if errors[qi, 0]:
                 task, ev, seen = (int(v) for v in errors[qi, 1:])
                 need = self._need(task)
-                base = self.calls * int(p.wait_step[task])
+                base = (self.calls if call is None else call) * int(p.wait_step[task])
                 workers.append(WorkerReport(status=WorkerStatus.WAITS, task=g.task(task),
                                             event=f"event {ev}", progress=seen - base,
                                             threshold=need - base, raw=seen, **common))

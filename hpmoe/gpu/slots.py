@@ -208,7 +208,20 @@ class SlotProgram:
         self._bind(x, weights, routing)
         self.forward_region = ResidentRegion.build(plan_slots(key.shape), self.arena, key.options)
         self.backward_region: ResidentRegion | None = None
-        self.last: SlotRun | None = None  # the checked forward whose activations the arena holds
+        self.last: SlotRun | SlotLaunch | None = None  # the forward whose activations the arena holds
+
+    @property
+    def failed(self) -> bool:
+        """Whether a launch of its forward or backward had a late wait (reported): its
+        counters are out of step, a new program must serve the shape."""
+        regions = (self.forward_region, self.backward_region)
+        return any(r is not None and r.program.failed for r in regions)
+
+    def report(self) -> None:
+        """Wait for the device and raise a late wait of a launch not reported yet."""
+        for region in (self.forward_region, self.backward_region):
+            if region is not None:
+                region.program.report(wait=True)
 
     @property
     def plan(self) -> SlotPlan:
@@ -261,13 +274,16 @@ class SlotProgram:
         return staged.pin_memory().to(self.key.device, non_blocking=True), aligned
 
     def launch(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> SlotLaunch:
-        """One step on a GPU: ``prepare``, then the kernel's one launch, with no host
-        read of the device and no synchronisation (``DeviceProgram.launch``); the
-        caller checks x and routing (``routing.check_input``) where it wants to."""
+        """One step: ``prepare``, then the kernel's one launch, with no host read of the
+        device and no synchronisation (``DeviceProgram.launch``: an earlier launch's late
+        wait raised one launch late; in the interpreter, rounds); the caller checks x and
+        routing (``routing.check_input``) where it wants to.  The arena holds its
+        activations (``last``) until the next forward."""
         out, slots = self.prepare(x, weights, routing)
         addresses, aligned = self.addresses()
         errors = self.program.launch(addresses, aligned, self.key.options.deadline_s)
-        return SlotLaunch(out=out, slots=slots, errors=errors)
+        self.last = SlotLaunch(out=out, slots=slots, errors=errors)
+        return self.last
 
     def forward(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing,
                 checked: bool = False) -> SlotRun:
@@ -402,13 +418,20 @@ class PlanCache:
 
     def program(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing, tiles: TileSpec,
                 options: TritonOptions) -> SlotProgram:
-        """The program of this call's key, built on the first call with it."""
+        """The program of this call's key, built on the first call with it (and again
+        after a late wait of one of its launches)."""
         key = PlanKey.of(x, weights, tiles, options)
         found = self._programs.get(key)
-        if found is None:
+        if found is None or found.failed:
             found = self._programs[key] = SlotProgram(key, x, weights, routing)
             self.builds += 1
         return found
+
+    def report(self) -> None:
+        """Wait for the device and raise a late wait of any program's launch not reported
+        yet (``SlotProgram.report``)."""
+        for program in self._programs.values():
+            program.report()
 
 
 @functools.cache  # asked at every call of the persistent path

@@ -168,9 +168,9 @@ class MoE(nn.Module):
         self._door.close()
 
     def check(self) -> None:
-        """Wait for the device and raise the input fault a call found and has not
-        reported yet (``check="deferred"``, the default: a call's input scan runs on the
-        device and the next call raises what it found, one call late)."""
+        """Wait for the device and raise what a call found and has not reported yet: an
+        input fault (``check="deferred"``, the default: the next call raises what the
+        device's scan found), then a ``backend="triton"`` launch's late wait."""
         self._door.check()
 
     @property
