@@ -32,10 +32,10 @@ from .slots import (
     ExpertTasks,
     SlotPlan,
     SlotShape,
+    chunk_tasks,
     lower_slots,
     shared_gemm,
     shared_rows,
-    slot_chunks,
     slot_gemm,
     slot_tasks,
     token_sums,
@@ -72,27 +72,12 @@ def plan_slot_backward(shape: SlotShape) -> SlotPlan:
 
 # ------------------------------------------------------------------ slot tasks
 
-def _chunk_tasks(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int,
-                 wait: tuple[E, str] | None, signals: list[tuple[E, str]]) -> TaskBlock:
-    """One task per chunk of every slot; an event is indexed by the task's 'chunk', its
-    'slot', or is the category's 'one' event."""
-    slot, r0, r1 = slot_chunks(shape)
-    n = len(slot)
-    index = {"chunk": np.arange(n), "slot": slot, "one": np.zeros(n, np.int64)}
-    sig = np.stack([ev.base(0, cat) + index[by] for cat, by in signals], axis=1).ravel()
-    cols = {"sig_event": sig, "sig_count": np.full(n, len(signals)), "sig_rank": np.zeros(len(sig), np.int64)}
-    if wait is not None:
-        cols["wait"] = ev.base(0, wait[0]) + index[wait[1]]
-    return task_block(kind, np.zeros(n, np.int64), r0, r1, col1=np.full(n, width),
-                      bytes=2 * (r1 - r0) * width * shape.moe.dtype.itemsize, **cols)
-
-
 def _grad_permute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _chunk_tasks(shape, ev, TaskKind.GRAD_PERMUTE, shape.moe.hidden, None, [(E.GPERM, "chunk")])
+    return chunk_tasks(shape, ev, TaskKind.GRAD_PERMUTE, shape.moe.hidden, None, [(E.GPERM, "chunk")])
 
 
 def _grad_dispatch(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _chunk_tasks(shape, ev, TaskKind.GRAD_DISPATCH, shape.moe.hidden, (E.GPERM, "chunk"),
+    return chunk_tasks(shape, ev, TaskKind.GRAD_DISPATCH, shape.moe.hidden, (E.GPERM, "chunk"),
                         [(E.GROWS, "slot")])
 
 
@@ -102,7 +87,7 @@ def _dgrad_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 
 def _swiglu_bwd(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _chunk_tasks(shape, ev, TaskKind.SWIGLU_BWD, shape.moe.ffn, (E.DA, "slot"),
+    return chunk_tasks(shape, ev, TaskKind.SWIGLU_BWD, shape.moe.ffn, (E.DA, "slot"),
                         [(E.DH, "slot"), (E.DHALL, "one")])
 
 
@@ -112,7 +97,7 @@ def _dgrad_up(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 
 def _grad_combine(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _chunk_tasks(shape, ev, TaskKind.GRAD_COMBINE, shape.moe.hidden, (E.DX, "slot"), [(E.GOUT, "one")])
+    return chunk_tasks(shape, ev, TaskKind.GRAD_COMBINE, shape.moe.hidden, (E.DX, "slot"), [(E.GOUT, "one")])
 
 
 # ------------------------------------------------------------------ expert tasks

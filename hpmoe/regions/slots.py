@@ -195,40 +195,40 @@ def slot_chunks(shape: SlotShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return slot[parent], r0, r1
 
 
-def _per_slot(shape: SlotShape, kind: TaskKind, ev: EventLayout, wait: SlotEvent, signal: SlotEvent,
-              chunk_events: bool = False) -> TaskBlock:
-    """One task per chunk of every slot, waiting on the slot's (or chunk's) ``wait``
-    and signalling the slot's ``signal`` (each of a COMBINE's: the one OUT event)."""
+def chunk_tasks(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int,
+                wait: tuple[enum.IntEnum, str] | None, signals: list[tuple[enum.IntEnum, str]]) -> TaskBlock:
+    """One task per chunk of every slot, ``width`` columns wide; an event is indexed by
+    the task's 'chunk', its 'slot', or is the category's 'one' event."""
     slot, r0, r1 = slot_chunks(shape)
     n = len(slot)
-    chunk = np.arange(n)
-    on = slot if signal is not SlotEvent.OUT else np.zeros(n, np.int64)
-    cols = {"sig_event": ev.base(0, signal) + (chunk if signal is SlotEvent.PERM else on)}
+    index = {"chunk": np.arange(n), "slot": slot, "one": np.zeros(n, np.int64)}
+    sig = np.stack([ev.base(0, cat) + index[by] for cat, by in signals], axis=1).ravel()
+    cols = {"sig_event": sig, "sig_count": np.full(n, len(signals)), "sig_rank": np.zeros(len(sig), np.int64)}
     if wait is not None:
-        cols["wait"] = ev.base(0, wait) + (chunk if chunk_events else slot)
-    moe = shape.moe
-    width = moe.ffn if kind is TaskKind.SWIGLU else moe.hidden
-    esize = moe.dtype.itemsize
+        cols["wait"] = ev.base(0, wait[0]) + index[wait[1]]
     return task_block(kind, np.zeros(n, np.int64), r0, r1, col1=np.full(n, width),
-                      bytes=2 * (r1 - r0) * width * esize, **cols)
+                      bytes=2 * (r1 - r0) * width * shape.moe.dtype.itemsize, **cols)
 
 
 def _permute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _per_slot(shape, TaskKind.PERMUTE, ev, None, SlotEvent.PERM)
+    return chunk_tasks(shape, ev, TaskKind.PERMUTE, shape.moe.hidden, None, [(SlotEvent.PERM, "chunk")])
 
 
 def _dispatch(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _per_slot(shape, TaskKind.DISPATCH, ev, SlotEvent.PERM, SlotEvent.ROWS, chunk_events=True)
+    return chunk_tasks(shape, ev, TaskKind.DISPATCH, shape.moe.hidden, (SlotEvent.PERM, "chunk"),
+                       [(SlotEvent.ROWS, "slot")])
 
 
 def _swiglu(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    blk = _per_slot(shape, TaskKind.SWIGLU, ev, SlotEvent.H, SlotEvent.A)
+    blk = chunk_tasks(shape, ev, TaskKind.SWIGLU, shape.moe.ffn, (SlotEvent.H, "slot"),
+                      [(SlotEvent.A, "slot")])
     blk.flops = 5.0 * (blk.row1 - blk.row0) * shape.moe.ffn
     return blk
 
 
 def _combine(shape: SlotShape, ev: EventLayout) -> TaskBlock:
-    return _per_slot(shape, TaskKind.COMBINE, ev, SlotEvent.Y, SlotEvent.OUT)
+    return chunk_tasks(shape, ev, TaskKind.COMBINE, shape.moe.hidden, (SlotEvent.Y, "slot"),
+                       [(SlotEvent.OUT, "one")])
 
 
 def slot_gemm(shape: SlotShape, ev: EventLayout, kind: TaskKind, width: int, depth: int, wait: SlotEvent,
