@@ -137,11 +137,14 @@ def test_a_late_wait_of_a_launch_is_raised_by_the_next_one_and_its_program_built
     program = cache.program(x, w, routings[0], TILES, TritonOptions())
     program.launch(x, w, routings[0])
     device = program.program
-    task = int(device.packed.queue_task[0])
+    task = int(device.packed.queue_task[np.flatnonzero(device.packed.wait_step[device.packed.queue_task])[0]])
     device.launch_state[1][0] = torch.tensor([1, task, 0, 0], dtype=torch.int32)
     device._seen.copy_(device.launch_state[1])  # the copy a GPU's launch makes to host memory
-    with pytest.raises(RegionError, match=r"1 wait\(s\) passed the deadline.*seen after its launch returned"):
+    late = r"1 wait\(s\) passed the deadline.*seen after its launch returned"
+    with pytest.raises(RegionError, match=late) as e:
         program.launch(x, w, routings[1])
+    waits = [wr for wr in e.value.report.workers if wr.task]
+    assert [wr.threshold for wr in waits] == [int(device.packed.wait_threshold[task])]  # of the late call
     assert program.failed and not device.launch_state[1].any()
     rebuilt = cache.program(x, w, routings[1], TILES, TritonOptions())
     assert rebuilt is not program and cache.builds == 2 and not rebuilt.failed

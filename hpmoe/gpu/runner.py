@@ -331,9 +331,9 @@ class DeviceProgram:
                 out.append((qi, int(p.queue_task[at])))
         return out
 
-    def _need(self, task: int) -> int:
+    def _need(self, task: int, call: int | None = None) -> int:
         p = self.packed
-        return self.calls * int(p.wait_step[task]) + int(p.wait_threshold[task])
+        return (self.calls if call is None else call) * int(p.wait_step[task]) + int(p.wait_threshold[task])
 
     def _cycle_message(self, cursor: np.ndarray, rounds: int) -> str:
         p, counters = self.packed, self.counters.cpu().numpy()
@@ -364,8 +364,9 @@ class DeviceProgram:
             common = {"name": p.queue_names[qi], "done": n, "total": hi - lo, "last_done": last}
             if errors[qi, 0]:
                 task, ev, seen = (int(v) for v in errors[qi, 1:])
-                need = self._need(task)
-                base = (self.calls if call is None else call) * int(p.wait_step[task])
+                call = self.calls if call is None else call
+                need = self._need(task, call)
+                base = call * int(p.wait_step[task])
                 workers.append(WorkerReport(status=WorkerStatus.WAITS, task=g.task(task),
                                             event=f"event {ev}", progress=seen - base,
                                             threshold=need - base, raw=seen, **common))
