@@ -207,6 +207,28 @@ def test_a_backward_step_before_its_launch_reads_nothing_of_the_device(case):
             program.addresses()
 
 
+@pytest.mark.parametrize("placed", [False, True], ids=["own-rows", "replicas"])
+def test_a_launched_backward_with_uninitialised_outputs_gives_the_checked_ones_bits(case, placed):
+    """``launch_backward`` leaves its outputs uninitialised (``backward`` fills them with
+    NaN and shows every element written): the same bits, with freed host memory full of
+    NaN before each launch; with replicated experts the stored rows no slot reads are
+    zeroed and the replicas folded in."""
+    x, w, routings = case
+    if placed:
+        w = ExpertWeights.routed(SPEC, w.w13[:3].clone(), w.w2[:3].clone(), w.shared_w13, w.shared_w2,
+                                 slot_rows=(0, 1, 0, 2))
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
+    program = PlanCache().program(x, w, routings[0], TILES, TritonOptions())
+    for i in (12, 16):  # experts without rows; every slot filled
+        want = program.backward(program.forward(x, w, routings[i]), dy, w, routings[i]).grads
+        launched = program.launch(x, w, routings[i])
+        for t in (want.dx, want.dweights, want.dw13, want.dw2):
+            torch.full_like(t, float("nan"))  # freed at once: the next allocations may reuse it
+        got = program.launch_backward(launched, dy, w, routings[i]).grads
+        for name in ("dx", "dweights", "dw13", "dw2", "dshared_w13", "dshared_w2"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (i, name)
+
+
 def test_replicated_experts_reading_rows_in_place(case):
     x, w, routings = case
     placed = ExpertWeights.routed(SPEC, w.w13[:3].clone(), w.w2[:3].clone(), w.shared_w13, w.shared_w2,

@@ -316,22 +316,25 @@ class SlotProgram:
         """The backward after ``launched`` (this program's last forward launch) as one
         launch on a GPU without a host read or a synchronisation; the gradients are
         written once the launch ends (the expert rows' replicas folded in by the
-        stream's later operations)."""
-        experts, dx, dweights = self.prepare_backward(dy, weights, routing, launched.slots)
+        stream's later operations).  Its outputs start uninitialised: ``backward``, whose
+        outputs start as NaN, shows that its tasks write every element."""
+        experts, dx, dweights = self.prepare_backward(dy, weights, routing, launched.slots, poison=False)
         program = self.backward_region.program
         addresses, aligned = self.addresses(program)
         errors = program.launch(addresses, aligned, self.key.options.deadline_s)
         return SlotBackwardLaunch(grads=self._gradients(experts, dx, dweights, weights), errors=errors)
 
     def prepare_backward(self, dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
-                         slots: SlotRouting) -> tuple[SlotGradients, torch.Tensor, torch.Tensor]:
-        """Everything a backward call does before its launch: bind dy, NaN outputs and the
-        expert gradients, each slot row's routing weight into ``roww``, the routing's
-        entries into the backward's task table (the region built on the first call).
-        Returns (the expert gradients, dx, dweights)."""
+                         slots: SlotRouting, poison: bool = True
+                         ) -> tuple[SlotGradients, torch.Tensor, torch.Tensor]:
+        """Everything a backward call does before its launch: bind dy, the outputs and the
+        expert gradients (``poison``: filled with NaN, else uninitialised), each slot
+        row's routing weight into ``roww``, the routing's entries into the backward's task
+        table (the region built on the first call).  Returns (the expert gradients, dx,
+        dweights)."""
         if weights.spec.expert_bias:
             raise ValueError("a per-shape backward has no expert-bias gradients (MoESpec.expert_bias)")
-        bound = self._bind_backward(dy, weights, routing, slots)
+        bound = self._bind_backward(dy, weights, routing, slots, poison)
         if self.backward_region is None:
             self.backward_region = ResidentRegion.build(plan_slot_backward(self.key.shape), self.arena,
                                                         self.key.options)
@@ -351,13 +354,15 @@ class SlotProgram:
         return Gradients(dx=dx, dweights=dweights, dw13=experts.full["dw13"], dw2=experts.full["dw2"],
                          dshared_w13=shared[0], dshared_w2=shared[1])
 
-    def _bind_backward(self, dy: torch.Tensor, weights: ExpertWeights, routing: Routing,
-                       slots: SlotRouting) -> tuple[SlotGradients, torch.Tensor, torch.Tensor]:
-        """Bind dy, NaN outputs and the expert gradients; each slot row's routing weight
-        into ``roww``.  Returns (the expert gradients, dx, dweights)."""
-        a, nan = self.arena, float("nan")
-        dx = torch.full_like(dy, nan)
-        dweights = torch.full((dy.shape[0], weights.spec.top_k), nan, device=dy.device)
+    def _bind_backward(self, dy: torch.Tensor, weights: ExpertWeights, routing: Routing, slots: SlotRouting,
+                       poison: bool) -> tuple[SlotGradients, torch.Tensor, torch.Tensor]:
+        """Bind dy, the outputs and the expert gradients (``poison``: NaN); each slot
+        row's routing weight into ``roww``.  Returns (the expert gradients, dx, dweights)."""
+        a, nan = self.arena, float("nan") if poison else None
+        dx = torch.empty_like(dy) if nan is None else torch.full_like(dy, nan)
+        dweights = torch.empty(dy.shape[0], weights.spec.top_k, device=dy.device)
+        if nan is not None:
+            dweights.fill_(nan)
         a.bind_all({"dy": dy.contiguous(), "dx": dx, "dweights": dweights})
         roww = a.rank_view("roww", 0).view(-1)
         roww.index_put_((slots.pos.reshape(-1),), routing.weights.reshape(-1).float())
