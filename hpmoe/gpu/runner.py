@@ -170,7 +170,7 @@ class DeviceProgram:
         # launch()'s error rows as last copied to host memory (pinned on a GPU: copied without
         # waiting), read by the next launch; failed: a late wait was reported (the counters
         # are no longer in step with ``calls``: the program must be built again)
-        self._seen = torch.zeros(q, 4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._seen = torch.zeros(q, 4, dtype=torch.int32, device="cpu", pin_memory=self.device.type == "cuda")
         self._seen_rows = self._seen.numpy()  # read without a tensor operation
         self.failed = False
 
