@@ -5,12 +5,15 @@
 built once; a step then only resolves the routing with tensor operations, writes the
 task table's routing-dependent entries and the row indices, binds the call's tensors and
 uploads their addresses (``SlotProgram.prepare`` + ``SlotProgram.addresses``), before the
-one launch.  This times that, with a new routing every step (balanced and zipf alternating,
-a new seed each step), for ``bench_gpu.py``'s 4096 tokens and tiles, one rank, forward,
-on the CPU: there every tensor operation runs its work on the host too, so the figure
-bounds from above what a GPU's host spends launching the same operations (counted per
-step: ``ops``; of them the routing's resolution, with the copy of its row indices into
-the arena, and the task table's entries, which a GPU runs as three launches and one).
+one launch; its backward binds dy and its outputs (uninitialised, as a launched backward
+leaves them), writes each slot row's routing weight and its task table's entries
+(``SlotProgram.prepare_backward``) and uploads its addresses.  This times both, with a
+new routing every step (balanced and zipf alternating, a new seed each step), for
+``bench_gpu.py``'s 4096 tokens and tiles, one rank, on the CPU: there every tensor
+operation runs its work on the host too, so the figure bounds from above what a GPU's
+host spends launching the same operations (counted per step: ``ops``; of them the
+routing's resolution, with the copy of its row indices into the arena, and the task
+table's entries, which a GPU runs as three launches and one).
 The program is built for the CPU (the interpreter's device); nothing is launched.
 With ``--device cuda`` (a GPU) the program is built there and a step's host time is
 timed from an idle device to the step's return, its operations launched (the routing's
@@ -41,6 +44,7 @@ from bench_gpu import TILES, TOKENS, base_shapes  # noqa: E402
 from hpmoe.gpu.backend import TritonOptions  # noqa: E402
 from hpmoe.gpu.slots import PlanCache, SlotProgram  # noqa: E402
 from hpmoe.machine import machine  # noqa: E402
+from hpmoe.regions.slot_routing import SlotRouting  # noqa: E402
 from hpmoe.routing import Routing, RoutingKind, synthetic_routing  # noqa: E402
 from hpmoe.schedule import SchedulePolicy, WorkerCounts  # noqa: E402
 from hpmoe.spec import MoESpec, ParallelSpec, preset  # noqa: E402
@@ -69,9 +73,18 @@ def routings(spec: MoESpec, steps: int, device: torch.device) -> list[Routing]:
     return [Routing(r.ids.to(device), r.weights.to(device)) for r in made]
 
 
-def step(program: SlotProgram, x: torch.Tensor, w: ExpertWeights, r: Routing) -> None:
-    program.prepare(x, w, r)
+def step(program: SlotProgram, x: torch.Tensor, w: ExpertWeights, r: Routing) -> SlotRouting:
+    """The forward's host work before its launch; the resolved routing."""
+    _, slots = program.prepare(x, w, r)
     program.addresses()
+    return slots
+
+
+def backward_step(program: SlotProgram, dy: torch.Tensor, w: ExpertWeights, r: Routing,
+                  slots: SlotRouting) -> None:
+    """The backward's host work before its launch, as a launched backward does it."""
+    program.prepare_backward(dy, w, r, slots, poison=False)
+    program.addresses(program.backward_region.program)
 
 
 def _idle(device: torch.device) -> None:
@@ -91,25 +104,36 @@ def measure(spec: MoESpec, steps: int, device: torch.device) -> dict[str, float]
     t0 = time.perf_counter()
     program = cache.program(x, w, rs[0], TILES, OPTIONS)
     build = (time.perf_counter() - t0) * 1e3
-    step(program, x, w, rs[0])  # warm-up (on a GPU: the resolution's kernels compiled)
-    times, done = [], []
+    dy = torch.ones_like(x)
+    backward_step(program, dy, w, rs[0], step(program, x, w, rs[0]))  # warm-up: the backward region
+    times, done, back = [], [], []  # built, on a GPU the launches compiled
     for r in rs[1:]:
         _idle(device)
         t0 = time.perf_counter()
-        step(program, x, w, r)
+        slots = step(program, x, w, r)
         times.append((time.perf_counter() - t0) * 1e3)
         _idle(device)
         done.append((time.perf_counter() - t0) * 1e3)
-    counter, resolving, columns = _CountOps(), _CountOps(), _CountOps()
+        t0 = time.perf_counter()
+        backward_step(program, dy, w, r, slots)
+        back.append((time.perf_counter() - t0) * 1e3)
+        _idle(device)
+    counter, resolving, columns, backward, backward_columns = (_CountOps() for _ in range(5))
     with counter:
         step(program, x, w, rs[1])
     with resolving:  # the torch version's share, which a GPU runs as three launches
         slots = program._resolved(rs[1])
     with columns:  # the task table's entries, one launch on a GPU
         program.forward_region.columns.apply(program.program.arrays["tasks"], slots)
+    with backward:
+        backward_step(program, dy, w, rs[1], slots)
+    with backward_columns:
+        program.backward_region.columns.apply(program.backward_region.program.arrays["tasks"], slots)
     return {"build_ms": build, "step_median_ms": statistics.median(times), "step_min_ms": min(times),
             "step_done_median_ms": statistics.median(done), "ops_per_step": counter.ops,
             "resolution_ops": resolving.ops, "columns_ops": columns.ops,
+            "backward_median_ms": statistics.median(back), "backward_min_ms": min(back),
+            "backward_ops": backward.ops, "backward_columns_ops": backward_columns.ops,
             "builds": cache.builds, "slots": program.key.shape.slots, "tasks": program.plan.graph.num_tasks}
 
 
@@ -137,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>14}  build {r['build_ms']:8.1f} ms  step median {r['step_median_ms']:.3f} ms  "
               f"fastest {r['step_min_ms']:.3f} ms  done {r['step_done_median_ms']:.3f} ms  "
               f"{r['ops_per_step']} ops ({r['resolution_ops']} resolving, {r['columns_ops']} the task "
+              f"table's entries); backward median {r['backward_median_ms']:.3f} ms  fastest "
+              f"{r['backward_min_ms']:.3f} ms  {r['backward_ops']} ops ({r['backward_columns_ops']} the task "
               f"table's entries)  {r['slots']} slots  "
               f"{r['tasks']} tasks  builds {r['builds']}",
               flush=True)
