@@ -74,6 +74,19 @@ def test_another_shape_or_policy_is_another_program(case):
     assert cache.builds == 3
 
 
+def test_the_cache_keeps_the_most_recently_used_programs_only(case):
+    x, w, routings = case
+    cache = PlanCache(kept=2)
+    made = {}
+    for n in (16, 8, 16, 12, 8):  # 12 drops 8 (16 was used since); 8 is built again
+        r = routings[0].__class__(routings[0].ids[:n], routings[0].weights[:n])
+        made.setdefault(n, []).append(cache.program(x[:n], w, r, TILES, TritonOptions()))
+    assert cache.builds == 4 and made[16][0] is made[16][1] and made[8][0] is not made[8][1]
+    assert len(cache._programs) == 2
+    with pytest.raises(ValueError, match="kept=0"):
+        PlanCache(kept=0)
+
+
 def test_a_call_writes_the_operands_of_its_resolved_graph(case):
     x, w, routings = case
     cache = PlanCache()

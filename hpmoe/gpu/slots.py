@@ -414,22 +414,33 @@ class ResidentRegion:
         return ResidentRegion(plan=plan, columns=columns, schedule=sched, program=program)
 
 
-class PlanCache:
-    """Per-shape programs by ``PlanKey``, each built once.  builds: programs built."""
+PROGRAMS_KEPT = 4  # a layer's per-shape programs at most (each holds an arena sized for its shape)
 
-    def __init__(self) -> None:
-        self._programs: dict[PlanKey, SlotProgram] = {}
+
+class PlanCache:
+    """Per-shape programs by ``PlanKey``, each built once while it is among the ``kept``
+    most recently used (a layer called with ever new token counts would otherwise keep an
+    arena for each).  builds: programs built."""
+
+    def __init__(self, kept: int = PROGRAMS_KEPT) -> None:
+        if kept < 1:
+            raise ValueError(f"PlanCache: kept={kept}, expected at least 1")
+        self.kept = kept
+        self._programs: dict[PlanKey, SlotProgram] = {}  # least recently used first
         self.builds = 0
 
     def program(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing, tiles: TileSpec,
                 options: TritonOptions) -> SlotProgram:
         """The program of this call's key, built on the first call with it (and again
-        after a late wait of one of its launches)."""
+        after a late wait of one of its launches, or once it was dropped for newer ones)."""
         key = PlanKey.of(x, weights, tiles, options)
-        found = self._programs.get(key)
+        found = self._programs.pop(key, None)
         if found is None or found.failed:
-            found = self._programs[key] = SlotProgram(key, x, weights, routing)
+            found = SlotProgram(key, x, weights, routing)
             self.builds += 1
+        self._programs[key] = found
+        while len(self._programs) > self.kept:  # a call still holding a dropped one keeps it alive
+            del self._programs[next(iter(self._programs))]
         return found
 
     def report(self) -> None:
