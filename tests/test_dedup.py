@@ -178,3 +178,15 @@ def test_one_rank_lowering_is_that_rank_of_the_full_graph():
         (a, _), (b, _) = rank_subgraph(full, r), rank_subgraph(FORWARD_DEDUP.lower(plan, DEDUP, (r,)), r)
         for col in [*task_columns(), "threshold", "sig_ptr", "sig_rank", "sig_event"]:
             np.testing.assert_array_equal(getattr(a, col), getattr(b, col), err_msg=f"rank {r} {col}")
+
+
+def test_each_dispatch_modes_region_family_is_one_constant_that_pickles_by_name():
+    import pickle
+
+    from hpmoe.regions.family import DEDUPLICATED, PER_EXPERT, region_family
+    from hpmoe.spec import DispatchMode
+
+    families = {m: region_family(dataclasses.replace(TINY_TILES, dispatch=m)) for m in DispatchMode}
+    assert families[DispatchMode.PER_EXPERT] is PER_EXPERT
+    assert families[DispatchMode.PER_RANK] is families[DispatchMode.PER_NODE] is DEDUPLICATED
+    assert all(pickle.loads(pickle.dumps(f)) is f for f in (PER_EXPERT, DEDUPLICATED))

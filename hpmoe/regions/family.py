@@ -15,8 +15,7 @@ own tokens' (per expert) or every rank's (deduplicated: receivers weigh rows).
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,53 +37,37 @@ from .kernels import FORWARD, ForwardBuffers, RankContext
 
 
 @dataclass(frozen=True)
-class RegionFamily(abc.ABC):
-    """One dispatch layout's region: ``forward_kind`` (what the agreement names) and
-    ``reads_every_rank`` (its contexts read every rank's routing); the methods below build
-    everything else (both keep ``SavedActivations``)."""
+class RegionFamily:
+    """One dispatch layout's region: ``forward_kind`` (what the agreement names),
+    ``reads_every_rank`` (its contexts read every rank's routing), and what builds the rest
+    (both families keep ``SavedActivations``):
+
+    - ``layout(plan, tiles)``: what it lowers from, built once and read by the rest;
+    - ``forward(layout)``, ``backward(layout, recompute)``: its regions (the backward's
+      of what the forward kept, ``base.as_kept``);
+    - ``forward_buffers(x, layout, tiles, rank, symmetric=None)``: the buffers of ``rank``
+      holding its tokens ``x`` (``symmetric``: its symmetric fields as views of a
+      symmetric heap; None: allocated here); ``forward_context(weights, layout, routing,
+      rank)``;
+    - ``saved(buffers, recompute, symmetric=False)``: what the forward keeps
+      (``symmetric``: the buffers view memory the next region reuses, so the saved fields
+      that live there are copied);
+    - ``backward_buffers(saved, dy, layout, tiles, rank, views=None)``,
+      ``backward_context(weights, layout, routing, rank)``."""
 
     forward_kind: RegionKind
     reads_every_rank: bool
+    layout: Callable[[RoutingPlan, TileSpec], Any]
+    forward: Callable[[Any], Region]
+    backward: Callable[[Any, Kept | bool], Region]
+    forward_buffers: Callable[..., Any]
+    forward_context: Callable[[ExpertWeights, Any, Routing, int], Any]
+    saved: Callable[..., Any]
+    backward_buffers: Callable[..., Any]
+    backward_context: Callable[[ExpertWeights, Any, Routing, int], Any]
 
-    @abc.abstractmethod
-    def layout(self, plan: RoutingPlan, tiles: TileSpec) -> Any:
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def forward(self, layout: Any) -> Region:
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def backward(self, layout: Any, recompute: Kept | bool) -> Region:
-        """The backward region of what the forward kept (``base.as_kept``)."""
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def forward_buffers(self, x: torch.Tensor, layout: Any, tiles: TileSpec, rank: int,
-                        symmetric: Mapping[str, torch.Tensor] | None = None) -> Any:
-        """Buffers of ``rank`` holding its tokens ``x``; ``symmetric``: its symmetric fields
-        as views of a symmetric heap (None: allocated here)."""
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def forward_context(self, weights: ExpertWeights, layout: Any, routing: Routing, rank: int) -> Any:
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def saved(self, buffers: Any, recompute: Kept | bool, symmetric: bool = False) -> Any:
-        """What the forward keeps (``base.as_kept``);
-        ``symmetric``: the buffers view symmetric memory the next region reuses, so the
-        saved fields that live there are copied."""
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def backward_buffers(self, saved: Any, dy: torch.Tensor, layout: Any, tiles: TileSpec, rank: int,
-                         views: Mapping[str, torch.Tensor] | None = None) -> Any:
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def backward_context(self, weights: ExpertWeights, layout: Any, routing: Routing, rank: int) -> Any:
-        raise NotImplementedError
+    def __reduce__(self) -> tuple:  # pickled by name: the two families are module constants
+        return _named, (self.forward_kind,)
 
     def rank_routing(self, routing: Routing, plan: RoutingPlan, rank: int) -> Routing:
         """What ``rank``'s contexts read, from every rank's routing."""
@@ -95,64 +78,46 @@ class RegionFamily(abc.ABC):
         return Routing(routing.ids[mine], routing.weights[mine])
 
 
-class _PerExpert(RegionFamily):
-    def layout(self, plan: RoutingPlan, tiles: TileSpec) -> RoutingPlan:
-        return plan
-
-    def forward(self, layout: RoutingPlan) -> Region:
-        return FORWARD
-
-    def backward(self, layout: RoutingPlan, recompute: Kept | bool) -> Region:
-        return BACKWARDS[as_kept(recompute)]
-
-    def forward_buffers(self, x, layout, tiles, rank, symmetric=None):
-        sym = symmetric or {}
-        return ForwardBuffers.allocate(x, layout, rank, recv=sym.get("recv"), comb=sym.get("comb"))
-
-    def forward_context(self, weights, layout, routing, rank):
-        return RankContext.of(weights, layout, routing.weights, rank)
-
-    def saved(self, buffers, recompute, symmetric=False):
-        saved = SavedActivations.from_forward(buffers, recompute)
-        if symmetric and saved.xe is not None:  # recv views the session's symmetric memory
-            saved = replace(saved, xe=saved.xe.clone())
-        return saved
-
-    def backward_buffers(self, saved, dy, layout, tiles, rank, views=None):
-        return BackwardBuffers.allocate(saved, dy, layout, views)
-
-    def backward_context(self, weights, layout, routing, rank):
-        return BackwardContext.build(weights, layout, routing.weights, rank)
+def _forward_buffers(x: torch.Tensor, plan: RoutingPlan, tiles: TileSpec, rank: int,
+                     symmetric: Mapping[str, torch.Tensor] | None = None) -> ForwardBuffers:
+    sym = symmetric or {}
+    return ForwardBuffers.allocate(x, plan, rank, recv=sym.get("recv"), comb=sym.get("comb"))
 
 
-class _Deduplicated(RegionFamily):
-    def layout(self, plan, tiles):
-        return make_dedup_layout(plan, tiles)
-
-    def forward(self, layout):
-        return dedup_region(layout)
-
-    def backward(self, layout, recompute):
-        return dedup_backward_region(layout, recompute)
-
-    def forward_buffers(self, x, layout, tiles, rank, symmetric=None):
-        return DedupBuffers.allocate(x, layout, tiles, rank, symmetric)
-
-    def forward_context(self, weights, layout, routing, rank):
-        return DedupContext.build(weights, layout, routing, rank)
-
-    def saved(self, buffers, recompute, symmetric=False):
-        return SavedActivations.from_forward(buffers, recompute)  # none of its saved fields is symmetric
-
-    def backward_buffers(self, saved, dy, layout, tiles, rank, views=None):
-        return DedupBackwardBuffers.allocate(saved, dy, layout, tiles, rank, views)
-
-    def backward_context(self, weights, layout, routing, rank):
-        return DedupBackwardContext.build(weights, layout, routing, rank)
+def _saved(buffers: ForwardBuffers, recompute: Kept | bool, symmetric: bool = False) -> SavedActivations:
+    saved = SavedActivations.from_forward(buffers, recompute)
+    if symmetric and saved.xe is not None:  # recv views the session's symmetric memory
+        saved = replace(saved, xe=saved.xe.clone())
+    return saved
 
 
-PER_EXPERT = _PerExpert(RegionKind.FORWARD, reads_every_rank=False)
-DEDUPLICATED = _Deduplicated(RegionKind.FORWARD_DEDUP, reads_every_rank=True)
+PER_EXPERT = RegionFamily(
+    RegionKind.FORWARD, reads_every_rank=False,
+    layout=lambda plan, tiles: plan,
+    forward=lambda plan: FORWARD,
+    backward=lambda plan, recompute: BACKWARDS[as_kept(recompute)],
+    forward_buffers=_forward_buffers,
+    forward_context=lambda weights, plan, routing, rank: RankContext.of(weights, plan, routing.weights, rank),
+    saved=_saved,
+    backward_buffers=lambda saved, dy, plan, tiles, rank, views=None: BackwardBuffers.allocate(
+        saved, dy, plan, views),
+    backward_context=lambda weights, plan, routing, rank: BackwardContext.build(
+        weights, plan, routing.weights, rank))
+DEDUPLICATED = RegionFamily(
+    RegionKind.FORWARD_DEDUP, reads_every_rank=True,
+    layout=make_dedup_layout,
+    forward=dedup_region,
+    backward=dedup_backward_region,
+    forward_buffers=DedupBuffers.allocate,
+    forward_context=DedupContext.build,
+    saved=lambda buffers, recompute, symmetric=False: SavedActivations.from_forward(  # none of its
+        buffers, recompute),  # saved fields is symmetric
+    backward_buffers=DedupBackwardBuffers.allocate,
+    backward_context=DedupBackwardContext.build)
+
+
+def _named(kind: RegionKind) -> RegionFamily:
+    return PER_EXPERT if kind is RegionKind.FORWARD else DEDUPLICATED
 
 
 def region_family(tiles: TileSpec) -> RegionFamily:
