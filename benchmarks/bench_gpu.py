@@ -628,7 +628,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="where bench_gpu.json/.md go (default benchmarks/results; a dry run's: "
+                        "out/bench_gpu-dry-run)")
     p.add_argument("--shapes", nargs="*", default=None)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--reps", type=int, default=20)
@@ -653,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = DRY_TOKENS if a.dry_run else TOKENS
     if a.dry_run:
         a.reps, a.warmup = 1, 0
-    a.out.mkdir(parents=True, exist_ok=True)
+    a.out = a.out or Path("out/bench_gpu-dry-run" if a.dry_run else "benchmarks/results")  # no dry run's
+    a.out.mkdir(parents=True, exist_ok=True)  # figures among the results
     peak, bw = device_peaks(a.reps)
     meta = {"device": torch.cuda.get_device_name(dev) if on_gpu() else "cpu", "dry_run": a.dry_run,
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
