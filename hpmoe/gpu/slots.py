@@ -135,7 +135,6 @@ class SlotColumns:
                  + self.per_read * self.read[expert[t]])
         tasks.view(-1).index_put_((self.at,), value.int())
 
-
     def _launch(self, tasks: torch.Tensor, slots: SlotRouting, interpret: bool) -> None:
         entries = self.at.numel()
         if not entries:
