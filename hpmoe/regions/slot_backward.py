@@ -78,7 +78,7 @@ def _grad_permute(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 def _grad_dispatch(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     return chunk_tasks(shape, ev, TaskKind.GRAD_DISPATCH, shape.moe.hidden, (E.GPERM, "chunk"),
-                        [(E.GROWS, "slot")])
+                       [(E.GROWS, "slot")])
 
 
 def _dgrad_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
@@ -88,7 +88,7 @@ def _dgrad_down(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 
 def _swiglu_bwd(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     return chunk_tasks(shape, ev, TaskKind.SWIGLU_BWD, shape.moe.ffn, (E.DA, "slot"),
-                        [(E.DH, "slot"), (E.DHALL, "one")])
+                       [(E.DH, "slot"), (E.DHALL, "one")])
 
 
 def _dgrad_up(shape: SlotShape, ev: EventLayout) -> TaskBlock:
