@@ -178,5 +178,6 @@ def test_the_torch_resolution_writes_a_programs_row_indices_too_and_refuses_othe
     tok, pos = (torch.full(size, -7, dtype=torch.int32) for size in ((shape.capacity, 1), (16, 2)))
     want = resolve_slots(r.ids, shape, into=(tok, pos))  # no CUDA here: the reference
     assert torch.equal(tok.view(-1), want.row_token.int()) and torch.equal(pos, want.pos.int())
-    with pytest.raises(ValueError, match="into must be two contiguous int32 tensors"):
+    with pytest.raises(ValueError, match=r"into must be two contiguous int32 tensors \(tok, pos\), got "
+                                         r"\[\(torch.int64, 'contiguous'\), \(torch.int32, 'contiguous'\)\]"):
         resolve_slots(r.ids, shape, into=(tok.long(), pos))

@@ -246,7 +246,8 @@ def resolve_slots(ids: torch.Tensor, shape: SlotShape, interpret: bool = False,
     [T, k]) int32 contiguous, a program's row indices, written too (by the launches
     themselves: no copy)."""
     if into is not None and not all(t.dtype == torch.int32 and t.is_contiguous() for t in into):
-        raise ValueError("resolve_slots: into must be two contiguous int32 tensors (tok, pos)")
+        raise ValueError("resolve_slots: into must be two contiguous int32 tensors (tok, pos), got "
+                         f"{[(t.dtype, 'contiguous' if t.is_contiguous() else 'strided') for t in into]}")
     if not (integers_launch(ids) or interpret):
         slots = torch_resolve_slots(ids, shape)
         if into is not None:

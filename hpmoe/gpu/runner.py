@@ -291,12 +291,12 @@ class DeviceProgram:
         ``wait`` after waiting for the device.  The error rows are cleared and the
         program marked ``failed``."""
         cursor, errors, _ = self.launch_state
-        if wait and not self.interpret:
-            torch.cuda.synchronize(self.device)
-        if not (self._seen_rows[:, 0].any() or (wait and bool(errors[:, 0].any()))):
+        if not (wait or self._seen_rows[:, 0].any()):
             return
-        if not self.interpret:
+        if not self.interpret:  # the rows whole, and the last launch's cursors
             torch.cuda.synchronize(self.device)
+        if not errors[:, 0].any():
+            return
         report = self.hang_report(errors.cpu().numpy(), cursor.cpu().numpy(), 0.0, self.calls - 1)
         errors.zero_()
         self._seen.zero_()

@@ -209,18 +209,19 @@ class SlotProgram:
         self.backward_region: ResidentRegion | None = None
         self.last: SlotRun | SlotLaunch | None = None  # the forward whose activations the arena holds
 
+    def _programs(self) -> list[DeviceProgram]:
+        return [r.program for r in (self.forward_region, self.backward_region) if r is not None]
+
     @property
     def failed(self) -> bool:
         """Whether a launch of its forward or backward had a late wait (reported): its
         counters are out of step, a new program must serve the shape."""
-        regions = (self.forward_region, self.backward_region)
-        return any(r is not None and r.program.failed for r in regions)
+        return any(p.failed for p in self._programs())
 
     def report(self) -> None:
         """Wait for the device and raise a late wait of a launch not reported yet."""
-        for region in (self.forward_region, self.backward_region):
-            if region is not None:
-                region.program.report(wait=True)
+        for program in self._programs():
+            program.report(wait=True)
 
     @property
     def plan(self) -> SlotPlan:
