@@ -95,6 +95,13 @@ def machine() -> Machine:
                    hpmoe=_version("hpmoe") or "checkout")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph's capture records ``device``'s current stream: nothing a
+    capture records may read the device from the host, and what it records replays as
+    recorded."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def default_cpu_dtype(m: Machine | None = None) -> tuple[torch.dtype, str]:
     """bf16 where this CPU computes it natively, else fp32; with the reason, to print."""
     m = m or machine()

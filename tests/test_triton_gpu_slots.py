@@ -125,3 +125,77 @@ def test_a_triton_layer_steps_on_new_routings_without_a_host_sync():
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(dx, want_dx, atol=1e-4, rtol=1e-4)
     layer.check()
+
+
+def test_a_captured_step_replays_on_new_routings_with_the_eager_bits():
+    """Forward and backward launches of one program captured in a CUDA graph over static
+    x, ids, routing weights and dy: each replay, after new ids and weights are copied into
+    the static ones, gives the per-routing kernels' bits (a launch is call 0 each time; the
+    address table the capture used stays with the program)."""
+    from hpmoe.routing import Routing
+
+    cuda = torch.device("cuda")
+    g = torch.Generator().manual_seed(4)
+    x, dy = (torch.randn(TOKENS, SPEC.hidden, generator=g).cuda() for _ in range(2))
+    w, x, routings = _on(cuda, ExpertWeights.random(SPEC, 2), x, twenty_routings(SPEC, TOKENS, FULL, SKEWED))
+    static = Routing(routings[0].ids.clone(), routings[0].weights.clone())
+    program = PlanCache().program(x, w, static, TILES, TritonOptions())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm: both kernels compiled, the backward region built
+        program.launch_backward(program.launch(x, w, static), dy, w, static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launched = program.launch(x, w, static)
+        back = program.launch_backward(launched, dy, w, static)
+    for i in (3, 9, 12, 16, 2):
+        static.ids.copy_(routings[i].ids)
+        static.weights.copy_(routings[i].weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(launched.errors[:, 0].sum()) == 0 and int(back.errors[:, 0].sum()) == 0, i
+        fwd = triton_forward(x, w, routings[i], 1, TILES)
+        want = triton_backward(fwd, dy).grads
+        assert torch.equal(launched.out, fwd.out), i
+        for name in GRADS:
+            assert torch.equal(getattr(back.grads, name), getattr(want, name)), (i, name)
+
+
+def test_a_triton_layers_step_captured_in_a_cuda_graph_gives_eagers_results():
+    """``torch.cuda.graph`` around forward and backward of ``hpmoe.MoE(backend="triton")``
+    (after eager warm-up steps): replays on new x, ids and weights copied into the static
+    inputs give the eager layer's output and input gradient."""
+    from hpmoe import MoE
+
+    cuda = torch.device("cuda")
+    w = weights_on(ExpertWeights.random(SPEC, 0), cuda)
+    layer, eager = (MoE(SPEC, w, tiles=TILES, backend="triton") for _ in range(2))
+    routings = twenty_routings(SPEC, TOKENS, FULL, SKEWED)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(TOKENS, SPEC.hidden, generator=g).cuda().requires_grad_()
+    ids, tw = routings[0].ids.cuda(), routings[0].weights.cuda()
+    dy = torch.randn(TOKENS, SPEC.hidden, generator=g).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            torch.autograd.grad(layer.region(x, ids, tw), [x], dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.region(x, ids, tw)
+        (dx,) = torch.autograd.grad(out, [x], dy)
+    for i in (4, 9, 12, 16):
+        with torch.no_grad():
+            x.copy_(torch.randn(TOKENS, SPEC.hidden, generator=g))
+            ids.copy_(routings[i].ids)
+            tw.copy_(routings[i].weights)
+        graph.replay()
+        xe = x.detach().clone().requires_grad_()
+        want = eager.region(xe, ids.clone(), tw.clone())
+        (want_dx,) = torch.autograd.grad(want, [xe], dy)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), i
+        assert torch.equal(dx, want_dx), i
+    layer.check()

@@ -141,6 +141,40 @@ def test_a_step_before_its_launch_reads_nothing_of_the_device(case):
     assert program.last is launched and not launched.errors.any()
 
 
+def test_every_launch_is_call_zero_so_a_captured_launch_replays_as_it_is(case):
+    """A launch zeroes the counters (with its cursors) and runs as call 0: its arguments
+    are the same at every step, as a CUDA graph's replays pass them; a checked run after
+    it goes on as call 1, and a launch after that starts from zero again."""
+    x, w, routings = case
+    program = PlanCache().program(x, w, routings[0], TILES, TritonOptions())
+    device = program.program
+    p = device.packed
+    step = np.bincount(p.sig_event, minlength=p.num_events)
+    epochs = []
+    real = device._kernel_args
+    device._kernel_args = lambda *a: (args := real(*a)) and epochs.append(args[-2]) or args
+    for i in (2, 11, 16, 2):
+        launched = program.launch(x, w, routings[i])
+        assert torch.equal(launched.out, triton_forward(x, w, routings[i], 1, TILES).out), i
+        assert np.array_equal(device.counters.numpy()[:p.num_events], step) and device.calls == 1
+        assert torch.equal(program.forward(x, w, routings[i]).out, launched.out)  # call 1
+        assert np.array_equal(device.counters.numpy()[:p.num_events], 2 * step)
+    assert epochs == [0, 1] * 4
+
+
+def test_the_address_table_is_uploaded_again_only_when_an_address_changed(case):
+    x, w, routings = case
+    program = PlanCache().program(x, w, routings[0], TILES, TritonOptions())
+    out, _ = program.prepare(x, w, routings[1])
+    first, _ = program.addresses()
+    assert program.addresses()[0] is first
+    assert np.array_equal(first.numpy(), program.arena.host_addresses())
+    program.prepare(x.clone(), w, routings[2])  # x and out elsewhere (``out`` is still held)
+    again, _ = program.addresses()
+    assert again is not first and np.array_equal(again.numpy(), program.arena.host_addresses())
+    assert not np.array_equal(again.numpy(), first.numpy()) and out.data_ptr() not in again.tolist()
+
+
 def test_a_late_wait_of_a_launch_is_raised_by_the_next_one_and_its_program_built_again(case):
     """A late wait (the device's deadline; written here into the error rows as the
     kernel writes them) is raised one launch late, once, naming the waiting task; the

@@ -20,6 +20,7 @@ import enum
 import numpy as np
 import torch
 
+from ..machine import capturing
 from ..routing import (
     InputFault,
     Scanned,
@@ -77,7 +78,7 @@ class InputCheck:
         the ids the call runs on (under ``DEFERRED`` clamped into range) and their rows
         per expert ([E] int64), counted in the same scan on a GPU."""
         if self.mode is CheckMode.DEFERRED:
-            if not _capturing(x.device):  # a CUDA graph's capture runs no host read
+            if not capturing(x.device):  # a CUDA graph's capture runs no host read
                 self._report(wait=False)
             if held_on_device(x.device):
                 scanned = device_scan(self.experts, x, ids, weights, self._keeper(x.device))
@@ -151,7 +152,3 @@ def device_scan(experts: int, x: torch.Tensor, ids: torch.Tensor, weights: torch
     held.copy_(torch.where(held[0] == InputFault.NONE, status, held))
     clamped = ids.clamp(0, experts - 1)
     return Scanned(status, clamped, expert_counts(clamped, experts))
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..machine import capturing
 from ..routing import Routing, check_form, check_input
 from ..spec import Activation, DispatchMode, GluForm, MoESpec, TileSpec
 from ..weights import ExpertWeights
@@ -85,7 +86,7 @@ def region(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
     refuses)."""
     w, routing = _weights(x, ids, w13, w2, sw13, sw2, b13, b2, activation, glu), Routing(ids, weights)
     check_form(x, routing, w.spec)
-    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not capturing(x.device):
         check_input(x, routing, w.spec)
     return _path(w, x.shape[0], ep, tiles, auto, x.device).forward(x, routing, w, False)[0]
 

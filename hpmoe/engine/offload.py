@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..machine import capturing
+
 _DEPTH = 64  # calls whose offloaded tensors are remembered for the prefetch (in forward order)
 
 
@@ -143,7 +145,7 @@ def send(tensors: list[torch.Tensor | None], places: Sequence[int]) -> Parcel | 
     if not kept or hooked():
         return None
     device = tensors[kept[0]].device
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return None  # a captured step replays on static buffers: nothing to send per call
     if not pays(device):
         warnings.warn(f"offload=True moves nothing on a {device.type} device: its saved tensors are in host "

@@ -11,6 +11,7 @@ from ..exec.exact_backward import Gradients
 from ..ir.analysis import GraphError
 from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit
 from ..ir.schedule import Schedule, WorkerCounts
+from ..machine import capturing
 from ..regions.backward_kernels import BACKWARDS, ROW_TAIL, row_width
 from ..regions.base import as_kept
 from ..regions.kernels import FORWARD
@@ -31,7 +32,7 @@ __all__ = ["BACKWARDS", "DEFAULT_TILES", "ExpertWeights", "FORWARD", "Gradients"
            "HangReport", "HardwareModel", "IS_PUT", "LinkEntry", "MoESpec", "ParallelSpec", "ROW_TAIL",
            "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy", "SlotGradients",
            "SlotPlan", "SlotRouting", "SlotShape", "TaskGraph", "TaskKind", "Tile", "TileSpec", "Timeline",
-           "Unit", "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "check_input", "gemm_dims",
-           "hardware_preset", "live_rows", "plan_routing",
+           "Unit", "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "capturing", "check_input",
+           "gemm_dims", "hardware_preset", "live_rows", "plan_routing",
            "plan_slot_backward", "plan_slots", "resolve_slots", "row_width", "schedule", "slot_targets",
            "task_costs", "verify_schedule"]

@@ -37,6 +37,7 @@ from .core import (
     Timeline,
     WorkerReport,
     WorkerStatus,
+    capturing,
 )
 from .ops import aligned_addresses, aligned_layout
 from .pack import PackedProgram
@@ -159,12 +160,14 @@ class DeviceProgram:
         self.arrays = {n: torch.from_numpy(a.copy()).to(self.device) for n, a in packed.arrays().items()}
         ld = packed.space.ld.reshape(-1).astype(np.int64)
         self.lds = torch.from_numpy(ld).to(self.device)
-        self.counters = torch.zeros(max(packed.num_events, 1), dtype=torch.int32, device=self.device)
+        q, n = packed.num_queues, max(packed.num_events, 1)
+        # the counters, then launch()'s cursors: one memset zeroes both at each launch
+        self._zeroed = torch.zeros(n + q, dtype=torch.int32, device=self.device)
+        self.counters = self._zeroed[:n]
         self.calls = 0
         self.aligned = aligned_layout(packed.tasks, packed.space)
-        q = packed.num_queues  # launch()'s cursors, error rows and unused stamp buffer
-        self.launch_state = (torch.zeros(q, dtype=torch.int32, device=self.device),
-                             torch.zeros(q, 4, dtype=torch.int32, device=self.device),
+        # launch()'s cursors, error rows and unused stamp buffer
+        self.launch_state = (self._zeroed[n:], torch.zeros(q, 4, dtype=torch.int32, device=self.device),
                              torch.zeros(1, 2, dtype=torch.int64, device=self.device))
         self.checked_variants: set[bool] = set()
         # launch()'s error rows as last copied to host memory (pinned on a GPU: copied without
@@ -183,11 +186,12 @@ class DeviceProgram:
 
     def _kernel_args(self, addresses: torch.Tensor, cursor: torch.Tensor, errors: torch.Tensor,
                      stamps: torch.Tensor, clock: torch.Tensor, delays: torch.Tensor,
-                     deadline_ns: int) -> tuple:
+                     deadline_ns: int, epoch: int | None = None) -> tuple:
+        """The kernel's arguments for call ``epoch`` (default ``calls``)."""
         a = self.arrays
         return (a["tasks"], a["wait_event"], a["wait_threshold"], a["wait_step"], a["sig_ptr"],
                 a["sig_event"], a["queue_ptr"], a["queue_task"], addresses, self.lds, self.counters, cursor,
-                errors, stamps, clock, delays, self.calls, deadline_ns)
+                errors, stamps, clock, delays, self.calls if epoch is None else epoch, deadline_ns)
 
     def run(self, addresses: torch.Tensor, *, deadline_s: float = 10.0, stamps: bool = False,
             delays_ns: np.ndarray | None = None, max_rounds: int | None = None) -> RunInfo:
@@ -255,23 +259,24 @@ class DeviceProgram:
         return go
 
     def launch(self, addresses: torch.Tensor, aligned: bool, deadline_s: float = 10.0) -> torch.Tensor:
-        """Run every queue once as call ``self.calls`` in ONE launch without waiting for it
-        or reading anything of the device's: a training step's launch (the interpreter
-        runs it in rounds, whose stall raises at once).  ``aligned``: the kernel variant,
-        which the caller decides from its buffers' host addresses
-        (``ops.aligned_addresses``).  A late wait of an earlier launch, seen in the copy of
-        its error rows in host memory, is raised first (``report``), one launch late.
-        Returns the error rows [Q, 4] int32 the launches write (a late wait sets its
-        queue's row).  On a GPU the kernel is compiled and its residency checked on the
-        first launch of each variant."""
-        if self.calls >= self.packed.max_calls():
-            raise RuntimeError(f"counters would overflow int32 after {self.calls} calls: repack the region")
+        """Run every queue once in ONE launch without waiting for it or reading anything
+        of the device's: a training step's launch (the interpreter runs it in rounds,
+        whose stall raises at once).  The counters start from zero as call 0 (one memset
+        with the cursors), so the launch's arguments are the same at every step: a CUDA
+        graph that captured it replays it as it is, and the counters never overflow (a
+        later ``run`` goes on as call 1).  ``aligned``: the kernel variant, which the
+        caller decides from its buffers' host addresses (``ops.aligned_addresses``).  A
+        late wait of an earlier launch, seen in the copy of its error rows in host memory,
+        is raised first (``report``), one launch late; under a graph's capture no copy is
+        made (``report(wait=True)`` reads the rows themselves).  Returns the error rows
+        [Q, 4] int32 the launches write (a late wait sets its queue's row).  On a GPU the
+        kernel is compiled and its residency checked on the first launch of each variant."""
         self.report(wait=False)
         q, (cursor, errors, dummy) = self.packed.num_queues, self.launch_state
-        cursor.zero_()
+        self._zeroed.zero_()
         kernel = device_module(self.interpret).taskflow_kernel
         meta = kernel_meta(self.dtype, self.config, self.interpret, not self.interpret, 0, False, aligned)
-        args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
+        args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9), 0)
         if self.interpret:
             self._rounds(kernel, args, meta, cursor, None)
         else:
@@ -281,8 +286,9 @@ class DeviceProgram:
                 check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(self.device)))
                 self.checked_variants.add(aligned)
             cooperative_launch(kernel, q, args, {**meta, **launch})
-        self._seen.copy_(errors, non_blocking=True)
-        self.calls += 1
+        if not capturing(self.device):
+            self._seen.copy_(errors, non_blocking=True)
+        self.calls = 1
         return errors
 
     def report(self, wait: bool) -> None:

@@ -46,6 +46,7 @@ from .core import (
     SlotRouting,
     SlotShape,
     TileSpec,
+    capturing,
     check_input,
     live_rows,
     plan_slot_backward,
@@ -208,6 +209,8 @@ class SlotProgram:
         self.forward_region = ResidentRegion.build(plan_slots(key.shape), self.arena, key.options)
         self.backward_region: ResidentRegion | None = None
         self.last: SlotRun | SlotLaunch | None = None  # the forward whose activations the arena holds
+        self._table: tuple[np.ndarray, torch.Tensor] | None = None  # ``addresses``: host, device
+        self._captured: list[tuple[np.ndarray, torch.Tensor]] = []  # tables a CUDA graph reads
 
     def _programs(self) -> list[DeviceProgram]:
         return [r.program for r in (self.forward_region, self.backward_region) if r is not None]
@@ -263,15 +266,18 @@ class SlotProgram:
     def addresses(self, program: DeviceProgram | None = None) -> tuple[torch.Tensor, bool]:
         """(the bound buffers' addresses [num_buffers] int64 on the device, whether
         ``program``'s aligned variant may run; default the forward's), from host
-        addresses alone: on a GPU copied from pinned memory without waiting (a copy from
-        pageable memory would synchronise the stream)."""
+        addresses alone.  The device's table is uploaded again only when an address
+        changed (the caching allocator mostly hands a step's tensors the blocks of the
+        step before).  A table a CUDA graph's capture used is kept as long as the
+        program: its replays read it."""
         program = self.program if program is None else program
         host = self.arena.host_addresses()
         aligned = program.aligned and aligned_addresses(program.packed.tasks, host)
-        staged = torch.from_numpy(host)
-        if self.key.device.type != "cuda":
-            return staged, aligned
-        return staged.pin_memory().to(self.key.device, non_blocking=True), aligned
+        if self._table is None or not np.array_equal(host, self._table[0]):
+            self._table = host, _uploaded(host, self.key.device)
+        if capturing(self.key.device):
+            self._captured.append(self._table)
+        return self._table[1], aligned
 
     def launch(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> SlotLaunch:
         """One step: ``prepare``, then the kernel's one launch, with no host read of the
@@ -372,6 +378,17 @@ class SlotProgram:
             for name, t in grads.scratch.items():
                 a.bind_shared(f"{name}x", t)
         return grads, dx, dweights
+
+
+def _uploaded(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` (int64, never written again) on ``device`` without waiting: on a GPU from
+    pinned memory (a copy from pageable memory would synchronise the stream), except
+    under a graph's capture, which records a copy from ``host`` itself (kept by the
+    caller for the replays) and no pinned allocation."""
+    staged = torch.from_numpy(host)
+    if device.type != "cuda":
+        return staged
+    return (staged if capturing(device) else staged.pin_memory()).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
