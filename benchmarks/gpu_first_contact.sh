@@ -14,6 +14,12 @@
 #                                                then bench-default with the transformers blocks, host syncs,
 #                                                memory, held memory with and without offload, host time (balanced)
 #   benchmarks/gpu_first_contact.sh default-zipf the same bench on zipf routing, then profile-ds
+#   benchmarks/gpu_first_contact.sh lent         what the open GPU issues need first, in one call of at most 8
+#                                                minutes: the default path's and the per-shape program's GPU tests
+#                                                (no host sync, the graph-captured steps, NCCL, offload), the bench
+#                                                on all four shapes with the transformers blocks, host syncs, memory
+#                                                and the hpmoe-persistent rows (balanced), then a per-shape step's
+#                                                host time; run default-zipf after it where time is left
 #   benchmarks/gpu_first_contact.sh persistent   the per-shape program's GPU tests (tests/test_triton_gpu_slots.py),
 #                                                then bench-default with the hpmoe-persistent rows (the layer on
 #                                                the persistent kernel, a new routing every step) on small,
@@ -27,8 +33,9 @@
 # most 8 files for check, bench-ds and profile-ds, or check and two benches, in one
 # folder; default writes default-tests.xml, default.log and bench-default.json, default-zipf
 # bench-default-zipf.json and gpu_profile.json; persistent writes persistent-tests.xml,
-# slot-plan-cost.json and bench-persistent.json.  Every step runs under `timeout -s KILL`; a call
-# stays under 9 minutes.
+# slot-plan-cost.json and bench-persistent.json; lent writes env.txt, lent-tests.xml, lent.log,
+# bench.log, bench-lent.json and slot-plan-cost.json.  Every step runs under `timeout -s KILL`; a
+# call stays under 9 minutes (lent under 8).
 # Without a CUDA device it exits 2 at once.
 set -u
 mode=${1:-check}
@@ -37,7 +44,7 @@ out=${OUT:-$here/benchmarks/results/first-contact}
 py=${PYTHON:-python3}
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-modes="check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds|default|default-zipf|persistent"
+modes="check|bench-small|bench-ds|bench-qwen3|bench-mixtral|bench-default|profile-ds|default|default-zipf|persistent|lent"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: $0 {$modes}" >&2; exit 64;; esac
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_first_contact.sh: no CUDA device here (nvidia-smi finds none)" >&2
@@ -85,6 +92,18 @@ bench-qwen3) bench qwen3-30b-a3b qwen3-30b-a3b ;;
 bench-mixtral) bench mixtral-8x7b mixtral-8x7b ;;
 bench-default) bench default qwen3-30b-a3b small mixtral-8x7b deepseek-v3-fit --peers-only ;;
 profile-ds) step "${FC_LIMIT_BENCH:-420}" "$out/bench.log" "$py" benchmarks/gpu_profile.py --out "$out" ;;
+lent)
+    { nvidia-smi; "$py" -c 'import torch, triton, transformers, platform; print("torch", torch.__version__,
+"triton", triton.__version__, "transformers", transformers.__version__, "python", platform.python_version())'
+    } >"$out/env.txt" 2>&1
+    step "${FC_LIMIT_TESTS:-150}" "$out/lent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
+        $(timeout_opt) --junitxml "$out/lent-tests.xml" tests/test_gpu_default.py tests/test_triton_gpu_slots.py \
+        tests/test_offload.py
+    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-270} bench lent small qwen3-30b-a3b mixtral-8x7b deepseek-v3-fit \
+        --peers-only --persistent-layer --routing balanced
+    step "${FC_LIMIT_PLAN:-50}" "$out/lent.log" "$py" benchmarks/slot_plan_cost.py --device cuda \
+        --shapes qwen3-30b-a3b small --steps 20 --json "$out/slot-plan-cost.json"
+    ;;
 default)
     { nvidia-smi; "$py" -c 'import torch, triton, transformers, platform; print("torch", torch.__version__,
 "triton", triton.__version__, "transformers", transformers.__version__, "python", platform.python_version())'

@@ -21,7 +21,7 @@ def test_the_first_contact_script_exits_2_before_it_runs_anything(tmp_path):
     python.write_text(f"#!/bin/sh\ntouch {mark}\n")
     python.chmod(0o755)
     out = tmp_path / "out"
-    for mode in ("check", "bench-small", "bench-ds", "profile-ds"):
+    for mode in ("check", "bench-small", "bench-ds", "profile-ds", "lent"):
         env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": str(python)}
         done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_first_contact.sh"), mode], env=env,
                               capture_output=True, text=True)
