@@ -154,6 +154,29 @@ def test_a_fault_reaches_the_host_one_call_late_without_a_sync():
         layer.check()
 
 
+def test_a_fault_in_a_replayed_step_is_raised_by_check():
+    """A captured forward copies no verdict to the host (a capture records no host copy):
+    a NaN a replay finds stays on the device until ``check`` reads it."""
+    layer = MoE(SPEC, _weights())
+    x, ids, tw = _step_inputs(0)
+    xs = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            layer.region(xs, ids, tw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.region(xs, ids, tw)
+    graph.replay()
+    layer.check()  # nothing found
+    xs[23, 5] = float("nan")
+    graph.replay()
+    with pytest.raises(ValueError, match=r"x has NaN at row 23"):
+        layer.check()
+
+
 def _nccl_rank(path: str, results) -> None:
     import torch.distributed as dist
 

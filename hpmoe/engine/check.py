@@ -78,11 +78,13 @@ class InputCheck:
         the ids the call runs on (under ``DEFERRED`` clamped into range) and their rows
         per expert ([E] int64), counted in the same scan on a GPU."""
         if self.mode is CheckMode.DEFERRED:
-            if not capturing(x.device):  # a CUDA graph's capture runs no host read
+            live = not capturing(x.device)  # a CUDA graph's capture reads nothing from the host, and
+            if live:  # copies nothing to it (``check`` reads what its replays found on the device)
                 self._report(wait=False)
             if held_on_device(x.device):
                 scanned = device_scan(self.experts, x, ids, weights, self._keeper(x.device))
-                self._host.copy_(self._held, non_blocking=True)
+                if live:
+                    self._host.copy_(self._held, non_blocking=True)
                 return scanned.ids, scanned.counts
         err, counts = self._read(x, ids, weights)
         if err is not None and self.mode is CheckMode.SYNC:
