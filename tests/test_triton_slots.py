@@ -87,6 +87,24 @@ def test_the_cache_keeps_the_most_recently_used_programs_only(case):
         PlanCache(kept=0)
 
 
+def test_a_program_a_graph_captured_outlives_its_place_in_the_cache(case, monkeypatch):
+    """A capture's replays read the program's buffers and the address table it used:
+    dropped for newer shapes, or built again after a late wait, it stays referenced."""
+    x, w, routings = case
+    cache = PlanCache(kept=1)
+    program = cache.program(x, w, routings[0], TILES, TritonOptions())
+    program.prepare(x, w, routings[0])
+    monkeypatch.setattr(gpu_slots, "capturing", lambda device: True)
+    table, _ = program.addresses()
+    monkeypatch.undo()
+    assert program.captured and cache.program(x, w, routings[0], TILES, TritonOptions()) is program
+    r = routings[0].__class__(routings[0].ids[:8], routings[0].weights[:8])
+    cache.program(x[:8], w, r, TILES, TritonOptions())  # drops the captured one
+    assert cache._captured == [program] and program._captured[0][1] is table
+    program.prepare(x.clone(), w, routings[1])
+    assert program.addresses()[0] is not table and program._captured[0][1] is table
+
+
 def test_a_call_writes_the_operands_of_its_resolved_graph(case):
     x, w, routings = case
     cache = PlanCache()

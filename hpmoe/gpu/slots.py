@@ -216,6 +216,11 @@ class SlotProgram:
         return [r.program for r in (self.forward_region, self.backward_region) if r is not None]
 
     @property
+    def captured(self) -> bool:
+        """Whether a CUDA graph's capture launched it (its replays read its buffers)."""
+        return bool(self._captured)
+
+    @property
     def failed(self) -> bool:
         """Whether a launch of its forward or backward had a late wait (reported): its
         counters are out of step, a new program must serve the shape."""
@@ -437,13 +442,16 @@ PROGRAMS_KEPT = 4  # a layer's per-shape programs at most (each holds an arena s
 class PlanCache:
     """Per-shape programs by ``PlanKey``, each built once while it is among the ``kept``
     most recently used (a layer called with ever new token counts would otherwise keep an
-    arena for each).  builds: programs built."""
+    arena for each).  A program a CUDA graph's capture launched is kept as long as the
+    cache once dropped, since the graph's replays read its buffers.  builds: programs
+    built."""
 
     def __init__(self, kept: int = PROGRAMS_KEPT) -> None:
         if kept < 1:
             raise ValueError(f"PlanCache: kept={kept}, expected at least 1")
         self.kept = kept
         self._programs: dict[PlanKey, SlotProgram] = {}  # least recently used first
+        self._captured: list[SlotProgram] = []  # dropped programs that a graph reads
         self.builds = 0
 
     def program(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing, tiles: TileSpec,
@@ -453,12 +461,17 @@ class PlanCache:
         key = PlanKey.of(x, weights, tiles, options)
         found = self._programs.pop(key, None)
         if found is None or found.failed:
+            self._drop(found)
             found = SlotProgram(key, x, weights, routing)
             self.builds += 1
         self._programs[key] = found
         while len(self._programs) > self.kept:  # a call still holding a dropped one keeps it alive
-            del self._programs[next(iter(self._programs))]
+            self._drop(self._programs.pop(next(iter(self._programs))))
         return found
+
+    def _drop(self, program: SlotProgram | None) -> None:
+        if program is not None and program.captured:
+            self._captured.append(program)
 
     def report(self) -> None:
         """Wait for the device and raise a late wait of any program's launch not reported
