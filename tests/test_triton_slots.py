@@ -159,7 +159,7 @@ def test_a_step_before_its_launch_reads_nothing_of_the_device(case):
     assert program.last is launched and not launched.errors.any()
 
 
-def test_every_launch_is_call_zero_so_a_captured_launch_replays_as_it_is(case):
+def test_every_launch_runs_as_call_zero_and_a_checked_run_after_it_as_call_one(case):
     """A launch zeroes the counters (with its cursors) and runs as call 0: its arguments
     are the same at every step, as a CUDA graph's replays pass them; a checked run after
     it goes on as call 1, and a launch after that starts from zero again."""
