@@ -27,6 +27,9 @@ the single-GPU training case), forward and forward+backward:
                           the program made once for the shape (``hpmoe.gpu.slots``) bound to
                           each routing, everything a step costs counted (launched without
                           a host sync: a late wait is raised at the next launch)
+  hpmoe-persistent+cudagraph
+                          the same step captured in a CUDA graph over static ids and weights,
+                          each replay after the next routing is copied into them
   torch-eager             kernel by kernel: sort, per-expert F.linear / SwiGLU / F.linear,
                           fixed-order top-k sum; backward by autograd
   torch-grouped-mm        permute, torch._grouped_mm, SwiGLU, torch._grouped_mm, unpermute
@@ -445,6 +448,24 @@ def _persistent_layer_rows(spec: MoESpec, x: torch.Tensor, w: ExpertWeights, dy:
 
         measured = {**measure(step, list(layer.parameters())), "host_us": host_us(step, reps)}
         record(region, "hpmoe-persistent", step, measured=measured)
+        with reported(record, region, "hpmoe-persistent+cudagraph"):
+            replay = renewed_replay(layer, x, routings, dy, backward)
+            record(region, "hpmoe-persistent+cudagraph", replay, measured={"host_us": host_us(replay, reps)})
+
+
+def renewed_replay(layer: MoE, x: torch.Tensor, routings: list[Routing], dy: torch.Tensor,
+                   backward: bool) -> Callable[[], None]:
+    """The layer's step captured in a CUDA graph over static ids and routing weights; each
+    call copies the next of ``routings`` into them and replays (a new routing a step)."""
+    static = Routing(routings[0].ids.clone(), routings[0].weights.clone())
+    replay, nexts = graphed(layer_step(layer, x, static, dy, backward)), itertools.cycle(routings)
+
+    def step() -> None:
+        r = next(nexts)
+        static.ids.copy_(r.ids)
+        static.weights.copy_(r.weights)
+        replay()
+    return step
 
 
 def hf_rows(name: str, spec: MoESpec, x: torch.Tensor, dy: torch.Tensor, record: Callable) -> None:
