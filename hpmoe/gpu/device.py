@@ -452,7 +452,9 @@ def wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, e
     return ok
 
 
-@triton.jit
+# One binary for every call number: Triton specializes an integer argument equal to 1 or
+# divisible by 16, which would compile the kernel again at calls 1 and 16 of a run.
+@triton.jit(do_not_specialize=["epoch"])
 def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_event, queue_ptr, queue_task,
                     addr, lds, counters, cursor, errors, stamps, clock, delays, epoch, deadline_ns,
                     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
