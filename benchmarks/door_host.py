@@ -5,8 +5,11 @@ host work: the input's form and scan, the load's average, the path's lookup, the
 autograd node.  Three cases: an inference call (grad off), a training forward (x needs
 a gradient: the autograd node, the saved state) and forward + backward.  Calls
 alternate (door, bare, door, ...); medians and fastest calls of
-each, and their difference; also the aten ops each call dispatches (a count that no
-load on the machine changes) and which the door adds.  Last, the layer's weights alone,
+each, and their difference; also the door's own time (each door call less the time it
+spent inside the path's forward and backward, which the script times: the door's work
+after the path's kernels have run, caches as a real call finds them), the aten ops
+each call dispatches (a count that no load on the machine changes) and which the door
+adds.  Last, the layer's weights alone,
 with and without gradients: built as a call would build them, and kept between calls
 (``nn.weights_cache``), the fastest of 7 rounds of 5,000.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import time
@@ -31,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpmoe import MoE
+from hpmoe.engine.paths import KernelByKernelPath
 from hpmoe.exec.arena import ArenaPool
 from hpmoe.exec.kernel_by_kernel import kbk_backward, kbk_forward
 from hpmoe.machine import record
@@ -96,6 +101,44 @@ def timed(fns: dict[str, Callable], n: int, device: torch.device) -> dict[str, l
     return out
 
 
+def own_us(door: Callable[[], object], n: int) -> np.ndarray:
+    """Microseconds of ``n`` door calls each less the time spent inside its path's
+    forward and backward (the kernel-by-kernel path's, timed by wrapping them)."""
+    inside = [0.0]
+
+    def timed(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: object) -> object:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                inside[0] += time.perf_counter() - start
+        return wrapper
+
+    own = []
+    with _wrapped(KernelByKernelPath, ("forward", "backward"), timed):
+        for _ in range(n):
+            inside[0] = 0.0
+            start = time.perf_counter()
+            door()
+            own.append((time.perf_counter() - start - inside[0]) * 1e6)
+    return np.array(own)
+
+
+@contextlib.contextmanager
+def _wrapped(cls: type, names: tuple[str, ...], wrap: Callable[[Callable], Callable]):
+    """``cls``'s methods ``names`` replaced by ``wrap`` of each for the block."""
+    saved = {name: cls.__dict__[name] for name in names}
+    try:
+        for name, fn in saved.items():
+            setattr(cls, name, wrap(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+
+
 def weights_us(spec_name: str, device: torch.device) -> dict[str, dict[str, float]]:
     """Microseconds a call spends on the layer's weights: built, and kept between calls."""
     layer = MoE(preset(spec_name), ExpertWeights.random(preset(spec_name), 0)).to(device)
@@ -125,6 +168,7 @@ def main() -> None:
         with torch.set_grad_enabled(grad):
             timed(fns, 100, device)  # warm: the path chosen, arenas grown
             us = {k: np.array(v) * 1e6 for k, v in timed(fns, args.calls, device).items()}
+            own = own_us(fns["door"], args.calls)
             counted = {k: ops(f) for k, f in fns.items()}
         added = counted["door"] - counted["bare"]
         print(json.dumps({
@@ -133,6 +177,7 @@ def main() -> None:
             "fastest_us": {k: round(float(v.min()), 1) for k, v in us.items()},
             "door_minus_bare_us": {"median": round(float(np.median(us["door"]) - np.median(us["bare"])), 1),
                                    "fastest": round(float(us["door"].min() - us["bare"].min()), 1)},
+            "door_own_us": {"median": round(float(np.median(own)), 1), "fastest": round(float(own.min()), 1)},
             "aten_ops": {k: sum(c.values()) for k, c in counted.items()},
             "door_adds": dict(added.most_common())}))
     print(json.dumps({"weights_us": weights_us(args.preset, device)}))
