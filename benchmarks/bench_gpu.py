@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="where bench_gpu.json/.md go (default benchmarks/results; a dry run's: "
                         "out/bench_gpu-dry-run)")
-    p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--shapes", nargs="*", default=None, help="the layers, in this order (default: all four)")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
@@ -685,9 +685,13 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": tokens, "tiles": dataclasses.asdict(TILES), "command": " ".join(sys.argv)}
     rows: list[dict] = []
     details: dict[str, dict] = {}
-    for name, spec in (dry_shapes() if a.dry_run else shapes(dev)).items():
-        if a.shapes and name not in a.shapes:
-            continue
+    table = dry_shapes() if a.dry_run else shapes(dev)
+    unknown = sorted(set(a.shapes or ()) - set(table))
+    if unknown:
+        print(f"bench_gpu.py: --shapes {unknown} are not among {list(table)}", file=sys.stderr)
+        return 2
+    for name in a.shapes or table:  # in the order asked: a limit cuts the last ones
+        spec = table[name]
         for kind in map(RoutingKind, a.routing):
             try:
                 rows += run_shape(name, spec, a.ep, a.reps, a.warmup, (peak, bw), a.out, details,

@@ -101,7 +101,7 @@ lent)
         $(timeout_opt) --junitxml "$out/lent-default-tests.xml" tests/test_gpu_default.py tests/test_offload.py
     step "${FC_LIMIT_SLOT_TESTS:-110}" "$out/lent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
         $(timeout_opt) --junitxml "$out/lent-slot-tests.xml" tests/test_triton_gpu_slots.py
-    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-250} bench lent small qwen3-30b-a3b mixtral-8x7b deepseek-v3-fit \
+    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-250} bench lent qwen3-30b-a3b small deepseek-v3-fit mixtral-8x7b \
         --peers-only --persistent-layer --routing balanced
     step "${FC_LIMIT_PLAN:-40}" "$out/lent.log" "$py" benchmarks/slot_plan_cost.py --device cuda \
         --shapes qwen3-30b-a3b small --steps 20 --json "$out/slot-plan-cost.json"
