@@ -97,11 +97,11 @@ lent)
 "triton", triton.__version__, "transformers", transformers.__version__, "python", platform.python_version())'
     } >"$out/env.txt" 2>&1
     # two pytest runs: a run killed at its limit writes no report, so each keeps its own
-    step "${FC_LIMIT_TESTS:-80}" "$out/lent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
+    step "${FC_LIMIT_TESTS:-100}" "$out/lent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
         $(timeout_opt) --junitxml "$out/lent-default-tests.xml" tests/test_gpu_default.py tests/test_offload.py
-    step "${FC_LIMIT_SLOT_TESTS:-110}" "$out/lent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
+    step "${FC_LIMIT_SLOT_TESTS:-100}" "$out/lent.log" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
         $(timeout_opt) --junitxml "$out/lent-slot-tests.xml" tests/test_triton_gpu_slots.py
-    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-250} bench lent qwen3-30b-a3b small deepseek-v3-fit mixtral-8x7b \
+    FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-240} bench lent qwen3-30b-a3b small deepseek-v3-fit mixtral-8x7b \
         --peers-only --persistent-layer --routing balanced
     step "${FC_LIMIT_PLAN:-40}" "$out/lent.log" "$py" benchmarks/slot_plan_cost.py --device cuda \
         --shapes qwen3-30b-a3b small --steps 20 --json "$out/slot-plan-cost.json"

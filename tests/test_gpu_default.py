@@ -177,6 +177,32 @@ def test_a_fault_in_a_replayed_step_is_raised_by_check():
         layer.check()
 
 
+def test_a_model_compiled_with_reduce_overhead_trains_as_eager_on_new_routings():
+    """``torch.compile(mode="reduce-overhead")`` (inductor, CUDA graphs) over a model
+    holding the layer: steps on new inputs (so new routings, its own router's) give the
+    eager model's output and gradients."""
+    import copy
+
+    torch._dynamo.reset()
+    w = _weights()
+    model = torch.nn.Sequential(torch.nn.Linear(SPEC.hidden, SPEC.hidden, device=CUDA, dtype=SPEC.dtype),
+                                MoE(SPEC, w))
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(11)
+    for step in range(5):
+        x = torch.randn(96, SPEC.hidden, generator=g).to(CUDA, SPEC.dtype)
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(x)
+        out.float().square().mean().backward()
+        want = eager(x)
+        want.float().square().mean().backward()
+        torch.testing.assert_close(out, want, **TOL[SPEC.dtype], msg=f"step {step}")
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **TOL[SPEC.dtype], msg=f"step {step}: {name}")
+            p.grad, q.grad = None, None
+
+
 def _nccl_rank(path: str, results) -> None:
     import torch.distributed as dist
 
