@@ -65,7 +65,8 @@ class PackedProgram:
                                               "sig_ptr", "sig_event", "queue_ptr", "queue_task")}
 
     def max_calls(self) -> int:
-        """Calls before a waited counter would pass int32 (counters are never reset)."""
+        """``run`` calls before a waited counter would pass int32 (``run`` never resets the
+        counters; a ``launch`` starts them from zero)."""
         waits = self.wait_event >= 0
         if not waits.any():
             return INT32_MAX

@@ -10,9 +10,11 @@ counters of one region.  ``run(addresses)`` executes every queue once:
   its next unsatisfied wait; a round in which no queue advances raises ``GraphError``
   naming the stuck tasks.
 
-Counters are never reset: call c (from 0) waits for ``c * step + threshold``.
-Per-task start/end stamps (global timer on a GPU, a logical clock in the interpreter)
-become the simulator's ``Timeline``.
+``run`` never resets the counters: call c (from 0) waits for ``c * step + threshold``.
+``launch`` (a training step's, without a sync) zeroes them and runs as call 0, so its
+arguments are the same at every step (a CUDA graph replays them).  Per-task start/end
+stamps (global timer on a GPU, a logical clock in the interpreter) become the
+simulator's ``Timeline``.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ class RunInfo:
 
 
 class DeviceProgram:
-    """A packed region resident on one device, with counters that persist across calls."""
+    """A packed region resident on one device, with counters that persist across ``run``
+    calls (``launch`` starts them from zero)."""
 
     def __init__(self, packed: PackedProgram, device: torch.device | str, dtype: torch.dtype,
                  config: KernelConfig | None = None, interpret: bool | None = None):
