@@ -167,9 +167,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+SLOW_MS, SLOW_REPS = 200.0, 3  # a call slower than this (torch's eager loop on DeepSeek-V3 takes
+# 1.4 s) is timed SLOW_REPS times after the probe's warm call: a lease's minutes go to the rows that matter
+
+
 def timed_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
-    """``gpu.split.cuda_ms``; without a GPU the host clock's median (a dry run)."""
+    """``gpu.split.cuda_ms`` (median of ``reps`` after ``warmup`` calls; after one probe
+    call, ``SLOW_REPS`` and no more warm-up for a call slower than ``SLOW_MS``); without
+    a GPU the host clock's median (a dry run)."""
     if on_gpu():
+        if cuda_ms(fn, 1, 1) > SLOW_MS:
+            reps, warmup = SLOW_REPS, 0
         return cuda_ms(fn, reps, warmup)
     for _ in range(warmup):
         fn()
