@@ -220,6 +220,24 @@ def test_a_late_wait_of_a_launch_is_raised_by_the_next_one_and_its_program_built
     cache.report()  # reported once
 
 
+def test_a_launch_under_a_capture_copies_nothing_to_host_memory(case, monkeypatch):
+    """A capture records no copy to pinned memory: a late wait that a replay writes stays
+    in the device's error rows, where ``report(wait=True)`` (``check``) reads it."""
+    import hpmoe.gpu.runner as runner
+
+    x, w, routings = case
+    program = PlanCache().program(x, w, routings[0], TILES, TritonOptions())
+    device = program.program
+    monkeypatch.setattr(runner, "capturing", lambda d: True)
+    monkeypatch.setattr(gpu_slots, "capturing", lambda d: True)
+    program.launch(x, w, routings[2])
+    device.launch_state[1][1] = torch.tensor([1, 0, 0, 0], dtype=torch.int32)  # as a replay's late wait
+    program.launch(x, w, routings[3])  # its copy would carry the row to host memory
+    assert not device._seen.any()
+    with pytest.raises(RegionError, match="passed the deadline"):
+        device.report(wait=True)
+
+
 def test_bf16_one_program_gives_the_per_routing_kernels_bits(case):
     x, w, routings = case
     spec = SPEC.with_dtype(torch.bfloat16)
