@@ -103,6 +103,9 @@ def test_a_program_a_graph_captured_outlives_its_place_in_the_cache(case, monkey
     assert cache._captured == [program] and program._captured[0][1] is table
     program.prepare(x.clone(), w, routings[1])
     assert program.addresses()[0] is not table and program._captured[0][1] is table
+    program.program.launch_state[1][0, 0] = 1  # a replay's late wait: check() still finds it
+    with pytest.raises(RegionError, match="passed the deadline"):
+        cache.report()
 
 
 def test_a_call_writes_the_operands_of_its_resolved_graph(case):

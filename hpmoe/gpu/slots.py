@@ -370,9 +370,9 @@ class SlotProgram:
         """Bind dy, the outputs and the expert gradients (``poison``: NaN); each slot
         row's routing weight into ``roww``.  Returns (the expert gradients, dx, dweights)."""
         a, nan = self.arena, float("nan") if poison else None
-        dx = torch.empty_like(dy) if nan is None else torch.full_like(dy, nan)
-        dweights = torch.empty(dy.shape[0], weights.spec.top_k, device=dy.device)
+        dx, dweights = torch.empty_like(dy), torch.empty(dy.shape[0], weights.spec.top_k, device=dy.device)
         if nan is not None:
+            dx.fill_(nan)
             dweights.fill_(nan)
         a.bind_all({"dy": dy.contiguous(), "dx": dx, "dweights": dweights})
         roww = a.rank_view("roww", 0).view(-1)
@@ -475,8 +475,8 @@ class PlanCache:
 
     def report(self) -> None:
         """Wait for the device and raise a late wait of any program's launch not reported
-        yet (``SlotProgram.report``)."""
-        for program in self._programs.values():
+        yet (``SlotProgram.report``), a dropped one's that a graph still replays too."""
+        for program in (*self._programs.values(), *self._captured):
             program.report()
 
 
