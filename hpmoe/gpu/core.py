@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..exec.exact import DEFAULT_TILES
 from ..exec.exact_backward import Gradients
 from ..ir.analysis import GraphError
-from ..ir.graph import IS_PUT, TaskGraph, TaskKind, Tile, Unit
+from ..ir.graph import IS_PUT, TaskColumns, TaskGraph, TaskKind, Tile, Unit
 from ..ir.schedule import Schedule, WorkerCounts
 from ..machine import capturing
 from ..regions.backward_kernels import BACKWARDS, ROW_TAIL, row_width
@@ -31,8 +31,8 @@ from ..weights import ExpertWeights, SlotGradients, slot_targets
 __all__ = ["BACKWARDS", "DEFAULT_TILES", "ExpertWeights", "FORWARD", "Gradients", "GraphError",
            "HangReport", "HardwareModel", "IS_PUT", "LinkEntry", "MoESpec", "ParallelSpec", "ROW_TAIL",
            "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy", "SlotGradients",
-           "SlotPlan", "SlotRouting", "SlotShape", "TaskGraph", "TaskKind", "Tile", "TileSpec", "Timeline",
-           "Unit", "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "capturing", "check_input",
-           "gemm_dims", "hardware_preset", "live_rows", "plan_routing",
+           "SlotPlan", "SlotRouting", "SlotShape", "TaskColumns", "TaskGraph", "TaskKind", "Tile", "TileSpec",
+           "Timeline", "Unit", "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "capturing",
+           "check_input", "gemm_dims", "hardware_preset", "live_rows", "plan_routing",
            "plan_slot_backward", "plan_slots", "resolve_slots", "row_width", "schedule", "slot_targets",
            "task_costs", "verify_schedule"]

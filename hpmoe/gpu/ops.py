@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from .buffers import BufferSpace
-from .core import ROW_TAIL, TaskGraph, TaskKind, Tile, row_width
+from .core import ROW_TAIL, TaskColumns, TaskGraph, TaskKind, row_width
 
 
 class Op(enum.IntEnum):
@@ -62,36 +61,10 @@ NCOL = len(COLUMNS)
 
 
 
-@dataclass(frozen=True)
-class Tasks:
-    """Columns of the tasks of one kind (arrays [n] int64)."""
-
-    rank: np.ndarray
-    peer: np.ndarray
-    expert: np.ndarray
-    row0: np.ndarray
-    row1: np.ndarray
-    col0: np.ndarray
-    col1: np.ndarray
-    dst_row0: np.ndarray
-
-    @staticmethod
-    def of(graph: TaskGraph, ids: np.ndarray) -> Tasks:
-        return Tasks(*(getattr(graph, c)[ids].astype(np.int64) for c in Tile._fields[1:]))
-
-    @property
-    def rows(self) -> np.ndarray:
-        return self.row1 - self.row0
-
-    @property
-    def cols(self) -> np.ndarray:
-        return self.col1 - self.col0
+Describe = Callable[[TaskColumns, BufferSpace], dict[str, np.ndarray]]
 
 
-Describe = Callable[[Tasks, BufferSpace], dict[str, np.ndarray]]
-
-
-def _op(op: Op, t: Tasks, sp: BufferSpace, **cols: object) -> dict[str, np.ndarray]:
+def _op(op: Op, t: TaskColumns, sp: BufferSpace, **cols: object) -> dict[str, np.ndarray]:
     """Operand columns: buffers given as (field name, rank array) or as buffer ids, the
     rest as arrays; unnamed buffers are -1 (absent), unnamed numbers 0."""
     n = len(t.rank)
@@ -111,21 +84,21 @@ def _dims(sp: BufferSpace) -> tuple[int, int, int, int, int, int]:
 
 # ---------------------------------------------------------------------------- forward
 
-def _permute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+def _permute(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
     h = _dims(sp)[2]
     return _op(Op.GATHER, t, sp, m=t.rows, n=h, a_buf=("x", t.rank), i_buf=("tok", t.rank), i_row=t.row0,
                c_buf=("send", t.rank), c_row=t.row0)
 
 
 def _put(src: str, dst: str, width: str = "h") -> Describe:
-    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    def describe(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
         return _op(Op.COPY, t, sp, m=t.rows, n=_size(d, width), a_buf=(src, t.rank), a_row=t.row0,
                    c_buf=(dst, t.peer), c_row=t.dst_row0)
     return describe
 
 
-def _read_row(t: Tasks, sp: BufferSpace) -> np.ndarray:
+def _read_row(t: TaskColumns, sp: BufferSpace) -> np.ndarray:
     """The expert row of its rank's weight buffer each task's expert reads (``BufferSpace.read``)."""
     return sp.read[t.rank, t.expert]
 
@@ -133,7 +106,7 @@ def _read_row(t: Tasks, sp: BufferSpace) -> np.ndarray:
 def _gemm_nt(a: str, w: str, c: str, depth: int, weight_rows: int | None) -> Describe:
     """C[rows, cols] = A[rows] @ W[e][cols].T (W rows of expert e start at its read row
     times weight_rows; None: a shared weight)."""
-    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    def describe(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
         wrow = t.col0 if weight_rows is None else _read_row(t, sp) * _size(d, weight_rows) + t.col0
         return _op(Op.GEMM, t, sp, variant=Gemm.NT, m=t.rows, n=t.cols, k=_size(d, depth),
@@ -154,7 +127,7 @@ def _size(d: dict[str, int], code: int | str) -> int:
 
 
 def _swiglu(src: str, dst: str, width: str) -> Describe:
-    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    def describe(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
         return _op(Op.SWIGLU, t, sp, m=t.rows, n=_size(d, width), a_buf=(src, t.rank), a_row=t.row0,
                    c_buf=(dst, t.rank), c_row=t.row0)
@@ -162,7 +135,7 @@ def _swiglu(src: str, dst: str, width: str) -> Describe:
 
 
 def _sum(src: str, weights: str | None, shared: str, dst: str) -> Describe:
-    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    def describe(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
         _, k, h, _, fs, _ = _dims(sp)
         cols = {"w_buf": (weights, t.rank), "w_row": t.row0} if weights else {}
         if fs:
@@ -174,7 +147,7 @@ def _sum(src: str, weights: str | None, shared: str, dst: str) -> Describe:
 
 # ---------------------------------------------------------------------------- backward
 
-def _grad_permute(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+def _grad_permute(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
     """dy rows of the permuted slots, each with its routing weight riding."""
     h = _dims(sp)[2]
     return _op(Op.GATHER, t, sp, variant=1, m=t.rows, n=h, kk=_rider_col(h), a_buf=("dy", t.rank),
@@ -190,7 +163,7 @@ def _rider_col(h: int) -> int:
 def _gemm_nn(a: str, w: str, c: str, depth: str, weight_rows: str | None) -> Describe:
     """C[rows, cols] = A[rows] @ W[e][:, cols] (W of expert e starts at its read row times
     weight_rows)."""
-    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    def describe(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
         wrow = 0 if weight_rows is None else _read_row(t, sp) * _size(d, weight_rows)
         return _op(Op.GEMM, t, sp, variant=Gemm.NN, m=t.rows, n=t.cols, k=_size(d, depth),
@@ -202,7 +175,7 @@ def _gemm_nn(a: str, w: str, c: str, depth: str, weight_rows: str | None) -> Des
 def _wgrad(g: str, x: str, c: str, width: str, weight_rows: str | None) -> Describe:
     """C[e][cols] = G[rows, cols].T @ X[rows] (one task holds the full reduction); C of
     expert e: its write row of C, or of the scratch ``C + "x"`` (``BufferSpace.write``)."""
-    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    def describe(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
         crow, cbuf = t.col0, sp.ids(c, t.rank)
         if weight_rows is not None:
@@ -215,14 +188,14 @@ def _wgrad(g: str, x: str, c: str, width: str, weight_rows: str | None) -> Descr
 
 
 def _swiglu_bwd(h: str, da: str, dh: str, width: str) -> Describe:
-    def describe(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+    def describe(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
         d = dict(zip("tkhfsl", _dims(sp), strict=True))
         return _op(Op.SWIGLU_BWD, t, sp, m=t.rows, n=_size(d, width), a_buf=(h, t.rank), a_row=t.row0,
                    b_buf=(da, t.rank), b_row=t.row0, c_buf=(dh, t.rank), c_row=t.row0)
     return describe
 
 
-def _router_swiglu_bwd(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+def _router_swiglu_bwd(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
     """The routed experts' SwiGLU backward: dh, aw and the router gradients riding in dxe,
     from d (in da), h and the routing weights riding in grecv."""
     rows = {"w_row": t.row0, "s_row": t.row0, "i_row": t.row0}
@@ -232,7 +205,7 @@ def _router_swiglu_bwd(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
             **rows}
 
 
-def _router_grad(t: Tasks, sp: BufferSpace) -> dict[str, np.ndarray]:
+def _router_grad(t: TaskColumns, sp: BufferSpace) -> dict[str, np.ndarray]:
     _, k, h, _, _, _ = _dims(sp)
     return _op(Op.PICK, t, sp, m=t.rows, kk=k, b_buf=("gcomb", t.rank), b_col=_rider_col(h),
                i_buf=("pos", t.rank), i_row=t.row0, c_buf=("dweights", t.rank), c_row=t.row0)
@@ -307,7 +280,7 @@ def describe(graph: TaskGraph, space: BufferSpace) -> np.ndarray:
         if kind not in DESCRIBE:
             raise ValueError(f"task kind {kind.name} has no device operation")
         ids = np.flatnonzero(graph.kind == k)
-        cols = DESCRIBE[kind](Tasks.of(graph, ids), space)
+        cols = DESCRIBE[kind](graph.select(ids), space)
         cols["kind"] = np.full(len(ids), k, np.int64)
         out[ids] = np.stack([cols[c] for c in COLUMNS], axis=1)
     return out

@@ -14,8 +14,8 @@ so graphs with millions of tasks stay cheap to build and to read.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -82,32 +82,65 @@ UNIT_OF_KIND = np.array([Unit.MATRIX if k in _MATRIX_KINDS else Unit.VECTOR for 
 IS_PUT = np.array([k in PUT_KINDS for k in TaskKind], dtype=bool)
 
 
-@dataclass
-class TaskBlock:
-    """Tasks of one kind, as columns; the lowering appends these to a builder.
+def _column(dtype: type) -> Any:
+    """A per-task column of ``TaskColumns``, with its dtype in a ``TaskGraph``."""
+    return field(metadata={"dtype": dtype})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskColumns:
+    """The per-task columns (arrays, one row per task) that a ``TaskBlock`` builds and a
+    ``TaskGraph`` holds, besides ``kind`` (and the graph's ``unit``): declared here once.
 
     rank: rank that runs the task.  peer: destination rank of a put (else ``rank``).
     expert: local expert index (-1 when none).  row0/row1, col0/col1: the tile, in
     the task's source buffer.  dst_row0: first row written in the destination
     buffer (puts; else ``row0``).  flops, bytes: work and memory traffic; link_bytes:
     bytes crossing to another rank.  wait: local event id waited on (-1: none).
-    sig_count: events signalled per task; sig_rank / sig_event: their owners and
-    local ids, task after task.
     """
 
+    rank: np.ndarray = _column(np.int32)
+    peer: np.ndarray = _column(np.int32)
+    expert: np.ndarray = _column(np.int32)
+    row0: np.ndarray = _column(np.int64)
+    row1: np.ndarray = _column(np.int64)
+    col0: np.ndarray = _column(np.int64)
+    col1: np.ndarray = _column(np.int64)
+    dst_row0: np.ndarray = _column(np.int64)
+    flops: np.ndarray = _column(np.float64)
+    bytes: np.ndarray = _column(np.float64)
+    link_bytes: np.ndarray = _column(np.float64)
+    wait: np.ndarray = _column(np.int64)
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.row1 - self.row0
+
+    @property
+    def cols(self) -> np.ndarray:
+        return self.col1 - self.col0
+
+    def select(self, ids: np.ndarray) -> TaskColumns:
+        """Tasks ``ids``' columns, the integer ones in int64 (index arithmetic)."""
+        return TaskColumns(**{name: getattr(self, name)[ids].astype(_index_dtype(dt))
+                              for name, dt in TASK_COLUMNS.items()})
+
+
+def _index_dtype(dtype: type) -> type:
+    return np.int64 if np.dtype(dtype).kind == "i" else dtype
+
+
+TASK_COLUMNS: dict[str, type] = {f.name: f.metadata["dtype"] for f in fields(TaskColumns)}
+"""Each per-task column's dtype in a ``TaskGraph``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskBlock(TaskColumns):
+    """Tasks of one kind, as columns; the lowering appends these to a builder.
+    sig_count: events signalled per task; sig_rank / sig_event: their owners and local
+    ids, task after task."""
+
     kind: TaskKind
-    rank: np.ndarray
-    peer: np.ndarray
-    expert: np.ndarray
-    row0: np.ndarray
-    row1: np.ndarray
-    col0: np.ndarray
-    col1: np.ndarray
-    dst_row0: np.ndarray
-    flops: np.ndarray
-    bytes: np.ndarray
-    link_bytes: np.ndarray
-    wait: np.ndarray
     sig_count: np.ndarray
     sig_rank: np.ndarray
     sig_event: np.ndarray
@@ -116,19 +149,11 @@ class TaskBlock:
         return len(self.rank)
 
 
-TASK_COLUMNS = {"rank": np.int32, "peer": np.int32, "expert": np.int32, "row0": np.int64,
-                "row1": np.int64, "col0": np.int64, "col1": np.int64, "dst_row0": np.int64,
-                "flops": np.float64, "bytes": np.float64, "link_bytes": np.float64, "wait": np.int64}
-"""The per-task columns a ``TaskBlock`` builds and a ``TaskGraph`` holds, with their
-dtypes in the graph (besides ``kind`` and ``unit``): declared here once."""
-
-
-@dataclass(frozen=True)
-class TaskGraph:
+@dataclass(frozen=True, kw_only=True)
+class TaskGraph(TaskColumns):
     """Frozen struct-of-arrays task graph for the ranks in ``ranks``.
 
-    Per task i (arrays of length n): kind, unit, rank, peer, expert, row0, row1,
-    col0, col1, dst_row0, flops, bytes, link_bytes, wait.
+    Per task i (arrays of length n): kind, unit and the ``TaskColumns``.
     Signals, CSR: task i signals events ``sig_event[sig_ptr[i]:sig_ptr[i+1]]``
     owned by ranks ``sig_rank[...]``.
     Events, per rank r in ``ranks``: local ids ``0 .. event_count[r]-1``, thresholds
@@ -143,18 +168,6 @@ class TaskGraph:
     ranks: tuple[int, ...]
     kind: np.ndarray
     unit: np.ndarray
-    rank: np.ndarray
-    peer: np.ndarray
-    expert: np.ndarray
-    row0: np.ndarray
-    row1: np.ndarray
-    col0: np.ndarray
-    col1: np.ndarray
-    dst_row0: np.ndarray
-    flops: np.ndarray
-    bytes: np.ndarray
-    link_bytes: np.ndarray
-    wait: np.ndarray
     sig_ptr: np.ndarray
     sig_rank: np.ndarray
     sig_event: np.ndarray

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -231,10 +231,8 @@ def signal_fed_pieces(d: DedupLayout, ev: EventLayout, blk: TaskBlock, category:
     n = np.searchsorted(d.feed_block[by_block], block, side="right") - first
     parent, j = expand(n)
     piece = d.feed_piece[by_block[first[parent] + j]]
-    blk.sig_count = n
-    blk.sig_rank = d.pieces.dst[piece]
-    blk.sig_event = ev.base(d.pieces.dst[piece], category) + d.pieces.rlocal[piece]
-    return blk
+    return replace(blk, sig_count=n, sig_rank=d.pieces.dst[piece],
+                   sig_event=ev.base(d.pieces.dst[piece], category) + d.pieces.rlocal[piece])
 
 
 def _block_of(d: DedupLayout, blk: TaskBlock) -> np.ndarray:

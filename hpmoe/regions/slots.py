@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -222,8 +222,7 @@ def _dispatch(shape: SlotShape, ev: EventLayout) -> TaskBlock:
 def _swiglu(shape: SlotShape, ev: EventLayout) -> TaskBlock:
     blk = chunk_tasks(shape, ev, TaskKind.SWIGLU, shape.moe.ffn, (SlotEvent.H, "slot"),
                       [(SlotEvent.A, "slot")])
-    blk.flops = 5.0 * (blk.row1 - blk.row0) * shape.moe.ffn
-    return blk
+    return replace(blk, flops=5.0 * blk.rows * shape.moe.ffn)
 
 
 def _combine(shape: SlotShape, ev: EventLayout) -> TaskBlock:

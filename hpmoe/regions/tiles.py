@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
 import numpy as np
@@ -260,10 +260,8 @@ def signal_token_tiles(blk: TaskBlock, low: Lowering, category: enum.IntEnum) ->
     rows = low.layout.tiles.rows
     first, last = blk.row0 // rows, (blk.row1 - 1) // rows
     parent, j = expand(last - first + 1)
-    blk.sig_count = last - first + 1
-    blk.sig_rank = blk.rank[parent]
-    blk.sig_event = low.events.base(blk.rank[parent], category) + first[parent] + j
-    return blk
+    return replace(blk, sig_count=last - first + 1, sig_rank=blk.rank[parent],
+                   sig_event=low.events.base(blk.rank[parent], category) + first[parent] + j)
 
 
 # ------------------------------------------------------------------ every forward's expert phases
