@@ -70,22 +70,22 @@ def test_the_simulators_replay_keeps_the_reference_rule(policy, hw):
 # ---------------------------------------------------------------------------- the device
 
 
-def device_trace(p: PackedProgram, rng: np.random.Generator, epochs: int = 2) -> list[tuple]:
-    """Run ``p`` as the persistent kernel does, from its arrays alone: each queue takes
-    its tasks in order; a task starts once its waited counter reaches ``epoch *
-    wait_step + wait_threshold`` (counters are never reset between calls) and signals
-    ``sig_event`` when it ends.  At every step one random queue starts its ready head or
-    ends its running task.  (start, end) [n] step numbers per call."""
-    counters = np.zeros(p.num_events, np.int64)
+def device_trace(p: PackedProgram, rng: np.random.Generator, calls: int = 2) -> list[tuple]:
+    """Run ``p`` as the persistent kernel does, from its arrays alone: each call starts
+    the counters from zero; each queue takes its tasks in order; a task starts once its
+    waited counter reaches ``wait_threshold`` and signals ``sig_event`` when it ends.  At
+    every step one random queue starts its ready head or ends its running task.  (start,
+    end) [n] step numbers per call."""
     traces = []
-    for epoch in range(epochs):
+    for _ in range(calls):
+        counters = np.zeros(p.num_events, np.int64)
         head = p.queue_ptr[:-1].astype(np.int64)
         running = np.full(p.num_queues, -1)
         start, end = np.full(p.num_tasks, np.nan), np.full(p.num_tasks, np.nan)
         clock = 0
         while True:
             moves = [q for q in range(p.num_queues) if running[q] >= 0 or (
-                head[q] < p.queue_ptr[q + 1] and _ready(p, counters, int(p.queue_task[head[q]]), epoch))]
+                head[q] < p.queue_ptr[q + 1] and _ready(p, counters, int(p.queue_task[head[q]])))]
             if not moves:
                 break
             q = moves[int(rng.integers(len(moves)))]
@@ -101,9 +101,9 @@ def device_trace(p: PackedProgram, rng: np.random.Generator, epochs: int = 2) ->
     return traces
 
 
-def _ready(p: PackedProgram, counters: np.ndarray, t: int, epoch: int) -> bool:
+def _ready(p: PackedProgram, counters: np.ndarray, t: int) -> bool:
     ev = p.wait_event[t]
-    return ev < 0 or counters[ev] >= epoch * p.wait_step[t] + p.wait_threshold[t]
+    return ev < 0 or counters[ev] >= p.wait_threshold[t]
 
 
 @pytest.mark.parametrize("policy", QUEUE_POLICIES, ids=lambda p: p.value)

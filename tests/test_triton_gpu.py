@@ -92,8 +92,8 @@ def test_two_hundred_repeats_and_random_start_delays_give_the_same_bits(dtype):
     for i in range(200):
         region.arena.bind("out", torch.full_like(first, float("nan")))
         delays = rng.integers(0, 200_000, region.program.packed.num_queues) if i % 2 else None
-        info = region.run(delays_ns=delays)
-        assert torch.equal(region.arena.gather("out"), first), f"repeat {i} (epoch {info.epoch})"
+        region.run(delays_ns=delays)
+        assert torch.equal(region.arena.gather("out"), first), f"repeat {i}"
     torch.testing.assert_close(first.cpu(), moe_forward(x, w, routing, 4, TILES), **TOL[dtype])
 
 

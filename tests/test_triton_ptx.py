@@ -173,13 +173,3 @@ def test_the_slot_resolution_builds_for_sm90_without_atomics():
                             {"B": SLOT_ENTRIES}, rows=("entries", "slot_tasks"))
     for ptx in (count, layout, rows, columns):
         assert "st.global" in ptx and not re.search(r"\b(atom|red)\.global", ptx)
-
-
-def test_the_persistent_kernel_is_one_binary_for_every_call_number():
-    """The call number (``epoch``) is not specialized on: Triton would otherwise build
-    the kernel again for calls 1 and 16, 32, ... (an integer equal to 1 or divisible by
-    16), each a compile of seconds in the middle of a run."""
-    from hpmoe.gpu.runner import device_module
-
-    kernel = device_module(False).taskflow_kernel
-    assert [p.name for p in kernel.params if p.do_not_specialize] == ["epoch"]

@@ -78,7 +78,7 @@ class TritonOptions:
 @dataclass
 class PreparedRegion:
     """One region compiled for a device: its schedule, device program and arena.
-    ``run()`` executes it again (a new epoch of the same counters)."""
+    ``run()`` executes it again (its counters started from zero)."""
 
     schedule: Schedule
     program: DeviceProgram

@@ -9,7 +9,7 @@ and nothing else: no policy, no MoE knowledge — order and placement came from 
 schedule, operands from ``ops.describe``.  Two modes share the loop:
 
 * BLOCKING (a GPU): a wait spins on an acquire load until its counter reaches the
-  call's threshold or ``deadline_ns`` of the global timer pass; a late wait writes
+  task's threshold or ``deadline_ns`` of the global timer pass; a late wait writes
   (flag, task, event, counter) to its program's row of ``errors`` and the program ends.
 * rounds (the Triton interpreter, which runs programs one after another): a wait polls
   once; when unsatisfied the program stores its cursor and returns, and the host
@@ -423,15 +423,14 @@ def _now(clock, STAMP: tl.constexpr):
 
 
 @triton.jit
-def wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, epoch, deadline_ns,
-               BLOCKING: tl.constexpr):
-    """True when task t may run: its event reached ``epoch * step + threshold``
-    (acquire).  BLOCKING spins until then or the deadline, recording a late wait; the
+def wait_event(t, q, wait_event_, wait_threshold, counters, errors, deadline_ns, BLOCKING: tl.constexpr):
+    """True when task t may run: its event reached its threshold (acquire; every call
+    starts its counters from zero).  BLOCKING spins until then or the deadline, recording a late wait; the
     spin backs off (``nanosleep``, 32 ns doubling to 1 us between polls)."""
     ev = tl.load(wait_event_ + t)
     ok = ev < 0
     if ev >= 0:
-        need = epoch * tl.load(wait_step + t) + tl.load(wait_threshold + t)
+        need = tl.load(wait_threshold + t)
         seen = tl.atomic_add(counters + ev, 0, sem="acquire", scope="gpu")
         ok = seen >= need
         if BLOCKING:
@@ -452,11 +451,9 @@ def wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, e
     return ok
 
 
-# One binary for every call number: Triton specializes an integer argument equal to 1 or
-# divisible by 16, which would compile the kernel again at calls 1 and 16 of a run.
-@triton.jit(do_not_specialize=["epoch"])
-def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_event, queue_ptr, queue_task,
-                    addr, lds, counters, cursor, errors, stamps, clock, delays, epoch, deadline_ns,
+@triton.jit
+def taskflow_kernel(tasks, wait_event_, wait_threshold, sig_ptr, sig_event, queue_ptr, queue_task,
+                    addr, lds, counters, cursor, errors, stamps, clock, delays, deadline_ns,
                     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCKING: tl.constexpr, STAMP: tl.constexpr, DELAY: tl.constexpr, ALIGNED: tl.constexpr):
@@ -474,8 +471,7 @@ def taskflow_kernel(tasks, wait_event_, wait_threshold, wait_step, sig_ptr, sig_
     go = i < hi
     while go:
         t = tl.load(queue_task + i)
-        ok = wait_event(t, q, wait_event_, wait_threshold, wait_step, counters, errors, epoch, deadline_ns,
-                        BLOCKING)
+        ok = wait_event(t, q, wait_event_, wait_threshold, counters, errors, deadline_ns, BLOCKING)
         if ok:
             if STAMP:
                 tl.store(stamps + 2 * t, _now(clock, STAMP))

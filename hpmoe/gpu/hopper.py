@@ -29,8 +29,8 @@ import torch
 from .residency import H100, KernelResources, programs_per_sm
 from .runner import KernelConfig, device_module, kernel_meta, launch_options
 
-_POINTERS = {**{n: "*i32" for n in ("tasks", "wait_event_", "wait_threshold", "wait_step", "sig_ptr",
-                                     "sig_event", "queue_ptr", "queue_task")},
+_POINTERS = {**{n: "*i32" for n in ("tasks", "wait_event_", "wait_threshold", "sig_ptr", "sig_event",
+                                     "queue_ptr", "queue_task")},
              "addr": "*i64", "lds": "*i64", "counters": "*i32", "cursor": "*i32", "errors": "*i32",
              "stamps": "*i64", "clock": "*i64", "delays": "*i64"}
 
@@ -87,7 +87,7 @@ def compile_hopper(dtype: torch.dtype = torch.bfloat16, config: KernelConfig | N
     config = config or KernelConfig.for_dtype(dtype)
     meta = kernel_meta(dtype, config, False, True, 2 if stamps else 0, False, aligned)
     fn = device_module(False).taskflow_kernel
-    signature = {**_POINTERS, "epoch": "i32", "deadline_ns": "i64", **{k: "constexpr" for k in meta}}
+    signature = {**_POINTERS, "deadline_ns": "i64", **{k: "constexpr" for k in meta}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(_POINTERS))}
     src = ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=attrs)
     options = launch_options(config)

@@ -5,8 +5,7 @@ the same arrays.  What the device reads, per task t of the schedule's graph:
 
   tasks[t, :]        operand row (``ops.COLUMNS``): kind, op, shapes, buffers;
   wait_event[t]      global id of the event t waits on (-1: none);
-  wait_threshold[t]  that event's threshold; wait_step[t]: signals the event receives
-                     per call (epochs: call c waits for ``c * step + threshold``);
+  wait_threshold[t]  that event's threshold (every call starts the counters from zero);
   sig_ptr / sig_event  CSR of the global events t signals (release-add 1 each);
   queue_ptr / queue_task  CSR of every worker queue's tasks in order (queue q =
                      program q of the persistent kernel).
@@ -41,7 +40,6 @@ class PackedProgram:
     tasks: np.ndarray  # [n, NCOL]
     wait_event: np.ndarray  # [n]
     wait_threshold: np.ndarray  # [n]
-    wait_step: np.ndarray  # [n]
     sig_ptr: np.ndarray  # [n + 1]
     sig_event: np.ndarray  # [num signals]
     queue_ptr: np.ndarray  # [queues + 1]
@@ -60,19 +58,9 @@ class PackedProgram:
         return self.graph.num_events
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The device arrays by name."""
-        return {n: getattr(self, n) for n in ("tasks", "wait_event", "wait_threshold", "wait_step",
-                                              "sig_ptr", "sig_event", "queue_ptr", "queue_task")}
-
-    def max_calls(self) -> int:
-        """``run`` calls before a waited counter would pass int32 (``run`` never resets the
-        counters; a ``launch`` starts them from zero)."""
-        waits = self.wait_event >= 0
-        if not waits.any():
-            return INT32_MAX
-        step = self.wait_step[waits].astype(np.int64)
-        room = (INT32_MAX - self.wait_threshold[waits].astype(np.int64)) // np.maximum(step, 1)
-        return int(room.min())
+        """The device arrays by name, in the order the kernel takes them."""
+        return {n: getattr(self, n) for n in ("tasks", "wait_event", "wait_threshold", "sig_ptr", "sig_event",
+                                              "queue_ptr", "queue_task")}
 
 
 def pack(schedule: Schedule, space: BufferSpace, tasks: np.ndarray | None = None) -> PackedProgram:
@@ -85,13 +73,11 @@ def pack(schedule: Schedule, space: BufferSpace, tasks: np.ndarray | None = None
         raise ValueError(f"buffer space is for ep={space.ep}, the graph for ep={g.ep}")
     wait = g.wait_global()
     signals = g.signals_global()
-    step = np.bincount(signals, minlength=g.num_events)
     has = wait >= 0
     safe = np.where(has, wait, 0)
     arrays = {
         "tasks": describe(g, space) if tasks is None else tasks, "wait_event": wait,
         "wait_threshold": np.where(has, g.threshold[safe] if g.num_events else 0, 0),
-        "wait_step": np.where(has, step[safe] if g.num_events else 0, 0),
         "sig_ptr": g.sig_ptr, "sig_event": signals,
         "queue_ptr": schedule.queue_ptr, "queue_task": schedule.queue_task}
     names = tuple(schedule.describe_queue(q) for q in range(schedule.num_queues))
@@ -112,7 +98,7 @@ def pack_tasks(graph: TaskGraph, space: BufferSpace, ids: np.ndarray, queues: in
     np.cumsum(np.bincount(owner, minlength=queues), out=ptr[1:])
     n = graph.num_tasks
     arrays = {"tasks": describe(graph, space), "wait_event": np.full(n, -1), "wait_threshold": np.zeros(n),
-              "wait_step": np.zeros(n), "sig_ptr": np.zeros(n + 1), "sig_event": np.zeros(0),
+              "sig_ptr": np.zeros(n + 1), "sig_event": np.zeros(0),
               "queue_ptr": ptr, "queue_task": ids[order]}
     return PackedProgram(graph=graph, space=space, queue_names=tuple(f"queue {q}" for q in range(queues)),
                          schedule=None, **{k: _int32(k, a) for k, a in arrays.items()})

@@ -10,9 +10,10 @@ counters of one region.  ``run(addresses)`` executes every queue once:
   its next unsatisfied wait; a round in which no queue advances raises ``GraphError``
   naming the stuck tasks.
 
-``run`` never resets the counters: call c (from 0) waits for ``c * step + threshold``.
-``launch`` (a training step's, without a sync) zeroes them and runs as call 0, so its
-arguments are the same at every step (a CUDA graph replays them).  Per-task start/end
+Every call starts the counters and cursors from zero (one memset), so a wait's threshold
+is the graph's at every call: ``launch`` (a training step's, without a sync) passes the
+same arguments at every step (a CUDA graph replays them), and the counters never grow
+past one call's signals.  Per-task start/end
 stamps (global timer on a GPU, a logical clock in the interpreter) become the
 simulator's ``Timeline``.
 """
@@ -138,18 +139,19 @@ def launch_options(config: KernelConfig) -> dict:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What one call did: launches (1 on a GPU, rounds in the interpreter), the epoch
-    it ran as, wall seconds on the host, and the stamps [n, 2] int64 (or None)."""
+    """What one call did: launches (1 on a GPU, rounds in the interpreter), wall seconds
+    on the host, and the stamps [n, 2] int64 (or None)."""
 
     launches: int
-    epoch: int
     seconds: float
     stamps: np.ndarray | None
 
 
 class DeviceProgram:
-    """A packed region resident on one device, with counters that persist across ``run``
-    calls (``launch`` starts them from zero)."""
+    """A packed region resident on one device, with its event counters and its queues'
+    cursors: one tensor, zeroed by one memset at the start of every call (``run``,
+    ``launch``, ``launcher``), so a call's thresholds are the graph's and its kernel
+    arguments are the same at every call (a CUDA graph replays a captured launch as it is)."""
 
     def __init__(self, packed: PackedProgram, device: torch.device | str, dtype: torch.dtype,
                  config: KernelConfig | None = None, interpret: bool | None = None):
@@ -164,21 +166,18 @@ class DeviceProgram:
         ld = packed.space.ld.reshape(-1).astype(np.int64)
         self.lds = torch.from_numpy(ld).to(self.device)
         q, n = packed.num_queues, max(packed.num_events, 1)
-        # the counters, then launch()'s cursors: one memset zeroes both at each launch
+        # the counters, then the cursors: one memset zeroes both at each call
         self._zeroed = torch.zeros(n + q, dtype=torch.int32, device=self.device)
         self.counters = self._zeroed[:n]
-        self.calls = 0
         self.aligned = aligned_layout(packed.tasks, packed.space)
-        # launch()'s cursors, error rows and unused stamp buffer
+        # the cursors, launch()'s error rows and its unused stamp buffer
         self.launch_state = (self._zeroed[n:], torch.zeros(q, 4, dtype=torch.int32, device=self.device),
                              torch.zeros(1, 2, dtype=torch.int64, device=self.device))
         self.checked_variants: set[bool] = set()
         # launch()'s error rows as last copied to host memory (pinned on a GPU: copied without
-        # waiting), read by the next launch; failed: a late wait was reported (the counters
-        # are no longer in step with ``calls``: the program must be built again)
+        # waiting), read by the next launch
         self._seen = torch.zeros(q, 4, dtype=torch.int32, device="cpu", pin_memory=self.device.type == "cuda")
         self._seen_rows = self._seen.numpy()  # read without a tensor operation
-        self.failed = False
 
     def _aligned(self, addresses: torch.Tensor) -> bool:
         """The kernel variant for ``addresses``: aligned when the layout is and every
@@ -187,35 +186,30 @@ class DeviceProgram:
 
     # ------------------------------------------------------------------ launch
 
-    def _kernel_args(self, addresses: torch.Tensor, cursor: torch.Tensor, errors: torch.Tensor,
-                     stamps: torch.Tensor, clock: torch.Tensor, delays: torch.Tensor,
-                     deadline_ns: int, epoch: int | None = None) -> tuple:
-        """The kernel's arguments for call ``epoch`` (default ``calls``)."""
-        a = self.arrays
-        return (a["tasks"], a["wait_event"], a["wait_threshold"], a["wait_step"], a["sig_ptr"],
-                a["sig_event"], a["queue_ptr"], a["queue_task"], addresses, self.lds, self.counters, cursor,
-                errors, stamps, clock, delays, self.calls if epoch is None else epoch, deadline_ns)
+    def _kernel_args(self, addresses: torch.Tensor, errors: torch.Tensor, stamps: torch.Tensor,
+                     clock: torch.Tensor, delays: torch.Tensor, deadline_ns: int) -> tuple:
+        """The kernel's arguments (the cursors: ``launch_state``'s)."""
+        return (*self.arrays.values(), addresses, self.lds, self.counters, self.launch_state[0], errors,
+                stamps, clock, delays, deadline_ns)
 
     def run(self, addresses: torch.Tensor, *, deadline_s: float = 10.0, stamps: bool = False,
             delays_ns: np.ndarray | None = None, max_rounds: int | None = None) -> RunInfo:
-        """Run every queue once as call number ``self.calls``; raise ``RegionError``
-        (GPU: a wait passed ``deadline_s``) or ``GraphError`` (interpreter: no progress)."""
-        if self.calls >= self.packed.max_calls():
-            raise RuntimeError(f"counters would overflow int32 after {self.calls} calls: repack the region")
+        """Run every queue once and wait for it; raise ``RegionError`` (GPU: a wait
+        passed ``deadline_s``) or ``GraphError`` (interpreter: no progress)."""
         if addresses.shape != (self.packed.space.num_buffers,) or addresses.dtype != torch.int64:
             raise ValueError(f"addresses must be int64 [{self.packed.space.num_buffers}], got "
                              f"{addresses.dtype} {tuple(addresses.shape)}")
         if delays_ns is not None and self.interpret:
             raise ValueError("delays_ns needs a GPU (the interpreter has no timer)")
-        q, dev = self.packed.num_queues, self.device
-        cursor = torch.zeros(q, dtype=torch.int32, device=dev)
+        q, dev, cursor = self.packed.num_queues, self.device, self.launch_state[0]
+        self._zeroed.zero_()
         errors = torch.zeros(q, 4, dtype=torch.int32, device=dev)
         stamp_buf = torch.zeros(max(self.packed.num_tasks, 1), 2, dtype=torch.int64, device=dev)
         clock = torch.zeros(1, dtype=torch.int64, device=dev)
         delays = torch.as_tensor(np.zeros(q) if delays_ns is None else delays_ns, dtype=torch.int64,
                                  device=dev)
         stamp = (1 if self.interpret else 2) if stamps else 0
-        args = self._kernel_args(addresses, cursor, errors, stamp_buf, clock, delays, int(deadline_s * 1e9))
+        args = self._kernel_args(addresses, errors, stamp_buf, clock, delays, int(deadline_s * 1e9))
         kernel = device_module(self.interpret).taskflow_kernel
         meta = kernel_meta(self.dtype, self.config, self.interpret, not self.interpret, stamp,
                            delays_ns is not None, self._aligned(addresses))
@@ -230,33 +224,29 @@ class DeviceProgram:
             torch.cuda.synchronize(dev)
             launches = 1
             self._check_errors(cursor, errors, time.perf_counter() - start)
-        epoch = self.calls
-        self.calls += 1
-        return RunInfo(launches=launches, epoch=epoch, seconds=time.perf_counter() - start,
+        return RunInfo(launches=launches, seconds=time.perf_counter() - start,
                        stamps=stamp_buf[:self.packed.num_tasks].cpu().numpy() if stamps else None)
 
     def launcher(self, addresses: torch.Tensor, deadline_s: float = 10.0):
         """A callable that launches one call asynchronously on the GPU (no checks, no
-        synchronisation: for timing).  Each launch is a new epoch; read ``errors`` of
-        the returned callable after synchronising to see late waits."""
+        synchronisation: for timing), with what each call costs (the memset that starts it
+        from zero); read ``errors`` of the returned callable after synchronising to see
+        late waits."""
         if self.interpret:
             raise ValueError("launcher needs a CUDA device")
         q, dev = self.packed.num_queues, self.device
-        cursor = torch.zeros(q, dtype=torch.int32, device=dev)
         errors = torch.zeros(q, 4, dtype=torch.int32, device=dev)
         dummy = torch.zeros(1, 2, dtype=torch.int64, device=dev)
         kernel = device_module(False).taskflow_kernel
         meta = kernel_meta(self.dtype, self.config, False, True, 0, False, self._aligned(addresses))
         launch = launch_options(self.config)
-        args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
+        args = self._kernel_args(addresses, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
         compiled = kernel.warmup(*args, grid=(q,), **meta, **launch)
         check_resident(q, resident_programs(kernel_resources(compiled), SMLimits.of(dev)))
 
         def go() -> None:
-            cursor.zero_()
-            args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
+            self._zeroed.zero_()
             cooperative_launch(kernel, q, args, {**meta, **launch})
-            self.calls += 1
 
         go.errors = errors
         return go
@@ -264,10 +254,7 @@ class DeviceProgram:
     def launch(self, addresses: torch.Tensor, aligned: bool, deadline_s: float = 10.0) -> torch.Tensor:
         """Run every queue once in ONE launch without waiting for it or reading anything
         of the device's: a training step's launch (the interpreter runs it in rounds,
-        whose stall raises at once).  The counters start from zero as call 0 (one memset
-        with the cursors), so the launch's arguments are the same at every step: a CUDA
-        graph that captured it replays it as it is, and the counters never overflow (a
-        later ``run`` goes on as call 1).  ``aligned``: the kernel variant, which the
+        whose stall raises at once).  ``aligned``: the kernel variant, which the
         caller decides from its buffers' host addresses (``ops.aligned_addresses``).  A
         late wait of an earlier launch, seen in the copy of its error rows in host memory,
         is raised first (``report``), one launch late; under a graph's capture no copy is
@@ -279,7 +266,7 @@ class DeviceProgram:
         self._zeroed.zero_()
         kernel = device_module(self.interpret).taskflow_kernel
         meta = kernel_meta(self.dtype, self.config, self.interpret, not self.interpret, 0, False, aligned)
-        args = self._kernel_args(addresses, cursor, errors, dummy, dummy, dummy, int(deadline_s * 1e9), 0)
+        args = self._kernel_args(addresses, errors, dummy, dummy, dummy, int(deadline_s * 1e9))
         if self.interpret:
             self._rounds(kernel, args, meta, cursor, None)
         else:
@@ -291,14 +278,13 @@ class DeviceProgram:
             cooperative_launch(kernel, q, args, {**meta, **launch})
         if not capturing(self.device):
             self._seen.copy_(errors, non_blocking=True)
-        self.calls = 1
         return errors
 
     def report(self, wait: bool) -> None:
         """Raise ``RegionError`` for a late wait of an earlier ``launch``: seen in the
         copy of its error rows in host memory (a copy may still be on its way), or with
-        ``wait`` after waiting for the device.  The error rows are cleared and the
-        program marked ``failed``."""
+        ``wait`` after waiting for the device.  The error rows are cleared (the next
+        call starts from zero as any call does)."""
         cursor, errors, _ = self.launch_state
         if not (wait or self._seen_rows[:, 0].any()):
             return
@@ -306,10 +292,9 @@ class DeviceProgram:
             torch.cuda.synchronize(self.device)
         if not errors[:, 0].any():
             return
-        report = self.hang_report(errors.cpu().numpy(), cursor.cpu().numpy(), 0.0, 0)  # a launch is call 0
+        report = self.hang_report(errors.cpu().numpy(), cursor.cpu().numpy(), 0.0)
         errors.zero_()
         self._seen.zero_()
-        self.failed = True
         raise RegionError(replace(report, cause=f"{report.cause}, seen after its launch returned (launches "
                                                 f"are checked at the next one; run() checks at once)"))
 
@@ -340,10 +325,6 @@ class DeviceProgram:
                 out.append((qi, int(p.queue_task[at])))
         return out
 
-    def _need(self, task: int, call: int | None = None) -> int:
-        p = self.packed
-        return (self.calls if call is None else call) * int(p.wait_step[task]) + int(p.wait_threshold[task])
-
     def _cycle_message(self, cursor: np.ndarray, rounds: int) -> str:
         p, counters = self.packed, self.counters.cpu().numpy()
         lines = [f"no queue advanced in round {rounds}: the remaining tasks wait on each other (a cycle "
@@ -351,7 +332,7 @@ class DeviceProgram:
         for qi, task in self._heads(cursor):
             ev = int(p.wait_event[task])
             lines.append(f"  {p.queue_names[qi]}: {p.graph.task(task)} waits on event {ev}: "
-                         f"counter {int(counters[ev])} of {self._need(task)}")
+                         f"counter {int(counters[ev])} of {int(p.wait_threshold[task])}")
         return "\n".join(lines)
 
     def _check_errors(self, cursor: torch.Tensor, errors: torch.Tensor, elapsed: float) -> None:
@@ -360,10 +341,8 @@ class DeviceProgram:
         if err[:, 0].any() or not done.all():
             raise RegionError(self.hang_report(err, cur, elapsed))
 
-    def hang_report(self, errors: np.ndarray, cursor: np.ndarray, elapsed: float,
-                    call: int | None = None) -> HangReport:
-        """The runtime's report from the device's error rows [Q, 4] and cursors [Q] of
-        call number ``call`` (default ``calls``, the one running)."""
+    def hang_report(self, errors: np.ndarray, cursor: np.ndarray, elapsed: float) -> HangReport:
+        """The runtime's report from the device's error rows [Q, 4] and cursors [Q] of a call."""
         p, g = self.packed, self.packed.graph
         workers = []
         for qi in range(p.num_queues):
@@ -373,12 +352,9 @@ class DeviceProgram:
             common = {"name": p.queue_names[qi], "done": n, "total": hi - lo, "last_done": last}
             if errors[qi, 0]:
                 task, ev, seen = (int(v) for v in errors[qi, 1:])
-                call = self.calls if call is None else call
-                need = self._need(task, call)
-                base = call * int(p.wait_step[task])
-                workers.append(WorkerReport(status=WorkerStatus.WAITS, task=g.task(task),
-                                            event=f"event {ev}", progress=seen - base,
-                                            threshold=need - base, raw=seen, **common))
+                workers.append(WorkerReport(status=WorkerStatus.WAITS, task=g.task(task), event=f"event {ev}",
+                                            progress=seen, threshold=int(p.wait_threshold[task]), raw=seen,
+                                            **common))
             else:
                 status = WorkerStatus.FINISHED if lo + n == hi else WorkerStatus.STOPPED
                 workers.append(WorkerReport(status=status, **common))

@@ -220,12 +220,6 @@ class SlotProgram:
         """Whether a CUDA graph's capture launched it (its replays read its buffers)."""
         return bool(self._captured)
 
-    @property
-    def failed(self) -> bool:
-        """Whether a launch of its forward or backward had a late wait (reported): its
-        counters are out of step, a new program must serve the shape."""
-        return any(p.failed for p in self._programs())
-
     def report(self) -> None:
         """Wait for the device and raise a late wait of a launch not reported yet."""
         for program in self._programs():
@@ -457,11 +451,10 @@ class PlanCache:
     def program(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing, tiles: TileSpec,
                 options: TritonOptions) -> SlotProgram:
         """The program of this call's key, built on the first call with it (and again
-        after a late wait of one of its launches, or once it was dropped for newer ones)."""
+        once it was dropped for newer ones)."""
         key = PlanKey.of(x, weights, tiles, options)
         found = self._programs.pop(key, None)
-        if found is None or found.failed:
-            self._drop(found)
+        if found is None:
             found = SlotProgram(key, x, weights, routing)
             self.builds += 1
         self._programs[key] = found
