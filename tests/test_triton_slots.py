@@ -218,6 +218,10 @@ def test_a_late_wait_of_a_launch_is_raised_by_the_next_one_which_then_runs_as_an
     waits = [wr for wr in e.value.report.workers if wr.task]
     assert [wr.threshold for wr in waits] == [int(device.packed.wait_threshold[task])]  # of the late call
     assert not device.launch_state[1].any()
+    device.launch_state[1][0] = torch.tensor([1, task, 0, 0], dtype=torch.int32)
+    device._seen.copy_(device.launch_state[1])
+    with pytest.raises(RegionError, match=late):  # a checked run raises it first too
+        program.forward(x, w, routings[1])
     assert cache.program(x, w, routings[1], TILES, TritonOptions()) is program and cache.builds == 1
     launched = program.launch(x, w, routings[1])
     assert torch.equal(launched.out, triton_forward(x, w, routings[1], 1, TILES).out)

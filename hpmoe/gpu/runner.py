@@ -195,7 +195,10 @@ class DeviceProgram:
     def run(self, addresses: torch.Tensor, *, deadline_s: float = 10.0, stamps: bool = False,
             delays_ns: np.ndarray | None = None, max_rounds: int | None = None) -> RunInfo:
         """Run every queue once and wait for it; raise ``RegionError`` (GPU: a wait
-        passed ``deadline_s``) or ``GraphError`` (interpreter: no progress)."""
+        passed ``deadline_s``) or ``GraphError`` (interpreter: no progress).  An earlier
+        ``launch``'s late wait seen in host memory is raised first, as a launch raises it
+        (the cursors it names are that launch's until this call starts)."""
+        self.report(wait=False)
         if addresses.shape != (self.packed.space.num_buffers,) or addresses.dtype != torch.int64:
             raise ValueError(f"addresses must be int64 [{self.packed.space.num_buffers}], got "
                              f"{addresses.dtype} {tuple(addresses.shape)}")
