@@ -425,8 +425,9 @@ def _now(clock, STAMP: tl.constexpr):
 @triton.jit
 def wait_event(t, q, wait_event_, wait_threshold, counters, errors, deadline_ns, BLOCKING: tl.constexpr):
     """True when task t may run: its event reached its threshold (acquire; every call
-    starts its counters from zero).  BLOCKING spins until then or the deadline, recording a late wait; the
-    spin backs off (``nanosleep``, 32 ns doubling to 1 us between polls)."""
+    starts its counters from zero).  BLOCKING spins until then or the deadline,
+    recording a late wait; the spin backs off (``nanosleep``, 32 ns doubling to 1 us
+    between polls)."""
     ev = tl.load(wait_event_ + t)
     ok = ev < 0
     if ev >= 0:
