@@ -18,8 +18,10 @@
 #                                                minutes: the default path's and the per-shape program's GPU tests
 #                                                (no host sync, the graph-captured steps, NCCL, offload), the bench
 #                                                on all four shapes with the transformers blocks, host syncs, memory
-#                                                and the hpmoe-persistent rows (balanced), then a per-shape step's
-#                                                host time; run default-zipf after it where time is left
+#                                                and the hpmoe-persistent rows (balanced), the issues' goals read
+#                                                off it (benchmarks/gpu_verdict.py, into lent.log), then a
+#                                                per-shape step's host time; run default-zipf after it where
+#                                                time is left
 #   benchmarks/gpu_first_contact.sh persistent   the per-shape program's GPU tests (tests/test_triton_gpu_slots.py),
 #                                                then bench-default with the hpmoe-persistent rows (the layer on
 #                                                the persistent kernel, a new routing every step) on small,
@@ -103,6 +105,7 @@ lent)
         $(timeout_opt) --junitxml "$out/lent-slot-tests.xml" tests/test_triton_gpu_slots.py
     FC_LIMIT_BENCH=${FC_LIMIT_BENCH:-240} bench lent qwen3-30b-a3b small deepseek-v3-fit mixtral-8x7b \
         --peers-only --persistent-layer --routing balanced
+    [ -f "$out/bench-lent.json" ] && step 30 "$out/lent.log" "$py" benchmarks/gpu_verdict.py "$out/bench-lent.json"
     step "${FC_LIMIT_PLAN:-40}" "$out/lent.log" "$py" benchmarks/slot_plan_cost.py --device cuda \
         --shapes qwen3-30b-a3b small --steps 20 --json "$out/slot-plan-cost.json"
     ;;
