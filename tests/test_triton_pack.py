@@ -125,3 +125,17 @@ def test_workers_of_a_schedule_name_the_queues(plan):
     assert p.queue_names == ("rank 0 matrix worker 0", "rank 0 vector worker 0", "rank 1 matrix worker 0",
                              "rank 1 vector worker 0")
     assert s.workers == WorkerCounts(1, 1)
+
+
+def test_the_retired_call_count_names_warn_and_keep_their_meaning(plan):
+    """Calls kept their counters once; now each starts from zero (one release of warnings)."""
+    g = lower_forward(plan, TINY_TILES)
+    p = pack(schedule(g, SchedulePolicy.SERIAL, HW), buffer_space(plan))
+    waits = p.wait_event >= 0
+    with pytest.warns(DeprecationWarning, match="PackedProgram.wait_step"):
+        step = p.wait_step
+    signals = np.bincount(p.graph.signals_global(), minlength=p.graph.num_events)
+    assert np.array_equal(step[waits], signals[p.wait_event[waits]])
+    assert not step[~waits].any()
+    with pytest.warns(DeprecationWarning, match=r"PackedProgram.max_calls\(\)"):
+        assert p.max_calls() == np.iinfo(np.int32).max

@@ -78,6 +78,8 @@ def test_every_call_starts_the_counters_from_zero_and_gives_the_first_calls_bits
         region.run()
         assert torch.equal(region.arena.gather("out"), first)
         assert np.array_equal(region.program.counters.numpy()[:p.num_events], step)
+    with pytest.warns(DeprecationWarning, match="RunInfo.epoch"):
+        assert region.run().epoch == 0  # the retired call number: every call is call 0 of its counters
 
 
 def test_a_queue_order_against_the_events_raises_a_cycle_error_naming_the_stuck_tasks():

@@ -6,6 +6,7 @@ changes."""
 
 from __future__ import annotations
 
+from ..deprecation import deprecated
 from ..exec.exact import DEFAULT_TILES
 from ..exec.exact_backward import Gradients
 from ..ir.analysis import GraphError
@@ -33,6 +34,6 @@ __all__ = ["BACKWARDS", "DEFAULT_TILES", "ExpertWeights", "FORWARD", "Gradients"
            "RegionError", "Routing", "RoutingPlan", "Schedule", "SchedulePolicy", "SlotGradients",
            "SlotPlan", "SlotRouting", "SlotShape", "TaskColumns", "TaskGraph", "TaskKind", "Tile", "TileSpec",
            "Timeline", "Unit", "WorkerCounts", "WorkerReport", "WorkerStatus", "as_kept", "capturing",
-           "check_input", "gemm_dims", "hardware_preset", "live_rows", "plan_routing",
+           "check_input", "deprecated", "gemm_dims", "hardware_preset", "live_rows", "plan_routing",
            "plan_slot_backward", "plan_slots", "resolve_slots", "row_width", "schedule", "slot_targets",
            "task_costs", "verify_schedule"]

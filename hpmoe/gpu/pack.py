@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .buffers import BufferSpace
-from .core import Schedule, TaskGraph
+from .core import Schedule, TaskGraph, deprecated
 from .ops import NCOL, describe
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -56,6 +56,21 @@ class PackedProgram:
     @property
     def num_events(self) -> int:
         return self.graph.num_events
+
+    @property
+    def wait_step(self) -> np.ndarray:
+        """Deprecated: the signals each task's waited event receives per call (calls kept
+        their counters then)."""
+        deprecated("PackedProgram.wait_step", "every call starts its counters from zero: a wait reads "
+                   "wait_threshold alone")
+        step = np.bincount(self.sig_event, minlength=max(self.num_events, 1))
+        return np.where(self.wait_event >= 0, step[np.maximum(self.wait_event, 0)], 0).astype(np.int32)
+
+    def max_calls(self) -> int:
+        """Deprecated: calls before a counter would overflow int32, unbounded now."""
+        deprecated("PackedProgram.max_calls()", "every call starts its counters from zero, so no number "
+                   "of calls overflows them")
+        return INT32_MAX
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The device arrays by name, in the order the kernel takes them."""

@@ -41,6 +41,7 @@ from .core import (
     WorkerReport,
     WorkerStatus,
     capturing,
+    deprecated,
 )
 from .ops import aligned_addresses, aligned_layout
 from .pack import PackedProgram
@@ -145,6 +146,12 @@ class RunInfo:
     launches: int
     seconds: float
     stamps: np.ndarray | None
+
+    @property
+    def epoch(self) -> int:
+        """Deprecated: the call number the counters counted from (0 for every call now)."""
+        deprecated("RunInfo.epoch", "every call starts its counters from zero, so none has a call number")
+        return 0
 
 
 class DeviceProgram:
