@@ -171,19 +171,19 @@ def test_every_launch_and_every_checked_run_starts_the_counters_from_zero(case):
     device = program.program
     p = device.packed
     step = np.bincount(p.sig_event, minlength=p.num_events)
-    launches = []
+    launches = []  # (the address table, the kernel's arguments) of each call
     real = device._kernel_args
-    device._kernel_args = lambda *a: launches.append(real(*a)) or launches[-1]
+    device._kernel_args = lambda table, *a: launches.append((table, real(table, *a))) or launches[-1][1]
     for i in (11, 2):  # one hot expert, zipf
         launched = program.launch(x, w, routings[i])
         assert np.array_equal(device.counters.numpy()[:p.num_events], step)
         assert torch.equal(program.forward(x, w, routings[i]).out, launched.out)  # a checked run
         assert np.array_equal(device.counters.numpy()[:p.num_events], step)
     assert torch.equal(launched.out, triton_forward(x, w, routings[2], 1, TILES).out)
-    first, second = launches[0], launches[2]  # the two launches' (each followed by a run's)
-    table = 7  # the address table: the same tensor while no address changes (tested below)
+    (table, first), (_, second) = launches[0], launches[2]  # the two launches' (each before a run's)
+    # all but the address table, the same tensor while no address changes (tested below)
     assert all(a is b or (not isinstance(a, torch.Tensor) and a == b)
-               for i, (a, b) in enumerate(zip(first, second, strict=True)) if i != table)
+               for a, b in zip(first, second, strict=True) if a is not table)
 
 
 def test_the_address_table_is_uploaded_again_only_when_an_address_changed(case):
