@@ -459,12 +459,10 @@ class PlanCache:
             self.builds += 1
         self._programs[key] = found
         while len(self._programs) > self.kept:  # a call still holding a dropped one keeps it alive
-            self._drop(self._programs.pop(next(iter(self._programs))))
+            dropped = self._programs.pop(next(iter(self._programs)))
+            if dropped.captured:
+                self._captured.append(dropped)
         return found
-
-    def _drop(self, program: SlotProgram | None) -> None:
-        if program is not None and program.captured:
-            self._captured.append(program)
 
     def report(self) -> None:
         """Wait for the device and raise a late wait of any program's launch not reported
