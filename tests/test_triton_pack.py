@@ -139,3 +139,8 @@ def test_the_retired_call_count_names_warn_and_keep_their_meaning(plan):
     assert not step[~waits].any()
     with pytest.warns(DeprecationWarning, match=r"PackedProgram.max_calls\(\)"):
         assert p.max_calls() == np.iinfo(np.int32).max
+    ids = np.flatnonzero(p.graph.kind == p.graph.kind[0])
+    with pytest.warns(DeprecationWarning, match="gpu.ops.Tasks"):
+        from hpmoe.gpu.ops import Tasks
+    selected = Tasks.of(p.graph, ids)
+    assert np.array_equal(selected.row0, p.graph.row0[ids]) and selected.rank.dtype == np.int64

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .buffers import BufferSpace
-from .core import ROW_TAIL, TaskColumns, TaskGraph, TaskKind, row_width
+from .core import ROW_TAIL, TaskColumns, TaskGraph, TaskKind, deprecated, row_width
 
 
 class Op(enum.IntEnum):
@@ -62,6 +62,21 @@ NCOL = len(COLUMNS)
 
 
 Describe = Callable[[TaskColumns, BufferSpace], dict[str, np.ndarray]]
+
+
+class _Tasks:
+    """What ``Tasks`` was: ``Tasks.of(graph, ids)``, the tasks ``ids``' columns."""
+
+    @staticmethod
+    def of(graph: TaskGraph, ids: np.ndarray) -> TaskColumns:
+        return graph.select(ids)
+
+
+def __getattr__(name: str) -> object:
+    if name == "Tasks":  # retired: the columns are declared once, in ir.graph.TaskColumns
+        deprecated("gpu.ops.Tasks", "TaskGraph.select(ids) gives an ir.graph.TaskColumns")
+        return _Tasks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _op(op: Op, t: TaskColumns, sp: BufferSpace, **cols: object) -> dict[str, np.ndarray]:

@@ -186,6 +186,14 @@ class DeviceProgram:
         self._seen = torch.zeros(q, 4, dtype=torch.int32, device="cpu", pin_memory=self.device.type == "cuda")
         self._seen_rows = self._seen.numpy()  # read without a tensor operation
 
+    @property
+    def failed(self) -> bool:
+        """Deprecated: a late wait no longer puts the counters out of step (every call
+        starts them from zero), so no program fails for good: always False."""
+        deprecated("DeviceProgram.failed", "every call starts its counters from zero: the next call runs "
+                   "after a late wait")
+        return False
+
     def _aligned(self, addresses: torch.Tensor) -> bool:
         """The kernel variant for ``addresses``: aligned when the layout is and every
         hinted buffer starts on a 16-byte boundary (else the unhinted variant runs)."""

@@ -48,6 +48,7 @@ from .core import (
     TileSpec,
     capturing,
     check_input,
+    deprecated,
     live_rows,
     plan_slot_backward,
     plan_slots,
@@ -214,6 +215,13 @@ class SlotProgram:
 
     def _programs(self) -> list[DeviceProgram]:
         return [r.program for r in (self.forward_region, self.backward_region) if r is not None]
+
+    @property
+    def failed(self) -> bool:
+        """Deprecated: always False (``DeviceProgram.failed``)."""
+        deprecated("SlotProgram.failed", "every call starts its counters from zero: the next call runs "
+                   "after a late wait")
+        return False
 
     @property
     def captured(self) -> bool:
