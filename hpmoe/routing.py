@@ -119,7 +119,7 @@ def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor |
     if named[0].is_cpu:
         clean = all(_clean_on_cpu(t, experts) for t in named)
     else:  # detached: a verdict keeps no history of x (cheaper than entering no_grad)
-        spans = [m for t in named for m in torch.aminmax(t.detach())]
+        spans = [m for t in named for m in torch.aminmax(bare(t))]
         lo_hi = torch.stack([spans[0].double(), *spans[1:]]).tolist()
         clean = all(map(math.isfinite, lo_hi))  # expert ids are always finite
         if any(t is ids for t in named):
@@ -130,11 +130,17 @@ def value_error(experts: int, x: torch.Tensor | None = None, ids: torch.Tensor |
     return status_error(input_status(experts, x, ids, weights).tolist(), experts, name)
 
 
+def bare(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without autograd history: ``t`` itself where it records none (a ``detach`` is
+    an operator dispatch, a small call's host time)."""
+    return t.detach() if t.requires_grad else t
+
+
 def _clean_on_cpu(t: torch.Tensor, experts: int) -> bool:
     """A CPU tensor's values pass: floats sum to a finite value (fp16 summed in fp32, whose
     range a sum of finite values rarely leaves), integers lie in ``[0, experts)``."""
     if t.is_floating_point():
-        return math.isfinite(t.detach().sum(dtype=torch.float32 if t.dtype == torch.float16 else None).item())
+        return math.isfinite(bare(t).sum(dtype=torch.float32 if t.dtype == torch.float16 else None).item())
     lo, hi = torch.aminmax(t)
     return lo.item() >= 0 and hi.item() < experts
 

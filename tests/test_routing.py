@@ -13,6 +13,7 @@ from hpmoe.nn.hf import randomize_moe_, spec_from_hf, tiny_deepseek_v3_config, t
 from hpmoe.routing import (
     Routing,
     RoutingKind,
+    bare,
     check_input,
     check_routing,
     expert_counts,
@@ -303,3 +304,12 @@ def test_grouped_routing_matches_deepseek_v3_spread():
     par = ParallelSpec(ep=8, tokens_per_rank=256)
     assert ranks_per_token(synthetic_routing(RoutingKind.GROUPED, moe, par).ids, moe, par) == \
         pytest.approx(3.95, abs=0.05)
+
+
+def test_bare_detaches_only_what_records_history():
+    plain = torch.ones(3)
+    assert bare(plain) is plain  # no detach dispatched where there is nothing to detach
+    leaf = torch.ones(3, requires_grad=True)
+    out = bare(leaf * 2)
+    assert not out.requires_grad and out.grad_fn is None
+    assert torch.equal(out, torch.full((3,), 2.0))

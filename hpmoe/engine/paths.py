@@ -37,7 +37,7 @@ from ..ir.schedule import SchedulePolicy
 from ..regions.backward_kernels import SavedActivations
 from ..regions.base import Kept, RegionKind
 from ..regions.family import region_family
-from ..routing import Routing, RoutingPlan
+from ..routing import Routing, RoutingPlan, bare
 from ..schedule.tuner import Trial, timed
 from ..sim.hardware import HardwareModel
 from ..spec import MoESpec, Recompute, TileSpec
@@ -458,7 +458,7 @@ def _detached(x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]
     """The call's x and routing weights detached, as a path computes on them (with its
     weights' tensors detached too): the runtime's worker threads run with grad mode on
     (it is per thread)."""
-    return x.detach(), Routing(routing.ids, routing.weights.detach(), routing.counts)
+    return bare(x), Routing(routing.ids, bare(routing.weights), routing.counts)
 
 
 def _differentiated(*tensors: torch.Tensor | None) -> bool:
