@@ -9,7 +9,8 @@ each, and their difference; also the door's own time (each door call less the ti
 spent inside the path's forward and backward, which the script times: the door's work
 after the path's kernels have run, caches as a real call finds them), the aten ops
 each call dispatches (a count that no load on the machine changes) and which the door
-adds.  Last, the layer's weights alone,
+adds; on the inference call, the door's input check alone (its form and the scan of
+its values), right after a bare call and in a loop.  Last, the layer's weights alone,
 with and without gradients: built as a call would build them, and kept between calls
 (``nn.weights_cache``), the fastest of 7 rounds of 5,000.
 
@@ -85,7 +86,10 @@ def calls(spec_name: str, tokens: int, device: torch.device, grad: bool, backwar
         out, state = kbk_forward(x, Routing(ids, tw), wd, None, pool, save=grad, checked=True)
         return kbk_backward(state, dy, pool) if backward else out
 
-    return {"door": door, "bare": bare}
+    def check() -> object:  # the door's input check alone: the form, then the values' scan
+        return layer._door._checked(x, Routing(ids, tw), layer._door.logical(x.dtype))
+
+    return {"door": door, "bare": bare, "check": check}
 
 
 def timed(fns: dict[str, Callable], n: int, device: torch.device) -> dict[str, list[float]]:
@@ -128,6 +132,21 @@ def own_us(door: Callable[[], object], n: int) -> np.ndarray:
     return np.array(own)
 
 
+def check_us(bare: Callable[[], object], check: Callable[[], object], n: int) -> dict[str, dict[str, float]]:
+    """Microseconds of the door's input check (its form, then the scan of its values,
+    which the issue asks for on every call): right after a bare call, as a call finds the
+    machine, and right after another check (in a loop, warm)."""
+    after: dict[str, list[float]] = {"after_a_bare_call": [], "in_a_loop": []}
+    for _ in range(n):
+        bare()
+        for name in after:
+            start = time.perf_counter()
+            check()
+            after[name].append((time.perf_counter() - start) * 1e6)
+    return {k: {"median": round(float(np.median(v)), 1), "fastest": round(float(min(v)), 1)}
+            for k, v in after.items()}
+
+
 def weights_us(spec_name: str, device: torch.device) -> dict[str, dict[str, float]]:
     """Microseconds a call spends on the layer's weights: built, and kept between calls."""
     layer = MoE(preset(spec_name), ExpertWeights.random(preset(spec_name), 0)).to(device)
@@ -154,11 +173,13 @@ def main() -> None:
     torch.set_num_threads(1)
     for grad, backward in ((False, False), (True, False), (True, True)):
         fns = calls(args.preset, args.tokens, device, grad, backward)
+        check = fns.pop("check")
         with torch.set_grad_enabled(grad):
             timed(fns, 100, device)  # warm: the path chosen, arenas grown
             us = {k: np.array(v) * 1e6 for k, v in timed(fns, args.calls, device).items()}
             own = own_us(fns["door"], args.calls)
             counted = {k: ops(f) for k, f in fns.items()}
+            checked = check_us(fns["bare"], check, args.calls) if not grad else None
         added = counted["door"] - counted["bare"]
         print(json.dumps({
             "args": vars(args), "grad": grad, "backward": backward,
@@ -168,7 +189,7 @@ def main() -> None:
                                    "fastest": round(float(us["door"].min() - us["bare"].min()), 1)},
             "door_own_us": {"median": round(float(np.median(own)), 1), "fastest": round(float(own.min()), 1)},
             "aten_ops": {k: sum(c.values()) for k, c in counted.items()},
-            "door_adds": dict(added.most_common())}))
+            "door_adds": dict(added.most_common()), **({"check_us": checked} if checked else {})}))
     print(json.dumps({"weights_us": weights_us(args.preset, device)}))
 
 
