@@ -669,6 +669,32 @@ def test_region_on_a_routing_made_elsewhere_is_the_forward_on_that_routing() -> 
     torch.testing.assert_close(layer.region(x, ids, weights), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path,ep", [(Path.TASKFLOW, 2), (Path.KERNEL_BY_KERNEL, 1), (Path.PERSISTENT, 1)],
+                         ids=["taskflow-ep2", "kernel_by_kernel", "persistent-ep1"])
+def test_a_strided_input_gives_the_bits_of_its_contiguous_copy(path, ep):
+    """x a transposed view (strides (1, N)): the call's output and gradients are those of
+    the same values laid out row by row (a path that binds x's storage as rows reads it
+    so)."""
+    if path is Path.PERSISTENT:
+        pytest.importorskip("triton")
+    spec, pinned = preset("tiny"), pin(path, ep)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
+    g = torch.Generator().manual_seed(3)
+    strided = torch.randn(spec.hidden, 8, generator=g).t()
+    r = route(strided.contiguous(), layer.expert_weights())
+    dy = torch.randn(8, spec.hidden, generator=g)
+    runs = []
+    for x in (strided, strided.contiguous()):
+        x = x.detach().requires_grad_()
+        out = layer.region(x, r.ids, r.weights.detach())
+        out.backward(dy)
+        runs.append((out.detach(), x.grad))
+        ran(layer, pinned.kind, **pinned.fields)
+    assert not strided.is_contiguous()
+    for got, want in zip(*runs, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("recompute", list(Recompute), ids=[r.value for r in Recompute])
 def test_what_a_call_keeps_can_be_offloaded_by_saved_tensor_hooks(recompute):
     """What a call keeps goes through saved-tensor hooks (as ``save_on_cpu`` offloads):

@@ -106,7 +106,10 @@ class Door:
               w: ExpertWeights) -> torch.Tensor:
         dtype = _compute_dtype(x, w.spec.dtype)
         w = w if dtype == w.spec.dtype else _cast(w, dtype)
-        xc, routing = _as(x, dtype), Routing(_as(ids, torch.int64), _as(topk_weights, torch.float32))
+        # rows laid out one after another: a persistent kernel binds x's storage as rows, and a
+        # GEMM on a strided operand rounds otherwise (the same values, other bits)
+        xc = _as(x, dtype).contiguous()
+        routing = Routing(_as(ids, torch.int64), _as(topk_weights, torch.float32))
         o = self.options
         if compiled(o):
             return _as(self._compiled(xc, routing, w), x.dtype)
