@@ -2,9 +2,12 @@
 single process (virtual EP) and on gloo ranks of an EP group.  Every test that names a
 path, an EP degree or tiles pins the path and asserts (``helpers.ran``) that it ran."""
 
+import copy
 import dataclasses
+import io
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -479,6 +482,36 @@ def test_the_agreement_carries_kernel_by_kernels_counts(placed):
     _assert_ranks_equal_one_process([r for r, _ in results], counts, Path.KERNEL_BY_KERNEL)
 
 
+def _copied_step(rank, world):
+    """A placed kernel-by-kernel layer's step on an EP group, then its deep copy's on the
+    same tokens: the copy's placement and outputs (bits), and whether the copy's step
+    left the original's session open (the original steps again after it)."""
+    from hpmoe.placement import Placement
+
+    spec = preset("tiny")
+    layer = MoE(spec, ExpertWeights.random(spec, 1), ep_group=dist.group.WORLD, backend="kernel_by_kernel")
+    layer.placement = Placement((4, 1, 2, 3, 0, 5, 6, 7), spec.experts, world)
+    x, dy = _share(rank, (5, 2), spec)
+    first = _run(layer, x, dy)
+    copied = copy.deepcopy(layer)
+    got = _run(copied, x, dy)
+    ran(copied, KernelByKernelPath)
+    same_placement = copied.placement == layer.placement
+    copied.close()
+    layer.zero_grad()
+    again = _run(layer, x, dy)
+    layer.close()
+    return same_placement, first, got, again
+
+
+def test_a_copied_layer_on_an_ep_group_opens_its_own_session_and_keeps_the_placement():
+    for same_placement, first, got, again in spawn_gloo(_copied_step, 2, timeout=120):
+        assert same_placement
+        for run in (got, again):
+            torch.testing.assert_close(run[0], first[0], atol=0, rtol=0)
+            torch.testing.assert_close(run[1], first[1], atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------- AUTO
 
 
@@ -693,6 +726,36 @@ def test_a_strided_input_gives_the_bits_of_its_contiguous_copy(path, ep):
     assert not strided.is_contiguous()
     for got, want in zip(*runs, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("path,ep", [(Path.TASKFLOW, 2), (Path.KERNEL_BY_KERNEL, 1), (Path.PERSISTENT, 1)],
+                         ids=["taskflow-ep2", "kernel_by_kernel", "persistent-ep1"])
+def test_a_copied_layer_trains_alone_on_the_originals_path_and_load(path, ep):
+    """``copy.deepcopy`` of a layer that has trained (an EMA or reference model): the
+    copy's step gives the original's bits on the original's path, keeps its measured
+    load, and owns its parameters; a pickled layer loads and gives the same bits."""
+    if path is Path.PERSISTENT:
+        pytest.importorskip("triton")
+    spec, pinned = preset("tiny"), pin(path, ep)
+    layer = MoE(spec, ExpertWeights.random(spec, 1), **pinned.options)
+    x, dy = _data(spec, 8)
+    _run(layer, x, dy)
+    copied = copy.deepcopy(layer)
+    np.testing.assert_array_equal(copied.expert_load(), layer.expert_load())
+    got = _run(copied, x, dy)
+    ran(copied, pinned.kind, **pinned.fields)
+    layer.zero_grad()
+    want = _run(layer, x, dy)
+    for a, b in [(got[0], want[0]), (got[1], want[1]), *((got[2][n], want[2][n]) for n in want[2])]:
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), layer(x), atol=0, rtol=0)
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.mul_(2.0)
+    torch.testing.assert_close(layer(x), got[0], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("recompute", list(Recompute), ids=[r.value for r in Recompute])

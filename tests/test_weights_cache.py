@@ -5,6 +5,8 @@ the layer's current parameters."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -60,9 +62,15 @@ def _loaded_state(layer: MoE) -> None:
 
 @pytest.mark.parametrize("change", [_in_place, _new_storage, _replaced_parameter, _replaced_module,
                                     _loaded_state], ids=lambda f: f.__name__.strip("_"))
-def test_a_call_after_a_parameter_change_computes_on_the_new_parameters(change):
+@pytest.mark.parametrize("copied", [False, True], ids=["layer", "its-deep-copy"])
+def test_a_call_after_a_parameter_change_computes_on_the_new_parameters(change, copied):
+    """Also on a deep copy of a layer that has run (an EMA model): its parameters are
+    other tensors in other modules, which its own calls watch."""
     layer, (x, routing) = _layer(), _inputs()
     _agrees(layer, x, routing)
+    if copied:
+        layer = copy.deepcopy(layer)
+        _agrees(layer, x, routing)
     with torch.no_grad():
         before = layer.region(x, routing.ids, routing.weights)
         change(layer)

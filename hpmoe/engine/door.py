@@ -70,6 +70,14 @@ class Door:
         self._specs: dict[torch.dtype, MoESpec] = {}
         self._paths: dict[tuple, CallRecord] = {}
 
+    def __reduce__(self) -> tuple:
+        """A copy (``copy.deepcopy`` of a layer, or a pickled one) keeps the placement, the
+        load and AUTO's memory; it starts with no runtime session (it opens its own on the
+        same EP group at first use), no scratch, no input verdict and no call record (a
+        persistent program's state holds tensors with autograd history, which no copy
+        may take)."""
+        return (Door, (self.spec, self.options), {"auto": self.auto, "balance": self.balance})
+
     def session(self) -> Session | None:
         """The runtime session of a distributed layer, opened at first use (collective
         over the ep_group); None in one process."""

@@ -195,6 +195,11 @@ class RegionOptions:
             raise ValueError(f"hardware is AUTO's cost model in one process: schedule={self.schedule!r} "
                              "runs the taskflow without one")
 
+    def __deepcopy__(self, memo: dict) -> RegionOptions:
+        """Itself: options are frozen, and a copied layer runs on the same EP group (a
+        communication handle, not state; a process group cannot be copied)."""
+        return self
+
     @property
     def distributed(self) -> bool:
         return self.ep_group is not None

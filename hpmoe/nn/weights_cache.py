@@ -57,6 +57,11 @@ class WeightsCache:
         self.keeps = keeps  # False: every call builds (weights that follow more than the parameters)
         self.clear()
 
+    def __reduce__(self) -> tuple:
+        """A copy (``copy.deepcopy`` of a layer, a pickled one) starts empty: the copy's
+        parameters are other tensors in other modules, watched from its first call."""
+        return (type(self), (self.keeps,))
+
     def clear(self) -> None:
         """Forget the weights."""
         self._seen = -1
