@@ -175,19 +175,26 @@ class ExpertWeights:
                              *shared, *biases)
 
     @staticmethod
-    def random(spec: MoESpec, seed: int = 0) -> ExpertWeights:
-        """Weights drawn like a freshly initialised model (std 1/sqrt(fan_in))."""
-        g = torch.Generator().manual_seed(seed)
+    def random(spec: MoESpec, seed: int = 0, device: torch.device | str = "cpu") -> ExpertWeights:
+        """Weights drawn like a freshly initialised model (std 1/sqrt(fan_in)) on the CPU,
+        so the same values on any ``device``, and placed there; on the meta device their
+        shapes alone (nothing drawn: a layer too large for host memory is built so)."""
+        g, device = torch.Generator().manual_seed(seed), torch.device(device)
+        meta = device.type == "meta"
 
-        def draw(*shape: int, fan_in: int, dtype: torch.dtype = spec.dtype) -> torch.Tensor:
+        def draw(*shape: int, fan_in: int | None, dtype: torch.dtype = spec.dtype) -> torch.Tensor:
+            """std 1/sqrt(fan_in); None: std 0.01."""
+            if meta:
+                return torch.empty(*shape, dtype=dtype, device=device)
             drawn = torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu")
-            return (drawn / fan_in**0.5).to(dtype)
+            drawn = drawn * 0.01 if fan_in is None else drawn / fan_in**0.5
+            return drawn.to(dtype=dtype, device=device)
 
         fs = spec.shared_ffn
         # float32 whatever the default dtype
-        bias = torch.zeros(spec.experts, dtype=torch.float32, device="cpu")
+        bias = torch.zeros(spec.experts, dtype=torch.float32, device=device)
         if spec.gate is GateKind.SIGMOID:
-            bias = torch.randn(spec.experts, generator=g, dtype=torch.float32, device="cpu") * 0.01
+            bias = draw(spec.experts, fan_in=None, dtype=torch.float32)
         return ExpertWeights(
             spec=spec,
             router=draw(spec.experts, spec.hidden, fan_in=spec.hidden, dtype=torch.float32),

@@ -176,6 +176,8 @@ def test_a_block_argument_is_refused_where_the_family_routes_without_it():
     layer = MoE.from_hf(tiny_model(FAMILY["qwen3_moe"]).model.layers[0].mlp)
     with pytest.raises(TypeError, match="takes hidden_states only"):
         layer(torch.zeros(3, 32), torch.zeros(3))
+    with pytest.raises(TypeError, match=r"model.init_weights\(\)"):  # the block's parameters are the model's
+        layer.reset_parameters()
 
 
 @pytest.mark.parametrize("name", ["step3p7", "bailing_hybrid"])

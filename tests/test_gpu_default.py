@@ -237,3 +237,13 @@ def test_an_nccl_group_of_one_rank_gives_the_layer_without_a_group():
     grouped, alone = payload
     for a, b in zip(grouped, alone, strict=True):
         torch.testing.assert_close(a, b, **TOL[SPEC.dtype])
+
+
+def test_a_layer_built_under_a_cuda_default_device_holds_the_cpu_draws_there():
+    with torch.device(CUDA):
+        layer = MoE(SPEC, seed=3)
+    want = MoE(SPEC, seed=3).state_dict()
+    got = layer.state_dict()
+    assert {t.device.type for t in got.values()} == {"cuda"}
+    for name, value in want.items():
+        torch.testing.assert_close(got[name].cpu(), value, atol=0, rtol=0, msg=name)

@@ -758,6 +758,32 @@ def test_a_copied_layer_trains_alone_on_the_originals_path_and_load(path, ep):
     torch.testing.assert_close(layer(x), got[0], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("spec", [preset("tiny"), SOFTMAX, dataclasses.replace(SOFTMAX, expert_bias=True)],
+                         ids=["sigmoid-shared", "softmax", "expert-bias"])
+def test_a_layer_built_on_the_meta_device_draws_its_values_in_reset_parameters(spec):
+    """``with torch.device("meta")`` a layer holds shapes only (a layer too large for host
+    memory is built so); after ``to_empty`` its ``reset_parameters`` gives the parameters,
+    buffers and outputs of ``MoE(spec, seed=...)`` built on the CPU, and it does so again
+    after training moved them."""
+    with torch.device("meta"):
+        layer = MoE(spec, seed=3)
+    assert {t.device.type for t in (*layer.parameters(), *layer.buffers())} == {"meta"}
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    want = MoE(spec, seed=3)
+    x, dy = _data(spec, 8)
+    for _ in range(2):
+        got = layer.state_dict()
+        assert got.keys() == want.state_dict().keys()
+        for name, value in want.state_dict().items():
+            torch.testing.assert_close(got[name], value, atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(layer(x), want(x), atol=0, rtol=0)
+        _run(layer, x, dy)
+        torch.optim.SGD(layer.parameters(), lr=1.0).step()
+        assert not torch.equal(layer.experts.down_proj, want.experts.down_proj)
+        layer.reset_parameters()
+
+
 @pytest.mark.parametrize("recompute", list(Recompute), ids=[r.value for r in Recompute])
 def test_what_a_call_keeps_can_be_offloaded_by_saved_tensor_hooks(recompute):
     """What a call keeps goes through saved-tensor hooks (as ``save_on_cpu`` offloads):

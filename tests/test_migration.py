@@ -211,6 +211,28 @@ def test_a_sharded_layer_starts_with_spares_that_take_no_tokens_and_no_all_reduc
             assert g.abs().sum() > 0, name
 
 
+def _reset(rank, world):
+    layer = MoE(SPEC, ep_group=dist.group.WORLD, shard_experts=True, redundant=2, seed=4)
+    layer.move_to(REPLICAS)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.zero_()
+    layer.reset_parameters()
+    w, per = ExpertWeights.random(SPEC, 4), layer.placement.slots_per_rank
+    mine = list(layer.placement.phy2log[rank * per:(rank + 1) * per])
+    drawn = (torch.equal(layer.experts.gate_up_proj, w.w13[mine]),
+             torch.equal(layer.experts.down_proj, w.w2[mine]), torch.equal(layer.gate.weight, w.router))
+    layer.close()
+    return drawn
+
+
+def test_a_sharded_layer_reset_after_a_move_draws_its_stored_slots_rows():
+    """``reset_parameters`` on a sharded layer: each rank's rows are the drawn rows of the
+    experts its slots hold under the layer's placement now (two replicas included)."""
+    for drawn in spawn_gloo(_reset, 2, timeout=120):
+        assert all(drawn), drawn
+
+
 def _refusals(rank, world):
     group = dist.group.WORLD
     errors = []

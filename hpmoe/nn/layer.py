@@ -56,6 +56,26 @@ if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by 
 # ---------------------------------------------------------------------------- module
 
 
+def _stored(spec: MoESpec, options: RegionOptions, placement: Placement | None) -> slice | list[int]:
+    """The logical experts whose rows a layer stores, in its row order: every one, or
+    with ``shard_experts`` this rank's slots' under ``placement``."""
+    if not options.shard_experts:
+        return slice(None)
+    return list(placement.phy2log[own_rows(spec, options, placement)])
+
+
+def _initial(w: ExpertWeights, stored: slice | list[int]) -> tuple[
+        tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """A spec-built layer's values from ``w`` (copies): the ``stored`` experts' rows of
+    w13, w2 (and biases), the router, a sigmoid gate's score-correction bias (else None)
+    and the shared expert's gate, up and down (none without one)."""
+    s, fs = w.spec, w.spec.shared_ffn
+    bias = w.router_bias.detach().clone() if s.gate is GateKind.SIGMOID else None
+    shared = (w.shared_w13[:fs], w.shared_w13[fs:], w.shared_w2) if fs else ()
+    return (tuple(t.detach()[stored].clone() for t in (w.w13, w.w2, *w.biases)), w.router.detach().clone(),
+            bias, tuple(t.detach().clone() for t in shared))
+
+
 class MoE(nn.Module):
     """A routed + shared MoE-FFN layer whose region runs as tile taskflows.
 
@@ -82,22 +102,40 @@ class MoE(nn.Module):
         super().__init__()
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
-        w = ExpertWeights.random(spec, seed) if weights is None else weights
+        w = ExpertWeights.random(spec, seed, torch.get_default_device()) if weights is None else weights
         if not isinstance(w, ExpertWeights) or w.spec != spec:
             raise ValueError(f"weights must be ExpertWeights of spec {spec}, got {getattr(w, 'spec', w)!r}")
-        fs = spec.shared_ffn
-        bias = w.router_bias.detach().clone() if spec.gate is GateKind.SIGMOID else None
-        parts = (w.shared_w13[:fs], w.shared_w13[fs:], w.shared_w2) if fs else ()
         options = RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware, backend,
                                 nodes, rebalance_every, redundant, shard_experts, check, offload)
-        first, stored = None, slice(None)
+        first = None
         if shard_experts:
             first = starting_placement(spec.experts, options.ranks, options.redundant, options.nodes)
-            stored = list(first.phy2log[own_rows(spec, options, first)])
-        self.experts = FusedExperts(*(t.detach()[stored].clone() for t in (w.w13, w.w2, *w.biases)))
-        self.gate = TopkRouter(w.router.detach().clone(), bias)
-        self.shared_experts = SharedMLP(*(t.detach().clone() for t in parts)) if fs else None
-        self._setup(spec, None, "shared_experts" if fs else None, options, first)
+        experts, router, bias, shared = _initial(w, _stored(spec, options, first))
+        self.experts = FusedExperts(*experts)
+        self.gate = TopkRouter(router, bias)
+        self.shared_experts = SharedMLP(*shared) if shared else None
+        self._seed = seed
+        self._setup(spec, None, "shared_experts" if shared else None, options, first)
+
+    def reset_parameters(self) -> None:
+        """Draw the parameters again, in place, as ``MoE(spec, seed=seed)`` draws them
+        (``ExpertWeights.random``; a sharded layer its stored slots' rows): a layer built
+        on the meta device (``with torch.device("meta")``) gets its values so after
+        ``to_empty``.  A layer over a transformers block is initialised by its model
+        (``init_weights``)."""
+        if self.family is not None:
+            raise TypeError("reset_parameters: this layer holds a transformers block's parameters; "
+                            "initialise them through the model (model.init_weights())")
+        experts, router, bias, shared = _initial(ExpertWeights.random(self.spec, self._seed),
+                                                 _stored(self.spec, self.options, self.placement))
+        gate = (router,) if bias is None else (router, bias)
+        drawn = {"experts": experts, "gate": gate, "shared_experts": shared}
+        with torch.no_grad():
+            for name, values in drawn.items():
+                module = getattr(self, name)
+                mine = (*module.parameters(), *module.buffers()) if module is not None else ()
+                for t, value in zip(mine, values, strict=True):
+                    t.copy_(value)
 
     def _setup(self, spec: MoESpec, family: Family | None, fused_shared: str | None,
                options: RegionOptions, placement: Placement | None = None) -> None:
