@@ -67,6 +67,8 @@ def _bad_inputs_then_a_clean_step(rank: int, world: int, path: str) -> dict:
     weights = torch.full((TOKENS, layer.spec.top_k), 0.5)
     zeros = torch.zeros_like(nan)
     got = {"nan": _error(lambda: layer(nan)), "ids": _error(lambda: layer.region(zeros, ids, weights))}
+    with torch.set_grad_enabled(rank == 1):  # rank 0 evaluates, rank 1 trains: no backward in step
+        got["grad"] = _error(lambda: layer(mine))
     out = layer(mine)
     out.backward(torch.ones_like(out))
     got |= {"out": out.detach(), "dx": mine.grad}
@@ -90,11 +92,13 @@ def test_bad_input_on_one_rank_is_named_on_every_rank_and_the_next_step_runs_in_
     for key, want in (("nan", "rank 1 rejected its input: x has NaN at row 5"),
                       ("ids", "rank 0 rejected its input: routing.ids contains expert id 99, outside [0, 8)"),
                       ("dtype", "dtype differs: rank 0 float32, rank 1 bfloat16"),
-                      ("shape", "top_k differs: rank 0 2, rank 1 3")):
+                      ("shape", "top_k differs: rank 0 2, rank 1 3"),
+                      ("grad", "backward differs: rank 0 records none (no_grad, or nothing requires a "
+                               "gradient), rank 1 records a backward")):
         assert ranks[0][key] == ranks[1][key], key
         assert want in ranks[0][key], ranks[0][key]
     assert ranks[0]["nan"].startswith("InputRejected") and ranks[0]["dtype"].startswith("MismatchError")
-    assert ranks[0]["shape"].startswith("MismatchError")
+    assert ranks[0]["shape"].startswith("MismatchError") and ranks[0]["grad"].startswith("MismatchError")
     tiles = path_options(path, TINY_TILES)[1]
     whole = MoE(preset("tiny"), ExpertWeights.random(preset("tiny"), 1), tiles=tiles, schedule=None)
     x = _x(2).requires_grad_()

@@ -36,7 +36,7 @@ from .balance import Balance
 from .check import InputCheck
 from .compiled import run_region
 from .options import RegionOptions
-from .paths import RegionPath, run
+from .paths import RegionPath, records_backward, run
 from .selection import Auto, compiled, decision, select, tuned
 
 if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by ``import hpmoe``
@@ -172,18 +172,20 @@ class Door:
         except (ValueError, TypeError) as err:
             error = err
         rows = expert_counts(routing.ids, spec.experts) if error is None else None
+        backward = error is None and records_backward(x, routing.weights, w)
         opened = self._open(x.shape[0] if isinstance(x, torch.Tensor) else 0, w, error,
-                            rows if self.balance.placement is None else None)
+                            rows if self.balance.placement is None else None, backward)
         return Routing(routing.ids, routing.weights, rows), opened
 
     def _open(self, tokens: int, w: ExpertWeights, error: BaseException | None,
-              sent: torch.Tensor | None) -> Opened:
+              sent: torch.Tensor | None, backward: bool = False) -> Opened:
         """The agreement that opens a distributed call, before any other collective of
-        it; it carries the tuner's figures (its trial's time), and observes every rank's."""
+        it; it carries the tuner's figures (its trial's time), and observes every rank's;
+        ``backward``: the call records a backward."""
         s, tuner = self.session(), self.auto.tuner
         p = self.balance.placement
         opened = s.open_call(RegionKind.FORWARD, w, self.options.tiles, tokens, error, tuner.report(),
-                             tuner.digest(), p.digest() if p is not None else 0, sent)
+                             tuner.digest(), p.digest() if p is not None else 0, sent, backward)
         tuner.observe(opened.figures[:, 0].tolist(), opened.figures[:, 1].tolist(), s.rank)
         return opened
 

@@ -446,7 +446,7 @@ def run(path: RegionPath, x: torch.Tensor, routing: Routing, weights: ExpertWeig
     w = weights if path.reads_slots else weights.gathered(own)
     tensors = (w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2)
     with _timing(trial, clock, x.device, backward=False):
-        if not _differentiated(x, routing.weights, *tensors, *(w.shared_parts or ())):
+        if not records_backward(x, routing.weights, w):
             # no autograd node: its apply is a tiny call's largest host cost
             return path.forward(*_detached(x, routing), w.detached(), False)[0]
         call = RegionCall(w.spec, routing.ids, path, True, trial, w.slot_rows, clock, session, tiles,
@@ -461,6 +461,8 @@ def _detached(x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]
     return bare(x), Routing(routing.ids, bare(routing.weights), routing.counts)
 
 
-def _differentiated(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call on ``tensors`` records a gradient: grad mode on and one requires it."""
+def records_backward(x: torch.Tensor, topk_weights: torch.Tensor, w: ExpertWeights) -> bool:
+    """Whether a call on x, its routing weights and expert weights ``w`` records a
+    backward (one autograd node): grad mode on and one of them requires a gradient."""
+    tensors = (x, topk_weights, w.w13, w.w2, w.shared_w13, w.shared_w2, w.b13, w.b2, *(w.shared_parts or ()))
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -54,16 +54,17 @@ class Fingerprint:
     weights_crc: int = UNCHECKED
     tuning: int = 0  # digest of the layer's tuning history (``schedule.tuner.Tuner.digest``)
     placement: int = 0  # digest of the layer's expert placement (``Placement.digest``; 0: none)
+    backward: int = 0  # 1: the forward records a backward, a collective every rank must then run
 
     @staticmethod
     def of(kind: RegionKind, weights: ExpertWeights, tokens: int, tiles: TileSpec,
-           checksum: bool, tuning: int = 0, placement: int = 0) -> Fingerprint:
+           checksum: bool, tuning: int = 0, placement: int = 0, backward: bool = False) -> Fingerprint:
         s = weights.spec
         return Fingerprint(region=_KINDS.index(kind) + 1, dtype=dtype_code(s.dtype), tokens=tokens,
                            hidden=s.hidden, experts=s.experts, top_k=s.top_k, tile_rows=tiles.rows,
                            gemm_rows=tiles.gemm_rows, gemm_cols=tiles.gemm_cols,
                            weights_crc=weights_checksum(weights) if checksum else UNCHECKED, tuning=tuning,
-                           placement=placement)
+                           placement=placement, backward=int(backward))
 
 
 _FIELDS = fields(Fingerprint)
@@ -79,6 +80,8 @@ def _show(name: str, value: int) -> str:
         return str(_DTYPES[value - 1]).removeprefix("torch.") if 0 < value <= len(_DTYPES) else "other"
     if name == "region" and 0 < value <= len(_KINDS):
         return _KINDS[value - 1].value
+    if name == "backward":
+        return "records a backward" if value else "records none (no_grad, or nothing requires a gradient)"
     if name == "weights_crc":
         return "unchecked" if value == UNCHECKED else f"{value:08x}"
     return str(value)

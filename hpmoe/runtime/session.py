@@ -125,7 +125,7 @@ class Session:
 
     def open_call(self, kind: RegionKind, weights: ExpertWeights, tiles: TileSpec, tokens: int,
                   error: BaseException | None = None, figures: Sequence[int] = (), tuning: int = 0,
-                  placement: int = 0, sent: torch.Tensor | None = None) -> Opened:
+                  placement: int = 0, sent: torch.Tensor | None = None, backward: bool = False) -> Opened:
         """Open call number ``calls + 1`` of a layer, before any other collective of it:
         snapshot the counters (no peer signals this call's events before every rank has
         passed the agreement), then agree on what it is (ranks may hold different numbers
@@ -134,14 +134,15 @@ class Session:
         (``error``: this rank's objection).  ``figures``: numbers ranks may differ on
         (the tuner's); ``sent``: this rank's rows per expert ([E] int64, None on every
         rank or none), carried so that kernel by kernel needs no count exchange of its
-        own.  Raises as ``agree`` on every rank."""
+        own; ``backward``: the call records a backward (ranks that differ could never run
+        it together).  Raises as ``agree`` on every rank."""
         self.calls += 1
         self.transport.begin()
         carried = np.zeros(AGREED_COUNTS, np.int64)  # one row length on every rank, whatever its layer
         fits = sent is not None and sent.numel() <= AGREED_COUNTS  # the same on ranks that agree
         if fits:
             carried[:sent.numel()] = sent.cpu().numpy()
-        mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning, placement)
+        mine = Fingerprint.of(kind, weights, 0, tiles, self.config.check_weights, tuning, placement, backward)
         what = f"{kind.name.lower()} call {self.calls}: agreement"
         table = agree(self.collectives, what, mine, error, (tokens, *figures, *carried))
         if kind in _OPENS_A_CALL:
