@@ -103,3 +103,49 @@ def test_a_full_dev_shm_is_named_on_every_rank() -> None:
     for line in lines:
         assert "/dev/shm is full: rank 0 could not create its 1028.1 KiB shared segment" in line, line
         assert "free (enlarge /dev/shm or use transport=dist)" in line
+
+
+def _dropped_layers(rank: int, world: int) -> dict:
+    """Layers on each transport that train a step and are let go without close():
+    hpmoe threads alive and SIGTERM's handler after each, and a layer dropped while its
+    output's graph still holds the session (its backward runs after the drop)."""
+    import gc
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from hpmoe import MoE
+    from hpmoe.runtime import RuntimeConfig, TransportKind
+    from hpmoe.spec import preset
+
+    def ours() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("hpmoe-"))
+
+    spec, handler = preset("tiny"), signal.getsignal(signal.SIGTERM)
+    x = torch.randn(16, spec.hidden, requires_grad=True)
+    got = {}
+    for transport in (TransportKind.SHM, TransportKind.DIST):
+        layer = MoE(spec, ep_group=dist.group.WORLD, schedule=None,
+                    runtime=RuntimeConfig(transport=transport))
+        layer(x).sum().backward()
+        running = ours() + ["(handler installed)"] * (signal.getsignal(signal.SIGTERM) is not handler)
+        out = layer(x)
+        del layer
+        gc.collect()
+        out.sum().backward()  # the graph holds the session: still open
+        del out
+        gc.collect()
+        restored = signal.getsignal(signal.SIGTERM) is handler
+        got[transport.value] = (running, ours(), restored, os.listdir(SHM_DIR))
+    return got
+
+
+def test_a_layer_let_go_without_close_stops_its_threads_and_restores_the_signal_handlers():
+    from hpmoe.testing import spawn_gloo
+
+    for transport, (running, after, restored, shm) in spawn_gloo(_dropped_layers, 1, timeout=120)[0].items():
+        assert any(n.startswith("hpmoe-worker") for n in running), (transport, running)
+        assert "(handler installed)" in running, (transport, running)
+        assert after == [] and restored, (transport, after)
+        assert not [n for n in shm if n.startswith("hpmoe")], (transport, shm)

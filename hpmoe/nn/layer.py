@@ -202,7 +202,9 @@ class MoE(nn.Module):
         return self._door.session()
 
     def close(self) -> None:
-        """Close the runtime session this layer opened (a shared session stays open)."""
+        """Close the runtime session this layer opened (a shared session stays open): its
+        threads and shared segments.  A layer let go without it closes it as the session
+        is collected (after the last graph that holds it)."""
         self._door.close()
 
     def check(self) -> None:

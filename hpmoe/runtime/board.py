@@ -115,4 +115,5 @@ class Board:
         with self._cond:
             self._stop = True
             self._cond.notify()
-        self._thread.join(timeout=1.0)
+        if self._thread is not threading.current_thread():  # a session collected there
+            self._thread.join(timeout=1.0)

@@ -331,5 +331,6 @@ class Executor:
         threads, self._threads = self._threads, []
         for t in threads:
             t.jobs.put(None)
-        for t in threads:
-            t.thread.join(timeout=0.0 if self._broken else 1.0)
+        for t in threads:  # not the thread that runs this (a session collected there)
+            if t.thread is not threading.current_thread():
+                t.thread.join(timeout=0.0 if self._broken else 1.0)

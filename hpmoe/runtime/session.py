@@ -7,7 +7,8 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -110,7 +111,11 @@ class Session:
         self.job = check_token(JOB_ENV, env_job) if env_job else self.session
         self.executor = Executor(self.config.executor_config())
         self.transport: Transport = self._make_transport(hello)
-        self._handlers = _install(self._on_signal)
+        self._signals = _Unlinking(self.transport)
+        # what close() does, also when the session is dropped without it (a layer let go): nothing
+        # the threads or the signal handler hold refers back to the session
+        self._release = weakref.finalize(self, _release, self.executor, self.transport, self.board,
+                                         self._signals)
 
     def agree(self, kind: RegionKind, weights: ExpertWeights, tokens: int, tiles: TileSpec,
               error: BaseException | None = None) -> int:
@@ -165,30 +170,14 @@ class Session:
             raise ValueError(f"transport=shm needs every rank on one host, got {len(set(hello.hosts))} "
                              "hosts; use transport=dist")
         sweep_stale()  # segments of dead processes (a crash while a segment grew)
+        collectives = self.collectives
         return ShmTransport(self.rank, self.world, self.job, list(hello.pids),
-                            lambda t: self.collectives.all_gather(t, "shared segment growth"))
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        """SIGTERM/SIGINT: unlink the segment names this rank still holds, then do
-        what the previous handler did (by default: die of the signal)."""
-        if isinstance(self.transport, ShmTransport):
-            self.transport.heap.unlink_created()
-        old = self._handlers.get(signum, signal.SIG_DFL)
-        if callable(old):
-            old(signum, frame)
-        elif old != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+                            lambda t: collectives.all_gather(t, "shared segment growth"))
 
     def close(self) -> None:
-        """Stop the workers and release every segment (idempotent, local)."""
-        for signum, old in self._handlers.items():
-            if signal.getsignal(signum) == self._on_signal:
-                signal.signal(signum, old)
-        self._handlers = {}
-        self.executor.close()
-        self.transport.close()
-        self.board.close()
+        """Stop the threads and release every segment (idempotent, local); a session
+        dropped without it does so as it is collected."""
+        self._release()
 
     def __enter__(self) -> Session:
         return self
@@ -232,11 +221,44 @@ def _hello(store: dist.Store, group: dist.ProcessGroup | None, rank: int, world:
                   pids=tuple(int(p[2]) for p in parts))
 
 
-def _install(handler: Callable[[int, object], None]) -> dict[int, object]:
-    """``handler`` for SIGTERM and SIGINT (main thread only); the previous handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+class _Unlinking:
+    """SIGTERM and SIGINT while a session is open (installed from the main thread only):
+    unlink the segment names its transport still holds, then do what the previous
+    handler did (by default: die of the signal).  It holds the transport weakly."""
+
+    def __init__(self, transport: Transport):
+        self._transport = weakref.ref(transport)
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+
+    def __call__(self, signum: int, frame: object) -> None:
+        transport = self._transport()
+        if isinstance(transport, ShmTransport):
+            transport.heap.unlink_created()
+        old = self.previous.get(signum, signal.SIG_DFL)
+        if callable(old):
+            old(signum, frame)
+        elif old != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def restore(self) -> None:
+        """Put the previous handlers back where this one is still installed (main thread
+        only; elsewhere it stays, passing signals on)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, old in list(self.previous.items()):
+            if signal.getsignal(signum) is self:
+                signal.signal(signum, old)
+                del self.previous[signum]
+
+
+def _release(executor: Executor, transport: Transport, board: Board, signals: _Unlinking) -> None:
+    """A session's close: its signal handlers, worker threads, segments and board."""
+    signals.restore()
+    executor.close()
+    transport.close()
+    board.close()
 
 
 def _host_id() -> int:

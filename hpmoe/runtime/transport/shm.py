@@ -133,7 +133,8 @@ class _PeerWatch:
         if self._stop_w < 0:
             return
         os.write(self._stop_w, b"x")
-        self._thread.join(timeout=5.0)
+        if self._thread is not threading.current_thread():  # a session collected there
+            self._thread.join(timeout=5.0)
         for fd in [*self._fds, self._stop_r, self._stop_w]:
             os.close(fd)
         self._stop_w = -1
