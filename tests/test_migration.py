@@ -6,6 +6,7 @@ middle, the optimizer's moments moved with the rows."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -211,26 +212,43 @@ def test_a_sharded_layer_starts_with_spares_that_take_no_tokens_and_no_all_reduc
             assert g.abs().sum() > 0, name
 
 
-def _reset(rank, world):
-    layer = MoE(SPEC, ep_group=dist.group.WORLD, shard_experts=True, redundant=2, seed=4)
-    layer.move_to(REPLICAS)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.zero_()
-    layer.reset_parameters()
-    w, per = ExpertWeights.random(SPEC, 4), layer.placement.slots_per_rank
-    mine = list(layer.placement.phy2log[rank * per:(rank + 1) * per])
-    drawn = (torch.equal(layer.experts.gate_up_proj, w.w13[mine]),
-             torch.equal(layer.experts.down_proj, w.w2[mine]), torch.equal(layer.gate.weight, w.router))
+def _reset_and_copy(rank, world, redundant):
+    """A sharded layer reset before and after a move, then deep-copied and the copy
+    moved back: whether each reset drew the rows of the experts its slots hold, and
+    whether the copy's state dict, saved after its move, holds the original's values."""
+    layer = MoE(SPEC, ep_group=dist.group.WORLD, shard_experts=True, redundant=redundant, seed=4)
+    w, drawn = ExpertWeights.random(SPEC, 4), []
+    start = layer._door.balance.physical()
+    for placement in (None, SWAP if redundant == 0 else REPLICAS):
+        if placement is not None:
+            layer.move_to(placement)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.zero_()
+        layer.reset_parameters()
+        per = layer._door.balance.physical().slots_per_rank
+        mine = list(layer._door.balance.physical().phy2log[rank * per:(rank + 1) * per])
+        drawn += [torch.equal(layer.experts.gate_up_proj, w.w13[mine]),
+                  torch.equal(layer.experts.down_proj, w.w2[mine]), torch.equal(layer.gate.weight, w.router)]
+    copied = copy.deepcopy(layer)
+    copied.move_to(start)
+    state = copied.state_dict()
+    same = [torch.equal(row, full[e:e + 1]) for name, full in (("gate_up_proj", w.w13), ("down_proj", w.w2))
+            for row, e in zip(state[f"experts.{name}"].rows, state[f"experts.{name}"].experts, strict=True)]
     layer.close()
-    return drawn
+    copied.close()
+    return drawn, all(same) and len(same) > 0
 
 
-def test_a_sharded_layer_reset_after_a_move_draws_its_stored_slots_rows():
-    """``reset_parameters`` on a sharded layer: each rank's rows are the drawn rows of the
-    experts its slots hold under the layer's placement now (two replicas included)."""
-    for drawn in spawn_gloo(_reset, 2, timeout=120):
+@pytest.mark.parametrize("redundant", [0, 2])
+def test_a_sharded_layer_resets_its_stored_slots_rows_and_its_copy_saves_its_own_order(redundant):
+    """``reset_parameters`` on a sharded layer draws, on each rank, the rows of the
+    experts its slots hold under the placement now (the starting one, then after a move;
+    two replicas included); a deep copy moved elsewhere saves the same logical state
+    dict as the original (its state-dict hooks read its own placement)."""
+    for drawn, same in spawn_gloo(_reset_and_copy, 2, redundant, timeout=120):
         assert all(drawn), drawn
+        assert same
 
 
 def _refusals(rank, world):

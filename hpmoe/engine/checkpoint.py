@@ -110,21 +110,27 @@ def attach(module: nn.Module, balance: Balance, names: list[str]) -> None:
     """Make ``module``'s state dict logical: its sharded expert tensors ``names`` (names
     under the module) leave ``state_dict`` as ``LogicalRows`` and load from a
     ``LogicalRows`` or a full logical tensor (``stored_rows``)."""
-    experts = balance.spec.experts
+    module.register_state_dict_post_hook(_Logical(balance, names, load=False))
+    module.register_load_state_dict_pre_hook(_Logical(balance, names, load=True))
 
-    def save(mod: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
-        slots = held(balance)
-        for name in names:
-            state[prefix + name] = logical_rows(state[prefix + name], slots, experts)
 
-    def load(mod: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
-        slots = held(balance)
-        for name in names:
-            if prefix + name in state:
-                state[prefix + name] = stored_rows(state[prefix + name], slots, experts, prefix + name)
+@dataclass
+class _Logical:
+    """``attach``'s state-dict hook (``load``: the load hook, else the save hook): an
+    object, not a closure, so that a deep copy of the module reads its own balance (a
+    closure would be shared, reading the original's placement)."""
 
-    module.register_state_dict_post_hook(save)
-    module.register_load_state_dict_pre_hook(load)
+    balance: Balance
+    names: list[str]
+    load: bool
+
+    def __call__(self, mod: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
+        slots, experts = held(self.balance), self.balance.spec.experts
+        for key in (prefix + name for name in self.names):
+            if not self.load:
+                state[key] = logical_rows(state[key], slots, experts)
+            elif key in state:
+                state[key] = stored_rows(state[key], slots, experts, key)
 
 
 # ---------------------------------------------------------------------------- balance

@@ -29,7 +29,7 @@ from torch import nn
 from ..engine import RegionOptions
 from ..engine.balance import MIN_REBALANCE_GAIN, own_rows
 from ..engine.check import CheckMode
-from ..engine.checkpoint import attach
+from ..engine.checkpoint import attach, held
 from ..engine.door import CallRecord, Door
 from ..engine.selection import runtime_policy
 from ..exec.backend import Backend
@@ -54,14 +54,6 @@ if TYPE_CHECKING:  # the runtime is imported on first distributed use, never by 
     from ..runtime import RuntimeConfig, Session
 
 # ---------------------------------------------------------------------------- module
-
-
-def _stored(spec: MoESpec, options: RegionOptions, placement: Placement | None) -> slice | list[int]:
-    """The logical experts whose rows a layer stores, in its row order: every one, or
-    with ``shard_experts`` this rank's slots' under ``placement``."""
-    if not options.shard_experts:
-        return slice(None)
-    return list(placement.phy2log[own_rows(spec, options, placement)])
 
 
 def _initial(w: ExpertWeights, stored: slice | list[int]) -> tuple[
@@ -107,10 +99,11 @@ class MoE(nn.Module):
             raise ValueError(f"weights must be ExpertWeights of spec {spec}, got {getattr(w, 'spec', w)!r}")
         options = RegionOptions(ep_group, virtual_ep, schedule, recompute, tiles, runtime, hardware, backend,
                                 nodes, rebalance_every, redundant, shard_experts, check, offload)
-        first = None
+        first, stored = None, slice(None)
         if shard_experts:
             first = starting_placement(spec.experts, options.ranks, options.redundant, options.nodes)
-        experts, router, bias, shared = _initial(w, _stored(spec, options, first))
+            stored = list(first.phy2log[own_rows(spec, options, first)])
+        experts, router, bias, shared = _initial(w, stored)
         self.experts = FusedExperts(*experts)
         self.gate = TopkRouter(router, bias)
         self.shared_experts = SharedMLP(*shared) if shared else None
@@ -126,8 +119,8 @@ class MoE(nn.Module):
         if self.family is not None:
             raise TypeError("reset_parameters: this layer holds a transformers block's parameters; "
                             "initialise them through the model (model.init_weights())")
-        experts, router, bias, shared = _initial(ExpertWeights.random(self.spec, self._seed),
-                                                 _stored(self.spec, self.options, self.placement))
+        stored = list(held(self._door.balance)) if self.options.shard_experts else slice(None)
+        experts, router, bias, shared = _initial(ExpertWeights.random(self.spec, self._seed), stored)
         gate = (router,) if bias is None else (router, bias)
         drawn = {"experts": experts, "gate": gate, "shared_experts": shared}
         with torch.no_grad():
