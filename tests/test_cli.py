@@ -45,6 +45,8 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
     (["bench", "--backend", "kernel_by_kernel", "--schedule", "hyperparallel"],
      "hpmoe bench: error: --backend kernel_by_kernel runs no schedule: --schedule=hyperparallel must be "
      "left at auto"),
+    (["bench", "--preset", "tiny", "--tokens", "0"],  # before any rank starts: said once
+     "hpmoe bench: error: ParallelSpec.tokens_per_rank must be a positive int, got 0"),
 ])
 def test_bad_flags_end_in_one_line_naming_flag_and_value(argv: list[str], message: str,
                                                            capsys: pytest.CaptureFixture) -> None:

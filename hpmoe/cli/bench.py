@@ -36,7 +36,7 @@ from ..runtime.session import JOB_ENV, RuntimeConfig
 from ..runtime.transport.base import TransportKind
 from ..runtime.transport.segment import SegmentError
 from ..sim.trace import write_gantt, write_trace
-from ..spec import DispatchMode, TileSpec, preset
+from ..spec import DispatchMode, ParallelSpec, TileSpec, preset
 from .common import DTYPES, add_layer_args, balance_redundant, dtype_choice, emit, require_plotting
 
 _OPTIONS = ("preset", "tokens", "routing", "dtype", "seed", "tile_rows", "gemm_rows", "gemm_cols",
@@ -134,7 +134,13 @@ def run(args: argparse.Namespace) -> int:
         require_plotting("hpmoe bench --trace (gantt.png)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank_main(args, config)
+    ParallelSpec(ep=ranks(args), tokens_per_rank=config.tokens)  # named once, before any rank starts
     return launch_ranks("bench", args, config.moe.experts, config.link, _rank_argv(args))
+
+
+def ranks(args: argparse.Namespace) -> int:
+    """The local ranks ``--ep`` asks for (2 when not given)."""
+    return 2 if args.ep is None else args.ep
 
 
 def launch_ranks(command: str, args: argparse.Namespace, experts: int, link: LinkSpec | None,
@@ -151,7 +157,7 @@ def rank_launch(command: str, args: argparse.Namespace, experts: int, link: Link
                 argv: list[str], capture: bool = False) -> LaunchSpec:
     """The launch of ``hpmoe COMMAND ARGV`` as ``--ep`` local ranks under ``--timeout``,
     the ranks' output collected with ``capture``."""
-    ep = 2 if args.ep is None else args.ep
+    ep = ranks(args)
     if ep <= 0 or experts % ep:
         raise ValueError(f"--ep={ep} must be a positive divisor of the {experts} experts")
     return LaunchSpec(argv=(sys.executable, "-m", "hpmoe", command, *argv), world=ep,
