@@ -147,7 +147,8 @@ def test_the_task_tables_entries_in_one_launch_are_the_torch_integers(case):
 
 def test_a_step_before_its_launch_reads_nothing_of_the_device(case):
     """Resolving the routing, writing the task table and the row indices, binding and
-    the addresses: no op or Tensor method whose result the host must wait for."""
+    the addresses: no op or Tensor method whose result the host must wait for.  A
+    strided x (the program's own caller, not the layer's door) launches as its rows."""
     from .test_host_reads import no_host_reads
 
     x, w, routings = case
@@ -160,6 +161,8 @@ def test_a_step_before_its_launch_reads_nothing_of_the_device(case):
     launched = program.launch(x, w, routings[3])  # in the interpreter: rounds, no check
     assert torch.equal(launched.out, triton_forward(x, w, routings[3], 1, TILES).out)
     assert program.last is launched and not launched.errors.any()
+    strided = x.t().contiguous().t()  # the same values laid out column by column
+    assert torch.equal(program.launch(strided, w, routings[3]).out, launched.out)
 
 
 def test_every_launch_and_every_checked_run_starts_the_counters_from_zero(case):

@@ -252,9 +252,9 @@ class SlotProgram:
     def _bind(self, x: torch.Tensor, weights: ExpertWeights, routing: Routing) -> torch.Tensor:
         """Bind this call's tensors (its row indices are in the arena already); returns the
         output tensor bound."""
-        a = self.arena
-        out = torch.empty_like(x)
-        a.bind_all({"x": x.contiguous(), "out": out, "topk": routing.weights.contiguous()})
+        a, x = self.arena, x.contiguous()
+        out = torch.empty_like(x)  # rows laid out as x's now are: a strided x's would be strided too
+        a.bind_all({"x": x, "out": out, "topk": routing.weights.contiguous()})
         if weights.has_shared:
             a.bind_all({"sw13": weights.shared_w13.contiguous(), "sw2": weights.shared_w2.contiguous()})
         bind_experts(a, {"w13": weights.w13.contiguous(), "w2": weights.w2.contiguous()}, weights)
