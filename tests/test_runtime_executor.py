@@ -417,3 +417,17 @@ def test_a_rank_stopped_and_resumed_does_not_blame_itself_for_the_time_it_was_st
     finally:
         child.kill()
     assert child.returncode == 0 and out.strip() == "ok True", err
+
+
+def test_a_daemon_thread_joined_from_itself_returns_and_stops_on_none():
+    """A session collected on one of its own threads closes from there: joining that
+    thread from itself returns at once instead of raising."""
+    import queue
+
+    t = executor_module.DaemonThread("hpmoe-test")
+    said: queue.SimpleQueue = queue.SimpleQueue()
+    t.jobs.put(lambda: said.put(t.join(1.0) or "returned"))
+    assert said.get(timeout=5) == "returned"
+    t.jobs.put(None)
+    t.join(5.0)
+    assert not t.thread.is_alive()

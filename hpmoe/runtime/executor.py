@@ -137,6 +137,12 @@ class DaemonThread:
         while (job := self.jobs.get()) is not None:
             job()
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the thread to end (after a ``None`` job); not from
+        the thread itself (a collection that closes its session can run there)."""
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=timeout)
+
 
 class _Run:
     """State shared by the workers of one region."""
@@ -331,6 +337,5 @@ class Executor:
         threads, self._threads = self._threads, []
         for t in threads:
             t.jobs.put(None)
-        for t in threads:  # not the thread that runs this (a session collected there)
-            if t.thread is not threading.current_thread():
-                t.thread.join(timeout=0.0 if self._broken else 1.0)
+        for t in threads:
+            t.join(0.0 if self._broken else 1.0)

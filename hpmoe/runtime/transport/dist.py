@@ -200,6 +200,5 @@ class DistTransport(Transport):
         for t in threads:
             t.jobs.put(None)
         for t in threads:  # a thread still waiting on a failed peer is a daemon: left behind
-            if t.thread is not threading.current_thread():  # a session collected there
-                t.thread.join(timeout=0.1 if self.abort_reason() else 1.0)
+            t.join(0.1 if self.abort_reason() else 1.0)
         self._sends = []
